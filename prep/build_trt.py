@@ -1,0 +1,660 @@
+"""Build DLA standalone loadables (and, for comparison, GPU engines) with TensorRT.
+
+Input: the Q/DQ translator's PTQ ONNX (no Q/DQ nodes), its TensorRT calibration cache and its
+``fp16_nodes`` list. Output: the bytes ``builder.build_serialized_network`` returns, which for
+``EngineCapability.DLA_STANDALONE`` is a cuDLA loadable (only cuDLA can run it, never a TRT
+runtime). One loadable is compiled per DLA core. See docs/build.md for the TensorRT versions and
+the equivalent trtexec command line (:func:`trtexec_command`).
+
+``tensorrt`` is imported inside :func:`build_dla_loadable`, so this module imports anywhere. No
+``trt.Runtime`` is ever created: without a GPU it segfaults on first use.
+
+Two TensorRT generations are handled explicitly (``DlaBuildSpec.quantization``):
+
+* ``"implicit"`` (TensorRT 8.6 - 10.7): weakly typed network; INT8/FP16 builder flags,
+  ``OBEY_PRECISION_CONSTRAINTS``, per-layer FP16 via ``layer.precision``, INT8 scales from the
+  calibration cache (calibrator) or per-tensor dynamic ranges.
+* ``"explicit"`` (TensorRT >= 11.4.1, JetPack 7.2.2+ on AGX Orin): every network is strongly
+  typed; the precision flags, calibrators and dynamic ranges no longer exist, so precision must
+  already be in the ONNX (Q/DQ nodes, Cast nodes, FP16 tensors). The builder only checks it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast, get_args
+
+from prep.calib_cache import (
+    CalibrationCache,
+    CalibrationCacheError,
+    layer_precisions_arg,
+    parse_calibration_cache,
+)
+
+InputFormat = Literal[
+    "int8:dla_hwc4",
+    "int8:dla_linear",
+    "int8:chw32",
+    "fp16:dla_hwc4",
+    "fp16:dla_linear",
+    "fp16:chw16",
+]
+OutputPrecision = Literal["fp16", "int8"]
+Device = Literal["dla", "gpu"]
+Quantization = Literal["implicit", "explicit"]
+Int8Scales = Literal["calibrator", "dynamic_range"]
+
+# trtexec's format words -> TensorFormat member names (NvInferRuntimeBase.h; cudla.md §3.3).
+_FORMAT_ENUM = {
+    "dla_hwc4": "DLA_HWC4",
+    "dla_linear": "DLA_LINEAR",
+    "chw16": "CHW16",
+    "chw32": "CHW32",
+}
+_OUTPUT_FORMAT: dict[str, str] = {"fp16": "fp16:chw16", "int8": "int8:chw32"}
+_DLA_MAX_BATCH = 4096
+_DLA_MAX_DIM = 8192
+_ORIN_SRAM_BYTES = 1 << 20  # 1 MiB of managed SRAM per Orin DLA core (TRT MemoryPoolType docs)
+_MIB = 1 << 20
+
+
+class DlaBuildError(RuntimeError):
+    """The build cannot run here or TensorRT refused it; the message says why."""
+
+
+class DlaSpecError(ValueError):
+    """A build input (spec field, calibration cache, precision config) is invalid."""
+
+
+@dataclass(frozen=True)
+class DlaBuildSpec:
+    """Everything one build needs. Validated on construction (raises :class:`DlaSpecError`).
+
+    ``calibration_cache`` is required for INT8 I/O or INT8 layers in ``"implicit"`` mode and must
+    be ``None`` in ``"explicit"`` mode. ``input_shapes`` fixes dynamic input dims (DLA has none:
+    the profile is min = opt = max); a dynamic leading dim without an entry becomes ``batch``.
+    ``dla_sram_mib`` defaults to 1 MiB, the whole SRAM of an Orin DLA core, as in NVIDIA's DLA
+    model recipes (``--memPoolSize=dlaSRAM:1``); TensorRT requires a power of two >= 4 KiB.
+    ``device="gpu"`` builds an ordinary GPU engine from the same inputs, for comparison (I/O stays
+    as in the ONNX; the DLA-only fields are ignored).
+    """
+
+    onnx_path: Path
+    calibration_cache: Path | None = None
+    fp16_layers: tuple[str, ...] = ()
+    dla_core: int = 0
+    device: Device = "dla"
+    quantization: Quantization = "implicit"
+    input_format: InputFormat = "int8:dla_hwc4"
+    output_precision: OutputPrecision = "fp16"
+    int8_scales: Int8Scales = "calibrator"
+    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    batch: int = 1
+    dla_sram_mib: float = 1.0
+    workspace_mib: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "onnx_path", Path(self.onnx_path))
+        if self.calibration_cache is not None:
+            set_(self, "calibration_cache", Path(self.calibration_cache))
+        set_(self, "fp16_layers", tuple(self.fp16_layers))
+        set_(self, "input_shapes", {k: tuple(v) for k, v in dict(self.input_shapes).items()})
+        for name, allowed in (
+            ("device", Device), ("quantization", Quantization), ("input_format", InputFormat),
+            ("output_precision", OutputPrecision), ("int8_scales", Int8Scales),
+        ):  # fmt: skip
+            if getattr(self, name) not in get_args(allowed):
+                raise DlaSpecError(
+                    f"{name}={getattr(self, name)!r}; expected one of {get_args(allowed)}"
+                )
+        if isinstance(self.dla_core, bool) or self.dla_core not in (0, 1):
+            raise DlaSpecError(f"dla_core={self.dla_core!r}; an Orin has DLA cores 0 and 1")
+        if not all(isinstance(n, str) and n for n in cast("tuple[object, ...]", self.fp16_layers)):
+            raise DlaSpecError("fp16_layers must be non-empty layer names")
+        if len(set(self.fp16_layers)) != len(self.fp16_layers):
+            raise DlaSpecError("fp16_layers lists a layer twice")
+        if not 1 <= self.batch <= _DLA_MAX_BATCH:
+            raise DlaSpecError(f"batch={self.batch}; DLA allows 1..{_DLA_MAX_BATCH}")
+        for name, dims in self.input_shapes.items():
+            if not dims or any(type(d) is not int or d < 1 for d in cast("tuple[object]", dims)):
+                raise DlaSpecError(f"input_shapes[{name!r}]={dims}; dims must be positive ints")
+        sram = self.dla_sram_bytes
+        if sram < 4096 or sram > _ORIN_SRAM_BYTES or sram & (sram - 1):
+            raise DlaSpecError(
+                f"dla_sram_mib={self.dla_sram_mib}: TensorRT needs a power of two >= 4 KiB and an"
+                " Orin DLA core has 1 MiB of SRAM"
+            )
+        if self.workspace_mib is not None and self.workspace_mib < 1:
+            raise DlaSpecError(f"workspace_mib={self.workspace_mib}; must be >= 1")
+        if self.quantization == "explicit" and self.calibration_cache is not None:
+            raise DlaSpecError(
+                "explicit quantization takes INT8 scales from the ONNX's Q/DQ nodes; TensorRT >= 11"
+                " has no calibration cache path, so calibration_cache must be None"
+            )
+        int8_io = self.input_format.startswith("int8") or self.output_precision == "int8"
+        if (
+            int8_io
+            and self.device == "dla"
+            and self.quantization == "implicit"
+            and not self.calibration_cache
+        ):
+            raise DlaSpecError(
+                f"{self.input_format} input / {self.output_precision} output need INT8 scales:"
+                " give calibration_cache (the translator's *_calib.cache)"
+            )
+
+    @property
+    def dla_sram_bytes(self) -> int:
+        return round(self.dla_sram_mib * _MIB)
+
+    @property
+    def output_format(self) -> str:
+        """trtexec-style ``precision:format`` of every output: fp16 -> CHW16, int8 -> CHW32."""
+        return _OUTPUT_FORMAT[self.output_precision]
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What a successful build produced and how it was configured."""
+
+    trt_version: str
+    device: Device
+    dla_core: int | None
+    quantization: Quantization
+    out_path: Path
+    loadable_bytes: int
+    onnx_bytes: int
+    num_layers: int
+    input_shapes: dict[str, tuple[int, ...]]
+    io_formats: dict[str, str]
+    fp16_layers: tuple[str, ...]
+    builder_flags: tuple[str, ...]
+    int8_mode: str
+    scales_applied: int
+    scales_unused: tuple[str, ...]
+    elapsed_s: float
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (paths as strings, tuples as lists)."""
+        out = asdict(self)
+        out["out_path"] = str(self.out_path)
+        return json.loads(json.dumps(out))
+
+
+# --------------------------------------------------------------------------- versions and inputs
+def parse_trt_version(text: str) -> tuple[int, int, int]:
+    """``"10.3.0.30"`` -> ``(10, 3, 0)``. Raises :class:`DlaBuildError` on anything else."""
+    parts = text.strip().split(".")
+    if not text.strip() or not all(p.isdigit() for p in parts[:3]):
+        raise DlaBuildError(f"cannot read the TensorRT version {text!r}")
+    major, minor, patch = ([int(p) for p in parts[:3]] + [0, 0])[:3]
+    return major, minor, patch
+
+
+def dla_support_problem(version: tuple[int, int, int]) -> str | None:
+    """Why this TensorRT version cannot build DLA standalone loadables, or None if it can."""
+    shown = ".".join(map(str, version))
+    if version < (8, 6, 0):
+        return (
+            f"TensorRT {shown} predates 8.6, the first release whose DLA standalone path (DLA 3.14,"
+            " JetPack 6 / DriveOS 6.0.8) dlad supports; on 8.5 see NVIDIA's trtexec patch"
+        )
+    if (10, 8, 0) <= version < (11, 0, 0):
+        return f"TensorRT {shown}: 10.7 was the last 10.x release that supports DLA"
+    if (11, 0, 0) <= version < (11, 4, 0):
+        return f"TensorRT {shown}: DLA was removed in TensorRT 11.0-11.3"
+    if (11, 4, 0) <= version < (11, 4, 1):
+        return f"TensorRT {shown}: 11.4.0 supports DLA only on Windows on ARM, not on Jetson"
+    return None
+
+
+def trt_version_code(version: tuple[int, int, int]) -> int:
+    """The number TensorRT writes in cache headers: 8.6.0 -> 8600, 10.3.0 -> 100300."""
+    major, minor, patch = version
+    return major * (10000 if major >= 10 else 1000) + minor * 100 + patch
+
+
+def read_calibration_cache(path: Path) -> tuple[CalibrationCache, bytes]:
+    """Parse the translator's ``EntropyCalibration2`` cache; returns it and its exact bytes.
+
+    The format lives in :mod:`prep.calib_cache`. Raises :class:`DlaSpecError` when the file is
+    unreadable or malformed, or was written for another calibrator (the cache calibrator here
+    is an ``IInt8EntropyCalibrator2``).
+    """
+    raw = _read_file(Path(path), "calibration cache")
+    try:
+        cache = parse_calibration_cache(raw)
+    except CalibrationCacheError as exc:
+        raise DlaSpecError(f"{path}: {exc}") from exc
+    if cache.algorithm != "EntropyCalibration2":
+        raise DlaSpecError(f"{path}: a {cache.algorithm} cache; expected EntropyCalibration2")
+    return cache, raw
+
+
+def load_fp16_layers(precision_config: Path) -> tuple[str, ...]:
+    """The ``fp16_nodes`` of a translator ``*_precision_config.json`` (raises DlaSpecError)."""
+    try:
+        doc = json.loads(_read_file(Path(precision_config), "precision config"))
+    except json.JSONDecodeError as exc:
+        raise DlaSpecError(f"{precision_config}: not JSON ({exc})") from exc
+    nodes = doc.get("fp16_nodes") if isinstance(doc, dict) else None
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        raise DlaSpecError(f"{precision_config}: 'fp16_nodes' must be a list of node names")
+    return tuple(dict.fromkeys(nodes))  # the translator may list a consumer twice
+
+
+def resolve_input_shapes(
+    declared: Sequence[tuple[str, tuple[int, ...]]], spec: DlaBuildSpec
+) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """Static build shape of every network input, and whether the network had dynamic dims.
+
+    ``declared`` dims are -1 where dynamic. Raises :class:`DlaSpecError` when a dynamic dim has
+    no value, a given shape contradicts the model, or a name in ``spec.input_shapes`` is unknown.
+    """
+    names = {name for name, _ in declared}
+    if unknown := sorted(set(spec.input_shapes) - names):
+        raise DlaSpecError(f"input_shapes names {unknown} are not network inputs {sorted(names)}")
+    resolved: dict[str, tuple[int, ...]] = {}
+    dynamic = False
+    for name, dims in declared:
+        dynamic = dynamic or any(d < 0 for d in dims)
+        given = spec.input_shapes.get(name)
+        if given is not None:
+            if len(given) != len(dims) or any(
+                0 <= d != g for d, g in zip(dims, given, strict=True)
+            ):
+                raise DlaSpecError(f"input_shapes[{name!r}]={given} contradicts the model's {dims}")
+            shape = given
+        else:
+            shape = tuple(spec.batch if i == 0 and d < 0 else d for i, d in enumerate(dims))
+            if missing := [i for i, d in enumerate(shape) if d < 0]:
+                raise DlaSpecError(
+                    f"input {name!r} {dims} has dynamic dims {missing}; DLA has no dynamic dims,"
+                    " give input_shapes"
+                )
+            if dims and dims[0] > 0 and dims[0] != spec.batch and spec.batch != 1:
+                raise DlaSpecError(f"input {name!r} fixes batch {dims[0]}, spec asks {spec.batch}")
+        if (
+            spec.device == "dla"
+            and shape
+            and (shape[0] > _DLA_MAX_BATCH or any(d > _DLA_MAX_DIM for d in shape[1:]))
+        ):
+            raise DlaSpecError(f"input {name!r} {shape} exceeds DLA limits (batch 4096, dims 8192)")
+        resolved[name] = shape
+    return resolved, dynamic
+
+
+def tensorrt_available() -> str | None:
+    """TensorRT's version if ``import tensorrt`` works here, else None. Never builds or runs."""
+    try:
+        import tensorrt
+    except (ImportError, OSError):
+        return None
+    return str(getattr(tensorrt, "__version__", "unknown"))
+
+
+# --------------------------------------------------------------------------- trtexec equivalent
+def trtexec_command(spec: DlaBuildSpec, out_path: Path, *, trtexec: str = "trtexec") -> list[str]:
+    """The trtexec command line equivalent to :func:`build_dla_loadable` for ``spec``.
+
+    Reads only the ONNX's declared inputs/outputs (for shape flags and per-output formats).
+    ``"implicit"`` gives TensorRT 8.6-10.7 syntax; ``"explicit"`` gives 11.x syntax (no precision
+    flags). Raises :class:`DlaSpecError` if the ONNX has dynamic dims that cannot be resolved.
+    """
+    inputs, outputs = _onnx_io(spec.onnx_path)
+    cmd = [trtexec, f"--onnx={spec.onnx_path}", f"--saveEngine={out_path}"]
+    shapes, dynamic = resolve_input_shapes(inputs, spec)
+    if dynamic:
+        text = ",".join(f"{n}:{'x'.join(map(str, s))}" for n, s in shapes.items())
+        cmd += [f"--minShapes={text}", f"--optShapes={text}", f"--maxShapes={text}"]
+    if spec.quantization == "implicit":
+        if spec.calibration_cache is not None:
+            cmd += ["--int8", "--fp16", f"--calib={spec.calibration_cache}"]
+        else:
+            cmd.append("--fp16")
+        cmd.append("--precisionConstraints=obey")
+        if spec.fp16_layers:
+            try:
+                per_layer = layer_precisions_arg(spec.fp16_layers)
+            except ValueError as exc:
+                raise DlaSpecError(f"fp16_layers cannot be given to trtexec: {exc}") from exc
+            cmd += [f"--layerPrecisions={per_layer}", f"--layerOutputTypes={per_layer}"]
+    pools = [] if spec.workspace_mib is None else [f"workspace:{spec.workspace_mib}"]
+    if spec.device == "dla":
+        cmd += [f"--useDLACore={spec.dla_core}", "--buildDLAStandalone"]
+        cmd.append("--inputIOFormats=" + ",".join([spec.input_format] * len(inputs)))
+        cmd.append("--outputIOFormats=" + ",".join([spec.output_format] * len(outputs)))
+        sram = spec.dla_sram_bytes
+        pools.append(f"dlaSRAM:{sram // _MIB}" if sram % _MIB == 0 else f"dlaSRAM:{sram // 1024}K")
+    if pools:
+        cmd.append("--memPoolSize=" + ",".join(pools))
+    return cmd
+
+
+# --------------------------------------------------------------------------- the build
+def build_dla_loadable(
+    spec: DlaBuildSpec,
+    out_path: Path,
+    *,
+    trt_module: Any = None,
+    cuda_device_count: Callable[[], int | None] | None = None,
+) -> BuildReport:
+    """Build ``spec`` with TensorRT and write the serialized loadable/engine to ``out_path``.
+
+    ``trt_module`` replaces ``import tensorrt`` (tests); ``cuda_device_count`` replaces the CUDA
+    runtime probe (None from it means "cannot tell", and the build goes on). Raises
+    :class:`DlaSpecError` for bad inputs and :class:`DlaBuildError` when TensorRT is missing or
+    unsupported, there is no CUDA device or no DLA, the ONNX does not parse, the precision
+    requests cannot be met, or the builder fails (with TensorRT's own error messages).
+    ``out_path`` is written atomically and only on success.
+    """
+    started = time.perf_counter()
+    onnx_bytes = _read_file(spec.onnx_path, "ONNX model")
+    cache = read_calibration_cache(spec.calibration_cache) if spec.calibration_cache else None
+    trt = trt_module if trt_module is not None else _import_tensorrt()
+    version_text = str(getattr(trt, "__version__", ""))
+    s = _Session(trt, spec, parse_trt_version(version_text))
+    s.check_version()
+    if (cuda_device_count or _cuda_device_count)() == 0:
+        raise DlaBuildError("no CUDA device: TensorRT builds need a Jetson Orin (GPU + DLA)")
+    s.parse(onnx_bytes)
+    shapes, dynamic = resolve_input_shapes([(t.name, tuple(t.shape)) for t in s.inputs], spec)
+    flags = s.configure(shapes if dynamic else None)
+    io_formats = s.configure_io(shapes)
+    s.apply_fp16_layers()
+    batch = max((v[0] for v in shapes.values() if v), default=1)
+    int8_mode, applied, unused = s.apply_int8(cache, batch)
+    blob = s.builder.build_serialized_network(s.network, s.config)
+    if blob is None:
+        errors = [m for sev, m in s.logger.messages if sev <= int(trt.ILogger.Severity.ERROR)]
+        raise DlaBuildError("TensorRT build failed:\n  " + "\n  ".join(errors or ["(no message)"]))
+    data = bytes(memoryview(blob))
+    _write_atomic(Path(out_path), data)
+    warning = int(trt.ILogger.Severity.WARNING)
+    return BuildReport(
+        trt_version=version_text, device=spec.device,
+        dla_core=spec.dla_core if spec.device == "dla" else None, quantization=spec.quantization,
+        out_path=Path(out_path), loadable_bytes=len(data), onnx_bytes=len(onnx_bytes),
+        num_layers=int(s.network.num_layers), input_shapes=shapes, io_formats=io_formats,
+        fp16_layers=spec.fp16_layers, builder_flags=flags, int8_mode=int8_mode,
+        scales_applied=applied, scales_unused=unused, elapsed_s=time.perf_counter() - started,
+        warnings=(*s.notes, *(m for sev, m in s.logger.messages if sev == warning)),
+    )  # fmt: skip
+
+
+@dataclass
+class _Session:
+    """One build's TensorRT objects; each method is one documented step of the build."""
+
+    trt: Any
+    spec: DlaBuildSpec
+    version: tuple[int, int, int]
+    notes: list[str] = field(default_factory=list)
+    keep_alive: list[Any] = field(default_factory=list)  # calibrator: TRT holds a raw pointer
+
+    @property
+    def strongly_typed(self) -> bool:
+        return self.version >= (11, 0, 0)
+
+    def check_version(self) -> None:
+        if self.spec.device == "dla" and (problem := dla_support_problem(self.version)):
+            raise DlaBuildError(problem)
+        shown = ".".join(map(str, self.version))
+        if self.strongly_typed and self.spec.quantization == "implicit":
+            raise DlaBuildError(
+                f"TensorRT {shown} builds only strongly typed networks: its INT8/FP16 flags,"
+                " calibrators and dynamic ranges are gone. Use quantization='explicit' with an ONNX"
+                " that carries its precision (Q/DQ, FP16 casts), or build with TensorRT <= 10.7"
+            )
+        if not self.strongly_typed and self.spec.quantization == "explicit":
+            raise DlaBuildError(f"quantization='explicit' needs TensorRT >= 11.4.1, not {shown}")
+
+    def parse(self, onnx_bytes: bytes) -> None:
+        """Logger -> Builder (DLA cores checked) -> network -> OnnxParser; sets I/O lists."""
+        trt = self.trt
+        self.logger = _make_logger(trt)
+        self.builder = trt.Builder(self.logger)
+        if self.spec.device == "dla":
+            cores = int(self.builder.num_DLA_cores)
+            if cores == 0:
+                raise DlaBuildError("TensorRT sees no DLA core: a DLA build needs a Jetson Orin")
+            if self.spec.dla_core >= cores:
+                raise DlaBuildError(f"DLA core {self.spec.dla_core} requested; {cores} present")
+        # Explicit batch is a creation flag before TRT 10; 10 made it the only mode.
+        explicit = (
+            trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH if self.version < (10,) else None
+        )
+        self.network = self.builder.create_network(0 if explicit is None else 1 << int(explicit))
+        parser = trt.OnnxParser(self.network, self.logger)
+        if not parser.parse(onnx_bytes, str(self.spec.onnx_path)):
+            errors = [_parser_error_text(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise DlaBuildError(
+                f"{self.spec.onnx_path}: ONNX parse failed:\n  " + "\n  ".join(errors)
+            )
+        self.inputs = [self.network.get_input(i) for i in range(self.network.num_inputs)]
+        self.outputs = [self.network.get_output(i) for i in range(self.network.num_outputs)]
+        self.config = self.builder.create_builder_config()
+
+    def configure(self, profile_shapes: dict[str, tuple[int, ...]] | None) -> tuple[str, ...]:
+        """Device, flags, memory pools and the static profile; returns the names of flags set."""
+        trt, spec, config = self.trt, self.spec, self.config
+        names: list[str] = []
+        if spec.device == "dla":
+            config.default_device_type = trt.DeviceType.DLA
+            config.DLA_core = spec.dla_core
+            config.engine_capability = trt.EngineCapability.DLA_STANDALONE
+            # A standalone loadable has no GPU to fall back to; say so in the config.
+            config.clear_flag(trt.BuilderFlag.GPU_FALLBACK)
+            # Standalone mode disallows I/O reformats. 11.0-11.4.0 removed the flag as unneeded;
+            # 11.4.1's C++ API lists it as deprecated again. Set it wherever it exists.
+            if hasattr(trt.BuilderFlag, "DIRECT_IO"):
+                names.append("DIRECT_IO")
+            config.set_memory_pool_limit(trt.MemoryPoolType.DLA_MANAGED_SRAM, spec.dla_sram_bytes)
+        if not self.strongly_typed:
+            names += ["INT8", "FP16"] if spec.calibration_cache is not None else ["FP16"]
+            names.append("OBEY_PRECISION_CONSTRAINTS")  # INT8 layers stay INT8, FP16 ones FP16
+        for name in names:
+            config.set_flag(getattr(trt.BuilderFlag, name))
+        if spec.workspace_mib is not None:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_mib * _MIB)
+        if profile_shapes is not None:
+            profile = self.builder.create_optimization_profile()
+            for name, shape in profile_shapes.items():
+                profile.set_shape(name, shape, shape, shape)  # min = opt = max: DLA is static
+            config.add_optimization_profile(profile)
+            if spec.calibration_cache is not None:
+                config.set_calibration_profile(profile)
+        return tuple(names)
+
+    def configure_io(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+        """I/O types and allowed formats (DLA); returns tensor name -> ``type:format``."""
+        trt, spec = self.trt, self.spec
+        if spec.device != "dla":
+            return {t.name: "onnx" for t in self.inputs + self.outputs}
+        chosen: dict[str, str] = {}
+        problems: list[str] = []
+        for tensors, text in ((self.inputs, spec.input_format), (self.outputs, spec.output_format)):
+            precision, fmt = text.split(":")
+            dtype = trt.int8 if precision == "int8" else trt.float16
+            for t in tensors:
+                shape = shapes.get(t.name) or tuple(t.shape)
+                if fmt != "dla_linear" and len(shape) < 3:
+                    problems.append(f"{t.name} has rank {len(shape)}; {fmt} needs rank >= 3")
+                if fmt == "dla_hwc4" and len(shape) >= 2 and shape[1] not in (1, 3, 4):
+                    problems.append(f"{t.name} has {shape[1]} channels; DLA_HWC4 takes 1, 3 or 4")
+                if not self.strongly_typed:
+                    t.dtype = dtype
+                elif t.dtype != dtype:  # TRT >= 11: the ONNX decides types; check, not override
+                    problems.append(f"{t.name} is {t.dtype} in the ONNX; {text} needs {precision}")
+                t.allowed_formats = 1 << int(getattr(trt.TensorFormat, _FORMAT_ENUM[fmt]))
+                chosen[t.name] = text
+        if problems:
+            raise DlaBuildError(
+                "I/O cannot take the requested DLA formats:\n  " + "\n  ".join(problems)
+            )
+        return chosen
+
+    def apply_fp16_layers(self) -> None:
+        """Pin the fp16 layers to FP16 (TRT <= 10), or check the ONNX typed them so (TRT >= 11)."""
+        names, half = self.spec.fp16_layers, self.trt.float16
+        layers = {
+            (lay := self.network.get_layer(i)).name: lay for i in range(self.network.num_layers)
+        }
+        if missing := [n for n in names if n not in layers]:
+            raise DlaBuildError(f"fp16 layers not in the network: {missing}")
+        not_fp16 = []
+        for layer in (layers[n] for n in names):
+            outs = range(layer.num_outputs)
+            if self.strongly_typed:
+                if any(layer.get_output(i).dtype != half for i in outs):
+                    not_fp16.append(layer.name)
+                continue
+            layer.precision = half
+            for i in outs:
+                layer.set_output_type(i, half)
+        if not_fp16:
+            raise DlaBuildError(
+                f"layers {not_fp16} are not FP16 in the ONNX; TensorRT >= 11 takes precision from"
+                " the ONNX (e.g. python -m modelopt.onnx.autocast --target_dla)"
+            )
+
+    def apply_int8(
+        self, cache: tuple[CalibrationCache, bytes] | None, batch: int
+    ) -> tuple[str, int, tuple[str, ...]]:
+        """INT8 scales (TRT <= 10) from a calibrator or dynamic ranges; (mode, applied, unused)."""
+        if self.strongly_typed:
+            return "explicit", 0, ()
+        if cache is None:
+            return "none", 0, ()
+        table, raw = cache
+        tensors = {t.name: t for t in self.inputs}
+        for i in range(self.network.num_layers):
+            layer = self.network.get_layer(i)
+            for j in range(layer.num_outputs):
+                tensors.setdefault(layer.get_output(j).name, layer.get_output(j))
+        applied = [name for name in table.scales if name in tensors]
+        unused = tuple(name for name in table.scales if name not in tensors)
+        if unused:
+            self.notes.append(f"{len(unused)} cache scales match no network tensor: {unused[:5]}")
+        code = trt_version_code(self.version)
+        if table.trt_version != code:  # TRT may ignore it: regenerate with this code if so
+            self.notes.append(f"cache header TRT-{table.trt_version}; this TensorRT is TRT-{code}")
+        if self.spec.int8_scales == "dynamic_range":
+            for name in applied:
+                amax = table.scales[name] * 127.0  # the cache holds scale = amax / 127
+                tensors[name].set_dynamic_range(-amax, amax)
+            return "dynamic_range", len(applied), unused
+        calibrator = _make_cache_calibrator(self.trt, raw, batch=batch)
+        self.keep_alive.append(calibrator)
+        self.config.int8_calibrator = calibrator
+        return "calibrator", len(applied), unused
+
+
+def _make_cache_calibrator(trt: Any, cache: bytes, *, batch: int) -> Any:
+    """An ``IInt8EntropyCalibrator2`` that only replays ``cache`` (it never feeds batches)."""
+
+    class CacheCalibrator(trt.IInt8EntropyCalibrator2):  # type: ignore[misc]
+        def __init__(self) -> None:
+            trt.IInt8EntropyCalibrator2.__init__(self)  # pybind11 needs the base initialised
+
+        def get_batch_size(self) -> int:
+            return max(batch, 1)
+
+        def get_batch(self, names: list[str]) -> None:
+            return None  # no data: TensorRT must take every scale from the cache
+
+        def read_calibration_cache(self) -> bytes:
+            return cache
+
+        def write_calibration_cache(self, data: Any) -> None:
+            return None  # the translator's cache is the source of truth; never overwrite it
+
+    return CacheCalibrator()
+
+
+def _make_logger(trt: Any) -> Any:
+    """A ``trt.ILogger`` that keeps warnings and errors (in ``.messages``) for the report."""
+
+    class CapturingLogger(trt.ILogger):  # type: ignore[misc]
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.messages: list[tuple[int, str]] = []
+
+        def log(self, severity: Any, msg: str) -> None:
+            if int(severity) <= int(trt.ILogger.Severity.WARNING) and len(self.messages) < 1000:
+                self.messages.append((int(severity), str(msg)))
+
+    return CapturingLogger()
+
+
+def _parser_error_text(error: Any) -> str:
+    node_name = error.node_name() if hasattr(error, "node_name") else ""
+    where = f"node {error.node()}" + (f" ({node_name})" if node_name else "")
+    return f"{where}: {error.desc()}"
+
+
+def _import_tensorrt() -> Any:
+    try:
+        import tensorrt
+    except (ImportError, OSError) as exc:
+        raise DlaBuildError(
+            f"TensorRT is not importable here ({exc}); DLA loadables are built on a Jetson Orin,"
+            " where JetPack installs TensorRT"
+        ) from exc
+    return tensorrt
+
+
+def _cuda_device_count() -> int | None:
+    """CUDA devices per ``cudaGetDeviceCount``; 0 if it fails, None if no libcudart loads."""
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        status = lib.cudaGetDeviceCount(ctypes.byref(count))
+        return int(count.value) if status == 0 else 0
+    return None
+
+
+def _onnx_io(path: Path) -> tuple[list[tuple[str, tuple[int, ...]]], list[str]]:
+    import onnx
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (OSError, DecodeError) as exc:
+        raise DlaSpecError(f"{path}: cannot read ONNX ({exc})") from exc
+    weights = {t.name for t in model.graph.initializer}  # old exporters list them as inputs too
+    inputs = [(v.name, _onnx_dims(v)) for v in model.graph.input if v.name not in weights]
+    return inputs, [v.name for v in model.graph.output]
+
+
+def _onnx_dims(value_info: Any) -> tuple[int, ...]:
+    dims = value_info.type.tensor_type.shape.dim
+    return tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
+
+
+def _read_file(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DlaSpecError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,189 @@
+"""``prep``: the offline half of dlad, one subcommand per stage plus ``all``.
+
+Every stage reads and writes one work directory (``--workdir``), takes its settings from a
+preset (``--preset demo``, a TOML file, see ``prep/presets/``) with ``--set section.key=value``
+overrides, writes a manifest beside its outputs and is skipped when nothing it depends on
+changed (``--force`` runs it anyway).
+
+``prep translate --onnx FILE`` and ``prep build --onnx FILE`` also work on files made elsewhere
+(e.g. a QAT ONNX from NVIDIA's sample).
+
+Exit status: 0 success, 1 a stage failed, 2 bad arguments or settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+STAGES = ("data", "cache", "train", "qat", "export", "translate", "build", "validate")
+
+log = logging.getLogger("prep")
+
+
+def _parse_set(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"prep: --set needs section.key=value, got {item!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare word is a string: --set model.variant=s
+        out[key.strip()] = value
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prep",
+        description="Prepare a YOLOv5 detector for dlad: data, train, QAT, export, "
+        "Q/DQ translation, DLA build, validation.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="work directory")
+    common.add_argument("--preset", default="demo", help="preset name or TOML file (demo)")
+    common.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one setting (repeatable), e.g. --set train.epochs=3",
+    )
+    common.add_argument("--force", action="store_true", help="run even if up to date")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = p.add_subparsers(dest="command", required=True)
+    helps = {
+        "data": "generate the synthetic dataset (or register a COCO directory)",
+        "cache": "letterbox the train/val images into arrays",
+        "train": "FP32 training",
+        "qat": "fold BN, quantize (ModelOpt), calibrate, QAT fine-tune",
+        "export": "ONNX export of the FP32 and QAT models (raw heads s8/s16/s32)",
+        "translate": "Q/DQ ONNX -> PTQ ONNX + scales JSON + TensorRT calibration cache",
+        "build": "TensorRT DLA standalone loadables (needs TensorRT and a Jetson Orin)",
+        "validate": "COCO mAP of FP32 and QAT (fake-quant) on the held-out images",
+    }
+    for stage in STAGES:
+        sp = sub.add_parser(stage, parents=[common], help=helps[stage])
+        if stage == "translate":
+            sp.add_argument("--onnx", type=Path, help="translate this Q/DQ ONNX instead")
+            sp.add_argument("--out", type=Path, help="output directory for --onnx")
+            sp.add_argument("--trt-version", type=int, default=None, help="cache header version")
+        if stage == "build":
+            sp.add_argument("--onnx", type=Path, help="build this PTQ ONNX instead")
+            sp.add_argument("--calib", type=Path, help="calibration cache for --onnx")
+            sp.add_argument("--core", type=int, choices=(0, 1), default=0)
+            sp.add_argument("--out", type=Path, help="loadable path for --onnx")
+    sub.add_parser("all", parents=[common], help="run every stage in order (skips current ones)")
+    sub.add_parser("config", parents=[common], help="print the effective settings")
+    return p
+
+
+def _progress_factory(quiet: bool) -> Callable[[str], Callable[[int, int, dict[str, float]], None]] | None:
+    if quiet or not sys.stderr.isatty():
+        return _log_progress
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    def factory(name: str) -> Callable[[int, int, dict[str, float]], None]:
+        progress = Progress(
+            TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+            transient=False,
+        )
+        task: TaskID | None = None
+
+        def update(step: int, total: int, info: dict[str, float]) -> None:
+            nonlocal task
+            if task is None:
+                progress.start()
+                task = progress.add_task(name, total=total, info="")
+            text = "  ".join(f"{k} {v:.4g}" for k, v in info.items())
+            progress.update(task, completed=step, info=text)
+            if step >= total:
+                progress.stop()
+
+        return update
+
+    return factory
+
+
+def _log_progress(name: str) -> Callable[[int, int, dict[str, float]], None]:
+    def update(step: int, total: int, info: dict[str, float]) -> None:
+        if step == total or step % max(total // 10, 1) == 0:
+            text = " ".join(f"{k}={v:.4g}" for k, v in info.items())
+            log.info("%s %d/%d %s", name, step, total, text)
+
+    return update
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from prep.pipeline import Chain, ConfigError, dump_config, load_config, resolve_preset
+
+    try:
+        cfg = load_config(resolve_preset(args.preset), _parse_set(args.set))
+    except ConfigError as e:
+        print(f"prep: {e}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(dump_config(cfg))
+        return 0
+    try:
+        if args.command == "translate" and args.onnx is not None:
+            return _translate_file(args, cfg.translate.trt_version)
+        if args.command == "build" and args.onnx is not None:
+            return _build_file(args)
+        chain = Chain(args.workdir, cfg, progress=_progress_factory(args.quiet), force=args.force)
+        if args.command == "all":
+            chain.run_all()
+            _print_summary(chain)
+        else:
+            chain.run(args.command)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        log.error("%s failed: %s", args.command, e)
+        return 1
+    return 0
+
+
+def _translate_file(args: argparse.Namespace, default_version: int) -> int:
+    from prep.translate import translate, write_outputs
+
+    out = args.out or args.onnx.parent / "translated"
+    result = translate(args.onnx, trt_version=args.trt_version or default_version, extra_ops=("Resize",))
+    paths = write_outputs(result, out, args.onnx.stem)
+    print(f"wrote {paths.onnx}, {paths.precision_config}, {paths.calibration_cache}, {paths.layer_arg}")
+    return 0
+
+
+def _build_file(args: argparse.Namespace) -> int:
+    from prep.build_trt import DlaBuildSpec, build_dla_loadable
+
+    out = args.out or args.onnx.with_suffix(f".dla{args.core}.loadable")
+    report = build_dla_loadable(
+        DlaBuildSpec(onnx_path=args.onnx, calibration_cache=args.calib, dla_core=args.core), out
+    )
+    print(report)
+    return 0
+
+
+def _print_summary(chain: Any) -> None:
+    from prep.manifest import read_metrics
+
+    rows = read_metrics(chain.dir("validate")).get("rows", {})
+    for name, row in rows.items():
+        print(f"{name:>14}: mAP@[.5:.95] {row['map50_95']:.4f}   mAP@.5 {row['map50']:.4f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

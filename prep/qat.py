@@ -1,0 +1,488 @@
+"""Quantization-aware training with NVIDIA ModelOpt, following the cuDLA YOLOv5 sample's recipe.
+
+Recipe (reference/cudla.md §1):
+
+1. BatchNorm is folded into the convolutions *before* quantizers go in (QAT trains fused convs).
+2. Q/DQ on the inputs of every Conv, of the SPPF MaxPool and of the residual Adds; weights
+   per-output-channel with ``max`` calibration; activations per-tensor with a histogram
+   calibrator and the MSE-optimal range.
+3. Quantizers are *shared* where TensorRT needs equal scales: all tensors joined by a Concat
+   (inputs and output), the MaxPool chain of SPPF, and both operands of a residual Add. The
+   groups are found on a ``torch.fx`` trace of the float model, so the rule holds for any graph
+   built from these modules, not for hand-listed layer names.
+4. Optionally (``all_layers``) Q/DQ on every SiLU and Concat input as well (the sample's option 2).
+5. The heads' outputs get quantizers too (``quantize_heads``), so the translator can give the
+   graph outputs scales for INT8 ``CHW32`` heads.
+6. Fine-tuning by feature distillation against the frozen float model (MSE between the quantized
+   and float outputs of selected layers and of the heads), Adam, small learning rates: the
+   sample's ``finetune``; a detection-loss term can be mixed in.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from prep.model import YOLOv5, Add, Concat
+
+ProgressFn = Callable[[int, int, dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class QATConfig:
+    """Settings of the QAT stage (all recorded in the stage manifest)."""
+
+    calib_batches: int = 16
+    calib_method: str = "mse"  # histogram -> amax: "mse", "entropy" or "percentile"
+    all_layers: bool = False
+    quantize_heads: bool = True
+    epochs: int = 2
+    iters_per_epoch: int = 100
+    batch_size: int = 16
+    lr: float = 1e-5
+    detection_loss_weight: float = 0.0
+    seed: int = 0
+    device: str = "cpu"
+
+
+# ------------------------------------------------------------------------------ quantized modules
+_registered = False
+
+
+def _register_quant_modules() -> None:
+    """Teach ModelOpt our Add, Concat and (for ``all_layers``) SiLU modules; idempotent."""
+    global _registered  # noqa: PLW0603 (ModelOpt's registry is process-global)
+    if _registered:
+        return
+    from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
+    from modelopt.torch.quantization.nn.modules.quant_module import QuantModule
+    from modelopt.torch.quantization.tensor_quant import QUANT_DESC_8BIT_PER_TENSOR
+
+    class QuantAdd(QuantModule):  # type: ignore[misc]  # ModelOpt is untyped
+        """One quantizer for both addends (their scales must be equal for an INT8 Add)."""
+
+        def _setup(self) -> None:
+            self._register_temp_attribute(
+                "input_quantizer", TensorQuantizer(QUANT_DESC_8BIT_PER_TENSOR)
+            )
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.input_quantizer(a) + self.input_quantizer(b)
+
+    class QuantConcat(QuantModule):  # type: ignore[misc]  # ModelOpt is untyped
+        def _setup(self) -> None:
+            self._register_temp_attribute(
+                "input_quantizer", TensorQuantizer(QUANT_DESC_8BIT_PER_TENSOR)
+            )
+
+        def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([self.input_quantizer(x) for x in xs], self.d)
+
+    class QuantSiLU(QuantModule):  # type: ignore[misc]  # ModelOpt is untyped
+        """SiLU with Q/DQ on its input and on the sigmoid output (the sample's option 2)."""
+
+        def _setup(self) -> None:
+            self._register_temp_attribute(
+                "input_quantizer", TensorQuantizer(QUANT_DESC_8BIT_PER_TENSOR)
+            )
+            self._register_temp_attribute(
+                "sigmoid_quantizer", TensorQuantizer(QUANT_DESC_8BIT_PER_TENSOR)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.input_quantizer(x)
+            return x * self.sigmoid_quantizer(torch.sigmoid(x))
+
+    QuantModuleRegistry.register({Add: "prep.Add"})(QuantAdd)
+    QuantModuleRegistry.register({Concat: "prep.Concat"})(QuantConcat)
+    QuantModuleRegistry.register({nn.SiLU: "nn.SiLU"})(QuantSiLU)
+    _registered = True
+
+
+def quant_config(cfg: QATConfig) -> dict[str, Any]:
+    """The ModelOpt quantization config of the recipe (calibration is run by :func:`calibrate`)."""
+    act = {"num_bits": 8, "axis": None, "calibrator": "histogram"}
+    entries: list[dict[str, Any]] = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8, "axis": 0}},
+        {"quantizer_name": "*input_quantizer", "cfg": act},
+    ]
+    if not cfg.all_layers:
+        entries += [
+            {"quantizer_name": "*act.input_quantizer", "enable": False},
+            {"quantizer_name": "*concat.input_quantizer", "enable": False},
+            {"quantizer_name": "model.12.input_quantizer", "enable": False},
+            {"quantizer_name": "model.16.input_quantizer", "enable": False},
+            {"quantizer_name": "model.19.input_quantizer", "enable": False},
+            {"quantizer_name": "model.22.input_quantizer", "enable": False},
+        ]
+    else:
+        entries.append({"quantizer_name": "*sigmoid_quantizer", "cfg": act})
+    if cfg.quantize_heads:
+        entries.append({"quantizer_name": "model.24.m.*.output_quantizer", "cfg": act})
+    return {"quant_cfg": entries, "algorithm": None}
+
+
+# ------------------------------------------------------------------------------ sharing rules
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, Add | Concat) or super().is_leaf_module(m, module_qualified_name)
+
+
+def scale_groups(model: nn.Module) -> list[list[str]]:
+    """Module names whose input quantizers must share one scale, found on an fx trace.
+
+    Tensors joined by a Concat (inputs and output), a MaxPool's input and output, and the two
+    operands of an Add form groups (union-find); every module that quantizes its input and
+    consumes a tensor of a group belongs to that group. Only groups of two or more are returned.
+    """
+    graph = _Tracer().trace(model)
+    modules = dict(model.named_modules())
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    def union(a: fx.Node, b: fx.Node) -> None:
+        ra, rb = find(a), find(b)
+        if ra is not rb:
+            parent[ra] = rb
+
+    def tensor_args(node: fx.Node) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        for arg in node.args:
+            if isinstance(arg, fx.Node):
+                out.append(arg)
+            elif isinstance(arg, list | tuple):
+                out.extend(a for a in arg if isinstance(a, fx.Node))
+        return out
+
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        mod = modules[str(node.target)]
+        ins = tensor_args(node)
+        if isinstance(mod, Concat | nn.MaxPool2d):
+            for x in ins:
+                union(x, node)
+        elif isinstance(mod, Add):
+            union(ins[0], ins[1])
+
+    roots = {find(n) for n in parent}
+    groups: dict[fx.Node, list[str]] = {}
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        mod = modules[str(node.target)]
+        if not isinstance(mod, nn.Conv2d | nn.MaxPool2d | Add | Concat):
+            continue
+        for x in tensor_args(node):
+            if find(x) in roots:
+                members = groups.setdefault(find(x), [])
+                if str(node.target) not in members:
+                    members.append(str(node.target))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def share_quantizers(qmodel: nn.Module, groups: Iterable[Sequence[str]]) -> int:
+    """Make every module of a group use the first member's input quantizer; returns #shared."""
+    modules = dict(qmodel.named_modules())
+    shared = 0
+    for group in groups:
+        # Disabled quantizers (e.g. Concat inputs outside ``all_layers``) stay out of the group.
+        enabled = [n for n in group if not modules[n].input_quantizer._disabled]
+        if len(enabled) < 2:
+            continue
+        major = modules[enabled[0]].input_quantizer
+        for name in enabled[1:]:
+            if modules[name].input_quantizer is not major:
+                modules[name].input_quantizer = major
+                shared += 1
+    return shared
+
+
+# ------------------------------------------------------------------------------ quantize + calibrate
+def warm_up_batchnorm(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
+    """Run batches in train mode without gradients so BN running stats are real.
+
+    Needed before fusing an *untrained* model: with default running stats (mean 0, var 1) the
+    fused model's activations explode, calibration collapses and QAT turns to NaN.
+    """
+    was_training = model.training
+    model.train()
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    model.train(was_training)
+
+
+def quantize(model: YOLOv5, cfg: QATConfig) -> tuple[YOLOv5, list[list[str]]]:
+    """Fold BN, insert quantizers and apply the sharing rules. Calibrate afterwards.
+
+    Returns the quantized model (a deep copy; ``model`` is left as it was) and the sharing groups.
+    """
+    import modelopt.torch.quantization as mtq
+
+    _register_quant_modules()
+    fused = copy.deepcopy(model).eval().fuse()
+    groups = scale_groups(fused)
+    qmodel = mtq.quantize(fused, quant_config(cfg))
+    share_quantizers(qmodel, groups)
+    return qmodel, groups
+
+
+def _quantizers(model: nn.Module) -> list[Any]:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return [m for m in model.modules() if isinstance(m, TensorQuantizer)]
+
+
+@torch.no_grad()
+def calibrate(qmodel: nn.Module, batches: Iterable[torch.Tensor], method: str = "mse") -> int:
+    """Collect statistics with quantization off, then load amax (weights: max, activations:
+    histogram + ``method``). Returns the number of calibrated quantizers.
+
+    Raises:
+        RuntimeError: a quantizer saw no data (e.g. an empty batch iterable).
+    """
+    quantizers = [q for q in _quantizers(qmodel) if not q._disabled]
+    for q in quantizers:
+        q.disable_quant()
+        q.enable_calib()
+    qmodel.eval()
+    seen = 0
+    for x in batches:
+        qmodel(x)
+        seen += 1
+    if seen == 0:
+        raise RuntimeError("calibration needs at least one batch")
+    for q in quantizers:
+        if type(q._calibrator).__name__ == "HistogramCalibrator":
+            if method == "mse":
+                # ModelOpt 0.47's own "mse" passes num_bits where fake_tensor_quant now takes
+                # a bias, so every candidate scores 0 and it returns its first bin: compute it here.
+                amax = histogram_mse_amax(q._calibrator._calib_hist, q._calibrator._calib_bin_edges)
+                q.amax = torch.tensor(amax)
+            else:
+                q.load_calib_amax(method)
+        else:
+            q.load_calib_amax()
+        q.enable_quant()
+        q.disable_calib()
+    return len(quantizers)
+
+
+def histogram_mse_amax(
+    hist: Any, bin_edges: Any, num_bits: int = 8, start_bin: int = 128
+) -> float:
+    """The clipping range ``amax`` that minimises the expected squared error of symmetric
+    ``num_bits`` quantization (round to nearest, saturate) over a histogram of ``|x|``.
+
+    Candidates are the bin centres from ``start_bin`` on (as TensorRT's and ModelOpt's MSE
+    calibrators do); the error of every bin is taken at its centre.
+
+    Raises:
+        RuntimeError: the histogram is empty (the quantizer saw no data).
+    """
+    if hist is None or bin_edges is None:
+        raise RuntimeError("histogram calibrator saw no data")
+    counts = np.asarray(hist, dtype=np.float64)
+    edges = np.asarray(bin_edges, dtype=np.float64)
+    if counts.sum() == 0.0:
+        raise RuntimeError("histogram calibrator saw no data")
+    # Only occupied bins contribute to the error: evaluate on those.
+    centers = (edges[1:] + edges[:-1]) / 2
+    occupied = counts > 0
+    c_occ, n_occ = centers[occupied], counts[occupied]
+    qmax = 2 ** (num_bits - 1) - 1
+    # Exhaustive over the candidates, in float32 and in blocks to bound memory: ~2k x 2k
+    # evaluations, tens of milliseconds per quantizer.
+    cand = centers[min(start_bin, len(centers) - 1) :].astype(np.float32)
+    c32, n32 = c_occ.astype(np.float32), n_occ.astype(np.float32)
+    errs = np.empty(len(cand), dtype=np.float64)
+    for lo in range(0, len(cand), 256):
+        step = (cand[lo : lo + 256] / qmax)[:, None]
+        q = np.clip(np.rint(c32[None, :] / step), -qmax, qmax) * step
+        errs[lo : lo + 256] = ((q - c32[None, :]) ** 2 * n32[None, :]).sum(1, dtype=np.float64)
+    best = float(cand[int(np.argmin(errs))])
+    return best
+
+
+# ------------------------------------------------------------------------------ fine-tune
+def _distill_layers(model: YOLOv5) -> list[int]:
+    # The outputs of the backbone stages and of the three neck C3 blocks feeding the heads.
+    return [2, 4, 6, 8, 9, 13, 17, 20, 23]
+
+
+def finetune(
+    qmodel: YOLOv5,
+    teacher: YOLOv5,
+    batches: Callable[[], torch.Tensor],
+    cfg: QATConfig,
+    detection_loss: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    progress: ProgressFn | None = None,
+) -> list[dict[str, float]]:
+    """Feature-distillation QAT: MSE between quantized and float layer outputs and heads.
+
+    ``teacher`` is the fused float model (kept frozen). Returns per-epoch mean losses.
+
+    Raises:
+        FloatingPointError: the loss became NaN or infinite (a broken calibration).
+    """
+    torch.manual_seed(cfg.seed)
+    layers = _distill_layers(teacher)
+    captured: dict[str, dict[int, torch.Tensor]] = {"s": {}, "t": {}}
+
+    def hook(store: dict[int, torch.Tensor], idx: int) -> Callable[..., None]:
+        def fn(_m: nn.Module, _i: Any, out: torch.Tensor) -> None:
+            store[idx] = out
+
+        return fn
+
+    handles = [
+        qmodel.model[i].register_forward_hook(hook(captured["s"], i)) for i in layers
+    ] + [teacher.model[i].register_forward_hook(hook(captured["t"], i)) for i in layers]
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in qmodel.parameters() if p.requires_grad], lr=cfg.lr)
+    history: list[dict[str, float]] = []
+    total = cfg.epochs * cfg.iters_per_epoch
+    step = 0
+    try:
+        for epoch in range(cfg.epochs):
+            # The sample's schedule: a warm start, the peak in the middle, then decay.
+            lr = cfg.lr * (0.1 if epoch == 0 and cfg.epochs > 2 else 1.0)
+            if epoch >= max(cfg.epochs - 1, 1) and cfg.epochs > 1:
+                lr = cfg.lr * 0.1
+            for g in opt.param_groups:
+                g["lr"] = lr
+            qmodel.train()
+            # BN is folded; train() only matters to the quantizers (none change behaviour).
+            running = 0.0
+            for _ in range(cfg.iters_per_epoch):
+                x = batches()
+                with torch.no_grad():
+                    t_heads = teacher(x)
+                s_heads = qmodel(x)
+                loss = sum(
+                    (
+                        nn.functional.mse_loss(captured["s"][i], captured["t"][i])
+                        for i in layers
+                    ),
+                    torch.zeros(()),
+                )
+                loss = loss + sum(
+                    (nn.functional.mse_loss(s, t) for s, t in zip(s_heads, t_heads, strict=True)),
+                    torch.zeros(()),
+                )
+                if detection_loss is not None and cfg.detection_loss_weight > 0:
+                    loss = loss + cfg.detection_loss_weight * detection_loss(s_heads)
+                if not math.isfinite(float(loss)):
+                    raise FloatingPointError(
+                        "QAT loss is not finite: calibration produced a broken range "
+                        "(was BatchNorm warmed up before fusing an untrained model?)"
+                    )
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                running += float(loss)
+                step += 1
+                if progress is not None:
+                    progress(step, total, {"epoch": epoch + 1, "distill": float(loss)})
+            history.append({"epoch": epoch + 1, "loss": running / cfg.iters_per_epoch, "lr": lr})
+    finally:
+        for h in handles:
+            h.remove()
+    qmodel.eval()
+    return history
+
+
+def batch_sampler(
+    images: np.ndarray, batch_size: int, seed: int, device: str = "cpu"
+) -> Callable[[], torch.Tensor]:
+    """Random batches of letterboxed uint8 images as float tensors in [0, 1]."""
+    rng = np.random.default_rng(seed)
+
+    def draw() -> torch.Tensor:
+        idx = np.sort(rng.choice(len(images), size=min(batch_size, len(images)), replace=False))
+        t = torch.from_numpy(np.ascontiguousarray(images[idx])).to(device)
+        return t.permute(0, 3, 1, 2).float().div_(255.0)
+
+    return draw
+
+
+def quantizer_summary(qmodel: nn.Module) -> dict[str, int]:
+    """Counts of enabled quantizers, of activation-quantizer call sites and of distinct
+    activation quantizers (fewer than the sites when sharing rules applied)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    sites = [
+        q
+        for n, q in qmodel.named_modules(remove_duplicate=False)
+        if isinstance(q, TensorQuantizer)
+        and not q._disabled
+        and n.endswith(("input_quantizer", "output_quantizer", "sigmoid_quantizer"))
+    ]
+    return {
+        "enabled_quantizers": len([q for q in _quantizers(qmodel) if not q._disabled]),
+        "activation_sites": len(sites),
+        "distinct_activation_quantizers": len({id(q) for q in sites}),
+    }
+
+
+# ------------------------------------------------------------------------------ checkpoints
+QAT_FORMAT = "dlad-prep-yolov5-qat/1"
+
+
+def save_qat(path: Any, qmodel: YOLOv5, cfg: QATConfig, extra: dict[str, Any]) -> None:
+    """Save a quantized model: weights, every quantizer's amax and the recipe to rebuild it.
+
+    ModelOpt's own ``mto.save`` cannot restore shared quantizers (it sees each shared module
+    under one name only), so the model is rebuilt by re-running :func:`quantize` with the same
+    settings and loading this state dict over it.
+    """
+    from dataclasses import asdict
+
+    torch.save(
+        {
+            "format": QAT_FORMAT,
+            "variant": qmodel.variant,
+            "num_classes": qmodel.num_classes,
+            "anchors_px": qmodel.anchors_px.tolist(),
+            "qat_config": asdict(cfg),
+            "state_dict": qmodel.state_dict(),
+            "extra": extra,
+        },
+        path,
+    )
+
+
+def load_qat(path: Any) -> tuple[YOLOv5, dict[str, Any]]:
+    """Rebuild a model saved by :func:`save_qat`; returns it (eval mode) and its ``extra``.
+
+    Raises:
+        ValueError: the file is not a prep QAT checkpoint.
+    """
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or data.get("format") != QAT_FORMAT:
+        raise ValueError(f"{path} is not a prep QAT checkpoint")
+    model = YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"]).eval()
+    qmodel, _ = quantize(model, QATConfig(**data["qat_config"]))
+    sd = data["state_dict"]
+    for name, mod in qmodel.named_modules():
+        if isinstance(mod, TensorQuantizer) and f"{name}._amax" in sd:
+            mod.amax = sd[f"{name}._amax"].clone()
+    qmodel.load_state_dict(sd, strict=True)
+    return qmodel.eval(), dict(data["extra"])

@@ -1,0 +1,297 @@
+"""Bodies of the prep stages (see ``prep.pipeline`` for the layout and the skip logic).
+
+Each ``run_<stage>(chain, record)`` writes into ``record.out_dir`` and returns
+``(outputs, metrics)``: the files to hash into the manifest and the numbers worth keeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prep.manifest import StageRecord
+
+if TYPE_CHECKING:
+    from prep.pipeline import Chain
+
+log = logging.getLogger("prep")
+
+Result = tuple[dict[str, Path], dict[str, Any]]
+
+
+def _torch_threads() -> None:
+    import os
+
+    import torch
+
+    torch.set_num_threads(max(os.cpu_count() or 1, 1))
+
+
+# ------------------------------------------------------------------------------------ data
+def run_data(chain: Chain, record: StageRecord) -> Result:
+    from prep.data.coco import load_coco
+    from prep.data.synth import generate_dataset
+
+    d = chain.cfg.data
+    if d.source is not None:
+        train = load_coco(d.source)
+        metrics: dict[str, Any] = {"source": d.source, "images": len(train.images)}
+        if d.val_source:
+            metrics["val_images"] = len(load_coco(d.val_source).images)
+        note = record.out_dir / "source.json"
+        note.write_text(json.dumps({"train": d.source, "val": d.val_source}, indent=2) + "\n")
+        return {"source": note}, metrics
+    train_json = generate_dataset(record.out_dir / "train", d.num_train, d.seed, workers=d.workers)
+    # A different seed for the held-out images: no image of the training set can reappear.
+    val_json = generate_dataset(record.out_dir / "val", d.num_val, d.seed + 1_000_003, workers=d.workers)
+    gt = json.loads(train_json.read_text())
+    return (
+        {"train": train_json.parent, "val": val_json.parent},
+        {"train_images": d.num_train, "val_images": d.num_val,
+         "train_boxes": len(gt["annotations"]), "classes": len(gt["categories"])},
+    )
+
+
+def _datasets(chain: Chain) -> tuple[Any, list[int], Any, list[int]]:
+    """(train dataset, train ids, val dataset, val ids) per the data settings."""
+    from prep.data.coco import load_coco, split
+
+    train_dir, val_dir = chain.dataset_dirs()
+    train = load_coco(train_dir)
+    if val_dir is not None:
+        val = load_coco(val_dir)
+        if val.category_ids != train.category_ids:
+            raise ValueError(
+                f"{val_dir} has categories {val.category_ids}, {train_dir} has {train.category_ids}"
+            )
+        return train, sorted(train.images), val, sorted(val.images)
+    tr_ids, va_ids = split(train, chain.cfg.data.holdout_fraction, chain.cfg.data.seed)
+    return train, list(tr_ids), train, list(va_ids)
+
+
+def run_cache(chain: Chain, record: StageRecord) -> Result:
+    from prep.data.coco import LetterboxedArrays
+
+    train, tr_ids, val, va_ids = _datasets(chain)
+    size = chain.cfg.model.image_size
+    workers = chain.cfg.data.workers
+    out = {
+        "train": LetterboxedArrays.build(train, tr_ids, size, workers=workers).save(
+            record.out_dir / "train.npz"
+        ),
+        "val": LetterboxedArrays.build(val, va_ids, size, workers=workers).save(
+            record.out_dir / "val.npz"
+        ),
+    }
+    meta = record.out_dir / "classes.json"
+    meta.write_text(
+        json.dumps(
+            {"class_names": list(train.class_names), "category_ids": list(train.category_ids),
+             "val_annotations": str(val.ann_file)},
+            indent=2,
+        )
+        + "\n"
+    )
+    out["classes"] = meta
+    return out, {"train_images": len(tr_ids), "val_images": len(va_ids), "image_size": size}
+
+
+def _classes(chain: Chain) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((chain.dir("cache") / "classes.json").read_text())
+    return data
+
+
+# ------------------------------------------------------------------------------------ train
+def run_train(chain: Chain, record: StageRecord) -> Result:
+    from prep.data.coco import LetterboxedArrays
+    from prep.model import YOLOv5, count_parameters
+    from prep.train import save_checkpoint, train
+
+    _torch_threads()
+    cfg = chain.cfg
+    arrays = LetterboxedArrays.load(chain.dir("cache") / "train.npz")
+    classes = _classes(chain)
+    nc = len(classes["class_names"])
+    if cfg.model.weights:
+        from prep.ultralytics import load_into_model, load_ultralytics_state_dict
+
+        ckpt = load_ultralytics_state_dict(cfg.model.weights)
+        if ckpt.num_classes != nc:
+            raise ValueError(
+                f"{cfg.model.weights} has {ckpt.num_classes} classes, the dataset {nc}"
+            )
+        model = load_into_model(ckpt)
+    else:
+        model = YOLOv5(cfg.model.variant, nc)
+    result = train(model, arrays.images, arrays.labels, cfg.train, chain._progress("train"))
+    path = record.out_dir / "fp32.pt"
+    save_checkpoint(
+        path,
+        result.model,
+        image_size=cfg.model.image_size,
+        class_names=classes["class_names"],
+        extra={"category_ids": classes["category_ids"], "history": result.history},
+    )
+    return {"checkpoint": path}, {
+        "parameters": count_parameters(result.model),
+        "train_seconds": round(result.seconds, 1),
+        "final": result.history[-1] if result.history else {},
+    }
+
+
+# ------------------------------------------------------------------------------------ qat
+def run_qat(chain: Chain, record: StageRecord) -> Result:
+    import copy
+
+    from prep import qat
+    from prep.data.coco import LetterboxedArrays
+    from prep.train import load_checkpoint
+
+    _torch_threads()
+    cfg = chain.cfg.qat
+    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    arrays = LetterboxedArrays.load(chain.dir("cache") / "train.npz")
+    qmodel, groups = qat.quantize(ckpt.model, cfg)
+    draw = qat.batch_sampler(arrays.images, cfg.batch_size, cfg.seed, cfg.device)
+    n_cal = qat.calibrate(qmodel, (draw() for _ in range(cfg.calib_batches)), cfg.calib_method)
+    teacher = copy.deepcopy(ckpt.model).eval().fuse()
+    history = qat.finetune(qmodel, teacher, draw, cfg, progress=chain._progress("qat"))
+    path = record.out_dir / "qat.pt"
+    qat.save_qat(
+        path,
+        qmodel,
+        cfg,
+        extra={"image_size": ckpt.image_size, "class_names": ckpt.class_names,
+               "category_ids": ckpt.extra.get("category_ids"), "history": history},
+    )
+    groups_path = record.out_dir / "shared_quantizers.json"
+    groups_path.write_text(json.dumps(groups, indent=2) + "\n")
+    return {"checkpoint": path, "groups": groups_path}, {
+        **qat.quantizer_summary(qmodel),
+        "calibrated": n_cal,
+        "shared_groups": len(groups),
+        "history": history,
+    }
+
+
+# ------------------------------------------------------------------------------------ export
+def run_export(chain: Chain, record: StageRecord) -> Result:
+    import copy
+
+    from prep.export import count_ops, export_onnx
+    from prep.qat import load_qat
+    from prep.train import load_checkpoint
+
+    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
+    size = ckpt.image_size
+    fp32 = export_onnx(copy.deepcopy(ckpt.model).fuse(), record.out_dir / "fp32.onnx", size)
+    qdq = export_onnx(qmodel, record.out_dir / "qat.onnx", size)
+    return (
+        {"fp32": record.out_dir / "fp32.onnx", "qat": record.out_dir / "qat.onnx"},
+        {"fp32_ops": count_ops(fp32), "qat_ops": count_ops(qdq)},
+    )
+
+
+# ------------------------------------------------------------------------------------ translate
+def run_translate(chain: Chain, record: StageRecord) -> Result:
+    from prep.translate import translate, write_outputs
+
+    t = chain.cfg.translate
+    result = translate(
+        chain.dir("export") / "qat.onnx",
+        infer_concat_scales=t.infer_concat_scales,
+        infer_mul_scales=t.infer_mul_scales,
+        extra_ops=("Resize",),
+        trt_version=t.trt_version,
+    )
+    paths = write_outputs(result, record.out_dir, "model")
+    report = result.report
+    return (
+        {"onnx": paths.onnx, "precision_config": paths.precision_config,
+         "calibration_cache": paths.calibration_cache, "layer_arg": paths.layer_arg},
+        {"int8_tensor_scales": len(result.int8_tensor_scales),
+         "inferred": len(report.inferred), "missing": result.missing,
+         "fp16_nodes": result.fp16_nodes,
+         "activation_quantizers": report.activation_quantizers,
+         "weight_quantizers": report.weight_quantizers},
+    )
+
+
+# ------------------------------------------------------------------------------------ build
+def run_build(chain: Chain, record: StageRecord) -> Result:
+    """TensorRT DLA loadables per core where TensorRT and a DLA exist; otherwise a recorded
+    skip with the trtexec commands a user with an Orin would run."""
+    from prep.build_trt import (
+        DlaBuildSpec,
+        build_dla_loadable,
+        load_fp16_layers,
+        tensorrt_available,
+        trtexec_command,
+    )
+
+    tdir = chain.dir("translate")
+    b = chain.cfg.build
+    fp16 = load_fp16_layers(tdir / "model_precision_config.json")
+    specs = {
+        core: DlaBuildSpec(
+            onnx_path=tdir / "model_noqdq.onnx",
+            calibration_cache=tdir / "model_precision_config_calib.cache",
+            fp16_layers=fp16,
+            dla_core=core,
+            output_precision=b.output_precision,  # type: ignore[arg-type]
+        )
+        for core in b.cores
+    }
+    commands = {
+        f"dla{core}": trtexec_command(spec, record.out_dir / f"model.dla{core}.loadable")
+        for core, spec in specs.items()
+    }
+    cmd_path = record.out_dir / "trtexec_commands.json"
+    cmd_path.write_text(json.dumps(commands, indent=2) + "\n")
+    outputs: dict[str, Path] = {"trtexec_commands": cmd_path}
+    version = tensorrt_available()
+    if version is None:
+        log.warning("build: TensorRT is not installed here; DLA loadables need a Jetson Orin "
+                    "(the trtexec commands are in %s)", cmd_path)
+        return outputs, {"tensorrt": None, "built": [], "skipped": "TensorRT not installed"}
+    built = []
+    for core, spec in specs.items():
+        out = record.out_dir / f"model.dla{core}.loadable"
+        report = build_dla_loadable(spec, out)
+        outputs[f"dla{core}"] = out
+        built.append(dataclasses.asdict(report) | {"out_path": str(out)})
+    return outputs, {"tensorrt": version, "built": built}
+
+
+# ------------------------------------------------------------------------------------ validate
+def run_validate(chain: Chain, record: StageRecord) -> Result:
+    from prep.data.coco import LetterboxedArrays
+    from prep.qat import load_qat
+    from prep.train import load_checkpoint
+    from prep.validate import evaluate, torch_heads
+
+    _torch_threads()
+    settings = chain.cfg.validate
+    classes = _classes(chain)
+    arrays = LetterboxedArrays.load(chain.dir("cache") / "val.npz")
+    gt = json.loads(Path(classes["val_annotations"]).read_text())
+    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
+    anchors = ckpt.model.anchors_px.numpy().astype(np.float32)
+    rows = {}
+    for name, model in (("fp32", ckpt.model), ("qat_fakequant", qmodel)):
+        res = evaluate(torch_heads(model), arrays, gt, classes["category_ids"], anchors, settings)
+        rows[name] = {"map50_95": res.map50_95, "map50": res.map50,
+                      "images": res.num_images, "detections": res.num_detections}
+        log.info("validate %s: mAP@[.5:.95] %.4f  mAP@.5 %.4f", name, res.map50_95, res.map50)
+    delta = rows["qat_fakequant"]["map50_95"] - rows["fp32"]["map50_95"]
+    metrics = {"rows": rows, "qat_minus_fp32_map50_95": delta}
+    path = record.out_dir / "metrics.json"
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return {"metrics": path}, metrics
