@@ -1,3 +1,5 @@
-from prep.cli import main
 import sys
+
+from prep.cli import main
+
 sys.exit(main())

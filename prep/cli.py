@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 STAGES = ("data", "cache", "train", "qat", "export", "translate", "build", "validate")
 
@@ -50,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="work directory")
     common.add_argument("--preset", default="demo", help="preset name or TOML file (demo)")
     common.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override one setting (repeatable), e.g. --set train.epochs=3",
     )
     common.add_argument("--force", action="store_true", help="run even if up to date")
@@ -82,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _progress_factory(quiet: bool) -> Callable[[str], Callable[[int, int, dict[str, float]], None]] | None:
+def _progress_factory(
+    quiet: bool,
+) -> Callable[[str], Callable[[int, int, dict[str, float]], None]] | None:
     if quiet or not sys.stderr.isatty():
         return _log_progress
     from rich.progress import (
@@ -96,8 +102,12 @@ def _progress_factory(quiet: bool) -> Callable[[str], Callable[[int, int, dict[s
 
     def factory(name: str) -> Callable[[int, int, dict[str, float]], None]:
         progress = Progress(
-            TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+            TextColumn(f"[bold]{name}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
             transient=False,
         )
         task: TaskID | None = None
@@ -160,9 +170,12 @@ def _translate_file(args: argparse.Namespace, default_version: int) -> int:
     from prep.translate import translate, write_outputs
 
     out = args.out or args.onnx.parent / "translated"
-    result = translate(args.onnx, trt_version=args.trt_version or default_version, extra_ops=("Resize",))
+    result = translate(
+        args.onnx, trt_version=args.trt_version or default_version, extra_ops=("Resize",)
+    )
     paths = write_outputs(result, out, args.onnx.stem)
-    print(f"wrote {paths.onnx}, {paths.precision_config}, {paths.calibration_cache}, {paths.layer_arg}")
+    for path in (paths.onnx, paths.precision_config, paths.calibration_cache, paths.layer_arg):
+        print(f"wrote {path}")
     return 0
 
 

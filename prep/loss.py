@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F  # noqa: N812 (conventional alias)
+from torch.nn import functional as F
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,10 @@ class YoloLoss(nn.Module):
         j, k = ((gxy % 1 < g) & (gxy > 1)).T
         lft, m = ((gxi % 1 < g) & (gxi > 1)).T
         masks = torch.stack((torch.ones_like(j), j, k, lft, m))
-        offsets = torch.tensor(
-            [[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1]], device=device, dtype=t.dtype
-        ) * g
+        offsets = (
+            torch.tensor([[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1]], device=device, dtype=t.dtype)
+            * g
+        )
         t = t.repeat((5, 1, 1))[masks]
         off = (torch.zeros_like(gxy)[None] + offsets[:, None])[masks]
 

@@ -54,18 +54,19 @@ def hash_input(path: Path) -> str:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "dlad": dlad.__version__}
-    for name in _TRACKED:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    installed = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()}
+    out.update({name: installed[name] for name in _TRACKED if name in installed})
     return out
 
 
 def fingerprint(stage: str, inputs: Mapping[str, str], settings: Mapping[str, Any]) -> str:
     blob = json.dumps(
-        {"stage": stage, "inputs": dict(sorted(inputs.items())), "settings": settings,
-         "prep": dlad.__version__},
+        {
+            "stage": stage,
+            "inputs": dict(sorted(inputs.items())),
+            "settings": settings,
+            "prep": dlad.__version__,
+        },
         sort_keys=True,
         default=str,
     )

@@ -84,7 +84,9 @@ class Conv(nn.Module):
         if not isinstance(bn, nn.BatchNorm2d):
             return
         conv = self.conv
-        assert bn.running_var is not None and bn.running_mean is not None  # BatchNorm2d always tracks stats here
+        # BatchNorm2d with track_running_stats (the default used here) always has both.
+        assert bn.running_var is not None
+        assert bn.running_mean is not None
         std = torch.sqrt(bn.running_var + bn.eps)
         gamma = bn.weight / std
         fused = nn.Conv2d(
@@ -194,7 +196,8 @@ class Detect(nn.Module):
     def initialize_biases(self, image_size: int = 640) -> None:
         """YOLOv5's prior: ~8 objects per 640 image, ~0.6 of them split over the classes."""
         for conv, stride in zip(self.m, STRIDES, strict=False):
-            assert isinstance(conv, nn.Conv2d) and conv.bias is not None  # built with bias
+            assert isinstance(conv, nn.Conv2d)
+            assert conv.bias is not None  # the head convs are built with a bias
             b = conv.bias.view(self.na, -1)
             b[:, 4] += math.log(8 / (image_size / stride) ** 2)
             b[:, 5:] += math.log(0.6 / (self.nc - 0.99)) if self.nc > 1 else 0.0
@@ -220,7 +223,9 @@ class YOLOv5(nn.Module):
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
-            raise ValueError(f"unknown YOLOv5 variant {variant!r}; expected one of {list(VARIANTS)}")
+            raise ValueError(
+                f"unknown YOLOv5 variant {variant!r}; expected one of {list(VARIANTS)}"
+            )
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         v = VARIANTS[variant]

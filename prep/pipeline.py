@@ -22,13 +22,14 @@ import dataclasses
 import json
 import logging
 import time
-import tomllib
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from prep.manifest import StageRecord, read_metrics
 from prep.qat import QATConfig
@@ -157,7 +158,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         if not key:
             raise ConfigError(f"override {dotted!r} must be section.key")
         data.setdefault(section, {})[key] = value
-    return typing.cast(ChainConfig, _convert(ChainConfig, data, str(path or "defaults")))
+    return typing.cast("ChainConfig", _convert(ChainConfig, data, str(path or "defaults")))
 
 
 def resolve_preset(name_or_path: str) -> Path:
@@ -246,7 +247,10 @@ class Chain:
                 inputs["weights"] = Path(c.model.weights)
         elif stage == "qat":
             settings = dataclasses.asdict(c.qat)
-            inputs = {"fp32": self.dir("train") / "fp32.pt", "train_cache": self.dir("cache") / "train.npz"}
+            inputs = {
+                "fp32": self.dir("train") / "fp32.pt",
+                "train_cache": self.dir("cache") / "train.npz",
+            }
         elif stage == "export":
             settings = {"image_size": c.model.image_size}
             inputs = {"fp32": self.dir("train") / "fp32.pt", "qat": self.dir("qat") / "qat.pt"}

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from prep.model import YOLOv5, Add, Concat
+from prep.model import Add, Concat, YOLOv5
 
 ProgressFn = Callable[[int, int, dict[str, float]], None]
 
@@ -49,7 +49,7 @@ class QATConfig:
     lr: float = 1e-5
     detection_loss_weight: float = 0.0
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"
 
 
 # ------------------------------------------------------------------------------ quantized modules
@@ -210,7 +210,7 @@ def share_quantizers(qmodel: nn.Module, groups: Iterable[Sequence[str]]) -> int:
     return shared
 
 
-# ------------------------------------------------------------------------------ quantize + calibrate
+# ---------------------------------------------------------------------------- quantize + calibrate
 def warm_up_batchnorm(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
     """Run batches in train mode without gradients so BN running stats are real.
 
@@ -281,9 +281,7 @@ def calibrate(qmodel: nn.Module, batches: Iterable[torch.Tensor], method: str = 
     return len(quantizers)
 
 
-def histogram_mse_amax(
-    hist: Any, bin_edges: Any, num_bits: int = 8, start_bin: int = 128
-) -> float:
+def histogram_mse_amax(hist: Any, bin_edges: Any, num_bits: int = 8, start_bin: int = 128) -> float:
     """The clipping range ``amax`` that minimises the expected squared error of symmetric
     ``num_bits`` quantization (round to nearest, saturate) over a histogram of ``|x|``.
 
@@ -317,6 +315,27 @@ def histogram_mse_amax(
     return best
 
 
+@torch.no_grad()
+def refresh_weight_amax(qmodel: nn.Module) -> int:
+    """Set every per-channel weight quantizer's amax to the current ``max |w|`` of its channel.
+
+    Fine-tuning moves the weights away from the values they were calibrated on, while TensorRT
+    re-derives weight scales from the deployed weights as per-channel ``max|w|/127``; refreshing
+    before export makes the exported Q/DQ scales exactly those (the translator checks this).
+    Returns the number of quantizers updated.
+    """
+    n = 0
+    for module in qmodel.modules():
+        q = getattr(module, "weight_quantizer", None)
+        weight = getattr(module, "weight", None)
+        if q is None or weight is None or q._disabled:
+            continue
+        old = q.amax
+        q.amax = weight.detach().abs().amax(dim=tuple(range(1, weight.ndim))).reshape(old.shape)
+        n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------ fine-tune
 def _distill_layers(model: YOLOv5) -> list[int]:
     # The outputs of the backbone stages and of the three neck C3 blocks feeding the heads.
@@ -328,6 +347,7 @@ def finetune(
     teacher: YOLOv5,
     batches: Callable[[], torch.Tensor],
     cfg: QATConfig,
+    *,
     detection_loss: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     progress: ProgressFn | None = None,
 ) -> list[dict[str, float]]:
@@ -348,9 +368,9 @@ def finetune(
 
         return fn
 
-    handles = [
-        qmodel.model[i].register_forward_hook(hook(captured["s"], i)) for i in layers
-    ] + [teacher.model[i].register_forward_hook(hook(captured["t"], i)) for i in layers]
+    handles = [qmodel.model[i].register_forward_hook(hook(captured["s"], i)) for i in layers] + [
+        teacher.model[i].register_forward_hook(hook(captured["t"], i)) for i in layers
+    ]
     teacher.eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -375,19 +395,16 @@ def finetune(
                     t_heads = teacher(x)
                 s_heads = qmodel(x)
                 loss = sum(
-                    (
-                        nn.functional.mse_loss(captured["s"][i], captured["t"][i])
-                        for i in layers
-                    ),
-                    torch.zeros(()),
+                    (nn.functional.mse_loss(captured["s"][i], captured["t"][i]) for i in layers),
+                    x.new_zeros(()),
                 )
                 loss = loss + sum(
                     (nn.functional.mse_loss(s, t) for s, t in zip(s_heads, t_heads, strict=True)),
-                    torch.zeros(()),
+                    x.new_zeros(()),
                 )
                 if detection_loss is not None and cfg.detection_loss_weight > 0:
                     loss = loss + cfg.detection_loss_weight * detection_loss(s_heads)
-                if not math.isfinite(float(loss)):
+                if not math.isfinite(float(loss.detach())):
                     raise FloatingPointError(
                         "QAT loss is not finite: calibration produced a broken range "
                         "(was BatchNorm warmed up before fusing an untrained model?)"

@@ -48,12 +48,18 @@ def run_data(chain: Chain, record: StageRecord) -> Result:
         return {"source": note}, metrics
     train_json = generate_dataset(record.out_dir / "train", d.num_train, d.seed, workers=d.workers)
     # A different seed for the held-out images: no image of the training set can reappear.
-    val_json = generate_dataset(record.out_dir / "val", d.num_val, d.seed + 1_000_003, workers=d.workers)
+    val_json = generate_dataset(
+        record.out_dir / "val", d.num_val, d.seed + 1_000_003, workers=d.workers
+    )
     gt = json.loads(train_json.read_text())
     return (
         {"train": train_json.parent, "val": val_json.parent},
-        {"train_images": d.num_train, "val_images": d.num_val,
-         "train_boxes": len(gt["annotations"]), "classes": len(gt["categories"])},
+        {
+            "train_images": d.num_train,
+            "val_images": d.num_val,
+            "train_boxes": len(gt["annotations"]),
+            "classes": len(gt["categories"]),
+        },
     )
 
 
@@ -91,8 +97,11 @@ def run_cache(chain: Chain, record: StageRecord) -> Result:
     meta = record.out_dir / "classes.json"
     meta.write_text(
         json.dumps(
-            {"class_names": list(train.class_names), "category_ids": list(train.category_ids),
-             "val_annotations": str(val.ann_file)},
+            {
+                "class_names": list(train.class_names),
+                "category_ids": list(train.category_ids),
+                "val_annotations": str(val.ann_file),
+            },
             indent=2,
         )
         + "\n"
@@ -150,24 +159,32 @@ def run_qat(chain: Chain, record: StageRecord) -> Result:
 
     from prep import qat
     from prep.data.coco import LetterboxedArrays
-    from prep.train import load_checkpoint
+    from prep.train import load_checkpoint, resolve_device
 
     _torch_threads()
     cfg = chain.cfg.qat
     ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
     arrays = LetterboxedArrays.load(chain.dir("cache") / "train.npz")
+    device = resolve_device(cfg.device)
     qmodel, groups = qat.quantize(ckpt.model, cfg)
-    draw = qat.batch_sampler(arrays.images, cfg.batch_size, cfg.seed, cfg.device)
+    qmodel.to(device)
+    draw = qat.batch_sampler(arrays.images, cfg.batch_size, cfg.seed, str(device))
     n_cal = qat.calibrate(qmodel, (draw() for _ in range(cfg.calib_batches)), cfg.calib_method)
-    teacher = copy.deepcopy(ckpt.model).eval().fuse()
+    teacher = copy.deepcopy(ckpt.model).eval().fuse().to(device)
     history = qat.finetune(qmodel, teacher, draw, cfg, progress=chain._progress("qat"))
+    qat.refresh_weight_amax(qmodel)
+    qmodel.cpu()
     path = record.out_dir / "qat.pt"
     qat.save_qat(
         path,
         qmodel,
         cfg,
-        extra={"image_size": ckpt.image_size, "class_names": ckpt.class_names,
-               "category_ids": ckpt.extra.get("category_ids"), "history": history},
+        extra={
+            "image_size": ckpt.image_size,
+            "class_names": ckpt.class_names,
+            "category_ids": ckpt.extra.get("category_ids"),
+            "history": history,
+        },
     )
     groups_path = record.out_dir / "shared_quantizers.json"
     groups_path.write_text(json.dumps(groups, indent=2) + "\n")
@@ -213,13 +230,20 @@ def run_translate(chain: Chain, record: StageRecord) -> Result:
     paths = write_outputs(result, record.out_dir, "model")
     report = result.report
     return (
-        {"onnx": paths.onnx, "precision_config": paths.precision_config,
-         "calibration_cache": paths.calibration_cache, "layer_arg": paths.layer_arg},
-        {"int8_tensor_scales": len(result.int8_tensor_scales),
-         "inferred": len(report.inferred), "missing": result.missing,
-         "fp16_nodes": result.fp16_nodes,
-         "activation_quantizers": report.activation_quantizers,
-         "weight_quantizers": report.weight_quantizers},
+        {
+            "onnx": paths.onnx,
+            "precision_config": paths.precision_config,
+            "calibration_cache": paths.calibration_cache,
+            "layer_arg": paths.layer_arg,
+        },
+        {
+            "int8_tensor_scales": len(result.int8_tensor_scales),
+            "inferred": len(report.inferred),
+            "missing": result.missing,
+            "fp16_nodes": result.fp16_nodes,
+            "activation_quantizers": report.activation_quantizers,
+            "weight_quantizers": report.weight_quantizers,
+        },
     )
 
 
@@ -257,8 +281,11 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
     outputs: dict[str, Path] = {"trtexec_commands": cmd_path}
     version = tensorrt_available()
     if version is None:
-        log.warning("build: TensorRT is not installed here; DLA loadables need a Jetson Orin "
-                    "(the trtexec commands are in %s)", cmd_path)
+        log.warning(
+            "build: TensorRT is not installed here; DLA loadables need a Jetson Orin "
+            "(the trtexec commands are in %s)",
+            cmd_path,
+        )
         return outputs, {"tensorrt": None, "built": [], "skipped": "TensorRT not installed"}
     built = []
     for core, spec in specs.items():
@@ -273,7 +300,7 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
 def run_validate(chain: Chain, record: StageRecord) -> Result:
     from prep.data.coco import LetterboxedArrays
     from prep.qat import load_qat
-    from prep.train import load_checkpoint
+    from prep.train import load_checkpoint, resolve_device
     from prep.validate import evaluate, torch_heads
 
     _torch_threads()
@@ -285,10 +312,16 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
     anchors = ckpt.model.anchors_px.numpy().astype(np.float32)
     rows = {}
+    device = str(resolve_device(chain.cfg.train.device))
     for name, model in (("fp32", ckpt.model), ("qat_fakequant", qmodel)):
-        res = evaluate(torch_heads(model), arrays, gt, classes["category_ids"], anchors, settings)
-        rows[name] = {"map50_95": res.map50_95, "map50": res.map50,
-                      "images": res.num_images, "detections": res.num_detections}
+        heads = torch_heads(model, device)
+        res = evaluate(heads, arrays, gt, classes["category_ids"], anchors, settings=settings)
+        rows[name] = {
+            "map50_95": res.map50_95,
+            "map50": res.map50,
+            "images": res.num_images,
+            "detections": res.num_detections,
+        }
         log.info("validate %s: mAP@[.5:.95] %.4f  mAP@.5 %.4f", name, res.map50_95, res.map50)
     delta = rows["qat_fakequant"]["map50_95"] - rows["fp32"]["map50_95"]
     metrics = {"rows": rows, "qat_minus_fp32_map50_95": delta}

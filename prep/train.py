@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F  # noqa: N812 (conventional alias)
+from torch.nn import functional as F
 
 from prep.loss import YoloLoss
 from prep.model import YOLOv5
@@ -46,7 +46,15 @@ class TrainConfig:
     translate: float = 0.1
     color: float = 0.3
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # "auto": the first CUDA GPU if there is one, else the CPU
+    amp: bool = True  # bfloat16 autocast on CUDA (ignored on the CPU)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> ``cuda`` when a CUDA device is usable, else ``cpu``; other names as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 @dataclass
@@ -88,7 +96,11 @@ def augment(
     s = uniform(1 - cfg.scale, 1 + cfg.scale)
     tx = uniform(-cfg.translate, cfg.translate)
     ty = uniform(-cfg.translate, cfg.translate)
-    flip = (torch.rand(n, generator=gen) < 0.5).to(device) if cfg.flip else torch.zeros(n, dtype=torch.bool, device=device)
+    flip = (
+        (torch.rand(n, generator=gen) < 0.5).to(device)
+        if cfg.flip
+        else torch.zeros(n, dtype=torch.bool, device=device)
+    )
     sx = torch.where(flip, -s, s)
     # affine_grid maps output coordinates to input ones: X_in = (X_out - 2t) / s.
     theta = torch.zeros(n, 2, 3, device=device)
@@ -124,9 +136,7 @@ def augment(
     wc, hc = x2c - x1c, y2c - y1c
     min_side = 2.0 / images.shape[-1]
     keep = (wc > min_side) & (hc > min_side) & (wc * hc > 0.3 * area)
-    new = torch.stack(
-        (targets[:, 0], targets[:, 1], (x1c + x2c) / 2, (y1c + y2c) / 2, wc, hc), 1
-    )
+    new = torch.stack((targets[:, 0], targets[:, 1], (x1c + x2c) / 2, (y1c + y2c) / 2, wc, hc), 1)
     return out, new[keep]
 
 
@@ -188,14 +198,17 @@ def train(
     if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
         raise ValueError(f"images must be uint8 [N, S, S, 3], got {images.dtype} {images.shape}")
     if images.shape[1] != images.shape[2] or images.shape[1] % 32:
-        raise ValueError(f"training images must be square with a multiple of 32, got {images.shape}")
+        raise ValueError(
+            f"training images must be square with a multiple of 32, got {images.shape}"
+        )
     if len(labels) != len(images) or len(images) == 0:
         raise ValueError(f"{len(images)} images but {len(labels)} label arrays")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    device = torch.device(cfg.device)
+    device = resolve_device(cfg.device)
     model.to(device).train()
+    use_amp = cfg.amp and device.type == "cuda"
     size = images.shape[1]
     criterion = YoloLoss(model.detect.anchors, model.num_classes, size).to(device)
 
@@ -232,7 +245,9 @@ def train(
             x, t = augment(x, t, cfg, gen)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss, parts = criterion(model(x), t)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                heads = model(x)
+            loss, parts = criterion([h.float() for h in heads], t)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 10.0)
@@ -245,12 +260,22 @@ def train(
                 progress(
                     step,
                     total_steps,
-                    {"epoch": epoch + 1, "box": float(m[0]), "obj": float(m[1]), "cls": float(m[2])},
+                    {
+                        "epoch": epoch + 1,
+                        "box": float(m[0]),
+                        "obj": float(m[1]),
+                        "cls": float(m[2]),
+                    },
                 )
         m = sums / steps_per_epoch
         history.append(
-            {"epoch": epoch + 1, "box": float(m[0]), "obj": float(m[1]), "cls": float(m[2]),
-             "lr": lr_at(step - 1)}
+            {
+                "epoch": epoch + 1,
+                "box": float(m[0]),
+                "obj": float(m[1]),
+                "cls": float(m[2]),
+                "lr": lr_at(step - 1),
+            }
         )
     result_model = ema.ema
     assert isinstance(result_model, YOLOv5)  # deepcopy preserves the class
@@ -296,7 +321,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise ValueError(f"{path} is not a prep YOLOv5 checkpoint")
     model = YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"])
     model.load_state_dict(data["state_dict"])
-    return Checkpoint(model.eval(), int(data["image_size"]), list(data["class_names"]), dict(data["extra"]))
+    return Checkpoint(
+        model.eval(), int(data["image_size"]), list(data["class_names"]), dict(data["extra"])
+    )
 
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -88,6 +88,7 @@ def evaluate(
     ground_truth: dict[str, Any],
     class_to_category: Sequence[int],
     anchors_px: np.ndarray,
+    *,
     settings: EvalSettings = EvalSettings(),
 ) -> EvalResult:
     """mAP@[.5:.95] and mAP@.5 of ``heads_fn`` on ``arrays`` against ``ground_truth``.
@@ -101,7 +102,9 @@ def evaluate(
     return evaluate_detections(restrict_ground_truth(ground_truth, arrays.image_ids), coco)
 
 
-def restrict_ground_truth(gt: dict[str, Any], image_ids: Sequence[int] | np.ndarray) -> dict[str, Any]:
+def restrict_ground_truth(
+    gt: dict[str, Any], image_ids: Sequence[int] | np.ndarray
+) -> dict[str, Any]:
     """The COCO dict limited to ``image_ids`` (so held-out scoring ignores training images)."""
     keep = {int(i) for i in image_ids}
     return {

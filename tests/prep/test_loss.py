@@ -17,8 +17,12 @@ def test_ciou_identity_and_disjoint() -> None:
 
 def test_ciou_against_formula() -> None:
     gen = torch.Generator().manual_seed(0)
-    a = torch.rand(64, 4, generator=gen) * torch.tensor([10, 10, 4, 4]) + torch.tensor([0, 0, 0.5, 0.5])
-    b = torch.rand(64, 4, generator=gen) * torch.tensor([10, 10, 4, 4]) + torch.tensor([0, 0, 0.5, 0.5])
+    a = torch.rand(64, 4, generator=gen) * torch.tensor([10, 10, 4, 4]) + torch.tensor(
+        [0, 0, 0.5, 0.5]
+    )
+    b = torch.rand(64, 4, generator=gen) * torch.tensor([10, 10, 4, 4]) + torch.tensor(
+        [0, 0, 0.5, 0.5]
+    )
     got = bbox_ciou(a, b, eps=0.0)
     for i in range(64):
         (x1, y1, w1, h1), (x2, y2, w2, h2) = a[i].tolist(), b[i].tolist()
@@ -52,12 +56,13 @@ def test_assignment_centre_and_neighbours() -> None:
     # The target is 2x2 grid cells; anchors (1.25,1.625),(2,3.75),(4.125,2.875) are all within 4x.
     assert set(a.tolist()) == {0, 1, 2}
     # Box targets are offsets from the assigned cell, within (-0.5, 1.5) as the decode allows.
-    assert (tbox[:, :2] > -0.5).all() and (tbox[:, :2] < 1.5).all()
+    assert (tbox[:, :2] > -0.5).all()
+    assert (tbox[:, :2] < 1.5).all()
     assert anchor.shape == (len(a), 2)
 
 
 def test_loss_prefers_the_right_answer() -> None:
-    loss, model = _loss(nc=2, size=64)
+    loss, _ = _loss(nc=2, size=64)
     t = torch.tensor([[0, 1, 0.5, 0.5, 0.3, 0.3]])
     heads = [torch.zeros(1, 21, 64 // s, 64 // s) - 6.0 for s in (8, 16, 32)]
     base, _ = loss(heads, t)
@@ -76,5 +81,7 @@ def test_empty_targets_only_objectness() -> None:
     loss, model = _loss()
     heads = model.eval()(torch.rand(2, 3, 64, 64))
     total, parts = loss(heads, torch.zeros((0, 6)))
-    assert float(parts[0]) == 0 and float(parts[2]) == 0 and float(parts[1]) > 0
+    assert float(parts[0]) == 0
+    assert float(parts[2]) == 0
+    assert float(parts[1]) > 0
     total.backward()

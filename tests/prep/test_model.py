@@ -40,8 +40,14 @@ def test_fuse_is_exact_in_eval(warm_model: YOLOv5, images: torch.Tensor) -> None
 def test_ultralytics_names_and_anchor_units() -> None:
     model = YOLOv5("s", 80)
     keys = set(model.state_dict())
-    for key in ("model.0.conv.weight", "model.0.bn.running_var", "model.2.m.0.cv1.conv.weight",
-                "model.9.cv2.bn.bias", "model.24.m.2.weight", "model.24.anchors"):
+    for key in (
+        "model.0.conv.weight",
+        "model.0.bn.running_var",
+        "model.2.m.0.cv1.conv.weight",
+        "model.9.cv2.bn.bias",
+        "model.24.m.2.weight",
+        "model.24.anchors",
+    ):
         assert key in keys
     # Ultralytics keeps anchors in grid units (pixels / stride).
     grid = model.detect.anchors

@@ -84,10 +84,18 @@ def test_smoke_chain_end_to_end_then_skips(tmp_path: Path) -> None:
     work = tmp_path / "run"
     assert main(["all", "--preset", "smoke", "--workdir", str(work), "-q"]) == 0
     for path in [
-        "data/train/annotations.json", "cache/train.npz", "cache/val.npz", "train/fp32.pt",
-        "qat/qat.pt", "export/fp32.onnx", "export/qat.onnx", "translate/model_noqdq.onnx",
-        "translate/model_precision_config.json", "translate/model_precision_config_calib.cache",
-        "build/trtexec_commands.json", "validate/metrics.json",
+        "data/train/annotations.json",
+        "cache/train.npz",
+        "cache/val.npz",
+        "train/fp32.pt",
+        "qat/qat.pt",
+        "export/fp32.onnx",
+        "export/qat.onnx",
+        "translate/model_noqdq.onnx",
+        "translate/model_precision_config.json",
+        "translate/model_precision_config_calib.cache",
+        "build/trtexec_commands.json",
+        "validate/metrics.json",
     ]:
         assert (work / path).exists(), path
     cache = (work / "translate/model_precision_config_calib.cache").read_text().splitlines()
@@ -100,6 +108,21 @@ def test_smoke_chain_end_to_end_then_skips(tmp_path: Path) -> None:
     assert main(["all", "--preset", "smoke", "--workdir", str(work), "-q"]) == 0
     assert {p: p.stat().st_mtime_ns for p in work.rglob("manifest.json")} == stamps
     # A changed setting reruns that stage and everything after it.
-    assert main(["validate", "--preset", "smoke", "--workdir", str(work), "-q",
-                 "--set", "validate.iou_threshold=0.5"]) == 0
-    assert (work / "validate/manifest.json").stat().st_mtime_ns != stamps[work / "validate/manifest.json"]
+    assert (
+        main(
+            [
+                "validate",
+                "--preset",
+                "smoke",
+                "--workdir",
+                str(work),
+                "-q",
+                "--set",
+                "validate.iou_threshold=0.5",
+            ]
+        )
+        == 0
+    )
+    assert (work / "validate/manifest.json").stat().st_mtime_ns != stamps[
+        work / "validate/manifest.json"
+    ]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def quantized(warm_model: YOLOv5) -> tuple[torch.nn.Module, list[list[str]]]:
+def quantized(warm_model: YOLOv5) -> tuple[YOLOv5, list[list[str]]]:
     qmodel, groups = qat.quantize(warm_model, qat.QATConfig())
     gen = torch.Generator().manual_seed(3)
     qat.calibrate(qmodel, [torch.rand(2, 3, 96, 96, generator=gen) for _ in range(2)])
@@ -40,7 +40,9 @@ def test_sharing_groups_follow_the_graph(warm_model: YOLOv5) -> None:
     assert len(names) == len(set(names))
 
 
-def test_quantizers_are_shared_and_calibrated(quantized: tuple[torch.nn.Module, list[list[str]]]) -> None:
+def test_quantizers_are_shared_and_calibrated(
+    quantized: tuple[YOLOv5, list[list[str]]],
+) -> None:
     qmodel, groups = quantized
     modules = dict(qmodel.named_modules())
     for group in groups:
@@ -56,7 +58,9 @@ def test_quantizers_are_shared_and_calibrated(quantized: tuple[torch.nn.Module, 
             torch.testing.assert_close(m.amax.flatten(), w.abs().amax((1, 2, 3)))
 
 
-def test_fake_quant_close_to_float(warm_model: YOLOv5, quantized: tuple[torch.nn.Module, list[list[str]]], images: torch.Tensor) -> None:
+def test_fake_quant_close_to_float(
+    warm_model: YOLOv5, quantized: tuple[YOLOv5, list[list[str]]], images: torch.Tensor
+) -> None:
     qmodel, _ = quantized
     fused = copy.deepcopy(warm_model).fuse()
     with torch.no_grad():
@@ -81,7 +85,9 @@ def _mse_brute(counts: np.ndarray, edges: np.ndarray, start: int) -> float:
 @given(st.integers(0, 2**31 - 1), st.sampled_from(["normal", "uniform", "laplace"]))
 def test_histogram_mse_amax_matches_brute_force(seed: int, kind: str) -> None:
     rng = np.random.default_rng(seed)
-    x = np.abs({"normal": rng.normal, "uniform": rng.uniform, "laplace": rng.laplace}[kind](size=20000))
+    x = np.abs(
+        {"normal": rng.normal, "uniform": rng.uniform, "laplace": rng.laplace}[kind](size=20000)
+    )
     counts, edges = np.histogram(x, bins=512, range=(0, float(x.max())))
     got = qat.histogram_mse_amax(counts, edges, start_bin=32)
     want = _mse_brute(counts.astype(np.float64), edges, 32)
@@ -100,20 +106,28 @@ def test_histogram_mse_amax_empty() -> None:
         qat.histogram_mse_amax(np.zeros(16), np.linspace(0, 1, 17))
 
 
-def test_qdq_export_is_symmetric_int8(quantized: tuple[torch.nn.Module, list[list[str]]], images: torch.Tensor, tmp_path: Path) -> None:
+def test_qdq_export_is_symmetric_int8(
+    quantized: tuple[YOLOv5, list[list[str]]], images: torch.Tensor, tmp_path: Path
+) -> None:
     qmodel, _ = quantized
     proto = export_onnx(qmodel, tmp_path / "qat.onnx", 96)
     assert [o.name for o in proto.graph.output] == ["s8", "s16", "s32"]
     assert not any(n.op_type == "Cast" for n in proto.graph.node)
-    consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in proto.graph.node if n.op_type == "Constant"}
+    consts = {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
+        for n in proto.graph.node
+        if n.op_type == "Constant"
+    }
     consts |= {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
     qnodes = [n for n in proto.graph.node if n.op_type == "QuantizeLinear"]
     assert qnodes
     for n in qnodes:
         zp = consts[n.input[2]]
-        assert zp.dtype == np.int8 and not zp.any(), n.name
+        assert zp.dtype == np.int8, n.name
+        assert not zp.any(), n.name
     weight_q = [n for n in qnodes if n.input[0].endswith(".weight")]
-    assert weight_q and all(consts[n.input[1]].ndim == 1 for n in weight_q)
+    assert weight_q
+    assert all(consts[n.input[1]].ndim == 1 for n in weight_q)
     sess = ort.InferenceSession(str(tmp_path / "qat.onnx"), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"images": images[:1].numpy()})
     with torch.no_grad():
@@ -123,7 +137,9 @@ def test_qdq_export_is_symmetric_int8(quantized: tuple[torch.nn.Module, list[lis
         assert np.abs(g - w.numpy()).mean() < 0.01 * np.abs(w.numpy()).mean() + 1e-3
 
 
-def test_save_load_round_trip(quantized: tuple[torch.nn.Module, list[list[str]]], images: torch.Tensor, tmp_path: Path) -> None:
+def test_save_load_round_trip(
+    quantized: tuple[YOLOv5, list[list[str]]], images: torch.Tensor, tmp_path: Path
+) -> None:
     qmodel, _ = quantized
     qat.save_qat(tmp_path / "q.pt", qmodel, qat.QATConfig(), {"note": 1})
     loaded, extra = qat.load_qat(tmp_path / "q.pt")
@@ -131,8 +147,8 @@ def test_save_load_round_trip(quantized: tuple[torch.nn.Module, list[list[str]]]
     with torch.no_grad():
         for a, b in zip(qmodel(images), loaded(images), strict=True):
             torch.testing.assert_close(a, b)
+    torch.save({"format": "x"}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="not a prep QAT checkpoint"):
-        torch.save({"format": "x"}, tmp_path / "bad.pt")
         qat.load_qat(tmp_path / "bad.pt")
 
 
@@ -145,7 +161,8 @@ def test_finetune_runs_and_reduces_distillation_loss(warm_model: YOLOv5) -> None
     cfg = qat.QATConfig(epochs=2, iters_per_epoch=4, lr=1e-4)
     it = iter(data * 8)
     history = qat.finetune(qmodel, teacher, lambda: next(it), cfg)
-    assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+    assert len(history) == 2
+    assert all(np.isfinite(h["loss"]) for h in history)
 
 
 def test_remove_identity_casts_keeps_real_casts() -> None:
@@ -164,3 +181,18 @@ def test_remove_identity_casts_keeps_real_casts() -> None:
     ops = [(n.op_type, list(n.input)) for n in out.graph.node]
     assert ops == [("Relu", ["x"]), ("Cast", ["x"])]
     onnx.checker.check_model(out)
+
+
+def test_refresh_weight_amax_tracks_trained_weights(warm_model: YOLOv5) -> None:
+    qmodel, _ = qat.quantize(warm_model, qat.QATConfig())
+    qat.calibrate(qmodel, [torch.rand(1, 3, 64, 64)])
+    conv = qmodel.model[0].conv
+    with torch.no_grad():
+        conv.weight.mul_(1.5)  # as if fine-tuning had grown the weights
+    assert not torch.allclose(
+        conv.weight_quantizer.amax.flatten(), conv.weight.abs().amax((1, 2, 3))
+    )
+    assert qat.refresh_weight_amax(qmodel) == 60
+    torch.testing.assert_close(
+        conv.weight_quantizer.amax.flatten(), conv.weight.abs().amax((1, 2, 3))
+    )

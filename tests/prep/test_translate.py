@@ -118,6 +118,24 @@ def test_rename_node_outputs(rng: np.random.Generator) -> None:
     assert [o.name for o in renamed.model.graph.output] == ["s8", "s16"]
 
 
+def test_rename_extra_outputs_and_collisions() -> None:
+    b = GraphBuilder()
+    x = b.qdq_pair(b.input("x", [1, 4, 2, 2]), 0.05, "q")
+    b.nodes.append(onnx.helper.make_node("Split", [x], ["p0", "p1"], name="split", axis=1))
+    r0 = b.node("Relu", ["p0"], "relu", "r0")
+    r1 = b.node("Relu", ["p1"], "relu", "r1")  # a duplicate node name
+    b.node("Add", [r0, r1], "add", "y")
+    b.output("y")
+    with pytest.raises(TranslationError, match=r"'relu' .* is taken"):
+        translate(b.model(), rename_node_outputs=True)
+    b.nodes[-2].name = "relu_b"
+    result = translate(b.model(), rename_node_outputs=True)
+    split = next(n for n in result.model.graph.node if n.op_type == "Split")
+    assert list(split.output) == ["split", "split_1"]
+    assert result.int8_tensor_scales == {"x": f32(0.05)}
+    assert result.missing == ["split", "relu", "relu_b", "y"]
+
+
 def test_write_outputs(rng: np.random.Generator, tmp_path: Path) -> None:
     result = translate(conv_net(conv_net_weights(rng)), trt_version=8502)
     paths = write_outputs(result, tmp_path / "out", "yolo")
