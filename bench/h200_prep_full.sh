@@ -11,7 +11,7 @@ out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, modelopt, onnx_graphsurgeon; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 work=/tmp/runs/full
-python3 -m prep all --preset full --workdir "$work" -q ${PREP_SET:-} 2>&1 | grep -v -i warn | tee "$out/prep.log"
+timeout "${PREP_TIMEOUT:-520}" python3 -m prep all --preset full --workdir "$work" -q 2>&1 | grep -v -i warn | tee "$out/prep.log"
 status=${PIPESTATUS[0]}
 for stage in data cache train qat export translate build validate; do
     [[ -f "$work/$stage/manifest.json" ]] && cp "$work/$stage/manifest.json" "$out/manifest_$stage.json"

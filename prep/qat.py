@@ -106,6 +106,19 @@ def _register_quant_modules() -> None:
     _registered = True
 
 
+def _use_torch_fake_quant() -> None:
+    """Make ModelOpt use its pure-torch fake-quant kernels on CUDA too.
+
+    On first GPU use ModelOpt JIT-compiles a CUDA extension (minutes, and it needs nvcc and
+    ninja on the machine); its pure-torch path computes the same int8 fake quantization and is
+    what runs on the CPU anyway. Pre-setting the cached extension to None selects that path.
+    """
+    from modelopt.torch.quantization import extensions
+
+    if not hasattr(extensions.get_cuda_ext, "extension"):
+        extensions.get_cuda_ext.extension = None
+
+
 def quant_config(cfg: QATConfig) -> dict[str, Any]:
     """The ModelOpt quantization config of the recipe (calibration is run by :func:`calibrate`)."""
     act = {"num_bits": 8, "axis": None, "calibrator": "histogram"}
@@ -233,6 +246,7 @@ def quantize(model: YOLOv5, cfg: QATConfig) -> tuple[YOLOv5, list[list[str]]]:
     import modelopt.torch.quantization as mtq
 
     _register_quant_modules()
+    _use_torch_fake_quant()
     fused = copy.deepcopy(model).eval().fuse()
     groups = scale_groups(fused)
     qmodel = mtq.quantize(fused, quant_config(cfg))

@@ -149,6 +149,7 @@ def run_train(chain: Chain, record: StageRecord) -> Result:
     return {"checkpoint": path}, {
         "parameters": count_parameters(result.model),
         "train_seconds": round(result.seconds, 1),
+        "epochs_run": result.epochs,
         "final": result.history[-1] if result.history else {},
     }
 

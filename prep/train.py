@@ -48,6 +48,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # "auto": the first CUDA GPU if there is one, else the CPU
     amp: bool = True  # bfloat16 autocast on CUDA (ignored on the CPU)
+    max_seconds: float | None = None
+    """Wall-clock budget: after 10 timed steps the epoch count is cut to what fits (the
+    learning-rate schedule is re-planned over the new length); the result records it."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,6 +65,7 @@ class TrainResult:
     model: YOLOv5
     history: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
+    epochs: int = 0  # epochs actually run (fewer than asked when ``max_seconds`` cut them)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -221,9 +225,11 @@ def train(
 
     n = len(images)
     steps_per_epoch = max(n // cfg.batch_size, 1)
-    total_steps = steps_per_epoch * cfg.epochs
+    epochs = cfg.epochs
+    total_steps = steps_per_epoch * epochs
     warmup = max(int(cfg.warmup_epochs * steps_per_epoch), 1)
     ema = ModelEMA(model, cfg.ema_decay, tau=max(min(2000.0, total_steps / 5), 1.0))
+    timed_from: float | None = None
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -235,7 +241,8 @@ def train(
     history: list[dict[str, float]] = []
     start = time.perf_counter()
     step = 0
-    for epoch in range(cfg.epochs):
+    epoch = 0
+    while epoch < epochs:
         order = rng.permutation(n)
         sums = torch.zeros(3)
         for i in range(steps_per_epoch):
@@ -255,6 +262,19 @@ def train(
             ema.update(model)
             sums += parts.cpu()
             step += 1
+            if cfg.max_seconds is not None and step in (2, 12):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if step == 2:  # the first steps pay for allocation and autotuning
+                    timed_from = time.perf_counter()
+                elif timed_from is not None:
+                    per_step = (time.perf_counter() - timed_from) / 10
+                    fit = int((cfg.max_seconds - (time.perf_counter() - start)) / per_step)
+                    fit_epochs = max(1, (fit + step) // steps_per_epoch)
+                    if fit_epochs < epochs:
+                        epochs = fit_epochs
+                        total_steps = steps_per_epoch * epochs
+                        ema.tau = max(min(2000.0, total_steps / 5), 1.0)
             if progress is not None:
                 m = sums / (i + 1)
                 progress(
@@ -277,9 +297,10 @@ def train(
                 "lr": lr_at(step - 1),
             }
         )
+        epoch += 1
     result_model = ema.ema
     assert isinstance(result_model, YOLOv5)  # deepcopy preserves the class
-    return TrainResult(result_model.cpu().eval(), history, time.perf_counter() - start)
+    return TrainResult(result_model.cpu().eval(), history, time.perf_counter() - start, epochs)
 
 
 # ------------------------------------------------------------------------------------------ io

@@ -730,11 +730,9 @@ def generate_dataset(
     anns: list[dict[str, Any]] = []
     for image_id, (w, h, name, kept) in enumerate(results, start=1):
         images.append({"id": image_id, "file_name": name, "width": w, "height": h})
-        anns.extend(
-            {"id": len(anns) + k + 1, "image_id": image_id, "category_id": a.category_id,
-             "bbox": list(a.bbox), "area": a.area, "iscrowd": a.iscrowd}
-            for k, a in enumerate(kept)
-        )  # fmt: skip
+        for a in kept:
+            anns.append({"id": len(anns) + 1, "image_id": image_id, "category_id": a.category_id,
+                         "bbox": list(a.bbox), "area": a.area, "iscrowd": a.iscrowd})  # fmt: skip
     doc = {
         "info": {
             "description": "dlad synthetic shapes detection dataset (prep.data.synth)",

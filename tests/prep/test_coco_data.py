@@ -34,7 +34,9 @@ def _write(root: Path, doc: dict[str, Any], sizes: dict[str, tuple[int, int]]) -
     (root / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for name, (w, h) in sizes.items():
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "images" / name)
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+            root / "images" / name
+        )
     (root / "annotations.json").write_text(json.dumps(doc))
     return root
 
@@ -63,7 +65,8 @@ SIZES = {"a.png": (64, 48), "b.png": (40, 80)}
 def test_load_hand_written_dataset(tmp_path: Path) -> None:
     ds = load_coco(_write(tmp_path, _doc(), SIZES))
     assert list(ds.images) == [3, 10]
-    assert ds.category_ids == (2, 7, 90) and ds.class_names == ("x", "y", "z")
+    assert ds.category_ids == (2, 7, 90)
+    assert ds.class_names == ("x", "y", "z")
     a, b = ds.images[10], ds.images[3]
     assert (a.width, a.height, a.path) == (64, 48, tmp_path / "images" / "a.png")
     np.testing.assert_array_equal(a.boxes, [[1, 2, 31, 22], [50, 40, 64, 48]])
@@ -78,7 +81,8 @@ def test_explicit_images_dir_and_annotation_file(tmp_path: Path) -> None:
     moved = tmp_path / "elsewhere.json"
     (root / "annotations.json").rename(moved)
     ds = load_coco((root / "images", moved))
-    assert ds.ann_file == moved and len(ds.images) == 2
+    assert ds.ann_file == moved
+    assert len(ds.images) == 2
 
 
 def _bad(**changes: Any) -> dict[str, Any]:
@@ -155,7 +159,8 @@ def test_degenerate_boxes_skipped_or_strict(tmp_path: Path) -> None:
     ]
     root = _write(tmp_path, _doc(annotations=anns), SIZES)
     ds = load_coco(root)
-    assert ds.skipped_degenerate == 2 and len(ds.images[10].boxes) == 1
+    assert ds.skipped_degenerate == 2
+    assert len(ds.images[10].boxes) == 1
     with pytest.raises(DatasetError, match="no area inside the 64x48 image"):
         load_coco(root, strict=True)
 
@@ -181,8 +186,10 @@ def test_split_is_deterministic_disjoint_and_complete(synth_dir: Path) -> None:
     ds = load_coco(synth_dir)
     train, val = split(ds, 0.25, seed=3)
     assert (train, val) == split(ds, 0.25, seed=3)
-    assert set(train).isdisjoint(val) and sorted(train + val) == sorted(ds.images)
-    assert len(val) == round(14 * 0.25) and list(val) == sorted(val)
+    assert set(train).isdisjoint(val)
+    assert sorted(train + val) == sorted(ds.images)
+    assert len(val) == round(14 * 0.25)
+    assert list(val) == sorted(val)
     assert {split(ds, 0.25, seed=s)[1] for s in range(6)} != {val}
     assert len(split(ds, 0.01, seed=0)[1]) == 1  # a positive fraction holds out at least one
     assert split(ds, 0.0, seed=0) == (tuple(sorted(ds.images)), ())
@@ -193,7 +200,8 @@ def test_split_is_deterministic_disjoint_and_complete(synth_dir: Path) -> None:
 def test_synthetic_dataset_loads_with_matching_boxes(synth_dir: Path) -> None:
     ds = load_coco(synth_dir, strict=True)
     doc = json.loads((synth_dir / "annotations.json").read_text())
-    assert ds.class_names == CLASSES and ds.category_ids == tuple(range(1, 9))
+    assert ds.class_names == CLASSES
+    assert ds.category_ids == tuple(range(1, 9))
     assert sum(len(im.boxes) for im in ds.images.values()) == len(doc["annotations"])
     assert ds.clipped == 0
     for a in doc["annotations"]:
@@ -206,7 +214,8 @@ def test_letterboxed_labels_map_back_and_cache_round_trips(synth_dir: Path, tmp_
     ds = load_coco(synth_dir)
     ids = [13, 2, 7, 1, 14]
     arrays = LetterboxedArrays.build(ds, ids, 128, workers=2)
-    assert arrays.images.shape == (5, 128, 128, 3) and arrays.images.dtype == np.uint8
+    assert arrays.images.shape == (5, 128, 128, 3)
+    assert arrays.images.dtype == np.uint8
     assert arrays.image_ids.tolist() == ids
     for k, iid in enumerate(ids):
         im = ds.images[iid]
@@ -215,7 +224,8 @@ def test_letterboxed_labels_map_back_and_cache_round_trips(synth_dir: Path, tmp_
         np.testing.assert_array_equal(arrays.images[k], canvas)
         assert arrays.geometry(k) == lb
         lab = arrays.labels[k]
-        assert lab.dtype == np.float32 and lab.shape == (len(im.boxes), 5)
+        assert lab.dtype == np.float32
+        assert lab.shape == (len(im.boxes), 5)
         np.testing.assert_array_equal(lab[:, 0], im.classes)
         assert ((lab[:, 1:] >= 0) & (lab[:, 1:] <= 1)).all()
         # back in original pixels: the brief asks for 1 px; only float32 rounding is lost
@@ -226,7 +236,8 @@ def test_letterboxed_labels_map_back_and_cache_round_trips(synth_dir: Path, tmp_
 
     path = arrays.save(tmp_path / "cache.npz")
     back = LetterboxedArrays.load(path)
-    assert back.size == 128 and len(back) == 5
+    assert back.size == 128
+    assert len(back) == 5
     for name in ("images", "image_ids", "scale", "pad", "src_size"):
         got, want = getattr(back, name), getattr(arrays, name)
         assert got.dtype == want.dtype

@@ -47,7 +47,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def test_same_seed_same_bytes_any_workers(tmp_path: Path) -> None:
@@ -84,7 +86,12 @@ def _check_sample_boxes(seed: int, index: int, cfg: SynthConfig) -> None:
         if o.in_image_area == 0:
             assert not o.kept
             continue
-        assert 0 <= x and 0 <= y and x + bw <= w and y + bh <= h and bw >= 1 and bh >= 1
+        assert x >= 0
+        assert y >= 0
+        assert x + bw <= w
+        assert y + bh <= h
+        assert bw >= 1
+        assert bh >= 1
         # tight: the box is exactly the extent of the object's in-image mask
         ys, xs = np.nonzero(o.mask)
         left, top = o.mask_origin
@@ -163,7 +170,8 @@ def test_circle_box_matches_analytic_ellipse(
     expect = (120.3 - hx, 119.6 - hy, 2 * hx, 2 * hy)
     x, y, w, h = ann.bbox
     # pixel quantisation: each edge lands on the pixel grid, within one pixel of the ellipse
-    assert abs(x - expect[0]) <= 1 and abs(y - expect[1]) <= 1
+    assert abs(x - expect[0]) <= 1
+    assert abs(y - expect[1]) <= 1
     assert abs((x + w) - (expect[0] + expect[2])) <= 1
     assert abs((y + h) - (expect[1] + expect[3])) <= 1
 
@@ -188,12 +196,31 @@ def test_occlusion_drops_hidden_objects() -> None:
             left, top = rec.mask_origin
             m[top : top + rec.mask.shape[0], left : left + rec.mask.shape[1]] = rec.mask
         assert o[k].visible_area == int((mine & ~theirs).sum())
-    assert o[0].visible_area == 0 and not o[0].kept
-    assert 0.4 < o[2].visible_area / o[2].in_image_area < 0.6 and o[2].kept
-    assert o[4].visible_area / o[4].in_image_area < 0.3 and not o[4].kept
+    assert o[0].visible_area == 0
+    assert not o[0].kept
+    assert 0.4 < o[2].visible_area / o[2].in_image_area < 0.6
+    assert o[2].kept
+    assert o[4].visible_area / o[4].in_image_area < 0.3
+    assert not o[4].kept
     # the box of a partly hidden object is still its full extent
     assert o[2].bbox[2] > 60
     assert [a.bbox for a in s.annotations] == [o[k].bbox for k in (1, 2, 3, 5)]
+
+
+def test_distractors_drawn_on_top_hide_objects() -> None:
+    cfg = dataclasses.replace(PLAIN, min_contrast=0.0)
+    scene = Scene(200, 200, cfg, np.random.default_rng(4))
+    scene.add_object(Placement(CLASSES.index("square"), 100, 100, 260))  # covers the image
+    for _ in range(15):
+        scene.add_distractor()
+    s = scene.finish()
+    (o,) = s.objects
+    assert o.in_image_area == 200 * 200
+    _, counts = np.unique(s.image.reshape(-1, 3), axis=0, return_counts=True)
+    changed = 200 * 200 - counts.max()  # pixels no longer showing the object's own colour
+    hidden = o.in_image_area - o.visible_area
+    # hidden pixels are those at least half covered; anti-aliased fringes change colour too
+    assert 0 < hidden <= changed < 1.2 * hidden
 
 
 def test_truncated_objects_kept_unless_mostly_outside() -> None:
@@ -202,9 +229,12 @@ def test_truncated_objects_kept_unless_mostly_outside() -> None:
     scene.add_object(Placement(circle, 0.0, 100, 60))  # half outside: kept, box clipped
     scene.add_object(Placement(circle, 299, -20, 60))  # a corner sliver: dropped
     a, b = scene.finish().objects
-    assert a.kept and a.bbox[0] == 0 and 28 <= a.bbox[2] <= 31
+    assert a.kept
+    assert a.bbox[0] == 0
+    assert 28 <= a.bbox[2] <= 31
     assert 0.45 < a.in_image_area / a.full_area < 0.55
-    assert not b.kept and b.in_image_area < 0.3 * b.full_area
+    assert not b.kept
+    assert b.in_image_area < 0.3 * b.full_area
 
 
 def test_dataset_is_valid_coco(dataset: Path) -> None:
@@ -214,6 +244,10 @@ def test_dataset_is_valid_coco(dataset: Path) -> None:
     coco = COCO(str(dataset))
     assert len(coco.getImgIds()) == 120 == len(doc["images"])
     assert len(coco.getAnnIds()) == len(doc["annotations"]) > 120
+    assert [a["id"] for a in doc["annotations"]] == list(range(1, len(doc["annotations"]) + 1))
+    assert [im["id"] for im in doc["images"]] == list(range(1, 121))
+    per_image = Counter(a["image_id"] for a in doc["annotations"])
+    assert all(len(coco.getAnnIds(imgIds=[i])) == per_image[i] for i in range(1, 121))
     assert [c["name"] for c in coco.loadCats(coco.getCatIds())] == list(CLASSES)
     assert doc["info"]["seed"] == 7
     assert doc["info"]["config"] == json.loads(json.dumps(dataclasses.asdict(SynthConfig())))
@@ -225,9 +259,11 @@ def test_dataset_is_valid_coco(dataset: Path) -> None:
             assert pil.size == (im["width"], im["height"])
             assert pil.format == "JPEG"
     sizes = {(im["width"], im["height"]) for im in doc["images"]}
-    assert any(w > h for w, h in sizes) and any(w < h for w, h in sizes)
+    assert any(w > h for w, h in sizes)
+    assert any(w < h for w, h in sizes)
     assert any(w == h for w, h in sizes)
-    assert min(min(s) for s in sizes) >= 256 and max(max(s) for s in sizes) <= 640
+    assert min(min(s) for s in sizes) >= 256
+    assert max(max(s) for s in sizes) <= 640
 
 
 def test_every_class_appears_and_is_balanced(dataset: Path) -> None:
@@ -238,7 +274,8 @@ def test_every_class_appears_and_is_balanced(dataset: Path) -> None:
     assert all(n > 0.06 * total for n in counts.values()), counts
     # scales span small to large objects (COCO's small/medium/large all occur)
     areas = np.array([a["bbox"][2] * a["bbox"][3] for a in doc["annotations"]])
-    assert (areas < 32**2).sum() > 0.15 * total and (areas > 96**2).sum() > 0.05 * total
+    assert (areas < 32**2).sum() > 0.15 * total
+    assert (areas > 96**2).sum() > 0.05 * total
 
 
 def test_config_rejects_bad_fields() -> None:
@@ -248,5 +285,5 @@ def test_config_rejects_bad_fields() -> None:
         SynthConfig(textures=("plaid",))
     with pytest.raises(ValueError, match="min_side"):
         SynthConfig(min_side=700)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_images >= 0"):
         generate_dataset("/nonexistent-never-created", -1, seed=0)
