@@ -31,6 +31,7 @@ from typing import Any
 
 import tomllib
 
+from prep.data.synth import SynthConfig
 from prep.manifest import StageRecord, read_metrics
 from prep.qat import QATConfig
 from prep.train import TrainConfig
@@ -57,6 +58,8 @@ class DataConfig:
     num_val: int = 300
     seed: int = 0
     workers: int = 2
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    """Generator knobs (``[data.synth]`` in a preset); see docs/data.md."""
 
 
 @dataclass(frozen=True)

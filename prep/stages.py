@@ -46,10 +46,12 @@ def run_data(chain: Chain, record: StageRecord) -> Result:
         note = record.out_dir / "source.json"
         note.write_text(json.dumps({"train": d.source, "val": d.val_source}, indent=2) + "\n")
         return {"source": note}, metrics
-    train_json = generate_dataset(record.out_dir / "train", d.num_train, d.seed, workers=d.workers)
+    train_json = generate_dataset(
+        record.out_dir / "train", d.num_train, d.seed, d.synth, workers=d.workers
+    )
     # A different seed for the held-out images: no image of the training set can reappear.
     val_json = generate_dataset(
-        record.out_dir / "val", d.num_val, d.seed + 1_000_003, workers=d.workers
+        record.out_dir / "val", d.num_val, d.seed + 1_000_003, d.synth, workers=d.workers
     )
     gt = json.loads(train_json.read_text())
     return (
