@@ -426,10 +426,10 @@ def finetune(
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                running += float(loss)
+                running += float(loss.detach())
                 step += 1
                 if progress is not None:
-                    progress(step, total, {"epoch": epoch + 1, "distill": float(loss)})
+                    progress(step, total, {"epoch": epoch + 1, "distill": float(loss.detach())})
             history.append({"epoch": epoch + 1, "loss": running / cfg.iters_per_epoch, "lr": lr})
     finally:
         for h in handles:
