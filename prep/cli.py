@@ -22,6 +22,8 @@ from typing import Any
 
 import tomllib
 
+from prep import profile_cmd
+
 STAGES = ("data", "cache", "train", "qat", "export", "translate", "build", "validate")
 
 log = logging.getLogger("prep")
@@ -81,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--calib", type=Path, help="calibration cache for --onnx")
             sp.add_argument("--core", type=int, choices=(0, 1), default=0)
             sp.add_argument("--out", type=Path, help="loadable path for --onnx")
+    profile_cmd.add_parser(sub)
     sub.add_parser("all", parents=[common], help="run every stage in order (skips current ones)")
     sub.add_parser("config", parents=[common], help="print the effective settings")
     return p
@@ -138,6 +141,8 @@ def _log_progress(name: str) -> Callable[[int, int, dict[str, float]], None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "profile":
+        return profile_cmd.run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from prep.pipeline import Chain, ConfigError, dump_config, load_config, resolve_preset
 
