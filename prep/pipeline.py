@@ -79,7 +79,10 @@ class TranslateConfig:
 @dataclass(frozen=True)
 class BuildConfig:
     cores: tuple[int, ...] = (0, 1)
-    output_precision: str = "fp16"  # "fp16" -> CHW16 heads, "int8" -> CHW32 heads
+    output_precision: str = "fp16"  # TensorRT build: "fp16" -> CHW16 heads, "int8" -> CHW32
+    targets: tuple[str, ...] = ("emulated", "dla")
+    """``emulated``: dlad's emulated loadables (all head variants, every core); ``dla``:
+    TensorRT DLA standalone loadables, where TensorRT and an Orin exist (else skipped)."""
 
 
 @dataclass(frozen=True)
@@ -262,13 +265,17 @@ class Chain:
             inputs = {"qat_onnx": self.dir("export") / "qat.onnx"}
         elif stage == "build":
             settings = dataclasses.asdict(c.build)
-            inputs = {"translate": self.dir("translate") / "manifest.json"}
+            inputs = {
+                "translate": self.dir("translate") / "manifest.json",
+                "fp32": self.dir("train") / "fp32.pt",
+            }
         else:  # validate
             settings = dataclasses.asdict(c.validate)
             inputs = {
                 "fp32": self.dir("train") / "fp32.pt",
                 "qat": self.dir("qat") / "qat.pt",
                 "val_cache": self.dir("cache") / "val.npz",
+                "build": self.dir("build") / "manifest.json",
             }
         missing = [str(p) for p in inputs.values() if not p.exists()]
         if missing:

@@ -6,7 +6,6 @@ Each ``run_<stage>(chain, record)`` writes into ``record.out_dir`` and returns
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -251,9 +250,60 @@ def run_translate(chain: Chain, record: StageRecord) -> Result:
 
 
 # ------------------------------------------------------------------------------------ build
+def _model_info(chain: Chain) -> Any:
+    from prep.emulated_build import ModelInfo
+    from prep.model import STRIDES
+    from prep.train import load_checkpoint
+
+    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    anchors = ckpt.model.anchors_px.tolist()
+    return ModelInfo(
+        num_classes=ckpt.model.num_classes,
+        class_names=tuple(ckpt.class_names),
+        anchors_px=tuple(tuple((float(w), float(h)) for w, h in level) for level in anchors),
+        strides=STRIDES,
+        image_size=ckpt.image_size,
+    )
+
+
 def run_build(chain: Chain, record: StageRecord) -> Result:
-    """TensorRT DLA loadables per core where TensorRT and a DLA exist; otherwise a recorded
-    skip with the trtexec commands a user with an Orin would run."""
+    """Emulated loadables (every head variant, every core) and, where TensorRT and a DLA exist,
+    TensorRT DLA standalone loadables; elsewhere the trtexec commands a user with an Orin runs."""
+    b = chain.cfg.build
+    outputs: dict[str, Path] = {}
+    metrics: dict[str, Any] = {}
+    if "emulated" in b.targets:
+        from dlad.loadable import read_loadable
+        from prep.emulated_build import HEAD_VARIANTS, build_variants
+
+        paths = build_variants(
+            chain.dir("translate"),
+            _model_info(chain),
+            record.out_dir,
+            cores=b.cores,
+            provenance={"translate": _manifest_fingerprint(chain, "translate")},
+        )
+        outputs.update(paths)
+        metrics["emulated"] = {
+            v.name: {
+                "latency_us": read_loadable(paths[f"{v.name}.dla{b.cores[0]}"]).latency_us,
+                "bytes": paths[f"{v.name}.dla{b.cores[0]}"].stat().st_size,
+            }
+            for v in HEAD_VARIANTS
+        }
+    if "dla" in b.targets:
+        trt_outputs, trt_metrics = _build_trt(chain, record)
+        outputs.update(trt_outputs)
+        metrics.update(trt_metrics)
+    return outputs, metrics
+
+
+def _manifest_fingerprint(chain: Chain, stage: str) -> str:
+    data: dict[str, Any] = json.loads((chain.dir(stage) / "manifest.json").read_text())
+    return str(data["fingerprint"])
+
+
+def _build_trt(chain: Chain, record: StageRecord) -> Result:
     from prep.build_trt import (
         DlaBuildSpec,
         build_dla_loadable,
@@ -295,16 +345,21 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
         out = record.out_dir / f"model.dla{core}.loadable"
         report = build_dla_loadable(spec, out)
         outputs[f"dla{core}"] = out
-        built.append(dataclasses.asdict(report) | {"out_path": str(out)})
+        built.append(report.to_dict())
     return outputs, {"tensorrt": version, "built": built}
 
 
 # ------------------------------------------------------------------------------------ validate
 def run_validate(chain: Chain, record: StageRecord) -> Result:
+    """mAP of FP32 (torch), QAT fake-quant (torch) and the INT8 emulated DLA for every head
+    variant, all on the same held-out images through the same post-processing and evaluator;
+    each emulated row also carries the loadable's modelled DLA latency."""
+    from dlad.loadable import read_loadable
     from prep.data.coco import LetterboxedArrays
+    from prep.emulated_build import HEAD_VARIANTS
     from prep.qat import load_qat
     from prep.train import load_checkpoint, resolve_device
-    from prep.validate import evaluate, torch_heads
+    from prep.validate import HeadsFn, emulated_heads, evaluate, torch_heads
 
     _torch_threads()
     settings = chain.cfg.validate
@@ -314,10 +369,20 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
     anchors = ckpt.model.anchors_px.numpy().astype(np.float32)
-    rows = {}
     device = str(resolve_device(chain.cfg.train.device))
-    for name, model in (("fp32", ckpt.model), ("qat_fakequant", qmodel)):
-        heads = torch_heads(model, device)
+    runs: list[tuple[str, HeadsFn, float | None]] = [
+        ("fp32", torch_heads(ckpt.model, device), None),
+        ("qat_fakequant", torch_heads(qmodel, device), None),
+    ]
+    core = chain.cfg.build.cores[0]
+    if "emulated" in chain.cfg.build.targets:
+        for variant in HEAD_VARIANTS:
+            loadable = read_loadable(chain.dir("build") / f"{variant.name}.dla{core}.emu")
+            runs.append(
+                (f"int8_emulated_{variant.name}", emulated_heads(loadable), loadable.latency_us)
+            )
+    rows: dict[str, dict[str, Any]] = {}
+    for name, heads, latency_us in runs:
         res = evaluate(heads, arrays, gt, classes["category_ids"], anchors, settings=settings)
         rows[name] = {
             "map50_95": res.map50_95,
@@ -325,9 +390,14 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
             "images": res.num_images,
             "detections": res.num_detections,
         }
+        if latency_us is not None:
+            rows[name]["modelled_dla_latency_ms"] = round(latency_us / 1000, 3)
         log.info("validate %s: mAP@[.5:.95] %.4f  mAP@.5 %.4f", name, res.map50_95, res.map50)
-    delta = rows["qat_fakequant"]["map50_95"] - rows["fp32"]["map50_95"]
-    metrics = {"rows": rows, "qat_minus_fp32_map50_95": delta}
+    base = rows["fp32"]["map50_95"]
+    metrics = {
+        "rows": rows,
+        "minus_fp32_map50_95": {k: v["map50_95"] - base for k, v in rows.items() if k != "fp32"},
+    }
     path = record.out_dir / "metrics.json"
     path.write_text(json.dumps(metrics, indent=2) + "\n")
     return {"metrics": path}, metrics

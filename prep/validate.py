@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlad.imaging.post import postprocess
+from dlad.imaging.post import postprocess, unpack_chw16, unpack_chw32_int8
+from dlad.loadable import Loadable
 from prep.data.coco import LetterboxedArrays
 from prep.evaluate import EvalResult, detections_to_coco, evaluate_detections
 from prep.model import STRIDES
@@ -112,3 +113,47 @@ def restrict_ground_truth(
         "images": [im for im in gt["images"] if int(im["id"]) in keep],
         "annotations": [a for a in gt["annotations"] if int(a["image_id"]) in keep],
     }
+
+
+def emulated_heads(loadable: Loadable, *, threads: int = 2) -> HeadsFn:
+    """The emulated DLA core's path, image by image, as the daemon runs it: quantise the
+    letterboxed canvas to ``DLA_HWC4`` int8 with the loadable's input scale, run the INT8 engine,
+    unpack the ``CHW32`` int8 / ``CHW16`` fp16 head buffers back to float heads."""
+    from dlad.devices.int8_engine import Int8Engine, OutputSpec
+    from dlad.imaging.pre import quantize_hwc4
+    from dlad.loadable import DataType
+
+    specs = [
+        OutputSpec(
+            d.name,
+            d.c,
+            d.h,
+            d.w,
+            "int8" if d.data_type == DataType.INT8 else "fp16",
+            d.scale if d.data_type == DataType.INT8 else None,
+        )
+        for d in loadable.outputs
+    ]
+    inp = loadable.inputs[0]
+    engine = Int8Engine(
+        loadable.sections["graph"],
+        input_scale=loadable.input_scale,
+        input_shape=(inp.c, inp.h, inp.w),
+        outputs=specs,
+        threads=threads,
+    )
+
+    def run(images: np.ndarray) -> list[np.ndarray]:
+        per_level: list[list[np.ndarray]] = [[] for _ in specs]
+        for image in images:
+            buffers = engine.run(quantize_hwc4(image, loadable.input_scale))
+            for level, (spec, buf) in enumerate(zip(specs, buffers, strict=True)):
+                if spec.dtype == "int8":
+                    assert spec.scale is not None  # int8 outputs always carry a scale
+                    head = unpack_chw32_int8(buf, spec.channels, spec.scale)
+                else:
+                    head = unpack_chw16(buf, spec.channels)
+                per_level[level].append(head)
+        return [np.stack(level) for level in per_level]
+
+    return run

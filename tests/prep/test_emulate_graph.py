@@ -6,13 +6,13 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import sliding_window_view
@@ -170,10 +170,9 @@ def small_net_ref(n: Net, s: dict[str, float], qin: np.ndarray) -> list[np.ndarr
         t = dq(pre, x)
         return dq(f"{name}.mul_out", t * dq(f"{name}.sig_out", sigmoid(t)))
 
-    x = qin * np.float32(s["images"])
     a0 = silu("c0_out", int8_conv_ref(qin, s["images"], p["c0.w"], p["c0.b"]), "a0")
-    win = sliding_window_view(np.pad(a0, ((0, 0), (1, 1), (1, 1)), constant_values=-np.inf), (3, 3), axis=(1, 2))
-    p0 = dq("pool_out", win.max(axis=(3, 4)))
+    padded = np.pad(a0, ((0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+    p0 = dq("pool_out", sliding_window_view(padded, (3, 3), axis=(1, 2)).max(axis=(3, 4)))
     qa0 = q(a0, s["a0.mul_out"])
     a1 = silu("c1_out", int8_conv_ref(qa0, s["a0.mul_out"], p["c1.w"], p["c1.b"]), "a1")
     r = dq("add_out", a1 + p0)
@@ -181,7 +180,6 @@ def small_net_ref(n: Net, s: dict[str, float], qin: np.ndarray) -> list[np.ndarr
     up = dq("up_out", a1.repeat(2, axis=1).repeat(2, axis=2))
     h0 = int8_conv_ref(q(cat, s["cat_out"]), s["cat_out"], p["head0.w"], p["head0.b"])
     h1 = int8_conv_ref(q(up, s["up_out"]), s["up_out"], p["head1.w"], np.zeros(5, np.float32))
-    del x
     return [q(h0, s["head0_out"]), q(h1, s["head1_out"])]
 
 
@@ -224,7 +222,7 @@ def qdq_pair() -> dict[str, Any]:
 
 
 _scale = st.one_of(
-    st.floats(1e-5, 1e3, width=32),
+    st.floats(2.0**-16, 1024.0, width=32),
     st.sampled_from([2.0**e for e in range(-12, 6)]),  # x / s exact: true ties
 )
 
@@ -234,7 +232,7 @@ _scale = st.one_of(
     scale=_scale,
     k=st.lists(st.integers(-400, 400), min_size=1, max_size=64),
     frac=st.lists(st.sampled_from([0.0, 0.5, -0.5, 0.4999999, 0.5000001, 0.25]), min_size=1),
-    noise=st.lists(st.floats(-1e6, 1e6, width=32), max_size=16),
+    noise=st.lists(st.floats(-(2.0**20), 2.0**20, width=32), max_size=16),
 )
 def test_uint8_zero_point_128_is_int8_zero_point_0(
     qdq_pair: dict[str, Any], scale: float, k: list[int], frac: list[float], noise: list[float]
@@ -265,7 +263,8 @@ def test_small_network_matches_numpy_reference(
         canvas = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
         hwc4 = quantize_hwc4(canvas, g.input_scale)
         qin = hwc4[:, :8, :3].transpose(2, 0, 1).astype(np.int64)
-        got = [h / np.float32(s.scale) for h, s in zip(heads_of(g, eng.run(hwc4)), g.outputs)]
+        heads = heads_of(g, eng.run(hwc4))
+        got = [h / np.float32(s.scale) for h, s in zip(heads, g.outputs, strict=True)]
         want = small_net_ref(n, scales, qin)
         for a, b in zip(got, want, strict=True):
             diff = np.abs(np.rint(a) - b)
@@ -286,9 +285,7 @@ def test_int8_ops_run_as_integer_kernels(
     assert u8.get("QLinearSigmoid") == 2
     assert u8.get("QLinearAdd") == 1
     assert u8.get("QLinearConcat") == 1
-    s8_graph = build_int8_graph(
-        n.model(outs), scales, [], heads="int8", activation_dtype="int8"
-    )
+    s8_graph = build_int8_graph(n.model(outs), scales, [], heads="int8", activation_dtype="int8")
     s8 = optimized_op_counts(s8_graph.model)
     assert s8.get("Conv") == 4
     assert "QLinearConv" not in s8
@@ -326,79 +323,68 @@ def test_bias_is_int32_with_the_exact_accumulator_scale(
     np.testing.assert_array_equal(inits["c0/bias/scale"], np.float32(scales["images"]) * s_w)
 
 
-def fp16_net(rng: np.random.Generator) -> Net:
-    """One 1x1 conv whose outputs (~1000, fp16 spacing 0.5) fp16 rounding visibly changes."""
-    n = Net(rng, [1, 3, 4, 4])
+def fp16_net(rng: np.random.Generator, offset: float = 1000.0, size: int = 4) -> Net:
+    """One 1x1 conv ``y``; with ``offset`` 1000 its outputs (fp16 spacing 0.5) visibly move."""
+    n = Net(rng, [1, 3, size, size])
     w = (rng.random((4, 3, 1, 1)) + 0.3).astype(np.float32)
-    n.nodes.append(
-        helper.make_node(
-            "Conv",
-            ["images", n.const("c.w", w), n.const("c.b", (1000 + rng.random(4)).astype(np.float32))],
-            ["y"],
-            name="c",
-        )
-    )
+    b = (offset + rng.random(4)).astype(np.float32)
+    inputs = ["images", n.const("c.w", w), n.const("c.b", b)]
+    n.nodes.append(helper.make_node("Conv", inputs, ["y"], name="c"))
     return n
 
 
 def fp16_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
-    h = lambda a: np.asarray(a, np.float16).astype(np.float32)  # noqa: E731
+    """fp16 inputs, weights and bias, wide accumulation, fp16 output."""
+
+    def h(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a, np.float16).astype(np.float32)
+
     return h(conv_ref(h(x), h(w), h(b)).astype(np.float32))
+
+
+def run_on_random_canvas(g: EngineGraph, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The engine's logical heads and the dequantised ``[C, H, W]`` input it saw."""
+    _, h, w = g.input_shape
+    canvas = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    hwc4 = quantize_hwc4(canvas, g.input_scale)
+    x = dequantize_hwc4(hwc4, g.input_scale, w).transpose(2, 0, 1)
+    return heads_of(g, engine(g).run(hwc4)), x
 
 
 def test_fp16_head_rounds_inputs_weights_and_outputs() -> None:
     n = fp16_net(np.random.default_rng(3))
-    scales = {"images": 1 / 127, "y": 2000 / 127}
-    g = build_int8_graph(n.model(["y"]), scales, [], heads="fp16")
+    g = build_int8_graph(n.model(["y"]), {"images": 1 / 127}, [], heads="fp16")
     assert g.fp16_nodes == ("c",)
     assert g.outputs[0].dtype == "fp16"
-    canvas = np.random.default_rng(4).integers(0, 256, (4, 4, 3), dtype=np.uint8)
-    hwc4 = quantize_hwc4(canvas, g.input_scale)
-    (got,) = heads_of(g, engine(g).run(hwc4))
-    x = dequantize_hwc4(hwc4, g.input_scale, 4).transpose(2, 0, 1)
+    (got,), x = run_on_random_canvas(g, 4)
     want16 = fp16_ref(x, n.params["c.w"], n.params["c.b"])
     want32 = conv_ref(x.astype(np.float64), n.params["c.w"], n.params["c.b"])
-    np.testing.assert_array_equal(got, want16)
+    # Equal to the fp16 model but where fp32 summation order crosses an fp16 rounding boundary.
+    assert np.mean(got == want16) >= 0.95
+    assert np.abs(got - want16).max() <= 0.5
     assert np.abs(got - want32).max() >= 0.1  # fp32 arithmetic would give other values
 
 
-def test_interior_fp16_node_feeds_int8_reader() -> None:
-    """An FP16 conv whose fp16 output an INT8 conv quantises: the int8 result follows the fp16
-    value (differs from the fp32 value where rounding crosses a quantisation step)."""
+def test_interior_fp16_node_read_in_int8_and_fp16_output_in_int8() -> None:
+    """FP16 conv ``c`` feeds INT8 conv ``d`` and is itself an int8 head: both read Q(fp16 y),
+    which differs from Q(fp32 y) here (so the engine is seen to round to fp16)."""
     rng = np.random.default_rng(5)
-    n = fp16_net(rng)
-    n.nodes.append(
-        helper.make_node(
-            "Conv", ["y", n.const("d.w", np.ones((2, 4, 1, 1), np.float32))], ["z"], name="d"
-        )
-    )
-    scales = {"images": 1 / 127, "y": 3.3 / 127, "z": 4 * 1300 / 127}
-    g = build_int8_graph(n.model(["z"]), scales, ["c"], heads="int8")
-    assert g.fp16_nodes == ("c",)
-    assert g.int8_nodes == ("d",)
-    canvas = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
-    hwc4 = quantize_hwc4(canvas, g.input_scale)
-    (got,) = heads_of(g, engine(g).run(hwc4))
-    x = dequantize_hwc4(hwc4, g.input_scale, 4).transpose(2, 0, 1)
+    n = fp16_net(rng, offset=0.0, size=16)
+    w_d = rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32)
+    n.nodes.append(helper.make_node("Conv", ["y", n.const("d.w", w_d)], ["z"], name="d"))
+    scales = {"images": 1 / 127, "y": 4.0 / 127, "z": 6.0 / 127}
+    g = build_int8_graph(n.model(["z", "y"]), scales, ["c"], heads="int8")
+    assert (g.fp16_nodes, g.int8_nodes) == (("c",), ("d",))
+    (z, y), x = run_on_random_canvas(g, 6)
     y16 = fp16_ref(x, n.params["c.w"], n.params["c.b"])
+    y32 = conv_ref(x.astype(np.float64), n.params["c.w"], n.params["c.b"])
     qy = q(y16, scales["y"])
-    assert qy.max() == 127  # saturated: y ~ 1000 >> 3.3; a finer check follows
-    want = q(int8_conv_ref(qy, scales["y"], n.params["d.w"], np.zeros(2, np.float32)), scales["z"])
-    np.testing.assert_array_equal(np.rint(got / np.float32(scales["z"])), want)
-
-
-def test_fp16_node_output_quantised_for_int8_head() -> None:
-    """heads='int8' with the head node in FP16: Q(fp16 value), differing from Q(fp32 value)."""
-    n = fp16_net(np.random.default_rng(6))
-    scales = {"images": 1 / 127, "y": 1001.0 / 127 / 64}  # step ~0.12 < fp16 spacing 0.5
-    scales["y"] = 1100.0 / 127
-    g = build_int8_graph(n.model(["y"]), scales, ["c"], heads="int8")
-    canvas = np.random.default_rng(7).integers(0, 256, (4, 4, 3), dtype=np.uint8)
-    hwc4 = quantize_hwc4(canvas, g.input_scale)
-    (got,) = heads_of(g, engine(g).run(hwc4))
-    x = dequantize_hwc4(hwc4, g.input_scale, 4).transpose(2, 0, 1)
-    want = q(fp16_ref(x, n.params["c.w"], n.params["c.b"]), scales["y"])
-    np.testing.assert_array_equal(np.rint(got / np.float32(scales["y"])), want)
+    assert np.any(qy != q(y32, scales["y"]))
+    np.testing.assert_array_equal(np.rint(y / np.float32(scales["y"])), qy)
+    want_z = q(int8_conv_ref(qy, scales["y"], w_d, np.zeros(2, np.float32)), scales["z"])
+    diff = np.abs(np.rint(z / np.float32(scales["z"])) - want_z)
+    assert diff.max() <= 1
+    assert np.mean(diff == 0) >= 0.99
 
 
 # ------------------------------------------------------------------------------------- errors
@@ -407,7 +393,8 @@ def test_fp16_node_output_quantised_for_int8_head() -> None:
     [
         ("images", [], "int8", "input 'images' has no INT8 scale"),
         ("c0_out", [], "int8", r"'c0'.*output 'c0_out' has no INT8 scale"),
-        ("a0.mul_out", [], "int8", r"'a0.mul_out'.*no INT8 scale.*node 'c1'"),
+        ("a0.mul_out", [], "int8", r"'a0.mul_out' .*no INT8 scale but node 'pool'"),
+        ("cat_out", [], "int8", r"'cat_out' .*no INT8 scale but node 'head0' \(Conv\)"),
         ("head0_out", [], "int8", "head 'head0_out' has no output scale"),
         (None, ["nope"], "int8", r"fp16_nodes names no node.*'nope'"),
     ],
@@ -432,7 +419,7 @@ def test_fp16_nodes_and_heads_need_no_scales(
     no_head = {k: v for k, v in scales.items() if k not in ("head0_out", "head1_out")}
     g = build_int8_graph(n.model(outs), no_head, [], heads="fp16")
     assert [s.dtype for s in g.outputs] == ["fp16", "fp16"]
-    # c1 in FP16 may read a0 without... a0 has a scale; drop c1's own output scale instead
+    # an FP16 conv (and its SiLU) need no output scale; their INT8 readers use a1's
     no_c1 = {k: v for k, v in scales.items() if k != "c1_out"}
     g = build_int8_graph(n.model(outs), no_c1, ["c1", "a1.sig", "a1.mul"], heads="int8")
     assert {"c1", "a1.sig", "a1.mul"} <= set(g.fp16_nodes)
@@ -470,24 +457,27 @@ def test_unsupported_models() -> None:
     g = Net(np.random.default_rng(9), [1, 3, 4, 4])
     flat = g.op("Flatten", ["images"], "flat")
     g.nodes.append(
-        helper.make_node("Gemm", [flat, g.const("w", np.ones((48, 2), np.float32))], ["y"], name="fc")
+        helper.make_node(
+            "Gemm", [flat, g.const("w", np.ones((48, 2), np.float32))], ["y"], name="fc"
+        )
     )
-    with pytest.raises(EmulationGraphError, match="'fc' .Gemm. has no INT8 emulation"):
-        build_int8_graph(g.model(["y"]), {"images": 0.1, "flat_out": 0.1, "y": 1.0}, [], heads="fp16")
+    with pytest.raises(EmulationGraphError, match=r"'fc' \(Gemm\) has no INT8 emulation"):
+        build_int8_graph(
+            g.model(["y"]), {"images": 0.1, "flat_out": 0.1, "y": 1.0}, [], heads="int8"
+        )
 
 
 # ------------------------------------------------------------------ end to end against torch
-class DlaSiLU:
+class DlaSiLU(torch.nn.Module):
     """SiLU as the DLA computes it from the scales: the conv output in INT8 at its scale, the
     Sigmoid output in INT8 at 1/127 (a torch reference, independent of onnxruntime)."""
 
     def __init__(self, scale: float) -> None:
-        self.scale = np.float32(scale)
+        super().__init__()
+        self.scale = float(np.float32(scale))
 
-    def __call__(self, x: Any) -> Any:
-        import torch
-
-        t = torch.clamp(torch.round(x / float(self.scale)), -128, 127) * float(self.scale)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(torch.round(x / self.scale), -128, 127) * self.scale
         return t * torch.clamp(torch.round(torch.sigmoid(t) * 127), -128, 127) / 127
 
 
@@ -524,14 +514,16 @@ def qat_yolo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("qat") / "qat.onnx"
     export_onnx(qmodel, path, 64)
     result = translate(path)
-    return {"qmodel": qmodel, "ptq": result.model, "scales": result.int8_tensor_scales,
-            "fp16_nodes": result.fp16_nodes}
+    return {
+        "qmodel": qmodel,
+        "ptq": result.model,
+        "scales": result.int8_tensor_scales,
+        "fp16_nodes": result.fp16_nodes,
+    }
 
 
 def _images(g: EngineGraph, count: int, seed: int) -> list[tuple[np.ndarray, Any]]:
     """Fresh random canvases as DLA_HWC4 bytes and as the dequantised torch input."""
-    import torch
-
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
@@ -541,7 +533,9 @@ def _images(g: EngineGraph, count: int, seed: int) -> list[tuple[np.ndarray, Any
     return out
 
 
-def _steps(got: list[np.ndarray], want: Sequence[Any], g: EngineGraph, scales: dict[str, float]) -> np.ndarray:
+def _steps(
+    got: list[np.ndarray], want: Sequence[Any], g: EngineGraph, scales: dict[str, float]
+) -> np.ndarray:
     return np.concatenate(
         [
             (np.abs(a - w[0].detach().numpy()) / np.float32(scales[s.name])).ravel()
@@ -559,8 +553,6 @@ def test_int8_heads_agree_with_torch_fake_quant(qat_yolo: dict[str, Any]) -> Non
     * vs the plain fake-quant QAT model, which does not quantise a conv's output before its
       SiLU nor the Sigmoid: mean <= 1.5 steps, >= 95% within 3 steps.
     """
-    import torch
-
     scales = qat_yolo["scales"]
     g = build_int8_graph(qat_yolo["ptq"], scales, qat_yolo["fp16_nodes"], heads="int8")
     eng = engine(g)
@@ -591,8 +583,6 @@ def test_int8_heads_agree_with_torch_fake_quant(qat_yolo: dict[str, Any]) -> Non
 def test_fp16_heads_agree_with_torch(qat_yolo: dict[str, Any]) -> None:
     """heads='fp16': head convs on fp16 inputs/weights, fp16 output, no output quantisation;
     vs the DLA-semantics torch model with fp16 head convs: mean <= 0.75 int8 step."""
-    import torch
-
     scales = qat_yolo["scales"]
     g = build_int8_graph(qat_yolo["ptq"], scales, qat_yolo["fp16_nodes"], heads="fp16")
     assert [s.dtype for s in g.outputs] == ["fp16"] * 3
@@ -602,11 +592,13 @@ def test_fp16_heads_agree_with_torch(qat_yolo: dict[str, Any]) -> None:
     for name in (n for n in scales if n.endswith(suffix)):
         dla.get_submodule(_module_of(name, suffix)).act = DlaSiLU(scales[name])
 
-    def fp16_head(conv: Any) -> Callable[[Any], Any]:
-        def run(x: Any) -> Any:
-            h = lambda t: t.half().float()  # noqa: E731
-            y = torch.nn.functional.conv2d(h(conv.input_quantizer(x)), h(conv.weight), h(conv.bias))
-            return h(y)
+    def h(t: torch.Tensor) -> torch.Tensor:
+        return t.half().float()
+
+    def fp16_head(conv: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            xq = h(conv.input_quantizer(x))
+            return h(torch.nn.functional.conv2d(xq, h(conv.weight), h(conv.bias)))
 
         return run
 
