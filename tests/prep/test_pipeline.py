@@ -103,7 +103,21 @@ def test_smoke_chain_end_to_end_then_skips(tmp_path: Path) -> None:
     assert any(line.startswith("images: ") for line in cache)
     assert {"s8", "s16", "s32"} <= {line.split(": ")[0] for line in cache}
     metrics = json.loads((work / "validate/metrics.json").read_text())
-    assert set(metrics["rows"]) == {"fp32", "qat_fakequant"}
+    assert set(metrics["rows"]) == {
+        "fp32",
+        "qat_fakequant",
+        "int8_emulated_int8_heads",
+        "int8_emulated_fp16_heads",
+        "int8_emulated_fp16_heads_last_c3",
+    }
+    lat = {
+        k: v["modelled_dla_latency_ms"] for k, v in metrics["rows"].items() if k.startswith("int8")
+    }
+    assert (
+        lat["int8_emulated_int8_heads"]
+        < lat["int8_emulated_fp16_heads"]
+        < lat["int8_emulated_fp16_heads_last_c3"]
+    )
     stamps = {p: p.stat().st_mtime_ns for p in work.rglob("manifest.json")}
     assert main(["all", "--preset", "smoke", "--workdir", str(work), "-q"]) == 0
     assert {p: p.stat().st_mtime_ns for p in work.rglob("manifest.json")} == stamps
