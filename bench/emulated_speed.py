@@ -47,6 +47,8 @@ def _session(
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    # As Int8Engine does, so that every variant runs under the same thread policy.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     for key, value in (config or {}).items():
         opts.add_session_config_entry(key, value)
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])

@@ -37,7 +37,10 @@ ties of ``x / s``. INT8 activations use uint8 with zero point 128 instead of int
 0 (``activation_dtype="uint8"``, the default): ``q_u8 = q_s8 + 128`` for every value, saturation
 included, because 128 is an integer, and onnxruntime's x86 INT8 kernels are fast only for uint8
 activations (int8 activations are not fused and run slower than fp32; ``"int8"`` builds that
-TensorRT-style graph for comparison).
+TensorRT-style graph for comparison). One caveat of onnxruntime's uint8 x int8 kernels: on x86
+CPUs without VNNI they sum pairs of products in int16 (``vpmaddubsw``), which can saturate, so
+there rare accumulators may differ from the exact integer result (onnxruntime's quantization
+guide; VNNI CPUs such as this project's machines accumulate in int32 and are exact).
 
 No onnxruntime is needed to build a graph; :func:`optimized_op_counts` uses it to show which
 kernels a graph actually runs on.
@@ -173,7 +176,6 @@ class _Builder:
         zp = np.array(128, np.uint8) if unsigned else np.array(0, np.int8)
         self.zero_point = self.const("activation_zero_point", zp)
         self.tensors: dict[str, _Tensor] = {}
-        self.readers: dict[str, list[str]] = {}
 
     def fresh(self, base: str) -> str:
         name, k = base, 1
@@ -377,6 +379,8 @@ def build_int8_graph(
                 continue
             int8 = not fp16 and o in scales
             if node.op_type == "Conv" and not fp16 and not int8:
+                if o in out_names:
+                    raise _no_head_scale(o)
                 raise EmulationGraphError(
                     f"{where}: its output {o!r} has no INT8 scale; give it one or list the node "
                     "in fp16_nodes"
@@ -401,10 +405,9 @@ def build_int8_graph(
         )
         for s in outputs
     ]
+    used = {x for n in b.nodes for x in n.input}
     inits = [
-        numpy_helper.from_array(np.asarray(v, order="C"), k)
-        for k, v in consts.items()
-        if any(k in n.input for n in b.nodes)
+        numpy_helper.from_array(np.asarray(v, order="C"), k) for k, v in consts.items() if k in used
     ]
     new_graph = helper.make_graph(
         b.nodes, f"{graph.name or 'model'}_dla_int8", [new_input], out_vis, inits + b.initializers
@@ -493,6 +496,13 @@ def _int8_conv_inputs(
     return out
 
 
+def _no_head_scale(name: str) -> EmulationGraphError:
+    return EmulationGraphError(
+        f"head {name!r} has no output scale, so it cannot be an int8 (CHW32) output; use "
+        "heads='fp16' or export the QAT model with head output quantizers"
+    )
+
+
 def _emit_outputs(
     b: _Builder, graph_outputs: Any, heads: HeadPrecision, scales: Mapping[str, float]
 ) -> list[OutputSpec]:
@@ -510,10 +520,7 @@ def _emit_outputs(
         reader = f"the {heads} head output {vi.name!r}"
         if heads == "int8":
             if vi.name not in scales:
-                raise EmulationGraphError(
-                    f"head {vi.name!r} has no output scale, so it cannot be an int8 (CHW32) "
-                    "output; use heads='fp16' or export the QAT model with head quantizers"
-                )
+                raise _no_head_scale(vi.name)
             if "q" in t.views:  # also read inside the graph: one Q keeps the Conv fusable
                 b.add("Identity", [t.views["q"]], vi.name)
             else:

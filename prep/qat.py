@@ -43,6 +43,12 @@ class QATConfig:
     calib_method: str = "mse"  # histogram -> amax: "mse", "entropy" or "percentile"
     all_layers: bool = False
     quantize_heads: bool = True
+    """Calibrate Q/DQ on the heads' outputs, so the translator gives s8/s16/s32 scales and
+    INT8 ``CHW32`` heads can be built."""
+    train_head_quant: bool = False
+    """Keep the head-output quantizers on during fine-tuning and fake-quant evaluation. Off by
+    default: the QAT model then stands for FP16 heads (the sample's deployment), and what INT8
+    heads cost is measured separately (the head-precision table); they are on for export."""
     epochs: int = 2
     iters_per_epoch: int = 100
     batch_size: int = 16
@@ -471,6 +477,21 @@ def quantizer_summary(qmodel: nn.Module) -> dict[str, int]:
     }
 
 
+def set_head_output_quant(qmodel: nn.Module, enabled: bool) -> int:
+    """Switch the heads' output quantizers on or off (their calibrated amax is kept)."""
+    n = 0
+    for name, module in qmodel.named_modules():
+        if name.startswith("model.24.m.") and name.endswith("output_quantizer"):
+            if getattr(module, "amax", None) is None:
+                continue
+            if enabled:
+                module.enable()
+            else:
+                module.disable()
+            n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------ checkpoints
 QAT_FORMAT = "dlad-prep-yolov5-qat/1"
 
@@ -516,4 +537,7 @@ def load_qat(path: Any) -> tuple[YOLOv5, dict[str, Any]]:
         if isinstance(mod, TensorQuantizer) and f"{name}._amax" in sd:
             mod.amax = sd[f"{name}._amax"].clone()
     qmodel.load_state_dict(sd, strict=True)
+    cfg = QATConfig(**data["qat_config"])
+    if cfg.quantize_heads:
+        set_head_output_quant(qmodel, cfg.train_head_quant)
     return qmodel.eval(), dict(data["extra"])

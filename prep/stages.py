@@ -172,6 +172,8 @@ def run_qat(chain: Chain, record: StageRecord) -> Result:
     qmodel.to(device)
     draw = qat.batch_sampler(arrays.images, cfg.batch_size, cfg.seed, str(device))
     n_cal = qat.calibrate(qmodel, (draw() for _ in range(cfg.calib_batches)), cfg.calib_method)
+    if cfg.quantize_heads and not cfg.train_head_quant:
+        qat.set_head_output_quant(qmodel, False)
     teacher = copy.deepcopy(ckpt.model).eval().fuse().to(device)
     history = qat.finetune(qmodel, teacher, draw, cfg, progress=chain._progress("qat"))
     qat.refresh_weight_amax(qmodel)
@@ -203,11 +205,13 @@ def run_export(chain: Chain, record: StageRecord) -> Result:
     import copy
 
     from prep.export import count_ops, export_onnx
-    from prep.qat import load_qat
+    from prep.qat import load_qat, set_head_output_quant
     from prep.train import load_checkpoint
 
     ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
+    # Head-output Q/DQ always goes into the export: it gives the translator the heads' scales.
+    set_head_output_quant(qmodel, True)
     size = ckpt.image_size
     fp32 = export_onnx(copy.deepcopy(ckpt.model).fuse(), record.out_dir / "fp32.onnx", size)
     qdq = export_onnx(qmodel, record.out_dir / "qat.onnx", size)
