@@ -84,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--core", type=int, choices=(0, 1), default=0)
             sp.add_argument("--out", type=Path, help="loadable path for --onnx")
     profile_cmd.add_parser(sub)
+    bp = sub.add_parser(
+        "bundle",
+        parents=[common],
+        help="copy a finished run's loadables and samples into a model dir",
+    )
+    bp.add_argument("--out", type=Path, default=Path("dlad/models/demo"), help="bundle directory")
+    bp.add_argument("--variant", default="fp16_heads", help="head variant to bundle")
     sub.add_parser("all", parents=[common], help="run every stage in order (skips current ones)")
     sub.add_parser("config", parents=[common], help="print the effective settings")
     return p
@@ -159,6 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _translate_file(args, cfg.translate.trt_version)
         if args.command == "build" and args.onnx is not None:
             return _build_file(args)
+        if args.command == "bundle":
+            from prep.bundle import bundle
+
+            command = (
+                f"prep all --preset {args.preset} --workdir {args.workdir} && "
+                f"prep bundle --preset {args.preset} --workdir {args.workdir} --out {args.out}"
+            )
+            bundle(args.workdir, args.out, variant=args.variant, command=command)
+            print(f"wrote {args.out}")
+            return 0
         chain = Chain(args.workdir, cfg, progress=_progress_factory(args.quiet), force=args.force)
         if args.command == "all":
             chain.run_all()

@@ -1,0 +1,8 @@
+"""Models that ship with dlad (see each directory's README.md); ``demo`` is the default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODELS_DIR = Path(__file__).parent
+DEMO = MODELS_DIR / "demo"

@@ -1,0 +1,82 @@
+"""The bundled demo model: loads on both cores, and its emulated INT8 core detects what the QAT
+fake-quant model (torch, recorded at bundle time by ``prep bundle``) detects."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dlad.devices.int8_engine import Int8Engine, OutputSpec
+from dlad.imaging.post import postprocess, unpack_chw16
+from dlad.imaging.pre import letterbox, quantize_hwc4
+from dlad.loadable import DataType, Loadable, read_loadable
+from dlad.models import DEMO
+
+EXPECTED = json.loads((DEMO / "expected_detections.json").read_text())
+
+
+def _detect(loadable: Loadable, rgb: np.ndarray) -> np.ndarray:
+    specs = [OutputSpec(d.name, d.c, d.h, d.w, "fp16", None) for d in loadable.outputs]
+    inp = loadable.inputs[0]
+    engine = Int8Engine(
+        loadable.sections["graph"],
+        input_scale=loadable.input_scale,
+        input_shape=(inp.c, inp.h, inp.w),
+        outputs=specs,
+    )
+    canvas, geometry = letterbox(rgb, loadable.image_size[0])
+    buffers = engine.run(quantize_hwc4(canvas, loadable.input_scale))
+    heads = [unpack_chw16(b, s.channels) for s, b in zip(specs, buffers, strict=True)]
+    return postprocess(
+        heads,
+        np.asarray(loadable.anchors_px, np.float32),
+        loadable.strides,
+        geometry,
+        conf_threshold=EXPECTED["conf_threshold"],
+        iou_threshold=EXPECTED["iou_threshold"],
+        max_det=EXPECTED["max_det"],
+    )
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> float:
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = w * h
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+@pytest.fixture(scope="module")
+def loadable() -> Loadable:
+    return read_loadable(DEMO / "fp16_heads.dla0.emu", expect_core=0)
+
+
+def test_one_loadable_per_core() -> None:
+    for core in (0, 1):
+        lo = read_loadable(DEMO / f"fp16_heads.dla{core}.emu", expect_core=core)
+        assert lo.heads == "fp16"
+        assert all(d.data_type == DataType.HALF for d in lo.outputs)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED["images"]))
+def test_emulated_core_matches_fake_quant(loadable: Loadable, name: str) -> None:
+    rgb = np.asarray(Image.open(DEMO / "images" / name).convert("RGB"))
+    got = _detect(loadable, rgb)
+    recorded = np.asarray(EXPECTED["images"][name]["emulated_int8"], np.float32).reshape(-1, 6)
+    # Regression: the engine gives what it gave at bundle time (same bytes in, same math).
+    np.testing.assert_allclose(got, recorded, atol=2e-3)
+    # Fidelity: every fake-quant detection clear of the threshold is found by the INT8 core,
+    # same class, IoU >= 0.85, score within 0.06; only near-threshold boxes may come or go.
+    fq = np.asarray(EXPECTED["images"][name]["qat_fakequant"], np.float32).reshape(-1, 6)
+    margin = EXPECTED["conf_threshold"] + 0.06
+    for det in fq:
+        same = [g for g in got if g[5] == det[5] and _iou(g, det) >= 0.85]
+        if det[4] >= margin:
+            assert same, f"{name}: fake-quant box {det} not found by the INT8 core"
+        if same:
+            assert abs(float(same[0][4]) - float(det[4])) <= 0.06
+    for g in got:
+        if g[4] >= margin:
+            assert any(d[5] == g[5] and _iou(g, d) >= 0.85 for d in fq), f"{name}: extra box {g}"
