@@ -1,0 +1,689 @@
+"""dlad's configuration: one frozen, typed tree read once from a TOML file, and the plan derived
+from it.
+
+:func:`load_config` reads a file (``etc/dlad.toml`` is the default: an emulated Orin AGX) into a
+:class:`Config`; :meth:`Config.plan` resolves paths and reads the loadables into a
+:class:`Plan`. A config is never changed after loading: everything derived from it (absolute
+paths, parsed loadable headers, service-time seeds) lives in the plan.
+
+The TOML layout is the class tree below, one table per class, with every key documented on its
+field. ``[devices.<name>]`` and ``[models.<name>]`` are tables of tables whose key is the name.
+Every problem is a :class:`ConfigError` whose text names the file and the key path::
+
+    etc/dlad.toml: devices.dla1.core: must be 0 or 1, got 2
+
+Only the standard library and numpy (through :mod:`dlad.loadable`) are imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Final, Literal
+
+from dlad.loadable import Loadable, LoadableError, read_loadable
+from dlad.models import MODELS_DIR
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the daemon's Python on JetPack 6 is 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "BUNDLED_PREFIX", "Config", "ConfigError", "DaemonConfig", "DeviceConfig", "FaultConfig",
+    "FrontendConfig", "LoadablesConfig", "LoggingConfig", "MetricsConfig", "ModelConfig",
+    "Placement", "Plan", "PrePostConfig", "endpoint_problem", "load_config", "parse_config",
+]  # fmt: skip
+
+BUNDLED_PREFIX: Final = "bundled:"
+"""A loadable path ``bundled:<model>/<file>`` names a file of a model that ships with dlad
+(``dlad/models/<model>/``; ``bundled:demo/...`` is :data:`dlad.models.DEMO`)."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_HOST = re.compile(r"\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_IPC_PATH_MAX: Final = 107
+"""``sun_path`` is 108 bytes on Linux, NUL included."""
+_KEY: Final = {"from_key": True}
+"""Field metadata: the field is the table's key in its parent (``[devices.<name>]``)."""
+_NOT_TOML: Final = {"toml": False}
+"""Field metadata: set by the loader, never read from the file."""
+
+
+class ConfigError(ValueError):
+    """A configuration that dlad cannot run with. ``str()`` is ``"<file>: <key path>: <reason>"``
+    (parts that are unknown are left out); the attributes hold the parts."""
+
+    def __init__(self, reason: str, *, key: str = "", file: str | None = None) -> None:
+        self.reason = reason
+        """What is wrong, for a reader."""
+        self.key = key
+        """The key path (``devices.dla1.core``, ``frontend.endpoints[0]``); "" for the file."""
+        self.file = file
+        """The config file as it was named to :func:`load_config`, or None for an in-memory one."""
+        super().__init__(": ".join(p for p in (file, key, reason) if p))
+
+    def within(self, prefix: str) -> ConfigError:
+        """The same error with its key path under ``prefix``."""
+        return ConfigError(self.reason, key=_join(prefix, self.key), file=self.file)
+
+    def in_file(self, file: str) -> ConfigError:
+        """The same error, naming ``file``."""
+        return ConfigError(self.reason, key=self.key, file=file)
+
+
+def _join(prefix: str, key: str) -> str:
+    """``prefix`` and ``key`` as one key path (``key`` already quoted, or an ``[index]``)."""
+    if not prefix or not key:
+        return prefix or key
+    return f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}"
+
+
+def _quote(name: str) -> str:
+    """A TOML key as it would be written: bare when it can be, quoted otherwise."""
+    if _BARE_KEY.fullmatch(name):
+        return name
+    # JSON string escapes are TOML basic-string escapes, but TOML also forbids a raw DEL.
+    return json.dumps(name, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _check(ok: bool, key: str, reason: str) -> None:
+    if not ok:
+        raise ConfigError(reason, key=key)
+
+
+def _positive(value: float, key: str) -> None:
+    _check(value > 0, key, f"must be > 0, got {value!r}")
+
+
+def _at_least_one(value: int, key: str) -> None:
+    _check(value >= 1, key, f"must be >= 1, got {value!r}")
+
+
+def _rate(value: float, key: str) -> None:
+    _check(0.0 <= value <= 1.0, key, f"must be in [0, 1], got {value!r}")
+
+
+def _text(value: str, key: str) -> None:
+    _check(bool(value.strip()) and value.isprintable(), key, "must be non-empty printable text")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a ZeroMQ endpoint dlad can bind, or None if it is one:
+    ``tcp://host:port`` (host ``*``, a name, an IPv4 address or ``[IPv6]``; port 1-65535 or ``*``),
+    ``ipc://path`` (at most 107 bytes, or ``*``) or ``inproc://name``."""
+    transport, sep, address = endpoint.partition("://")
+    if not sep or not address:
+        return "must be tcp://host:port, ipc://path or inproc://name"
+    if transport == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not _HOST.fullmatch(host):
+            return "a tcp endpoint is tcp://host:port (host: *, a name, an IPv4 address or [IPv6])"
+        if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
+            return f"tcp port must be 1-65535 or *, got {port!r}"
+        return None
+    if transport == "ipc":
+        if len(os.fsencode(address)) > _IPC_PATH_MAX or "\0" in address:
+            return f"an ipc path is at most {_IPC_PATH_MAX} bytes without NUL"
+        return None
+    if transport == "inproc":
+        return None
+    return f"unknown transport {transport!r} (tcp, ipc or inproc)"
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonConfig:
+    """``[daemon]``: the process as a whole."""
+
+    name: str = "dlad"
+    """This daemon's name in logs and STATUS replies (one per device in a fleet)."""
+    drain_timeout_s: float = 10.0
+    """On the first SIGTERM/SIGINT, how long in-flight requests may take to finish before the
+    daemon stops anyway (> 0). Keep it below the orchestrator's kill grace period."""
+    default_deadline_ms: float = 1000.0
+    """The deadline of a request that carries none, from its arrival (> 0, <= max_deadline_ms)."""
+    max_deadline_ms: float = 60000.0
+    """Longer requested deadlines are shortened to this (> 0)."""
+
+    def __post_init__(self) -> None:
+        _text(self.name, "name")
+        _positive(self.drain_timeout_s, "drain_timeout_s")
+        _positive(self.default_deadline_ms, "default_deadline_ms")
+        _positive(self.max_deadline_ms, "max_deadline_ms")
+        _check(self.default_deadline_ms <= self.max_deadline_ms, "default_deadline_ms",
+               f"must be <= max_deadline_ms ({self.max_deadline_ms:g}), "
+               f"got {self.default_deadline_ms:g}")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontendConfig:
+    """``[frontend]``: the ZeroMQ ROUTER socket clients talk to."""
+
+    endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
+    """Where the ROUTER socket binds, one or more, distinct. tcp loopback is the default because
+    it is faster and steadier than ipc on the project's VMs (reference/environment.md §8). A
+    relative ipc path is relative to the config file's directory."""
+    sndhwm: int = 128
+    """ZMQ_SNDHWM: replies queued per client before ZeroMQ pushes back (>= 1; never 0, which
+    ZeroMQ reads as unbounded)."""
+    rcvhwm: int = 128
+    """ZMQ_RCVHWM: requests queued in the socket before TCP pushes back on clients (>= 1)."""
+    max_message_bytes: int = 64 * 2**20
+    """ZMQ_MAXMSGSIZE: a larger message drops its sender's connection. Must hold a
+    max_image_width x max_image_height x 3 image."""
+    max_image_width: int = 4096
+    """The widest image an INFER request may carry, in pixels (>= 1)."""
+    max_image_height: int = 4096
+    """The tallest image an INFER request may carry, in pixels (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.endpoints), "endpoints", "needs at least one endpoint")
+        for i, endpoint in enumerate(self.endpoints):
+            problem = endpoint_problem(endpoint)
+            _check(problem is None, f"endpoints[{i}]", f"{problem}, got {endpoint!r}")
+            _check(endpoint not in self.endpoints[:i], f"endpoints[{i}]", f"{endpoint} twice")
+        for key in ("sndhwm", "rcvhwm", "max_message_bytes", "max_image_width", "max_image_height"):
+            _at_least_one(getattr(self, key), key)
+        largest = self.max_image_width * self.max_image_height * 3
+        _check(self.max_message_bytes >= largest, "max_message_bytes",
+               f"{self.max_message_bytes} cannot hold a {self.max_image_width}x"
+               f"{self.max_image_height}x3 image ({largest} bytes)")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoggingConfig:
+    """``[logging]``: structlog output on stderr."""
+
+    format: Literal["console", "json"] = "console"
+    """``console``: aligned, coloured on a terminal, for people; ``json``: one object a line,
+    for collectors."""
+    level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    """The least severe level written."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsConfig:
+    """``[metrics]``: reserved for the Prometheus endpoint (not served yet)."""
+
+    enabled: bool = False
+    """Serve metrics and health over HTTP."""
+    port: int = 9464
+    """The HTTP port on loopback (1-65535)."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.port <= 65535, "port", f"must be 1-65535, got {self.port}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrePostConfig:
+    """``[pre_post]``: letterbox/quantise before, decode/NMS after the device."""
+
+    backend: Literal["auto", "cpu", "cuda"] = "auto"
+    """``cuda``: kernels on the gpu device (needs one whose backend is not ``cpu``); ``cpu``: the
+    numpy reference; ``auto``: cuda when CUDA is present at start, else cpu."""
+    threads: int = 2
+    """CPU threads for the numpy path (>= 1); never the event loop's."""
+
+    def __post_init__(self) -> None:
+        _at_least_one(self.threads, "threads")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultConfig:
+    """``[devices.<name>.faults]``: fault injection on an emulated device, for tests. Each task
+    draws once: it fails with probability error_rate, hangs (until task_timeout_ms) with
+    probability hang_rate, else runs."""
+
+    error_rate: float = 0.0
+    """Probability that a task fails with a device error (in [0, 1])."""
+    hang_rate: float = 0.0
+    """Probability that a task never completes (in [0, 1]; error_rate + hang_rate <= 1)."""
+    seed: int | None = None
+    """Seed of the draws (>= 0) for reproducible runs; unset: a fresh one every start."""
+
+    def __post_init__(self) -> None:
+        _rate(self.error_rate, "error_rate")
+        _rate(self.hang_rate, "hang_rate")
+        total = self.error_rate + self.hang_rate
+        _check(total <= 1.0, "hang_rate", f"error_rate + hang_rate must be <= 1, got {total:g}")
+        _check(self.seed is None or self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+
+    @property
+    def active(self) -> bool:
+        """Whether any fault can be injected."""
+        return self.error_rate > 0 or self.hang_rate > 0
+
+
+_DLA_BACKENDS: Final = ("auto", "emulated", "cudla")
+_GPU_BACKENDS: Final = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceConfig:
+    """``[devices.<name>]``: one accelerator, owned by one worker thread."""
+
+    name: str = field(metadata=_KEY)
+    """The table's key (``dla0``); how logs, replies and ``[models]`` name the device."""
+    kind: Literal["dla", "gpu"]
+    """``dla``: a DLA core; ``gpu``: the GPU, which runs pre/post-processing and any model that
+    lists it."""
+    backend: Literal["auto", "emulated", "cudla", "cuda", "cpu"] = "auto"
+    """dla: ``cudla`` (libcudla on a Jetson), ``emulated`` (the software DLA core) or ``auto``
+    (cudla where libcudla loads, else emulated). gpu: ``cuda``, ``cpu`` or ``auto`` (cuda where
+    present, else cpu)."""
+    core: int | None = None
+    """The DLA core index, 0 or 1, each used once; required for a dla, absent for the gpu."""
+    queue_depth: int = 4
+    """Jobs waiting for this device at most (>= 1); beyond it requests get OVERLOADED."""
+    latency_us: float | None = None
+    """Emulated service time of one task in microseconds (> 0); unset: the loadable's modelled
+    latency. Also the scheduler's first service-time estimate."""
+    mode: Literal["numeric", "timing"] = "numeric"
+    """Emulated only. ``numeric``: compute real outputs (INT8 engine); ``timing``: take the
+    service time and write outputs of the right formats and sizes without computing them."""
+    threads: int = 1
+    """Emulated only: onnxruntime intra-op threads of the numeric engine (>= 1)."""
+    task_timeout_ms: float = 1000.0
+    """A task not complete after this long fails the device with a timeout (> 0)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Fault injection (emulated devices only)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "dla":
+            _check(self.core is not None, "core", "required for a dla device (0 or 1)")
+            _check(self.core in (0, 1), "core", f"must be 0 or 1, got {self.core}")
+            allowed = _DLA_BACKENDS
+        else:
+            _check(self.core is None, "core", "only a dla device has a core")
+            allowed = _GPU_BACKENDS
+        _check(self.backend in allowed, "backend",
+               f"a {self.kind} device's backend is one of {', '.join(allowed)}, "
+               f"got {self.backend!r}")  # fmt: skip
+        _at_least_one(self.queue_depth, "queue_depth")
+        if self.latency_us is not None:
+            _positive(self.latency_us, "latency_us")
+        _at_least_one(self.threads, "threads")
+        _positive(self.task_timeout_ms, "task_timeout_ms")
+        if self.backend in ("cudla", "cuda"):
+            # Real hardware takes its own time and has its own faults: asking to emulate
+            # either on it is a config mistake, not something to ignore quietly.
+            emulation = {"mode": self.mode == "timing", "latency_us": self.latency_us is not None,
+                         "faults": self.faults.active}  # fmt: skip
+            for key, emulated in emulation.items():
+                _check(not emulated, key, f"emulation only; backend {self.backend!r} is real")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadablesConfig:
+    """``[models.<name>.loadables]``: the model's emulated loadable (``.emu``) for each DLA core.
+    A path is absolute, relative to the config file's directory, or ``bundled:<model>/<file>``."""
+
+    core0: str | None = None
+    """The loadable built for DLA core 0."""
+    core1: str | None = None
+    """The loadable built for DLA core 1."""
+
+    def __post_init__(self) -> None:
+        _check(self.core0 is not None or self.core1 is not None, "", "needs core0 or core1")
+        for key in ("core0", "core1"):
+            value = getattr(self, key)
+            _check(value is None or bool(value.strip()), key, "must be a non-empty path")
+
+    def for_core(self, core: int) -> str | None:
+        """The configured path of ``core``'s loadable, or None."""
+        return self.core0 if core == 0 else self.core1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """``[models.<name>]``: one logical model, served by a pool of devices."""
+
+    name: str = field(metadata=_KEY)
+    """The table's key; what INFER requests name."""
+    loadables: LoadablesConfig
+    """Its loadables; every dla device that serves it needs the one for its core."""
+    devices: tuple[str, ...]
+    """The devices that serve it (names from ``[devices]``, distinct, at least one)."""
+    conf_threshold: float = 0.25
+    """Default confidence threshold of a request that sets none (in [0, 1))."""
+    iou_threshold: float = 0.45
+    """Default class-aware NMS IoU threshold (in (0, 1])."""
+    max_det: int = 300
+    """Default maximum number of detections in a reply (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.devices), "devices", "needs at least one device")
+        for i, device in enumerate(self.devices):
+            _check(device not in self.devices[:i], f"devices[{i}]", f"{device!r} twice")
+        _check(0 <= self.conf_threshold < 1, "conf_threshold",
+               f"must be in [0, 1), got {self.conf_threshold:g}")  # fmt: skip
+        _check(0 < self.iou_threshold <= 1, "iou_threshold",
+               f"must be in (0, 1], got {self.iou_threshold:g}")  # fmt: skip
+        _at_least_one(self.max_det, "max_det")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """The whole configuration. Construction checks every field and the cross-references
+    (unique DLA cores, known devices, a loadable for each serving core), raising
+    :class:`ConfigError`; :meth:`plan` checks the loadables themselves."""
+
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    """``[daemon]``."""
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    """``[frontend]``."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """``[logging]``."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """``[metrics]``."""
+    pre_post: PrePostConfig = field(default_factory=PrePostConfig)
+    """``[pre_post]``."""
+    devices: tuple[DeviceConfig, ...]
+    """``[devices.<name>]``, in file order (at least one)."""
+    models: tuple[ModelConfig, ...]
+    """``[models.<name>]``, in file order (at least one)."""
+    source: Path | None = field(default=None, metadata=_NOT_TOML)
+    """The file this was read from (set by :func:`load_config`); relative paths are resolved
+    against its directory, or the working directory when None."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.devices), "devices", "needs at least one [devices.<name>] table")
+        _check(bool(self.models), "models", "needs at least one [models.<name>] table")
+        owners: dict[int, str] = {}
+        for d in self.devices:
+            if d.core in owners:
+                raise ConfigError(f"DLA core {d.core} is already devices.{owners[d.core]}'s",
+                                  key=f"devices.{_quote(d.name)}.core")  # fmt: skip
+            if d.core is not None:
+                owners[d.core] = _quote(d.name)
+        known = {d.name: d for d in self.devices}
+        for m in self.models:
+            where = f"models.{_quote(m.name)}"
+            for i, name in enumerate(m.devices):
+                device = known.get(name)
+                if device is None:
+                    raise ConfigError(f"no device {name!r} (devices: {', '.join(known)})",
+                                      key=f"{where}.devices[{i}]")  # fmt: skip
+                if device.core is not None and m.loadables.for_core(device.core) is None:
+                    raise ConfigError(f"core{device.core} is required: devices.{_quote(name)} "
+                                      f"(DLA core {device.core}) serves this model",
+                                      key=f"{where}.loadables")  # fmt: skip
+        if self.pre_post.backend == "cuda":
+            _check(any(d.kind == "gpu" and d.backend != "cpu" for d in self.devices),
+                   "pre_post.backend", "cuda needs a gpu device not on cpu")  # fmt: skip
+
+    def device(self, name: str) -> DeviceConfig:
+        """The device called ``name``. Raises KeyError."""
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def model(self, name: str) -> ModelConfig:
+        """The model called ``name``. Raises KeyError."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def plan(self) -> Plan:
+        """Resolve paths and read every configured loadable (each checked against the core it is
+        configured for; a model's loadables must describe the same network). Reads files every
+        call. Raises ConfigError naming the key and the file."""
+        return _make_plan(self)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One model on one device: what that device's worker loads."""
+
+    model: str
+    """The model's name."""
+    device: str
+    """The device's name."""
+    path: Path
+    """The absolute path of the loadable."""
+    loadable: Loadable
+    """The loadable, read and checked (built for this device's core; for the gpu, core 0's if
+    configured, else core 1's)."""
+    latency_us: float
+    """The service time to emulate and to seed the scheduler's estimate with: the device's
+    ``latency_us`` if set, else the loadable's modelled latency."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a config means on this host; derived, never written back into the config."""
+
+    config: Config
+    """The config this plan was made from."""
+    base_dir: Path
+    """The absolute directory relative paths were resolved against."""
+    endpoints: tuple[str, ...]
+    """``frontend.endpoints`` with relative ipc paths made absolute."""
+    placements: tuple[Placement, ...]
+    """Every (model, device) pair, models in config order, each model's devices in its order."""
+
+    def for_model(self, name: str) -> tuple[Placement, ...]:
+        """The placements of model ``name`` (empty for an unknown name)."""
+        return tuple(p for p in self.placements if p.model == name)
+
+    def for_device(self, name: str) -> tuple[Placement, ...]:
+        """The placements on device ``name`` (empty for an unknown name)."""
+        return tuple(p for p in self.placements if p.device == name)
+
+
+def _resolve(text: str, base: Path) -> Path:
+    if text.startswith(BUNDLED_PREFIX):
+        parts = PurePosixPath(text[len(BUNDLED_PREFIX) :]).parts
+        bundled = sorted(
+            p.name for p in MODELS_DIR.iterdir() if p.is_dir() and p.name[0] not in "._"
+        )
+        if not parts or parts[0] not in bundled or ".." in parts:
+            raise ConfigError(f"{text!r}: use bundled:<model>/<file>, models: {', '.join(bundled)}")
+        return MODELS_DIR.joinpath(*parts)
+    path = Path(text).expanduser()
+    return Path(os.path.normpath(path if path.is_absolute() else base / path))
+
+
+def _read(path: Path, core: int | None) -> Loadable:
+    try:
+        return read_loadable(path, expect_core=core)
+    except LoadableError as exc:  # names the file, and both cores for LoadableCoreError
+        raise ConfigError(str(exc)) from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+_SAME_NETWORK: Final = (
+    "inputs",
+    "outputs",
+    "input_scale",
+    "output_scales",
+    "heads",
+    "num_classes",
+    "class_names",
+    "anchors_px",
+    "strides",
+    "image_size",
+)
+"""What the loadables of one model must agree on, whichever core they are built for."""
+
+
+def _make_plan(config: Config) -> Plan:
+    file = None if config.source is None else str(config.source)
+    base = Path.cwd() if config.source is None else config.source.parent
+    base = Path(os.path.abspath(base))
+    try:
+        endpoints = []
+        for i, given in enumerate(config.frontend.endpoints):
+            ipc = given.removeprefix("ipc://")
+            # "ipc://*" lets ZeroMQ pick a file; "@name" is Linux's abstract namespace (no file).
+            if given.startswith("ipc://") and ipc != "*" and not ipc.startswith("@"):
+                endpoint = f"ipc://{os.path.normpath(base / Path(ipc).expanduser())}"
+                problem = endpoint_problem(endpoint)
+                _check(problem is None, f"frontend.endpoints[{i}]", f"{problem}: {endpoint}")
+            else:
+                endpoint = given
+            endpoints.append(endpoint)
+        placements = []
+        for m in config.models:
+            where = f"models.{_quote(m.name)}.loadables"
+            read: dict[int, tuple[Path, Loadable]] = {}
+            for core in (0, 1):
+                text = m.loadables.for_core(core)
+                if text is not None:
+                    try:
+                        resolved = _resolve(text, base)
+                        read[core] = resolved, _read(resolved, core)
+                    except ConfigError as exc:
+                        raise exc.within(f"{where}.core{core}") from exc.__cause__
+            if len(read) == 2:
+                a, b = read[0][1], read[1][1]
+                differ = [k for k in _SAME_NETWORK if getattr(a, k) != getattr(b, k)]
+                _check(not differ, where, f"core0 and core1 are different networks (they "
+                       f"differ in {', '.join(differ)}): {read[0][0]}, {read[1][0]}")  # fmt: skip
+            for name in m.devices:
+                device = config.device(name)
+                path, loadable = read[device.core if device.core is not None else min(read)]
+                latency = loadable.latency_us if device.latency_us is None else device.latency_us
+                placements.append(Placement(m.name, name, path, loadable, latency))
+    except ConfigError as exc:
+        raise (exc if file is None else exc.in_file(file)) from exc.__cause__
+    return Plan(config, base, tuple(endpoints), tuple(placements))
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:  # resolving string annotations is slow enough to remember
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _is_table(tp: object) -> typing.TypeGuard[type[Any]]:
+    """Whether annotation ``tp`` is one of the config classes (a TOML table)."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _describe(value: object) -> str:
+    kind = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)  # fmt: skip
+    shown = repr(value)
+    return kind if isinstance(value, dict) else f"{kind} {shown[:60]}{'...' * (len(shown) > 60)}"
+
+
+def _convert(tp: Any, value: object, key: str) -> object:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):  # X | None: TOML has no null, absent = None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _convert(tp, value, key)
+    if origin is Literal:
+        _check(value in args and isinstance(value, str), key,
+               f"must be one of {', '.join(map(repr, args))}, got {_describe(value)}")  # fmt: skip
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"expected an array, got {_describe(value)}", key=key)
+        return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if _is_table(tp):
+        return _decode(tp, value, key)
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key,
+               f"expected a number, got {_describe(value)}")  # fmt: skip
+        number = float(value)  # type: ignore[arg-type]  # int or float, checked above
+        _check(math.isfinite(number), key, f"must be finite, got {number}")
+        return number
+    wanted = {bool: "a boolean", int: "an integer", str: "a string"}[tp]
+    _check(type(value) is tp, key, f"expected {wanted}, got {_describe(value)}")
+    return value
+
+
+def _decode(cls: type[Any], raw: object, key: str, name: str | None = None) -> Any:
+    """Build dataclass ``cls`` from a TOML table, rejecting unknown keys, missing required ones
+    and wrong types; a ``tuple[<dataclass with a key field>, ...]`` is a table of tables."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected a table, got {_describe(raw)}", key=key)
+    fields = [f for f in dataclasses.fields(cls) if f.metadata.get("toml", True)]
+    known = [f.name for f in fields if not f.metadata.get("from_key")]
+    for k in raw:
+        _check(k in known, _join(key, _quote(k)),
+               f"unknown key (known here: {', '.join(known) or 'none'})")  # fmt: skip
+    kwargs: dict[str, object] = {}
+    for f in fields:
+        sub = _join(key, f.name)
+        if f.metadata.get("from_key"):
+            kwargs[f.name] = name
+        elif f.name in raw:
+            tp = _hints(cls)[f.name]
+            elem = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else None
+            if _is_table(elem):
+                tables = raw[f.name]
+                if not isinstance(tables, dict):
+                    raise ConfigError(f"expected tables, got {_describe(tables)}", key=sub)
+                for n in tables:
+                    _check(bool(_NAME.fullmatch(n)), _join(sub, _quote(n)),
+                           "a name is 1-63 of A-Z a-z 0-9 _ -, alphanumeric first")  # fmt: skip
+                kwargs[f.name] = tuple(
+                    _decode(elem, t, _join(sub, _quote(n)), n) for n, t in tables.items()
+                )
+            else:
+                kwargs[f.name] = _convert(tp, raw[f.name], sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError("required key missing", key=sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise exc.within(key) from exc.__cause__
+
+
+def parse_config(
+    data: Mapping[str, object], *, source: str | os.PathLike[str] | None = None
+) -> Config:
+    """A :class:`Config` from parsed TOML (``tomllib.loads`` output). ``source`` is the file it
+    came from, for messages and for resolving relative paths. Checks everything but the
+    loadables (see :meth:`Config.plan`). Raises ConfigError naming the key and ``source``."""
+    file = None if source is None else os.fspath(source)
+    try:
+        config: Config = _decode(Config, dict(data), "")
+    except ConfigError as exc:
+        raise (exc if file is None else exc.in_file(file)) from exc.__cause__
+    return config if file is None else dataclasses.replace(config, source=Path(file))
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read, check and return the config in TOML file ``path``, including every loadable it
+    names (by making, then dropping, its plan). Raises ConfigError, naming ``path`` as given
+    and the key, for a missing or unreadable file, invalid TOML, an unknown key, a wrong type,
+    an impossible value or a loadable that does not fit."""
+    file = os.fspath(path)
+    try:
+        text = Path(file).read_bytes().decode("utf-8")
+        data = tomllib.loads(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config: {exc.strerror or exc}", file=file) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text: {exc}", file=file) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not valid TOML: {exc}", file=file) from exc
+    config = parse_config(data, source=file)
+    config.plan()
+    return config

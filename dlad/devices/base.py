@@ -1,0 +1,336 @@
+"""The device interface: what dlad asks of a DLA core, shaped by cuDLA standalone mode.
+
+Every DLA backend (the emulated core in :mod:`dlad.devices.emulated`, the ctypes cuDLA + NvSci
+binding of a later issue) implements these :class:`typing.Protocol` s, and the scheduler is
+written against them only. The life of a core, and the cuDLA call behind each step
+(``docs/devices.md`` has the full table)::
+
+    open core N                    cudlaCreateDevice(N, CUDLA_STANDALONE)   (the constructor)
+    core.load(loadable) -> Module  cudlaModuleLoadFromMemory (one module per core handle)
+    module.inputs / .outputs       cudlaModuleGetAttributes(*_TENSOR_DESCRIPTORS)
+    core.alloc_buffer(desc)        NvSciBufObjAlloc + cudlaImportExternalMemory
+    core.create_fence()            NvSciSyncObjAlloc + cudlaImportExternalSemaphore
+    core.submit(Task(...))         cudlaSubmitTask (returns at once; completion = signal fence)
+    fence.wait / .on_reached       NvSciSyncFenceWait / a notifier for an event loop
+    core.last_error()              cudlaGetLastError (sticky until read)
+    core.set_task_timeout(ms)      cudlaSetTaskTimeoutInMs
+    core.close()                   cudlaModuleUnload, cudlaMemUnregister, cudlaDestroyDevice
+
+Fences are syncpoint-like counters: a value only grows, a waiter waits for "value >= v". A task
+names the values it waits for and the value it signals when it ends, successful or not; a
+consumer woken by a fence reads the task's status (or :meth:`DlaCore.last_error`) to learn
+which. Every failure of a core call is a :class:`DlaError` carrying the ``cudlaStatus`` value and
+the name of the cuDLA (or NvSci) call it stands for.
+
+Only the standard library, numpy and :mod:`dlad.loadable` are imported.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from dlad.loadable import TensorDescriptor
+
+__all__ = [
+    "DEFAULT_TASK_TIMEOUT_MS",
+    "MAX_SIGNAL_EVENTS",
+    "MAX_TASK_TIMEOUT_MS",
+    "MAX_WAIT_EVENTS",
+    "Buffer",
+    "CudlaStatus",
+    "DlaCore",
+    "DlaError",
+    "FenceValue",
+    "LoadableSource",
+    "Module",
+    "SyncObject",
+    "Task",
+    "TaskHandle",
+    "TaskTiming",
+]
+
+DEFAULT_TASK_TIMEOUT_MS: Final = 30_000
+"""cuDLA's task timeout until ``cudlaSetTaskTimeoutInMs`` changes it (30 s)."""
+MAX_TASK_TIMEOUT_MS: Final = 1_000_000
+"""``cudlaSetTaskTimeoutInMs`` refuses 0 and anything above 1000 s."""
+MAX_WAIT_EVENTS: Final = 29
+"""cuDLA takes at most 29 pre-fences per task."""
+MAX_SIGNAL_EVENTS: Final = 1
+"""cuDLA signals at most one syncpoint per task; dlad's fences are syncpoint-like."""
+
+
+class CudlaStatus(enum.IntEnum):
+    """``cudlaStatus``, with cuDLA's values (``reference/cudla.md`` §4.3)."""
+
+    SUCCESS = 0
+    ERROR_INVALID_PARAM = 1
+    ERROR_OUT_OF_RESOURCES = 2
+    ERROR_CREATION_FAILED = 3
+    ERROR_INVALID_ADDRESS = 4
+    ERROR_OS = 5
+    ERROR_CUDA = 6
+    ERROR_UMD = 7
+    ERROR_INVALID_DEVICE = 8
+    ERROR_INVALID_ATTRIBUTE = 9
+    ERROR_INCOMPATIBLE_DLA_SW_VERSION = 10
+    ERROR_MEMORY_REGISTERED = 11
+    ERROR_INVALID_MODULE = 12
+    ERROR_UNSUPPORTED_OPERATION = 13
+    ERROR_NVSCI = 14
+    ERROR_DRIVER_NOT_FOUND = 15
+    DLA_ERR_INVALID_INPUT = 0x40000001
+    DLA_ERR_INVALID_PRE_ACTION = 0x40000002
+    DLA_ERR_NO_MEM = 0x40000003
+    DLA_ERR_PROCESSOR_BUSY = 0x40000004
+    DLA_ERR_TASK_STATUS_MISMATCH = 0x40000005
+    DLA_ERR_ENGINE_TIMEOUT = 0x40000006
+    DLA_ERR_DATA_MISMATCH = 0x40000007
+    ERROR_UNKNOWN = 0x7FFFFFFF
+
+    @property
+    def c_name(self) -> str:
+        """The C enumerator: ``cudlaSuccess``, ``cudlaErrorInvalidParam``,
+        ``cudlaErrorDlaErrEngineTimeout``, ..."""
+        if self is CudlaStatus.SUCCESS:
+            return "cudlaSuccess"
+        words = self.name.split("_")
+        if words[:2] == ["DLA", "ERR"]:
+            words = ["ERROR", "DLA", "ERR", *words[2:]]
+        spelled = {"NVSCI": "NvSci", "SW": "SW", "DLA": "Dla", "UMD": "Umd", "OS": "Os"}
+        return "cudla" + "".join(spelled.get(w, w.capitalize()) for w in words)
+
+
+class DlaError(Exception):
+    """A DLA core call failed.
+
+    Attributes:
+        status: the ``cudlaStatus`` the call returned (never ``SUCCESS``).
+        call: the cuDLA or NvSci function the failed call stands for, e.g. ``cudlaSubmitTask``.
+        detail: a human-readable explanation (may be empty).
+    """
+
+    def __init__(self, status: CudlaStatus, call: str, detail: str = "") -> None:
+        status = CudlaStatus(status)
+        if status is CudlaStatus.SUCCESS:
+            raise ValueError("a DlaError needs a failure status, not cudlaSuccess")
+        self.status = status
+        self.call = call
+        self.detail = detail
+        text = f"{call}: {status.c_name} ({int(status):#x})"
+        super().__init__(f"{text}: {detail}" if detail else text)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskTiming:
+    """When one task ran, in the core's clock (nanoseconds, monotonic).
+
+    ``submit_ns``: :meth:`DlaCore.submit` accepted it; ``start_ns``: its wait fences were
+    reached and it began to execute; ``end_ns``: it finished, just before its fences were
+    signalled. ``modelled_us`` is the latency the backend modelled (``None`` on real hardware),
+    ``compute_us`` the host time spent producing the outputs (``None`` on real hardware).
+    """
+
+    submit_ns: int
+    start_ns: int
+    end_ns: int
+    modelled_us: float | None = None
+    compute_us: float | None = None
+
+    @property
+    def actual_us(self) -> float:
+        """The task's execution time, ``end_ns - start_ns``, in microseconds."""
+        return (self.end_ns - self.start_ns) / 1e3
+
+    @property
+    def queued_us(self) -> float:
+        """Time from submission to start (queue and wait fences), in microseconds."""
+        return (self.start_ns - self.submit_ns) / 1e3
+
+
+class Buffer(Protocol):
+    """A task I/O buffer allocated for one core (NvSciBuf on target, host memory elsewhere).
+
+    It holds at least ``descriptor.size`` bytes; a task reads and writes them through the
+    module's descriptor of the tensor it is bound to.
+    """
+
+    @property
+    def descriptor(self) -> TensorDescriptor:
+        """The descriptor the buffer was allocated for."""
+        ...
+
+    @property
+    def raw(self) -> npt.NDArray[np.uint8]:
+        """A writeable, C-contiguous 1-D view of the ``descriptor.size`` bytes."""
+        ...
+
+    @property
+    def array(self) -> npt.NDArray[Any]:
+        """The same bytes as ``descriptor.numpy_dtype`` of shape ``descriptor.buffer_shape``."""
+        ...
+
+
+class SyncObject(Protocol):
+    """A fence with a monotonically increasing value (a syncpoint; NvSciSync on target).
+
+    A value is reached once the fence's value is ``>=`` it. Values are integers in
+    ``[0, 2**64)``; a new fence is at 0. Value errors raise :class:`DlaError` with
+    ``ERROR_INVALID_PARAM``.
+    """
+
+    @property
+    def value(self) -> int:
+        """The current value."""
+        ...
+
+    def signal(self, value: int) -> None:
+        """Signal from the CPU: set the value to ``value``.
+
+        Raises DlaError (``ERROR_INVALID_PARAM``) unless ``value`` is above the current value
+        and above every value a submitted task has promised to signal.
+        """
+        ...
+
+    def reached(self, value: int) -> bool:
+        """Whether the fence's value is ``>= value``."""
+        ...
+
+    def wait(self, value: int, timeout: float | None = None) -> bool:
+        """Block until ``value`` is reached or ``timeout`` seconds pass (None: no limit).
+        Returns whether it was reached."""
+        ...
+
+    def on_reached(self, value: int, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` once ``value`` is reached: now, in the calling thread, if it
+        already is; else in the thread that signals it (a core's own thread for a task's fence).
+
+        Callbacks must be quick and must not block; an event loop hops over with a thread-safe
+        call (``loop.call_soon_threadsafe(future.set_result, None)``). An exception from a
+        callback is logged and does not reach the signaller.
+        """
+        ...
+
+
+FenceValue = tuple[SyncObject, int]
+"""A fence and a value of it: waited for (``Task.wait``) or signalled (``Task.signal``)."""
+LoadableSource = bytes | bytearray | memoryview | str | os.PathLike[str]
+"""A loadable's bytes, or the path of its file."""
+
+
+class Module(Protocol):
+    """A loadable loaded on one core (``cudlaModule``)."""
+
+    @property
+    def core(self) -> int:
+        """The DLA core it is loaded on."""
+        ...
+
+    @property
+    def inputs(self) -> tuple[TensorDescriptor, ...]:
+        """Input tensor descriptors, in the order a task's ``inputs`` binds buffers."""
+        ...
+
+    @property
+    def outputs(self) -> tuple[TensorDescriptor, ...]:
+        """Output tensor descriptors, in the order a task's ``outputs`` binds buffers."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One inference on a core (``cudlaTask``): the buffers to bind, in the module's tensor
+    order, the fence values to wait for before starting and the fence value to signal at the
+    end. Sequences are stored as tuples; the core validates the rest at submission."""
+
+    module: Module
+    inputs: Sequence[Buffer]
+    outputs: Sequence[Buffer]
+    wait: Sequence[FenceValue] = ()
+    signal: Sequence[FenceValue] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("inputs", "outputs", "wait", "signal"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+class TaskHandle(Protocol):
+    """What :meth:`DlaCore.submit` returns. ``status`` and ``timing`` are final once the task's
+    signal fence is reached (they are set before it is signalled)."""
+
+    @property
+    def id(self) -> int:
+        """Submission number on its core, from 1, in submission order."""
+        ...
+
+    @property
+    def status(self) -> CudlaStatus | None:
+        """``None`` while the task is queued or running, then how it ended."""
+        ...
+
+    @property
+    def timing(self) -> TaskTiming | None:
+        """``None`` until the task ended."""
+        ...
+
+
+class DlaCore(Protocol):
+    """One open DLA core (``cudlaDevHandle`` in standalone mode).
+
+    Tasks run one at a time in submission order. An asynchronous task failure makes the core's
+    error *sticky*: every later call except :meth:`last_error` and :meth:`close` raises a
+    :class:`DlaError` with that status, without doing anything, until :meth:`last_error` reads
+    it. Every call on a closed core raises ``ERROR_INVALID_DEVICE``.
+    """
+
+    @property
+    def core(self) -> int:
+        """The DLA core index, 0 or 1."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks submitted and not yet ended."""
+        ...
+
+    def load(self, loadable: LoadableSource) -> Module:
+        """Load a loadable built for this core. One module per core handle: a second load
+        raises. Raises DlaError (``ERROR_INVALID_MODULE``, ``ERROR_UNSUPPORTED_OPERATION``, ...)."""
+        ...
+
+    def alloc_buffer(self, descriptor: TensorDescriptor) -> Buffer:
+        """A zeroed buffer of ``descriptor.size`` bytes usable by this core's tasks."""
+        ...
+
+    def create_fence(self) -> SyncObject:
+        """A new fence at value 0, which this core's tasks can wait on and signal."""
+        ...
+
+    def submit(self, task: Task) -> TaskHandle:
+        """Queue ``task``; returns at once. Raises DlaError for a task this core cannot run
+        (foreign module or buffer, wrong buffer count or size, a bad fence value, too many
+        events, a full queue)."""
+        ...
+
+    def last_error(self) -> CudlaStatus:
+        """The error of the most recent failed task, or ``SUCCESS``; reading clears it."""
+        ...
+
+    def set_task_timeout(self, ms: int) -> None:
+        """A task that has not ended ``ms`` milliseconds after it reached the head of the
+        queue ends with ``DLA_ERR_ENGINE_TIMEOUT``. ``1 <= ms <= MAX_TASK_TIMEOUT_MS``."""
+        ...
+
+    def close(self, *, force: bool = False) -> None:
+        """Release the module, buffers and fences and the core itself; idempotent.
+
+        Raises DlaError (``DLA_ERR_PROCESSOR_BUSY``) while tasks are in flight unless
+        ``force``, which ends them with ``ERROR_INVALID_DEVICE`` and signals their fences.
+        """
+        ...

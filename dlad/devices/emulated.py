@@ -1,0 +1,732 @@
+"""The emulated DLA core: the device interface of :mod:`dlad.devices.base` in software.
+
+A product backend, not a test double: it is what dlad serves on where there is no Orin. Each
+:class:`EmulatedDlaCore` owns a "hardware" thread that runs its tasks one at a time in submission
+order, so DLA0 and DLA1 overlap for real and the numerics of one core never hold up the other.
+A task
+
+1. reaches the head of the queue (its timeout starts) and waits until its wait fences are reached;
+2. computes: ``numeric`` mode runs :class:`~dlad.devices.int8_engine.Int8Engine` from the input
+   buffer's ``DLA_HWC4`` bytes into the output buffers' ``CHW16`` / ``CHW32`` bytes; ``timing``
+   mode does no math and copies a fixed, valid pattern of the right format into the outputs;
+3. takes the modelled latency in total (the loadable's ``latency_us`` unless overridden): it sleeps
+   what the computation left, or takes the computation's own time if that is longer;
+4. records its status and :class:`~dlad.devices.base.TaskTiming`, makes a failure the core's sticky
+   error, then signals its fences, so a waiter always wakes and then reads the status.
+
+Faults are drawn per task from a seeded generator (:class:`FaultConfig`): an error ends the task
+with ``error_status`` after its latency (outputs untouched); a hang ends it only when the task
+timeout fires, with ``DLA_ERR_ENGINE_TIMEOUT``. ``docs/devices.md`` says what is modelled and what
+is faked. onnxruntime is imported only when a numeric-mode core loads a loadable.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+import mmap
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from dlad.devices.base import (
+    DEFAULT_TASK_TIMEOUT_MS,
+    MAX_SIGNAL_EVENTS,
+    MAX_TASK_TIMEOUT_MS,
+    MAX_WAIT_EVENTS,
+    CudlaStatus,
+    DlaError,
+    LoadableSource,
+    Task,
+    TaskTiming,
+)
+from dlad.devices.int8_engine import Int8Engine, Int8EngineError, OutputSpec
+from dlad.loadable import (
+    DataType,
+    Loadable,
+    LoadableCoreError,
+    LoadableError,
+    LoadableVersionError,
+    TensorDescriptor,
+    TensorFormat,
+    read_loadable,
+)
+
+__all__ = [
+    "ABORTED_STATUS",
+    "DEFAULT_QUEUE_DEPTH",
+    "EmulatedBuffer",
+    "EmulatedDlaCore",
+    "EmulatedFence",
+    "EmulatedModule",
+    "EmulatedTaskHandle",
+    "FaultConfig",
+    "Mode",
+]
+
+Mode = Literal["numeric", "timing"]
+DEFAULT_QUEUE_DEPTH: Final = 64
+"""Tasks a core holds (queued and running) before :meth:`EmulatedDlaCore.submit` refuses."""
+ABORTED_STATUS: Final = CudlaStatus.ERROR_INVALID_DEVICE
+"""The status of tasks ended by ``close(force=True)``: their core handle is gone."""
+_MAX_VALUE: Final = 1 << 64
+_NS_PER_US: Final = 1_000
+_INVALID: Final = CudlaStatus.ERROR_INVALID_PARAM
+_LOAD_ERRORS: Final = (  # first match wins: the subclasses come before LoadableError
+    (LoadableCoreError, CudlaStatus.ERROR_INVALID_MODULE),
+    (LoadableVersionError, CudlaStatus.ERROR_INCOMPATIBLE_DLA_SW_VERSION),
+    (LoadableError, CudlaStatus.ERROR_INVALID_MODULE),
+    (OSError, CudlaStatus.ERROR_OS),
+)
+
+_log = structlog.get_logger(__name__)
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    """``value`` is an int (not a bool) in ``[low, high)``."""
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, bool)
+        and low <= int(value) < high
+    )
+
+
+def _is_number(value: object, low: float, high: float) -> bool:
+    """``value`` is a real number (not a bool) in ``[low, high]`` and finite."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low <= value <= high
+    )
+
+
+def _fence_value(value: object, call: str) -> int:
+    if not _is_int(value, 0, _MAX_VALUE):
+        raise DlaError(_INVALID, call, f"fence value {value!r} is not an int in [0, 2**64)")
+    return int(cast("int", value))
+
+
+def _run_callback(callback: Callable[[], object]) -> None:
+    try:
+        callback()
+    except Exception:  # noqa: BLE001 (a consumer's bug must not stop the signalling core thread)
+        _log.exception("fence_callback_failed", callback=repr(callback))
+
+
+class EmulatedFence:
+    """A syncpoint-like fence: an integer that only grows (implements ``SyncObject``).
+
+    Any core's tasks may wait on it or signal it; the CPU signals it with :meth:`signal`. A value
+    a submitted task will signal is reserved at submission, so any later signal must exceed it;
+    when signallers finish out of order the value stays at the highest.
+    """
+
+    def __init__(self, name: str = "fence") -> None:
+        self.name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._value = 0
+        self._promised = 0
+        self._order = itertools.count()  # FIFO among callbacks of one value
+        self._callbacks: list[tuple[int, int, Callable[[], object]]] = []  # heap by value
+
+    def __repr__(self) -> str:
+        return f"<EmulatedFence {self.name} value={self._value}>"
+
+    @property
+    def value(self) -> int:
+        """The current value."""
+        return self._value
+
+    def reached(self, value: int) -> bool:
+        """Whether the value is ``>= value``. Raises DlaError for a value outside uint64."""
+        return self._value >= _fence_value(value, "NvSciSyncFenceWait")
+
+    def wait(self, value: int, timeout: float | None = None) -> bool:
+        """Block until ``value`` is reached or ``timeout`` seconds pass; returns whether it was.
+        Raises DlaError (``ERROR_INVALID_PARAM``) for a bad value or a negative timeout."""
+        target = _fence_value(value, "NvSciSyncFenceWait")
+        if timeout is not None and not timeout >= 0:
+            raise DlaError(_INVALID, "NvSciSyncFenceWait", f"timeout {timeout!r}")
+        with self._cond:
+            return self._cond.wait_for(lambda: self._value >= target, timeout)
+
+    def on_reached(self, value: int, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` once ``value`` is reached: now if it is, else from the thread
+        that signals it (see ``SyncObject.on_reached``)."""
+        target = _fence_value(value, "NvSciSyncFenceWait")
+        with self._cond:
+            if self._value < target:
+                heapq.heappush(self._callbacks, (target, next(self._order), callback))
+                return
+        _run_callback(callback)
+
+    def signal(self, value: int) -> None:
+        """Set the value from the CPU. Raises DlaError (``ERROR_INVALID_PARAM``) unless
+        ``value`` exceeds the current value and every value a submitted task will signal."""
+        target = _fence_value(value, "NvSciSyncObjSignal")
+        self._reserve(target, "NvSciSyncObjSignal")
+        self._advance(target)
+
+    def _reserve(self, value: int, call: str) -> None:
+        with self._cond:
+            floor = max(self._value, self._promised)
+            if value <= floor:
+                raise DlaError(
+                    _INVALID, call, f"{self.name}: {value} is not above {floor} (values only grow)"
+                )
+            self._promised = value
+
+    def _advance(self, value: int) -> None:
+        """Raise the value to ``value`` (never lower it) and run the callbacks now due."""
+        due: list[Callable[[], object]] = []
+        with self._cond:
+            self._value = max(self._value, value)
+            while self._callbacks and self._callbacks[0][0] <= self._value:
+                due.append(heapq.heappop(self._callbacks)[2])
+            self._cond.notify_all()
+        for callback in due:  # outside the lock: a callback may use this fence again
+            _run_callback(callback)
+
+
+@dataclass(frozen=True, eq=False)
+class EmulatedBuffer:
+    """Page-aligned, zeroed host memory for one tensor (implements ``Buffer``): ``raw`` is the
+    ``descriptor.size`` bytes, ``array`` the same memory typed and shaped by the descriptor."""
+
+    descriptor: TensorDescriptor
+    raw: npt.NDArray[np.uint8] = field(repr=False)
+    array: npt.NDArray[Any] = field(repr=False)
+    owner: EmulatedDlaCore = field(repr=False)
+
+    @classmethod
+    def allocate(cls, owner: EmulatedDlaCore, descriptor: TensorDescriptor) -> EmulatedBuffer:
+        """Raises MemoryError or ValueError when numpy cannot allocate the bytes."""
+        # Over-allocate and slice so the bytes start on a page, as an NvSciBuf object's do
+        # (cuDLA needs 32-byte alignment, the CUDA sample asks for 512).
+        backing = np.zeros(descriptor.size + mmap.PAGESIZE, dtype=np.uint8)
+        start = -backing.ctypes.data % mmap.PAGESIZE
+        raw = backing[start : start + descriptor.size]
+        array = raw.view(descriptor.numpy_dtype).reshape(descriptor.buffer_shape)
+        return cls(descriptor, raw, array, owner)
+
+
+def _image(buf: EmulatedBuffer, desc: TensorDescriptor) -> npt.NDArray[Any]:
+    """Image 0 of ``buf`` laid out by ``desc``: the hardware reads a buffer through the loaded
+    module's descriptor, whatever descriptor the buffer was allocated for."""
+    image: npt.NDArray[Any] = (
+        buf.raw[: desc.size].view(desc.numpy_dtype).reshape(desc.buffer_shape)[0]
+    )
+    return image
+
+
+def _pattern(desc: TensorDescriptor) -> npt.NDArray[Any]:
+    """Timing-mode contents of one output image: deterministic per tensor name, finite, in the
+    range of real head logits (objectness mostly far below threshold, a few boxes above), and
+    zero in the padding, as the DLA writes it."""
+    shape = desc.buffer_shape[1:]
+    rng = np.random.default_rng(zlib.crc32(desc.name.encode("utf-8")))
+    values: npt.NDArray[np.float32] = rng.normal(-6.0, 2.0, size=shape).astype(np.float32)
+    if desc.tensor_format == TensorFormat.DLA_LINEAR:  # [C][H][W'], rows padded
+        values[..., desc.w :] = 0.0
+    else:  # CHWx [G][H][W][x]: channel g * x + k sits at [g, :, :, k]
+        vec = shape[-1]
+        channel = np.arange(shape[0])[:, None, None, None] * vec + np.arange(vec)
+        values = np.where(channel < desc.c, values, np.float32(0.0))
+    if desc.data_type == DataType.INT8:
+        scale = desc.scale if desc.scale is not None else 1.0
+        q: npt.NDArray[np.int8] = np.clip(np.rint(values / scale), -128, 127).astype(np.int8)
+        return q
+    fp16: npt.NDArray[Any] = values.astype(desc.numpy_dtype)
+    return fp16
+
+
+@dataclass(frozen=True, eq=False)
+class EmulatedModule:
+    """A loadable loaded on an emulated core (implements ``Module``). ``engine`` is the INT8
+    engine in numeric mode (else None), ``patterns`` the timing-mode outputs (else empty)."""
+
+    core: int
+    inputs: tuple[TensorDescriptor, ...]
+    outputs: tuple[TensorDescriptor, ...]
+    loadable: Loadable = field(repr=False)
+    engine: Int8Engine | None = field(repr=False)
+    patterns: tuple[npt.NDArray[Any], ...] = field(repr=False)
+
+
+@dataclass(eq=False)
+class EmulatedTaskHandle:
+    """A submitted task (implements ``TaskHandle``). The core's thread sets ``timing`` and then
+    ``status`` before it signals the task's fences; nothing else writes them."""
+
+    id: int
+    task: Task = field(repr=False)
+    submit_ns: int = field(repr=False)
+    status: CudlaStatus | None = None
+    timing: TaskTiming | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultConfig:
+    """Per-task fault injection: a task fails with probability ``error_rate`` (status
+    ``error_status``) or hangs until its timeout with probability ``hang_rate``. Draws come from
+    ``random.Random(seed)``, one per task in task order, so a seed replays the same faults
+    (``None``: a fresh seed from the OS). Raises ValueError for rates outside [0, 1] or summing
+    above 1, a seed that is not an int or None, or a success status."""
+
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    seed: int | None = 0
+    error_status: CudlaStatus = CudlaStatus.DLA_ERR_DATA_MISMATCH
+
+    def __post_init__(self) -> None:
+        for name in ("error_rate", "hang_rate"):
+            if not _is_number(getattr(self, name), 0.0, 1.0):
+                raise ValueError(f"{name} must be a number in [0, 1], got {getattr(self, name)!r}")
+        if self.error_rate + self.hang_rate > 1:
+            raise ValueError("error_rate + hang_rate must be at most 1")
+        if self.seed is not None and not _is_int(self.seed, -(1 << 63), 1 << 63):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        status = CudlaStatus(self.error_status)  # ValueError for a value cuDLA does not have
+        if status is CudlaStatus.SUCCESS:
+            raise ValueError("error_status must be a failure status")
+        object.__setattr__(self, "error_status", status)
+
+
+_Outcome = Literal["done", "expired", "aborted"]
+
+
+class EmulatedDlaCore:
+    """One emulated DLA core (implements ``DlaCore``); construction opens it (as
+    ``cudlaCreateDevice``) and starts its thread. Use it as a context manager or call
+    :meth:`close` to stop the thread.
+
+    Args:
+        core: DLA core index, 0 or 1 (else DlaError ``ERROR_INVALID_DEVICE``).
+        mode: ``"numeric"`` (INT8 engine) or ``"timing"`` (no math, patterned outputs).
+        latency_us: modelled latency of one task; None: the loadable's ``latency_us``.
+        threads: onnxruntime intra-op threads of the numeric engine.
+        faults: fault injection, or None.
+        clock: monotonic nanoseconds for timestamps and the latency budget; it must advance
+            with real time, because waits are real.
+        queue_depth: tasks held (queued and running) before submit refuses.
+
+    Raises ValueError for a bad mode, latency, thread count, queue depth or faults.
+    """
+
+    def __init__(
+        self,
+        core: int,
+        *,
+        mode: Mode = "numeric",
+        latency_us: float | None = None,
+        threads: int = 1,
+        faults: FaultConfig | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+    ) -> None:
+        if not _is_int(core, 0, 2):
+            raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
+        if mode not in ("numeric", "timing"):
+            raise ValueError(f"mode must be 'numeric' or 'timing', got {mode!r}")
+        if latency_us is not None and not _is_number(latency_us, 0.0, math.inf):
+            raise ValueError(f"latency_us must be None or finite and >= 0, got {latency_us!r}")
+        for name, value in (("threads", threads), ("queue_depth", queue_depth)):
+            if not _is_int(value, 1, 1 << 31):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        checked: object = faults
+        if checked is not None and not isinstance(checked, FaultConfig):
+            raise ValueError(f"faults must be a FaultConfig or None, got {checked!r}")
+        self._core = int(core)
+        self.mode: Mode = mode
+        self._latency_override = None if latency_us is None else float(latency_us)
+        self._threads = threads
+        self._faults = faults
+        self._rng = random.Random(faults.seed if faults else 0)
+        self._clock = clock
+        self._queue_depth = queue_depth
+        self._cv = threading.Condition(threading.Lock())
+        # Guarded by _cv (single reads elsewhere are fine under the GIL):
+        self._queue: collections.deque[EmulatedTaskHandle] = collections.deque()
+        self._in_flight = 0
+        self._ids = itertools.count(1)
+        self._module: EmulatedModule | None = None
+        self._loading = False
+        self._sticky = CudlaStatus.SUCCESS
+        self._timeout_ns = DEFAULT_TASK_TIMEOUT_MS * 1_000_000
+        self._stopping = False
+        self._abort = False
+        self._closed = False
+        # Daemon only so that a core nobody closed cannot hang interpreter exit; the core owns
+        # the thread and close() joins it.
+        self._thread = threading.Thread(target=self._run, name=f"dla{core}-emulated", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<EmulatedDlaCore dla{self._core} {self.mode} in_flight={self._in_flight}>"
+
+    def __enter__(self) -> EmulatedDlaCore:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # Leaving on an exception must not mask it with "tasks in flight".
+        self.close(force=exc_type is not None)
+
+    @property
+    def core(self) -> int:
+        """The DLA core index."""
+        return self._core
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks submitted and not yet ended."""
+        return self._in_flight
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The core's "hardware" thread; its tasks' fence callbacks run on it."""
+        return self._thread
+
+    def _enter(self, call: str) -> None:
+        """What every core call checks first; the caller holds ``_cv``."""
+        if self._stopping:
+            raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, call, f"DLA{self._core} is closed")
+        if self._sticky is not CudlaStatus.SUCCESS:
+            raise DlaError(self._sticky, call, "an earlier task failed; read it with last_error()")
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, loadable: LoadableSource) -> EmulatedModule:
+        """Load an emulated loadable (its bytes or its path) built for this core.
+
+        Raises DlaError: ``ERROR_UNSUPPORTED_OPERATION`` for a second load (one module per core
+        handle) or, in numeric mode, a layout the INT8 engine does not compute (more than one
+        input, batch above 1, an input other than int8 ``DLA_HWC4``, ``DLA_LINEAR`` outputs);
+        ``ERROR_INVALID_MODULE`` for a corrupt loadable, one built for the other core, or a graph
+        the engine cannot run; ``ERROR_INCOMPATIBLE_DLA_SW_VERSION`` for an unknown format
+        version; ``ERROR_OS`` when the file cannot be read.
+        """
+        call = "cudlaModuleLoadFromMemory"
+        with self._cv:
+            self._enter(call)
+            if self._module is not None or self._loading:
+                why = "one module per core handle, as cuDLA"
+                raise DlaError(CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, why)
+            self._loading = True  # parsing and building the engine run outside the lock
+        module: EmulatedModule | None = None
+        try:
+            parsed = self._read(loadable, call)
+            engine = self._engine(parsed, call) if self.mode == "numeric" else None
+            patterns = () if engine else tuple(_pattern(d) for d in parsed.outputs)
+            module = EmulatedModule(
+                self._core, parsed.inputs, parsed.outputs, parsed, engine, patterns
+            )
+        finally:
+            with self._cv:
+                self._loading = False
+                if not self._stopping:  # else a close() meanwhile has released the core
+                    self._module = module
+        return module
+
+    def _read(self, source: LoadableSource, call: str) -> Loadable:
+        try:
+            return read_loadable(source, expect_core=self._core)
+        except (LoadableError, OSError) as exc:
+            status = next(s for kind, s in _LOAD_ERRORS if isinstance(exc, kind))
+            raise DlaError(status, call, str(exc)) from exc
+
+    def _engine(self, loadable: Loadable, call: str) -> Int8Engine:
+        inp = loadable.inputs[0]
+        unsupported = {
+            f"{len(loadable.inputs)} inputs": len(loadable.inputs) != 1,
+            f"batch {inp.n}": inp.n != 1,
+            f"a {inp.data_type.name} {inp.tensor_format.name} input": (
+                (inp.tensor_format, inp.data_type) != (TensorFormat.DLA_HWC4, DataType.INT8)
+            ),
+            "DLA_LINEAR outputs": any(
+                d.tensor_format == TensorFormat.DLA_LINEAR for d in loadable.outputs
+            ),
+        }
+        if any(unsupported.values()):
+            why = ", ".join(what for what, bad in unsupported.items() if bad)
+            raise DlaError(CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, f"numeric mode: {why}")
+        specs = [
+            OutputSpec(d.name, d.c, d.h, d.w, "int8", d.scale)
+            if d.data_type == DataType.INT8
+            else OutputSpec(d.name, d.c, d.h, d.w, "fp16", None)
+            for d in loadable.outputs
+        ]
+        try:
+            return Int8Engine(
+                loadable.sections["graph"],
+                input_scale=loadable.input_scale,
+                input_shape=(inp.c, inp.h, inp.w),
+                outputs=specs,
+                threads=self._threads,
+            )
+        except Int8EngineError as exc:
+            raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, str(exc)) from exc
+
+    # ------------------------------------------------------------------ resources
+
+    def alloc_buffer(self, descriptor: TensorDescriptor) -> EmulatedBuffer:
+        """A zeroed, page-aligned buffer for ``descriptor``.
+
+        Raises DlaError: ``ERROR_INVALID_PARAM`` for anything but a TensorDescriptor of positive
+        size that its layout fills exactly; ``ERROR_OUT_OF_RESOURCES`` when the memory cannot
+        be allocated.
+        """
+        call = "cudlaImportExternalMemory"
+        with self._cv:
+            self._enter(call)
+        desc: object = descriptor
+        if not isinstance(desc, TensorDescriptor) or desc.size < 1:
+            raise DlaError(_INVALID, call, f"not a tensor descriptor of positive size: {desc!r}")
+        try:
+            fits = math.prod(desc.buffer_shape) * desc.numpy_dtype.itemsize
+        except ValueError as exc:  # a data type without a numpy dtype
+            raise DlaError(_INVALID, call, str(exc)) from exc
+        if fits != desc.size:
+            raise DlaError(
+                _INVALID, call, f"{desc.name}: {desc.buffer_shape} is {fits} B, size {desc.size}"
+            )
+        try:
+            return EmulatedBuffer.allocate(self, desc)
+        except (MemoryError, ValueError) as exc:  # numpy: too big for memory / for an array
+            raise DlaError(CudlaStatus.ERROR_OUT_OF_RESOURCES, call, str(exc)) from exc
+
+    def create_fence(self, name: str | None = None) -> EmulatedFence:
+        """A new fence at value 0, usable by any emulated core's tasks and by the CPU."""
+        with self._cv:
+            self._enter("cudlaImportExternalSemaphore")
+        return EmulatedFence(name or f"dla{self._core}-fence")
+
+    def set_task_timeout(self, ms: int) -> None:
+        """Timeout of the tasks that reach the head of the queue from now on. Raises DlaError
+        ``ERROR_INVALID_PARAM`` unless ``1 <= ms <= MAX_TASK_TIMEOUT_MS``."""
+        call = "cudlaSetTaskTimeoutInMs"
+        with self._cv:
+            self._enter(call)
+            if not _is_int(ms, 1, MAX_TASK_TIMEOUT_MS + 1):
+                raise DlaError(_INVALID, call, f"timeout {ms!r} ms")
+            self._timeout_ns = ms * 1_000_000
+
+    def last_error(self) -> CudlaStatus:
+        """The most recent failed task's status, or SUCCESS; reading clears it. Raises DlaError
+        ``ERROR_INVALID_DEVICE`` on a closed core."""
+        with self._cv:
+            if self._stopping:
+                raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaGetLastError", "closed")
+            status, self._sticky = self._sticky, CudlaStatus.SUCCESS
+            return status
+
+    # ------------------------------------------------------------------ tasks
+
+    def submit(self, task: Task) -> EmulatedTaskHandle:
+        """Queue ``task`` behind those already submitted; returns at once.
+
+        Raises DlaError, queueing and reserving nothing: ``ERROR_INVALID_MODULE`` for a module
+        not loaded on this core; ``ERROR_INVALID_ADDRESS`` for a buffer not allocated on it;
+        ``ERROR_INVALID_PARAM`` for a wrong buffer count, a buffer smaller than its tensor, more
+        than ``MAX_WAIT_EVENTS`` waits or ``MAX_SIGNAL_EVENTS`` signals, a fence of another
+        backend, or a signal value not above the fence's value and promises;
+        ``ERROR_OUT_OF_RESOURCES`` when ``queue_depth`` tasks are held.
+        """
+        call = "cudlaSubmitTask"
+        checked: object = task
+        if not isinstance(checked, Task):
+            raise DlaError(_INVALID, call, f"not a Task: {checked!r}")
+        with self._cv:
+            self._enter(call)
+            module = self._module
+            if module is None or task.module is not module:
+                raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "module not loaded here")
+            self._check_buffers("input", task.inputs, module.inputs, call)
+            self._check_buffers("output", task.outputs, module.outputs, call)
+            if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
+                why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
+                raise DlaError(_INVALID, call, why)
+            pairs: tuple[object, ...] = (*task.wait, *task.signal)
+            for pair in pairs:
+                if not (
+                    isinstance(pair, tuple)
+                    and len(pair) == 2
+                    and isinstance(pair[0], EmulatedFence)
+                ):
+                    raise DlaError(_INVALID, call, f"not (EmulatedFence, value): {pair!r}")
+                _fence_value(pair[1], call)
+            if self._in_flight >= self._queue_depth:
+                raise DlaError(
+                    CudlaStatus.ERROR_OUT_OF_RESOURCES, call, f"{self._queue_depth} tasks held"
+                )
+            for fence, value in task.signal:  # last: nothing else can fail after a reservation
+                cast("EmulatedFence", fence)._reserve(int(value), call)
+            handle = EmulatedTaskHandle(next(self._ids), task, self._clock())
+            self._queue.append(handle)
+            self._in_flight += 1
+            self._cv.notify_all()
+        return handle
+
+    def _check_buffers(
+        self, kind: str, buffers: Sequence[object], descs: Sequence[TensorDescriptor], call: str
+    ) -> None:
+        if len(buffers) != len(descs):
+            raise DlaError(_INVALID, call, f"{len(buffers)} {kind} buffers for {len(descs)}")
+        for buf, desc in zip(buffers, descs, strict=True):
+            if not isinstance(buf, EmulatedBuffer) or buf.owner is not self:
+                why = f"{kind} {desc.name!r}: buffer not allocated on DLA{self._core}"
+                raise DlaError(CudlaStatus.ERROR_INVALID_ADDRESS, call, why)
+            if buf.raw.size < desc.size:
+                raise DlaError(
+                    _INVALID, call, f"{kind} {desc.name!r}: {buf.raw.size} B for {desc.size} B"
+                )
+
+    def close(self, *, force: bool = False) -> None:
+        """Stop the core's thread and release the module; idempotent.
+
+        Without ``force`` it raises DlaError ``DLA_ERR_PROCESSOR_BUSY`` while tasks are in
+        flight (wait for the last task's fence first). With ``force`` the running task stops at
+        its next wait and every unfinished task ends with :data:`ABORTED_STATUS`, its fences
+        signalled. Raises DlaError ``ERROR_UNSUPPORTED_OPERATION`` when called from the core's
+        own thread (a fence callback), which it would have to join.
+        """
+        call = "cudlaDestroyDevice"
+        if threading.current_thread() is self._thread:
+            raise DlaError(CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, "from the core thread")
+        with self._cv:
+            if self._closed:
+                return
+            if self._in_flight and not force:
+                raise DlaError(
+                    CudlaStatus.DLA_ERR_PROCESSOR_BUSY, call, f"{self._in_flight} tasks in flight"
+                )
+            self._stopping = True
+            self._abort = force
+            self._cv.notify_all()
+        self._thread.join()
+        with self._cv:
+            left = list(self._queue)
+            self._queue.clear()
+        for handle in left:
+            now = self._clock()
+            self._finish(handle, ABORTED_STATUS, TaskTiming(handle.submit_ns, now, now))
+        with self._cv:
+            self._module = None
+            self._closed = True
+
+    # ------------------------------------------------------------------ the hardware thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._abort or not self._queue:
+                    return  # close() ends whatever is left
+                handle = self._queue.popleft()
+            try:
+                self._execute(handle)
+            except Exception:  # noqa: BLE001 (a bug must fail one task, not wedge the core)
+                _log.exception("emulated_task_crashed", core=self._core, task=handle.id)
+                if handle.status is None:
+                    now = self._clock()
+                    timing = TaskTiming(handle.submit_ns, now, now)
+                    self._finish(handle, CudlaStatus.ERROR_UNKNOWN, timing)
+
+    def _notify(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _wait_until(self, ready: Callable[[], bool], deadline_ns: int) -> _Outcome:
+        """Sleep on the core's condition until ``ready()``, the deadline or a forced close."""
+        with self._cv:
+            while not ready():
+                if self._abort:
+                    return "aborted"
+                remaining = deadline_ns - self._clock()
+                if remaining <= 0:
+                    return "expired"
+                self._cv.wait(remaining / 1e9)
+            return "done"
+
+    def _draw_fault(self) -> Literal["none", "error", "hang"]:
+        if self._faults is None:
+            return "none"
+        u = self._rng.random()
+        if u < self._faults.error_rate:
+            return "error"
+        return "hang" if u < self._faults.error_rate + self._faults.hang_rate else "none"
+
+    def _execute(self, handle: EmulatedTaskHandle) -> None:
+        task = handle.task
+        module = cast("EmulatedModule", task.module)  # submit checked it is this core's
+        fault = self._draw_fault()  # one draw per task in task order: a seed replays it
+        deadline = self._clock() + self._timeout_ns
+        for fence, value in task.wait:
+            fence.on_reached(value, self._notify)
+        outcome = self._wait_until(lambda: all(f.reached(v) for f, v in task.wait), deadline)
+        start = self._clock()
+        override = self._latency_override
+        modelled = module.loadable.latency_us if override is None else override
+        status, compute_ns = CudlaStatus.SUCCESS, 0
+        if outcome == "done" and fault == "hang":
+            outcome = self._wait_until(lambda: False, deadline)
+        elif outcome == "done":
+            if fault == "error":
+                status = self._faults.error_status if self._faults else CudlaStatus.ERROR_UNKNOWN
+            else:
+                status = self._compute(module, task)
+                compute_ns = self._clock() - start
+            end = start + round(modelled * _NS_PER_US)
+            # Sleep out the modelled latency; a computation longer than it sets the time.
+            if self._wait_until(lambda: False, min(end, deadline)) == "aborted":
+                outcome = "aborted"
+            elif end > deadline or self._clock() > deadline:
+                outcome = "expired"
+        if outcome == "expired":
+            status = CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
+        elif outcome == "aborted":
+            status = ABORTED_STATUS
+        timing = TaskTiming(handle.submit_ns, start, self._clock(), modelled, compute_ns / 1e3)
+        self._finish(handle, status, timing)
+
+    def _compute(self, module: EmulatedModule, task: Task) -> CudlaStatus:
+        # submit checked that every buffer is an EmulatedBuffer of this core.
+        outs = [
+            _image(cast("EmulatedBuffer", b), d)
+            for b, d in zip(task.outputs, module.outputs, strict=True)
+        ]
+        if module.engine is None:
+            for out, pattern in zip(outs, module.patterns, strict=True):
+                np.copyto(out, pattern)
+            return CudlaStatus.SUCCESS
+        image = _image(cast("EmulatedBuffer", task.inputs[0]), module.inputs[0])
+        try:
+            module.engine.run(image, out=outs)
+        except Int8EngineError:
+            _log.exception("emulated_task_failed", core=self._core)
+            return CudlaStatus.ERROR_UNKNOWN
+        return CudlaStatus.SUCCESS
+
+    def _finish(self, handle: EmulatedTaskHandle, status: CudlaStatus, timing: TaskTiming) -> None:
+        # Status, timing, the sticky error and the in-flight count are all settled before the
+        # fences move, so a consumer woken by a fence sees the final state and may close().
+        handle.timing = timing
+        handle.status = status
+        with self._cv:
+            if status is not CudlaStatus.SUCCESS:
+                self._sticky = status
+            self._in_flight -= 1
+            self._cv.notify_all()
+        for fence, value in handle.task.signal:  # submit checked they are EmulatedFences
+            cast("EmulatedFence", fence)._advance(int(value))

@@ -1,0 +1,817 @@
+"""Wire protocol v1: every message dlad and its clients exchange, with strict encoders and decoders.
+
+Transport is ZeroMQ, DEALER (client) ↔ ROUTER (daemon). A message is a list of frames: one
+msgpack map (the header) followed by at most one payload frame. The ROUTER's identity frames are
+the frontend's business and never reach this module. ``docs/protocol.md`` is the specification
+(field tables, ranges, a byte-level example); this module is its implementation::
+
+    request            frames               reply                frames
+    INFER    (0x01)    header, image        INFER_REPLY  (0x81)  header, detections
+    CANCEL   (0x02)    header               CANCEL_REPLY (0x82)  header
+    STATUS   (0x03)    header               STATUS_REPLY (0x83)  header
+                                            ERROR_REPLY  (0x80)  header  (request kind unreadable)
+
+A reply kind is its request kind with bit 7 set. Every reply carries ``status`` (a
+:class:`~dlad.errors.Status`) and ``message``.
+
+Messages are frozen dataclasses that validate themselves on construction, so an invalid message
+cannot be built, encoded or decoded. Every refusal raises :class:`~dlad.errors.ProtocolError` (a
+``BadRequest``) whose ``field`` names the offending field; decoders never leak KeyError, TypeError
+or ValueError, and fill in the request id and kind when the header still yields them, so the
+daemon can address its ``BAD_REQUEST`` reply (see :func:`error_reply`).
+
+Payloads cross without copies: :func:`encode` returns the image (or detections) as a memoryview
+over the caller's array, for ``send_multipart(frames, copy=False)``; the decoders return read-only
+numpy views over the received frames' buffers (``zmq.Frame`` or any bytes-like object), which keep
+those buffers alive. msgpack only, no pickle; zmq itself is not imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Literal,
+    NoReturn,
+    TypeAlias,
+    TypedDict,
+    TypeGuard,
+    cast,
+)
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from dlad.errors import DladError, ProtocolError, Status
+
+if TYPE_CHECKING:
+    import zmq
+
+__all__ = [
+    "CHANNELS", "DEFAULT_LIMITS", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
+    "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "PRIORITY_MAX", "PRIORITY_MIN", "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest", "DaemonState", "DaemonStatus",
+    "DeviceStatus", "ErrorReply", "Frame", "FrameLike", "InferReply", "InferRequest", "Kind",
+    "Limits", "Message", "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request",
+    "StatusReply", "StatusRequest", "Timing", "decode_reply", "decode_request", "encode",
+    "error_reply",
+]  # fmt: skip
+
+PROTOCOL_VERSION: Final = 1
+"""The version this module writes in every header's ``v``."""
+SUPPORTED_VERSIONS: Final = (1,)
+"""The versions the decoders accept; anything else is refused naming ``v``."""
+PRIORITY_MIN: Final = 0
+"""``priority``: 0 is normal (the default) and the lowest; higher is served sooner."""
+PRIORITY_MAX: Final = 7
+MAX_DEADLINE_MS: Final = 3_600_000
+"""Longest ``deadline_ms`` accepted (one hour); anything longer is a client bug."""
+MAX_DET: Final = 1000
+"""Most detections a request may ask for (``max_det``) and a reply may carry."""
+MAX_IMAGE_SIDE: Final = 65_535
+"""Absolute bound on image height and width; :class:`Limits` sets the operational one."""
+MAX_NAME_CHARS: Final = 128
+"""Longest model, stream or device name (characters, all printable)."""
+MAX_MESSAGE_CHARS: Final = 1024
+"""Longest reply ``message``; :func:`error_reply` truncates to it."""
+CHANNELS: Final[Mapping[str, int]] = {"RGB": 3, "BGR": 3, "GRAY": 1}
+"""Bytes per pixel of each ``image.format``."""
+
+_U64_MAX: Final = 2**64 - 1
+_I64_MAX: Final = 2**63 - 1
+_REPLY_BIT: Final = 0x80
+_DETECTION: Final = np.dtype("<f4")
+_DET_ROW_BYTES: Final = 6 * _DETECTION.itemsize
+
+PixelFormat: TypeAlias = Literal["RGB", "BGR", "GRAY"]
+DaemonState: TypeAlias = Literal["RUNNING", "DRAINING", "STOPPED"]
+Frame: TypeAlias = "bytes | memoryview"
+"""What :func:`encode` returns per frame: ready for ``send_multipart(frames, copy=False)``."""
+FrameLike: TypeAlias = "bytes | bytearray | memoryview | zmq.Frame"
+"""What the decoders accept per frame: ``recv_multipart(copy=False)`` output or bytes-like."""
+
+
+class Kind(enum.IntEnum):
+    """Message kind, the header's ``kind`` (msgpack int). A reply is its request's kind | 0x80."""
+
+    INFER = 0x01
+    CANCEL = 0x02
+    STATUS = 0x03
+    ERROR_REPLY = 0x80
+    INFER_REPLY = 0x81
+    CANCEL_REPLY = 0x82
+    STATUS_REPLY = 0x83
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self & _REPLY_BIT)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # msgpack decodes true/false to bool, a subclass of int that must not pass as a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Size bounds the decoders enforce before and while parsing (set from the daemon's config).
+
+    ``max_message_bytes`` bounds the sum of all frames; ``max_header_bytes`` the header frame;
+    the image bounds are checked against the header before the payload is looked at. Raises
+    ValueError on construction if a bound is not a positive int or the bounds contradict.
+    """
+
+    max_message_bytes: int = 64 * 2**20
+    max_header_bytes: int = 64 * 2**10
+    max_width: int = 8192
+    max_height: int = 8192
+    max_image_pixels: int = 4096 * 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_header_bytes", "max_image_pixels"):
+            if not (_is_int(value := getattr(self, name)) and value > 0):
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+        for name in ("max_width", "max_height"):
+            if not (_is_int(value := getattr(self, name)) and 1 <= value <= MAX_IMAGE_SIDE):
+                raise ValueError(f"Limits.{name} must be in [1, {MAX_IMAGE_SIDE}], got {value!r}")
+        if self.max_header_bytes > self.max_message_bytes:
+            raise ValueError("Limits.max_header_bytes exceeds Limits.max_message_bytes")
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+
+# ------------------------------------------------------------------------------ field checks
+# Each check takes the raw value and its dotted field path, and returns the value normalised
+# (plain int/float/str, enum members) or raises ProtocolError naming the path.
+
+
+def _fail(path: str, reason: str) -> NoReturn:
+    raise ProtocolError(f"{path}: {reason}", field=path)
+
+
+def _show(value: object) -> str:
+    # Never echo a whole attacker-sized value back into a reply or a log line.
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(value: object, path: str, lo: int, hi: int) -> int:
+    if not _is_int(value) or not lo <= value <= hi:
+        _fail(path, f"must be an int in [{lo}, {hi}], got {_show(value)}")
+    return int(value)
+
+
+def _opt_int(value: object, path: str, lo: int, hi: int) -> int | None:
+    return None if value is None else _int(value, path, lo, hi)
+
+
+def _float(
+    value: object, path: str, lo: float, hi: float, *, lo_open: bool, hi_open: bool
+) -> float:
+    x = math.nan  # NaN and infinities fail every comparison below
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int beyond float range
+            x = float(value)
+    if not ((lo < x if lo_open else lo <= x) and (x < hi if hi_open else x <= hi)):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        _fail(path, f"must be a finite number in {interval}, got {_show(value)}")
+    return x
+
+
+def _bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, f"must be a bool, got {_show(value)}")
+    return value
+
+
+def _name(value: object, path: str) -> str:
+    if not (isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS and value.isprintable()):
+        _fail(path, f"must be 1 to {MAX_NAME_CHARS} printable characters, got {_show(value)}")
+    return value
+
+
+def _opt_name(value: object, path: str) -> str | None:
+    return None if value is None else _name(value, path)
+
+
+def _text(value: object, path: str) -> str:
+    if not (isinstance(value, str) and len(value) <= MAX_MESSAGE_CHARS):
+        _fail(path, f"must be a string of at most {MAX_MESSAGE_CHARS} characters")
+    return value
+
+
+def _choice(value: object, path: str, choices: Collection[str]) -> str:
+    if not (isinstance(value, str) and value in choices):
+        _fail(path, f"must be one of {sorted(choices)}, got {_show(value)}")
+    return value
+
+
+def _status(value: object, path: str) -> Status:
+    code = _int(value, path, 0, _U64_MAX)
+    if code not in Status._value2member_map_:
+        _fail(path, f"unknown status {code}")
+    return Status(code)
+
+
+def _count(value: object, path: str) -> int:
+    return _int(value, path, 0, _I64_MAX)
+
+
+def _map(value: object, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(path, f"must be a msgpack map, got {type(value).__name__}")
+    return value
+
+
+def _keys(
+    m: Mapping[str, Any], prefix: str, required: Collection[str], optional: Collection[str] = ()
+) -> None:
+    for key in m:
+        if not isinstance(key, str):
+            _fail(prefix.rstrip(".") or "header", f"field names must be strings, got {_show(key)}")
+        if key not in required and key not in optional:
+            _fail(prefix + key, "unknown field")
+    for key in required:
+        if key not in m:
+            _fail(prefix + key, "missing required field")
+
+
+_Check: TypeAlias = Callable[[object, str], Any]
+
+
+def _record(value: object, path: str, spec: Mapping[str, _Check]) -> dict[str, Any]:
+    m = _map(value, path)
+    _keys(m, path + ".", spec)
+    return {key: check(m[key], f"{path}.{key}") for key, check in spec.items()}
+
+
+def _list_of(check: _Check, max_len: int) -> _Check:
+    def checked(value: object, path: str) -> list[Any]:
+        if not isinstance(value, list) or len(value) > max_len:
+            _fail(path, f"must be an array of at most {max_len} items")
+        return [check(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+    return checked
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    # Frozen dataclasses normalise their own fields once, in __post_init__.
+    object.__setattr__(obj, name, value)
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferRequest:
+    """Run ``model`` on one image. ``image`` is ``H x W x C`` uint8, C-contiguous, with
+    ``C = CHANNELS[format]``; after decoding it is a read-only view over the received frame.
+
+    ``None`` in ``deadline_ms``, ``conf``, ``iou`` or ``max_det`` means the daemon's default.
+    Raises ProtocolError (naming the field) when a value is out of its documented range.
+    """
+
+    id: int
+    model: str
+    image: npt.NDArray[np.uint8]
+    format: PixelFormat = "RGB"
+    stream: str | None = None
+    priority: int = PRIORITY_MIN
+    deadline_ms: int | None = None
+    conf: float | None = None
+    iou: float | None = None
+    max_det: int | None = None
+    kind: ClassVar[Kind] = Kind.INFER
+
+    def __post_init__(self) -> None:
+        _set(self, "id", _int(self.id, "id", 0, _U64_MAX))
+        _name(self.model, "model")
+        channels = CHANNELS[_choice(self.format, "image.format", CHANNELS)]
+        image: object = self.image
+        if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
+            _fail(
+                "image.dtype",
+                f"only uint8 images are supported, got {_show(getattr(image, 'dtype', image))}",
+            )
+        if image.ndim != 3 or image.shape[2] != channels:
+            _fail("image", f"{self.format} needs shape H x W x {channels}, got {image.shape}")
+        _int(image.shape[0], "image.height", 1, MAX_IMAGE_SIDE)
+        _int(image.shape[1], "image.width", 1, MAX_IMAGE_SIDE)
+        if not image.flags.c_contiguous:
+            _fail("image", "must be C-contiguous (frames are sent without copies)")
+        _opt_name(self.stream, "stream")
+        _set(self, "priority", _int(self.priority, "priority", PRIORITY_MIN, PRIORITY_MAX))
+        _set(self, "deadline_ms", _opt_int(self.deadline_ms, "deadline_ms", 1, MAX_DEADLINE_MS))
+        if self.conf is not None:
+            _set(self, "conf", _float(self.conf, "conf", 0.0, 1.0, lo_open=False, hi_open=True))
+        if self.iou is not None:
+            _set(self, "iou", _float(self.iou, "iou", 0.0, 1.0, lo_open=True, hi_open=False))
+        _set(self, "max_det", _opt_int(self.max_det, "max_det", 1, MAX_DET))
+
+    @property
+    def height(self) -> int:
+        return int(self.image.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.image.shape[1])
+
+
+@dataclass(frozen=True, slots=True)
+class _IdOnly:
+    id: int
+
+    def __post_init__(self) -> None:
+        _set(self, "id", _int(self.id, "id", 0, _U64_MAX))
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest(_IdOnly):
+    """Cancel the queued INFER with this ``id`` (same connection). Raises ProtocolError."""
+
+    kind: ClassVar[Kind] = Kind.CANCEL
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest(_IdOnly):
+    """Ask for the daemon's :class:`DaemonStatus`. Raises ProtocolError."""
+
+    kind: ClassVar[Kind] = Kind.STATUS
+
+
+# ------------------------------------------------------------------------------ replies
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Where an INFER's time went, in microseconds, and when its device work ran.
+
+    ``total_us`` is receipt to reply on the daemon. ``start_ns``/``end_ns`` bracket the device
+    execution on the daemon's monotonic clock (both ``None`` if it never reached a device).
+    Raises ProtocolError on a negative value, or only one of the two stamps, or end < start.
+    """
+
+    queue_us: int = 0
+    pre_us: int = 0
+    device_us: int = 0
+    post_us: int = 0
+    total_us: int = 0
+    start_ns: int | None = None
+    end_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in _TIMING_FIELDS[:5]:
+            _set(self, name, _count(getattr(self, name), f"timing.{name}"))
+        start = _opt_int(self.start_ns, "timing.start_ns", 0, _U64_MAX)
+        end = _opt_int(self.end_ns, "timing.end_ns", 0, _U64_MAX)
+        if (start is None) != (end is None):
+            _fail("timing.end_ns", "start_ns and end_ns are both set or both nil")
+        if start is not None and end is not None and end < start:
+            _fail("timing.end_ns", f"ends before start_ns ({end} < {start})")
+        _set(self, "start_ns", start)
+        _set(self, "end_ns", end)
+
+
+_TIMING_FIELDS: Final = tuple(Timing.__dataclass_fields__)
+
+
+def _no_detections() -> npt.NDArray[np.float32]:
+    return np.empty((0, 6), dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferReply:
+    """The answer to one INFER: ``detections`` is ``N x 6`` float32 ``x1 y1 x2 y2 score class``
+    in the original image's pixels (decoded: a read-only view over the frame). ``N == 0``
+    unless ``status`` is OK; ``message`` is empty on OK. ``device`` is ``None`` if no device
+    ran it. Raises ProtocolError when these rules or the field ranges are broken.
+    """
+
+    id: int
+    status: Status
+    message: str = ""
+    device: str | None = None
+    timing: Timing = field(default_factory=Timing)
+    detections: npt.NDArray[np.float32] = field(default_factory=_no_detections)
+    kind: ClassVar[Kind] = Kind.INFER_REPLY
+
+    def __post_init__(self) -> None:
+        _reply_envelope(self, self.id, self.status, self.message)
+        _opt_name(self.device, "device")
+        if not isinstance(self.timing, Timing):
+            _fail("timing", "must be a Timing")
+        det: object = self.detections
+        if not (isinstance(det, np.ndarray) and det.dtype in (np.dtype("<f4"), np.dtype(">f4"))):
+            _fail("detections", "must be a float32 array")
+        if det.ndim != 2 or det.shape[1] != 6:
+            _fail("detections", f"must have shape N x 6, got {det.shape}")
+        _int(det.shape[0], "count", 0, MAX_DET if self.status == Status.OK else 0)
+
+    @property
+    def count(self) -> int:
+        return int(self.detections.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReply:
+    """OK: the INFER was queued and is now cancelled (it is answered CANCELLED); NOT_FOUND:
+    nothing queued had that id. Raises ProtocolError on an invalid field."""
+
+    id: int
+    status: Status
+    message: str = ""
+    kind: ClassVar[Kind] = Kind.CANCEL_REPLY
+
+    def __post_init__(self) -> None:
+        _reply_envelope(self, self.id, self.status, self.message)
+
+
+class DeviceStatus(TypedDict):
+    """One accelerator as the scheduler sees it."""
+
+    name: str  # "dla0", "dla1", "gpu"
+    kind: Literal["dla", "gpu", "cpu"]
+    core: int | None  # DLA core index; None for other kinds
+    healthy: bool  # False after a sticky device error
+    busy: bool  # a task is executing now
+    in_flight: int  # submitted, not yet completed
+    queue_depth: int  # waiting for this device
+    completed: int  # since start
+    failed: int  # since start
+    service_time_us: float  # current estimate used for placement
+
+
+class ModelStatus(TypedDict):
+    """One servable model and the devices holding it."""
+
+    name: str
+    devices: list[str]
+    input_height: int
+    input_width: int
+    classes: int
+
+
+class QueueStatus(TypedDict):
+    """Admission queue: requests accepted and waiting for a device."""
+
+    depth: int
+    capacity: int
+    streams: int  # distinct stream ids among the waiting requests
+
+
+class DaemonStatus(TypedDict):
+    """The ``report`` of a STATUS reply: health, readiness and load."""
+
+    name: str  # this daemon's configured name (one per device in a fleet)
+    state: DaemonState
+    live: bool  # the event loop is turning
+    ready: bool  # every configured device is loaded and healthy; accepting INFER
+    version: str  # dlad version
+    protocol: int  # PROTOCOL_VERSION of the daemon
+    devices: list[DeviceStatus]
+    models: list[ModelStatus]
+    queues: QueueStatus
+
+
+_DEVICE_SPEC: Final[Mapping[str, _Check]] = {
+    "name": _name,
+    "kind": lambda v, p: _choice(v, p, ("dla", "gpu", "cpu")),
+    "core": lambda v, p: _opt_int(v, p, 0, 15),
+    "healthy": _bool,
+    "busy": _bool,
+    "in_flight": _count,
+    "queue_depth": _count,
+    "completed": _count,
+    "failed": _count,
+    "service_time_us": lambda v, p: _float(v, p, 0.0, 1e12, lo_open=False, hi_open=False),
+}
+_MODEL_SPEC: Final[Mapping[str, _Check]] = {
+    "name": _name,
+    "devices": _list_of(_name, 64),
+    "input_height": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
+    "input_width": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
+    "classes": lambda v, p: _int(v, p, 1, 65_535),
+}
+_QUEUE_SPEC: Final[Mapping[str, _Check]] = {"depth": _count, "capacity": _count, "streams": _count}
+_REPORT_SPEC: Final[Mapping[str, _Check]] = {
+    "name": _name,
+    "state": lambda v, p: _choice(v, p, ("RUNNING", "DRAINING", "STOPPED")),
+    "live": _bool,
+    "ready": _bool,
+    "version": _name,
+    "protocol": lambda v, p: _int(v, p, 1, 255),
+    "devices": _list_of(lambda v, p: _record(v, p, _DEVICE_SPEC), 64),
+    "models": _list_of(lambda v, p: _record(v, p, _MODEL_SPEC), 256),
+    "queues": lambda v, p: _record(v, p, _QUEUE_SPEC),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    """The answer to STATUS: ``report`` is set exactly when ``status`` is OK (a validated copy
+    of what was given). Raises ProtocolError on an invalid field."""
+
+    id: int
+    status: Status
+    message: str = ""
+    report: DaemonStatus | None = None
+    kind: ClassVar[Kind] = Kind.STATUS_REPLY
+
+    def __post_init__(self) -> None:
+        _reply_envelope(self, self.id, self.status, self.message)
+        if self.status == Status.OK:
+            _set(self, "report", cast("DaemonStatus", _record(self.report, "report", _REPORT_SPEC)))
+        elif self.report is not None:
+            _fail("report", "must be nil when status is not OK")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """The answer to a request whose kind could not be read; ``id`` is ``None`` when the id
+    could not be read either. ``status`` is never OK. Raises ProtocolError."""
+
+    id: int | None
+    status: Status
+    message: str = ""
+    kind: ClassVar[Kind] = Kind.ERROR_REPLY
+
+    def __post_init__(self) -> None:
+        _reply_envelope(self, self.id, self.status, self.message, optional_id=True)
+        if self.status == Status.OK:
+            _fail("status", "an ERROR_REPLY cannot be OK")
+
+
+def _reply_envelope(
+    reply: object, rid: object, status: object, message: object, *, optional_id: bool = False
+) -> None:
+    """Check and normalise the fields every reply has: ``id``, ``status``, ``message``."""
+    if not (optional_id and rid is None):
+        _set(reply, "id", _int(rid, "id", 0, _U64_MAX))
+    code = _status(status, "status")
+    _set(reply, "status", code)
+    if _text(message, "message") and code == Status.OK:
+        _fail("message", "must be empty when status is OK")
+
+
+_REPLY_CLASSES: Final[Mapping[int, type[InferReply | CancelReply | StatusReply]]] = {
+    Kind.INFER: InferReply,
+    Kind.CANCEL: CancelReply,
+    Kind.STATUS: StatusReply,
+}
+
+Request: TypeAlias = "InferRequest | CancelRequest | StatusRequest"
+Reply: TypeAlias = "InferReply | CancelReply | StatusReply | ErrorReply"
+Message: TypeAlias = "Request | Reply"
+
+
+def error_reply(
+    error: DladError, *, request_id: int | None = None, request_kind: int | None = None
+) -> Reply:
+    """The reply answering a request that failed with ``error``.
+
+    ``request_id``/``request_kind`` default to what ``error`` carries (a ProtocolError carries
+    what the decoder could read). A known request kind and id give that kind's reply; anything
+    else an :class:`ErrorReply`. The message is cut to :data:`MAX_MESSAGE_CHARS`.
+    """
+    rid = request_id if request_id is not None else error.request_id
+    if request_kind is None and isinstance(error, ProtocolError):
+        request_kind = error.request_kind
+    text = error.message[:MAX_MESSAGE_CHARS]
+    if rid is not None and request_kind is not None and request_kind in _REPLY_CLASSES:
+        return _REPLY_CLASSES[request_kind](rid, error.status, text)
+    return ErrorReply(rid, error.status, text)
+
+
+# ------------------------------------------------------------------------------ encode
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    return cast("bytes", msgpack.packb(header, use_bin_type=True))
+
+
+def encode(message: Message) -> list[Frame]:
+    """The frames of ``message``: ``[header]`` or ``[header, payload]``.
+
+    The payload is a memoryview over the message's own array (the detections are converted to
+    little-endian first only on a big-endian host), so keep the message alive until
+    ``send_multipart(..., copy=False)`` has handed the frames to ZeroMQ, and do not write to
+    the array meanwhile. The message was validated when it was built, so this does not raise.
+    """
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": int(message.kind), "id": message.id}
+    if isinstance(message, InferRequest):
+        header["model"] = message.model
+        optional = {"stream": message.stream, "deadline_ms": message.deadline_ms}
+        if message.priority != PRIORITY_MIN:
+            optional["priority"] = message.priority
+        header |= {k: v for k, v in optional.items() if v is not None}
+        header["image"] = {
+            "height": message.height,
+            "width": message.width,
+            "format": message.format,
+            "dtype": "uint8",
+        }
+        thresholds = {"conf": message.conf, "iou": message.iou, "max_det": message.max_det}
+        header |= {k: v for k, v in thresholds.items() if v is not None}
+        return [_pack(header), message.image.data.cast("B")]
+    if isinstance(message, (CancelRequest, StatusRequest)):
+        return [_pack(header)]
+    header["status"] = int(message.status)
+    header["message"] = message.message
+    if isinstance(message, InferReply):
+        header["device"] = message.device
+        header["timing"] = {name: getattr(message.timing, name) for name in _TIMING_FIELDS}
+        header["count"] = message.count
+        if message.count == 0:
+            return [_pack(header), b""]
+        det = np.ascontiguousarray(message.detections, dtype=_DETECTION)
+        return [_pack(header), det.data.cast("B")]
+    if isinstance(message, StatusReply):
+        header["report"] = message.report
+    return [_pack(header)]
+
+
+# ------------------------------------------------------------------------------ decode
+
+
+def _views(frames: object, limits: Limits) -> list[memoryview]:
+    if not isinstance(frames, Sequence) or isinstance(frames, (bytes, bytearray, str)):
+        _fail("frames", "a message is a list of frames")
+    if not 1 <= len(frames) <= 2:
+        _fail("frames", f"a v1 message has 1 or 2 frames, got {len(frames)}")
+    views = []
+    for i, frame in enumerate(frames):
+        try:
+            # zmq.Frame, bytes, memoryview, numpy arrays: anything exporting a C-contiguous
+            # buffer. cast() gives a flat byte view without copying.
+            view = memoryview(cast("Any", frame))
+            if view.ndim != 1 or view.format != "B":
+                view = view.cast("B")
+        except (TypeError, ValueError):
+            _fail(f"frames[{i}]", "not a contiguous bytes-like buffer")
+        views.append(view)
+    total = sum(v.nbytes for v in views)
+    if total > limits.max_message_bytes:
+        _fail("frames", f"message of {total} bytes is over the limit of {limits.max_message_bytes}")
+    if views[0].nbytes > limits.max_header_bytes:
+        _fail("header", f"{views[0].nbytes} bytes is over the limit of {limits.max_header_bytes}")
+    return views
+
+
+def _pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """Build each msgpack map: string keys only, and no key twice (a repeated key would make
+    the header mean different things to different decoders)."""
+    out = dict(pairs)
+    if len(out) != len(pairs) or not all(isinstance(key, str) for key in out):
+        seen: set[Any] = set()
+        for key, _ in pairs:
+            if not isinstance(key, str):
+                _fail("header", f"field names must be strings, got {_show(key)}")
+            if key in seen:
+                _fail("header", f"duplicate field {_show(key)}")
+            seen.add(key)
+    return out
+
+
+def _unpack(view: memoryview) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(view, raw=False, strict_map_key=True, object_pairs_hook=_pairs)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # msgpack signals truncation, bad bytes, trailing data, bad UTF-8 and nesting depth
+        # as ValueError subclasses; the others guard odd map keys and extension payloads.
+        _fail("header", f"not a valid msgpack document ({type(exc).__name__})")
+    return _map(header, "header")
+
+
+def _open(
+    frames: object, limits: Limits, kinds: Collection[Kind], role: str
+) -> tuple[Kind, dict[str, Any], list[memoryview]]:
+    views = _views(frames, limits)
+    header = _unpack(views[0])
+    rid, raw_kind = header.get("id"), header.get("kind")
+    try:
+        if "v" not in header:
+            _fail("v", "missing required field")
+        version = header["v"]
+        if not _is_int(version) or version not in SUPPORTED_VERSIONS:
+            supported = ", ".join(map(str, SUPPORTED_VERSIONS))
+            _fail("v", f"version {_show(version)} is not supported (supported: {supported})")
+        if "kind" not in header:
+            _fail("kind", "missing required field")
+        code = _int(raw_kind, "kind", 0, 255)
+        if code not in kinds:
+            _fail("kind", f"{code} is not a {role} kind")
+        kind = Kind(code)
+        want = 2 if kind in (Kind.INFER, Kind.INFER_REPLY) else 1
+        if len(views) != want:
+            _fail("frames", f"{kind.name} has {want} frame(s), got {len(views)}")
+        _keys(header, "", *_HEADER_FIELDS[kind])
+    except ProtocolError as exc:
+        _attach(exc, rid, raw_kind)
+        raise
+    return kind, header, views
+
+
+def _attach(exc: ProtocolError, rid: object, raw_kind: object) -> None:
+    """Record the id and kind the header yielded, so the refusal can be addressed."""
+    if _is_int(rid) and 0 <= rid <= _U64_MAX:
+        exc.request_id = rid
+    if _is_int(raw_kind):
+        exc.request_kind = raw_kind
+
+
+_ENVELOPE: Final = ("v", "kind", "id")
+_REPLY_ENVELOPE: Final = (*_ENVELOPE, "status", "message")
+_HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    # kind: (required fields, optional fields); every other field is refused.
+    Kind.INFER: ((*_ENVELOPE, "model", "image"),
+                 ("stream", "priority", "deadline_ms", "conf", "iou", "max_det")),
+    Kind.CANCEL: (_ENVELOPE, ()),
+    Kind.STATUS: (_ENVELOPE, ()),
+    Kind.INFER_REPLY: ((*_REPLY_ENVELOPE, "device", "timing", "count"), ()),
+    Kind.CANCEL_REPLY: (_REPLY_ENVELOPE, ()),
+    Kind.STATUS_REPLY: ((*_REPLY_ENVELOPE, "report"), ()),
+    Kind.ERROR_REPLY: (_REPLY_ENVELOPE, ()),
+}  # fmt: skip
+
+
+def _infer_request(h: dict[str, Any], payload: memoryview, limits: Limits) -> InferRequest:
+    img = _map(h["image"], "image")
+    _keys(img, "image.", ("height", "width", "format", "dtype"))
+    fmt = _choice(img["format"], "image.format", CHANNELS)
+    if img["dtype"] != "uint8":
+        _fail("image.dtype", f"only 'uint8' is supported, got {_show(img['dtype'])}")
+    height = _int(img["height"], "image.height", 1, limits.max_height)
+    width = _int(img["width"], "image.width", 1, limits.max_width)
+    if height * width > limits.max_image_pixels:
+        _fail("image", f"{width}x{height} is over the limit of {limits.max_image_pixels} pixels")
+    channels = CHANNELS[fmt]
+    if payload.nbytes != height * width * channels:
+        need = height * width * channels
+        _fail("frames[1]", f"image payload is {payload.nbytes} bytes, the header says {need}")
+    image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
+    image.flags.writeable = False  # the daemon never writes into a client's frame
+    priority = h.get("priority")  # nil means the default, like absence
+    return InferRequest(
+        id=h["id"], model=h["model"], image=image, format=cast("PixelFormat", fmt),
+        stream=h.get("stream"), priority=PRIORITY_MIN if priority is None else priority,
+        deadline_ms=h.get("deadline_ms"), conf=h.get("conf"), iou=h.get("iou"),
+        max_det=h.get("max_det"),
+    )  # fmt: skip
+
+
+def decode_request(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Decode the frames of a request (without the ROUTER's identity frames).
+
+    An INFER's image is a read-only view over ``frames[1]``'s buffer (no copy). Raises
+    ProtocolError for anything that is not a valid v1 request: its ``field`` names the
+    problem, and ``request_id``/``request_kind`` hold what the header yielded, if anything.
+    """
+    kind, h, views = _open(frames, limits, (Kind.INFER, Kind.CANCEL, Kind.STATUS), "request")
+    try:
+        if kind == Kind.INFER:
+            return _infer_request(h, views[1], limits)
+        return CancelRequest(h["id"]) if kind == Kind.CANCEL else StatusRequest(h["id"])
+    except ProtocolError as exc:
+        _attach(exc, h.get("id"), h.get("kind"))
+        raise
+
+
+def _infer_reply(h: dict[str, Any], payload: memoryview) -> InferReply:
+    timing = _map(h["timing"], "timing")
+    _keys(timing, "timing.", _TIMING_FIELDS)
+    count = _int(h["count"], "count", 0, MAX_DET)
+    if payload.nbytes != count * _DET_ROW_BYTES:
+        need = count * _DET_ROW_BYTES
+        _fail("frames[1]", f"detections payload is {payload.nbytes} bytes, count says {need}")
+    det = np.frombuffer(payload, dtype=_DETECTION).reshape(count, 6)
+    det.flags.writeable = False
+    return InferReply(h["id"], h["status"], h["message"], h["device"], Timing(**timing), det)
+
+
+def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Reply:
+    """Decode the frames of a reply (a client's side of :func:`decode_request`).
+
+    An INFER_REPLY's detections are a read-only ``N x 6`` float32 view over ``frames[1]``.
+    Raises ProtocolError for anything that is not a valid v1 reply (field named).
+    """
+    replies = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY, Kind.ERROR_REPLY)
+    kind, h, views = _open(frames, limits, replies, "reply")
+    try:
+        if kind == Kind.INFER_REPLY:
+            return _infer_reply(h, views[1])
+        if kind == Kind.STATUS_REPLY:
+            return StatusReply(h["id"], h["status"], h["message"], h["report"])
+        cls = CancelReply if kind == Kind.CANCEL_REPLY else ErrorReply
+        return cls(h["id"], h["status"], h["message"])
+    except ProtocolError as exc:
+        _attach(exc, h.get("id"), h.get("kind"))
+        raise
