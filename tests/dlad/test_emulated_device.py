@@ -286,8 +286,10 @@ def test_tasks_run_in_submission_order(open_core: OpenCore) -> None:
     order: list[int] = []
     for value in range(1, 21):  # appended from the core's thread as the fence passes each
         fence.on_reached(value, functools.partial(order.append, value))
+    finished = threading.Event()
+    fence.on_reached(20, finished.set)  # after order's callback of 20 (same value: FIFO)
     handles = [core.submit(Task(module, ins, outs, signal=[(fence, v)])) for v in range(1, 21)]
-    assert fence.wait(20, WAIT_S)
+    assert finished.wait(WAIT_S)
     assert order == list(range(1, 21))
     assert [h.id for h in handles] == list(range(1, 21))
     timings = [h.timing for h in handles]
@@ -341,10 +343,12 @@ def test_callbacks_reach_an_event_loop_from_the_core_thread(open_core: OpenCore)
     async def main() -> threading.Thread:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[threading.Thread] = loop.create_future()
+        # Callbacks of one value run in registration order: the close attempt is over by the
+        # time the loop learns of the completion.
+        done.on_reached(1, close_from_callback)
         done.on_reached(
             1, lambda: loop.call_soon_threadsafe(fut.set_result, threading.current_thread())
         )
-        done.on_reached(1, close_from_callback)
         core.submit(Task(module, ins, outs, signal=[(done, 1)]))
         return await asyncio.wait_for(fut, WAIT_S)
 
