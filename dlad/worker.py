@@ -1,0 +1,273 @@
+"""Device workers: one per (device, model) placement, each owning one emulated DLA core handle.
+
+A worker runs ``slots`` identical loops (default 2) on the event loop. Each slot owns one set of
+I/O buffers and one fence, so while the core executes one slot's task, another slot pre- or
+post-processes — the core's own "hardware" thread serialises execution, as a DLA does. Per job:
+
+1. take the next job from the scheduler (expired jobs skipped there are answered
+   DEADLINE_EXCEEDED and never run);
+2. pre-process on a worker thread: letterbox → quantise to ``DLA_HWC4`` int8 straight into the
+   slot's input buffer;
+3. submit the task with a signal fence and wait for the fence *without blocking the loop*: the
+   core's thread calls back, and the callback hops onto the loop with a thread-safe call;
+4. read the task's status (a failed task still signals its fence; its sticky error is read and
+   the request answered DEVICE_FAILED);
+5. post-process on a worker thread: unpack ``CHW16``/``CHW32`` heads → decode → NMS → boxes in
+   the original image's pixels; reply.
+
+The event loop only moves small objects; image math runs on threads, numerics on the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import numpy as np
+import structlog
+
+from dlad.devices.base import CudlaStatus, DlaError, Task
+from dlad.devices.emulated import EmulatedDlaCore, FaultConfig
+from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
+from dlad.imaging.post import postprocess, unpack_chw16, unpack_chw32_int8
+from dlad.imaging.pre import Letterbox, letterbox, quantize_hwc4, to_rgb
+from dlad.loadable import DataType, Loadable
+from dlad.scheduler import Job, Scheduler
+
+log = structlog.get_logger("dlad.worker")
+
+
+@dataclass
+class Work:
+    """What the frontend hands the scheduler for one INFER (the :class:`Job` payload)."""
+
+    client: bytes
+    request_id: int
+    image: np.ndarray
+    pixel_format: str
+    conf: float
+    iou: float
+    max_det: int
+    received_ns: int
+    reply: Callable[[Any], Awaitable[None]]
+    """Sends this request's one reply (the frontend guarantees at most one per request)."""
+
+
+@dataclass
+class Outcome:
+    """The result of one job, as the frontend encodes it."""
+
+    work: Work
+    device: str
+    detections: np.ndarray | None = None
+    error: Exception | None = None
+    queue_us: float = 0.0
+    pre_us: float = 0.0
+    device_us: float = 0.0
+    post_us: float = 0.0
+    start_ns: int = 0
+    end_ns: int = 0
+
+
+@dataclass
+class DeviceStats:
+    completed: int = 0
+    failed: int = 0
+    busy_ns: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+
+
+class DeviceWorker:
+    """One emulated DLA core serving one model (see the module docstring).
+
+    Args:
+        name: the device's name (``dla0``).
+        core: the DLA core index.
+        loadable_path: the loadable built for ``core``.
+        loadable: its parsed header (anchors, strides, scales).
+        scheduler: the daemon's scheduler (loop-owned).
+        mode, latency_us, threads, faults, task_timeout_ms: the emulated core's settings.
+        pre_post: run pre/post-processing (off: the benchmark's "daemon path only" mode, where
+            the reply carries no detections).
+        limiter: bounds the threads used for pre/post-processing across all workers.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        core: int,
+        loadable_path: str,
+        loadable: Loadable,
+        scheduler: Scheduler[Work],
+        *,
+        mode: Literal["numeric", "timing"],
+        latency_us: float | None,
+        threads: int,
+        faults: FaultConfig | None,
+        task_timeout_ms: float,
+        limiter: anyio.CapacityLimiter,
+        pre_post: bool = True,
+        slots: int = 2,
+    ) -> None:
+        self.name = name
+        self.loadable = loadable
+        self.scheduler = scheduler
+        self.pre_post = pre_post
+        self.limiter = limiter
+        self.stats = DeviceStats()
+        self._wake = anyio.Event()
+        self.core = EmulatedDlaCore(
+            core,
+            mode=mode,
+            latency_us=latency_us,
+            threads=threads,
+            faults=faults,
+        )
+        self.core.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
+        self.module = self.core.load(loadable_path)
+        self._slots = [self._make_slot() for _ in range(slots)]
+        self._anchors = np.asarray(loadable.anchors_px, np.float32)
+        self.ready = False
+
+    def _make_slot(self) -> dict[str, Any]:
+        return {
+            "inputs": [self.core.alloc_buffer(d) for d in self.module.inputs],
+            "outputs": [self.core.alloc_buffer(d) for d in self.module.outputs],
+            "fence": self.core.create_fence(),
+        }
+
+    def wake(self) -> None:
+        """A job was queued for this device (called on the loop)."""
+        self._wake.set()
+
+    async def run(self, on_outcome: Callable[[Outcome], Awaitable[None]]) -> None:
+        """Serve jobs until cancelled; the core is closed on the way out."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for slot in self._slots:
+                    tg.start_soon(self._slot_loop, slot, on_outcome)
+                self.ready = True
+        finally:
+            self.ready = False
+            self.core.close(force=True)
+
+    async def _slot_loop(
+        self, slot: dict[str, Any], on_outcome: Callable[[Outcome], Awaitable[None]]
+    ) -> None:
+        while True:
+            job, expired = self.scheduler.next_job(self.name)
+            for stale in expired:
+                await on_outcome(self._expired(stale))
+            if job is None:
+                if self._wake.is_set():
+                    self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            try:
+                outcome = await self._execute(job, slot)
+            except Exception as exc:  # a bug must cost one request an INTERNAL, not the daemon
+                log.exception("job_failed", device=self.name)
+                outcome = Outcome(job.payload, self.name, error=InternalError(repr(exc)))
+            self.scheduler.finished(
+                self.name, job, outcome.device_us if outcome.error is None else None
+            )
+            await on_outcome(outcome)
+
+    def _expired(self, job: Job[Work]) -> Outcome:
+        return Outcome(
+            job.payload, self.name, error=DeadlineExceeded("deadline passed while queued")
+        )
+
+    async def _execute(self, job: Job[Work], slot: dict[str, Any]) -> Outcome:
+        work = job.payload
+        out = Outcome(work, self.name)
+        t0 = time.monotonic_ns()
+        out.queue_us = (t0 - work.received_ns) / 1e3
+        geometry: Letterbox | None = None
+        if self.pre_post:
+            geometry = await anyio.to_thread.run_sync(
+                self._pre, work, slot["inputs"][0], limiter=self.limiter
+            )
+        t1 = time.monotonic_ns()
+        out.pre_us = (t1 - t0) / 1e3
+        try:
+            handle = await self._submit(slot)
+        except DlaError as exc:
+            out.error = DeviceFailed(f"{self.name}: {exc}")
+            self.stats.failed += 1
+            return out
+        status = handle.status
+        timing = handle.timing
+        if timing is not None:
+            out.start_ns, out.end_ns = timing.start_ns, timing.end_ns
+            out.device_us = timing.actual_us
+            self.stats.busy_ns += timing.end_ns - timing.start_ns
+        if status is not CudlaStatus.SUCCESS:
+            sticky = self.core.last_error()  # read (and clear) the sticky error, as cuDLA wants
+            out.error = DeviceFailed(
+                f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"
+            )
+            self.stats.failed += 1
+            return out
+        t2 = time.monotonic_ns()
+        if self.pre_post and geometry is not None:
+            out.detections = await anyio.to_thread.run_sync(
+                self._post, work, slot["outputs"], geometry, limiter=self.limiter
+            )
+        else:
+            out.detections = np.zeros((0, 6), np.float32)
+        out.post_us = (time.monotonic_ns() - t2) / 1e3
+        self.stats.completed += 1
+        return out
+
+    async def _submit(self, slot: dict[str, Any]) -> Any:
+        fence = slot["fence"]
+        target = fence.value + 1
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_reached() -> None:  # the core's thread (or this one, if already reached)
+            loop.call_soon_threadsafe(done.set)
+
+        handle = self.core.submit(
+            Task(
+                self.module,
+                tuple(slot["inputs"]),
+                tuple(slot["outputs"]),
+                signal=((fence, target),),
+            )
+        )
+        fence.on_reached(target, on_reached)
+        await done.wait()
+        return handle
+
+    def _pre(self, work: Work, buffer: Any) -> Letterbox:
+        rgb = to_rgb(work.image, work.pixel_format)  # type: ignore[arg-type]
+        size = self.loadable.image_size
+        canvas, geometry = letterbox(rgb, (size[0], size[1]))
+        q = quantize_hwc4(canvas, self.loadable.input_scale)
+        np.copyto(buffer.raw, q.reshape(-1).view(np.uint8))
+        return geometry
+
+    def _post(self, work: Work, outputs: list[Any], geometry: Letterbox) -> np.ndarray:
+        heads = []
+        for d, buf in zip(self.module.outputs, outputs, strict=True):
+            if d.data_type == DataType.INT8:
+                packed = buf.array.reshape(-1, d.h, d.w, 32)
+                heads.append(unpack_chw32_int8(packed, d.c, float(d.scale or 0.0)))
+            else:
+                heads.append(unpack_chw16(buf.array.reshape(-1, d.h, d.w, 16), d.c))
+        return postprocess(
+            heads,
+            self._anchors,
+            self.loadable.strides,
+            geometry,
+            conf_threshold=work.conf,
+            iou_threshold=work.iou,
+            max_det=work.max_det,
+        )

@@ -1,0 +1,183 @@
+"""The daemon in-process on real tcp loopback sockets: round trip, both cores, overload,
+deadlines, cancel, bad input and drain — every request answered exactly once."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import zmq
+from PIL import Image
+
+from dlad import protocol
+from dlad.config import load_config
+from dlad.daemon import Daemon
+from dlad.errors import Status
+from dlad.models import DEMO
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = """
+[daemon]
+drain_timeout_s = 5.0
+default_deadline_ms = 5000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[devices.dla0]
+kind = "dla"
+core = 0
+queue_depth = {depth}
+mode = "{mode}"
+latency_us = {latency}
+task_timeout_ms = 2000.0
+[devices.dla1]
+kind = "dla"
+core = 1
+queue_depth = {depth}
+mode = "{mode}"
+latency_us = {latency}
+task_timeout_ms = 2000.0
+[models.demo]
+devices = ["dla0", "dla1"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+"""
+
+
+@contextmanager
+def running(
+    tmp_path: Path, *, mode: str = "timing", latency: float = 2000.0, depth: int = 4
+) -> Iterator[tuple[Daemon, str]]:
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(CONFIG.format(mode=mode, latency=latency, depth=depth))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(daemon.serve)
+            await daemon.ready.wait()
+            started.set()
+
+    def target() -> None:
+        try:
+            anyio.run(main)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the test via `errors`)
+            errors.append(exc)
+            started.set()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert started.wait(30)
+    assert not errors, errors
+    try:
+        yield daemon, daemon.bound[0]
+    finally:
+        daemon.stop_threadsafe()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert not errors, errors
+
+
+@contextmanager
+def dealer(endpoint: str) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def recv(sock: zmq.Socket) -> protocol.Reply:
+    assert sock.poll(20_000), "no reply within 20 s"
+    return protocol.decode_reply(sock.recv_multipart())
+
+
+IMAGE = np.ascontiguousarray(np.asarray(Image.open(DEMO / "images" / "000001.jpg").convert("RGB")))
+
+
+def test_round_trip_detections_match_prep(tmp_path: Path) -> None:
+    import json
+
+    expected = json.loads((DEMO / "expected_detections.json").read_text())["images"]["000001.jpg"]
+    with running(tmp_path, mode="numeric", latency=500.0) as (_, ep), dealer(ep) as sock:
+        sock.send_multipart(protocol.encode(protocol.InferRequest(7, "demo", IMAGE)), copy=False)
+        reply = recv(sock)
+    assert isinstance(reply, protocol.InferReply)
+    assert reply.status == Status.OK, reply.message
+    assert reply.id == 7
+    assert reply.device in ("dla0", "dla1")
+    np.testing.assert_allclose(
+        reply.detections, np.asarray(expected["emulated_int8"], np.float32), atol=2e-3
+    )
+    assert reply.timing.total_us >= reply.timing.device_us > 0
+
+
+def test_both_cores_under_load_and_every_request_answered_once(tmp_path: Path) -> None:
+    n = 60
+    with running(tmp_path, latency=3000.0, depth=4) as (_, ep), dealer(ep) as sock:
+        for i in range(n):
+            sock.send_multipart(
+                protocol.encode(protocol.InferRequest(i, "demo", IMAGE)), copy=False
+            )
+        replies = [recv(sock) for _ in range(n)]
+    ids = Counter(r.id for r in replies)
+    assert set(ids) == set(range(n))
+    assert all(c == 1 for c in ids.values())
+    statuses = Counter(r.status for r in replies)
+    assert statuses[Status.OK] > 0
+    assert statuses[Status.OVERLOADED] > 0  # 60 at once into 2 x 4 queue slots: full is an answer
+    assert set(statuses) <= {Status.OK, Status.OVERLOADED}
+    devices = Counter(r.device for r in replies if r.status == Status.OK)
+    assert devices["dla0"] > 0
+    assert devices["dla1"] > 0
+
+
+def test_deadline_expiry_and_cancel(tmp_path: Path) -> None:
+    with running(tmp_path, latency=50_000.0, depth=8) as (_, ep), dealer(ep) as sock:
+        for i in range(8):  # 4 start at once (2 cores x 2 slots, 50 ms each), 4 wait
+            sock.send_multipart(
+                protocol.encode(protocol.InferRequest(i, "demo", IMAGE, deadline_ms=20)), copy=False
+            )
+        sock.send_multipart(protocol.encode(protocol.InferRequest(100, "demo", IMAGE)), copy=False)
+        sock.send_multipart(protocol.encode(protocol.InferRequest(101, "demo", IMAGE)), copy=False)
+        sock.send_multipart(protocol.encode(protocol.InferRequest(102, "demo", IMAGE)), copy=False)
+        sock.send_multipart(protocol.encode(protocol.CancelRequest(102)))
+        replies = [recv(sock) for _ in range(12)]
+    by = {(type(r).__name__, r.id): r for r in replies}
+    assert len(by) == 12
+    expired = [r for r in replies if r.status == Status.DEADLINE_EXCEEDED]
+    assert len(expired) >= 4  # those queued behind 50 ms tasks with a 20 ms budget
+    assert by[("CancelReply", 102)].status == Status.OK
+    assert by[("InferReply", 102)].status == Status.CANCELLED
+
+
+@pytest.mark.parametrize(
+    ("frames", "status"),
+    [
+        ([b"\xc1garbage"], Status.BAD_REQUEST),
+        ([protocol.encode(protocol.StatusRequest(1))[0][:-1]], Status.BAD_REQUEST),
+    ],
+)
+def test_bad_input_gets_typed_status_and_daemon_stays_up(
+    tmp_path: Path, frames: list[bytes], status: Status
+) -> None:
+    with running(tmp_path) as (_, ep), dealer(ep) as sock:
+        sock.send_multipart(frames)
+        assert recv(sock).status == status
+        sock.send_multipart(protocol.encode(protocol.InferRequest(1, "nope", IMAGE)), copy=False)
+        assert recv(sock).status == Status.NOT_FOUND
+        sock.send_multipart(protocol.encode(protocol.InferRequest(2, "demo", IMAGE)), copy=False)
+        assert recv(sock).status == Status.OK
