@@ -144,9 +144,19 @@ def test_save_load_round_trip(
     qat.save_qat(tmp_path / "q.pt", qmodel, qat.QATConfig(), {"note": 1})
     loaded, extra = qat.load_qat(tmp_path / "q.pt")
     assert extra == {"note": 1}
-    with torch.no_grad():
-        for a, b in zip(qmodel(images), loaded(images), strict=True):
-            torch.testing.assert_close(a, b)
+    # A loaded model has its head-output quantizers off unless train_head_quant (see QATConfig).
+    assert qat.set_head_output_quant(qmodel, False) == 3
+    try:
+        with torch.no_grad():
+            for a, b in zip(qmodel(images), loaded(images), strict=True):
+                torch.testing.assert_close(a, b)
+        assert qat.set_head_output_quant(loaded, True) == 3
+        assert qat.set_head_output_quant(qmodel, True) == 3
+        with torch.no_grad():
+            for a, b in zip(qmodel(images), loaded(images), strict=True):
+                torch.testing.assert_close(a, b)
+    finally:
+        qat.set_head_output_quant(qmodel, True)
     torch.save({"format": "x"}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="not a prep QAT checkpoint"):
         qat.load_qat(tmp_path / "bad.pt")
