@@ -234,6 +234,9 @@ class PrePostConfig:
     numpy reference; ``auto``: cuda when CUDA is present at start, else cpu."""
     threads: int = 2
     """CPU threads for the numpy path (>= 1); never the event loop's."""
+    enabled: bool = True
+    """Off only to benchmark the daemon's own path: images are not letterboxed into the DLA
+    input, heads are not decoded, and replies carry no detections."""
 
     def __post_init__(self) -> None:
         _at_least_one(self.threads, "threads")

@@ -67,16 +67,16 @@ class Daemon:
     Args:
         plan: the checked config (``dlad.config.load_config(path).plan()``).
         endpoints: override ``plan.endpoints`` (tests bind ``tcp://127.0.0.1:0``-style ports).
-        pre_post: run pre/post-processing (off only for the benchmark of the daemon's path).
+        pre_post: override ``pre_post.enabled`` of the config.
     """
 
     def __init__(
-        self, plan: Plan, *, endpoints: Sequence[str] | None = None, pre_post: bool = True
+        self, plan: Plan, *, endpoints: Sequence[str] | None = None, pre_post: bool | None = None
     ) -> None:
         self.plan = plan
         self.config: Config = plan.config
         self.endpoints = tuple(endpoints or plan.endpoints)
-        self.pre_post = pre_post
+        self.pre_post = plan.config.pre_post.enabled if pre_post is None else pre_post
         self.state = State.RUNNING
         self.counters = Counters()
         self.bound: list[str] = []

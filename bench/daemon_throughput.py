@@ -1,0 +1,214 @@
+"""The daemon at saturation vs the transport ceiling and the ideal device capacity, in one run.
+
+    python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
+
+Three measurements, one after another, each in its own server process, with 672x672x3 uint8
+frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
+
+1. bare pyzmq: a ROUTER that answers each frame with a 1-byte ack (the transport ceiling);
+2. dlad with two emulated DLA cores in timing mode at the published Orin service time
+   (YOLOv5s 672, FP16 heads: 3.82 ms per frame per core), pre/post-processing OFF (the daemon's
+   own path: frontend, scheduler, workers, fences, replies);
+3. the same with pre/post-processing ON (letterbox 672->256 + int8 quantise, decode + NMS, on
+   the CPU reference path).
+
+Reported: achieved requests/s, the ratio to min(ideal device capacity, transport ceiling),
+p50/p99 latency, and the server process's CPU seconds per request (from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from dlad import protocol
+from dlad.errors import Status
+
+FRAME = (672, 672, 3)
+CONFIG = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["{endpoint}"]
+sndhwm = 1000
+rcvhwm = 1000
+[pre_post]
+enabled = {pre_post}
+threads = 2
+[devices.dla0]
+kind = "dla"
+core = 0
+queue_depth = 16
+mode = "timing"
+latency_us = {latency}
+[devices.dla1]
+kind = "dla"
+core = 1
+queue_depth = 16
+mode = "timing"
+latency_us = {latency}
+[models.demo]
+devices = ["dla0", "dla1"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+"""
+
+ECHO_SERVER = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.SNDHWM, 1000)
+s.setsockopt(zmq.RCVHWM, 1000); s.bind(sys.argv[1]); print("ready", flush=True)
+while True:
+    f = s.recv_multipart(copy=False)
+    if len(f) == 2 and f[1].bytes == b"stop":
+        break
+    s.send_multipart([f[0], b"k"])
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def drive(endpoint: str, seconds: float, in_flight: int, *, dlad: bool) -> dict[str, float]:
+    """Keep ``in_flight`` requests outstanding for ``seconds``; return rate and latencies."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.connect(endpoint)
+    image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
+    sent: dict[int, int] = {}
+    lat: list[float] = []
+    ok = bad = 0
+    next_id = 0
+
+    def send() -> None:
+        nonlocal next_id
+        if dlad:
+            frames = protocol.encode(protocol.InferRequest(next_id, "demo", image))
+        else:
+            frames = [next_id.to_bytes(8, "little"), image]
+        sent[next_id] = time.perf_counter_ns()
+        sock.send_multipart(frames, copy=False)
+        next_id += 1
+
+    for _ in range(in_flight):
+        send()
+    warm_until = time.perf_counter() + 1.0
+    end = warm_until + seconds
+    t_start = None
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        if not sock.poll(5000):
+            raise RuntimeError("no reply for 5 s")
+        frames = sock.recv_multipart(copy=False)
+        if dlad:
+            reply = protocol.decode_reply(frames)
+            rid = reply.id
+            good = reply.status == Status.OK
+        else:
+            rid = next(iter(sent))  # the echo server answers in order
+            good = True
+        t0 = sent.pop(rid)
+        if now >= warm_until:
+            if t_start is None:
+                t_start = now
+            lat.append((time.perf_counter_ns() - t0) / 1e6)
+            ok += good
+            bad += not good
+        send()
+    elapsed = time.perf_counter() - (t_start or warm_until)
+    sock.close(0)
+    ctx.term()
+    arr = np.asarray(lat)
+    return {
+        "rate": ok / elapsed,
+        "p50_ms": float(np.percentile(arr, 50)),
+        "p99_ms": float(np.percentile(arr, 99)),
+        "ok": ok,
+        "errors": bad,
+        "seconds": elapsed,
+    }
+
+
+def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if marker in line:
+            return
+    raise RuntimeError(f"server exited before {marker!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--latency-us", type=float, default=3820.0)
+    ap.add_argument("--endpoint", default="tcp://127.0.0.1:5599")
+    args = ap.parse_args()
+    ideal = 2 * 1e6 / args.latency_us
+    print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
+
+    echo = subprocess.Popen(
+        [sys.executable, "-c", ECHO_SERVER, args.endpoint], stdout=subprocess.PIPE, text=True
+    )
+    wait_ready(echo, "ready")
+    cpu0 = cpu_seconds(echo.pid)
+    bare = drive(args.endpoint, args.seconds, args.in_flight, dlad=False)
+    bare_cpu = (cpu_seconds(echo.pid) - cpu0) / max(bare["ok"], 1)
+    ctx = zmq.Context()
+    stop = ctx.socket(zmq.DEALER)
+    stop.linger = 0
+    stop.connect(args.endpoint)
+    stop.send(b"stop")
+    echo.wait(10)
+    stop.close(0)
+    ctx.term()
+    ceiling = bare["rate"]
+    print(f"bare pyzmq ROUTER/DEALER, 1.35 MB frames, {args.in_flight} in flight: "
+          f"{ceiling:.0f} frames/s, p50 {bare['p50_ms']:.2f} ms, p99 {bare['p99_ms']:.2f} ms, "
+          f"server CPU {bare_cpu * 1e3:.3f} ms/frame")
+    print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
+    bound = min(ideal, ceiling)
+
+    for pre_post in ("false", "true"):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = Path(tmp) / "dlad.toml"
+            cfg.write_text(
+                CONFIG.format(endpoint=args.endpoint, pre_post=pre_post, latency=args.latency_us)
+            )
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            wait_ready(proc, "listening")
+            cpu0 = cpu_seconds(proc.pid)
+            r = drive(args.endpoint, args.seconds, args.in_flight, dlad=True)
+            cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
+            proc.terminate()
+            proc.wait(30)
+        print(f"dlad, pre/post {'on ' if pre_post == 'true' else 'off'}: {r['rate']:.0f} req/s "
+              f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
+              f"p99 {r['p99_ms']:.2f} ms; daemon CPU {cpu * 1e3:.3f} ms/request "
+              f"(bare pyzmq server: {bare_cpu * 1e3:.3f}); errors {r['errors']}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
