@@ -179,9 +179,11 @@ def main() -> None:
     stop.close(0)
     ctx.term()
     ceiling = bare["rate"]
-    print(f"bare pyzmq ROUTER/DEALER, 1.35 MB frames, {args.in_flight} in flight: "
-          f"{ceiling:.0f} frames/s, p50 {bare['p50_ms']:.2f} ms, p99 {bare['p99_ms']:.2f} ms, "
-          f"server CPU {bare_cpu * 1e3:.3f} ms/frame")
+    print(
+        f"bare pyzmq ROUTER/DEALER, 1.35 MB frames, {args.in_flight} in flight: "
+        f"{ceiling:.0f} frames/s, p50 {bare['p50_ms']:.2f} ms, p99 {bare['p99_ms']:.2f} ms, "
+        f"server CPU {bare_cpu * 1e3:.3f} ms/frame"
+    )
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
     bound = min(ideal, ceiling)
 
@@ -203,10 +205,12 @@ def main() -> None:
             cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
             proc.terminate()
             proc.wait(30)
-        print(f"dlad, pre/post {'on ' if pre_post == 'true' else 'off'}: {r['rate']:.0f} req/s "
-              f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
-              f"p99 {r['p99_ms']:.2f} ms; daemon CPU {cpu * 1e3:.3f} ms/request "
-              f"(bare pyzmq server: {bare_cpu * 1e3:.3f}); errors {r['errors']}")
+        print(
+            f"dlad, pre/post {'on ' if pre_post == 'true' else 'off'}: {r['rate']:.0f} req/s "
+            f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
+            f"p99 {r['p99_ms']:.2f} ms; daemon CPU {cpu * 1e3:.3f} ms/request "
+            f"(bare pyzmq server: {bare_cpu * 1e3:.3f}); errors {r['errors']}"
+        )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

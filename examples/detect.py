@@ -34,16 +34,20 @@ def main() -> None:
     with Client(args.endpoint, timeout_s=10.0) as client:
         result = client.detect(rgb, model=args.model)
     t = result.timing
-    print(f"{args.image.name}: {len(result)} detections on {result.device} "
-          f"(queue {t.queue_us} us, pre {t.pre_us} us, device {t.device_us} us, "
-          f"post {t.post_us} us, total {t.total_us} us)")
+    print(
+        f"{args.image.name}: {len(result)} detections on {result.device} "
+        f"(queue {t.queue_us} us, pre {t.pre_us} us, device {t.device_us} us, "
+        f"post {t.post_us} us, total {t.total_us} us)"
+    )
     for x1, y1, x2, y2, score, cls in result.detections:
         print(f"  {classes[int(cls)]:>9} {score:.3f}  [{x1:7.1f} {y1:7.1f} {x2:7.1f} {y2:7.1f}]")
     expected = json.loads((DEMO / "expected_detections.json").read_text())["images"]
     if args.image.name in expected and args.image.parent == DEMO / "images":
         print(f"prep's INT8 validation output for {args.image.name} ({names['variant']}):")
         for x1, y1, x2, y2, score, cls in expected[args.image.name]["emulated_int8"]:
-            print(f"  {classes[int(cls)]:>9} {score:.3f}  [{x1:7.1f} {y1:7.1f} {x2:7.1f} {y2:7.1f}]")
+            print(
+                f"  {classes[int(cls)]:>9} {score:.3f}  [{x1:7.1f} {y1:7.1f} {x2:7.1f} {y2:7.1f}]"
+            )
 
 
 if __name__ == "__main__":

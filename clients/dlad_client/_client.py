@@ -18,7 +18,18 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from clients.dlad_client._core import (
+from dlad.errors import Status
+from dlad.protocol import (
+    CancelReply,
+    CancelRequest,
+    DaemonStatus,
+    Kind,
+    PixelFormat,
+    Request,
+    StatusRequest,
+    encode,
+)
+from dlad_client._core import (
     DEFAULT_HWM,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_TIMEOUT_S,
@@ -37,17 +48,6 @@ from clients.dlad_client._core import (
     _report,
     _result,
     _timed_out,
-)
-from dlad.errors import Status
-from dlad.protocol import (
-    CancelReply,
-    CancelRequest,
-    DaemonStatus,
-    Kind,
-    PixelFormat,
-    Request,
-    StatusRequest,
-    encode,
 )
 
 __all__ = ["Client", "Handle"]
@@ -87,6 +87,7 @@ class Handle:
         """Whether the outcome is known. Takes in the replies already waiting on the socket
         (never blocks). Raises RuntimeError from another thread than the client's."""
         if self._call.outcome is None and not self._client.closed:
+            self._client._check_thread()
             self._client._pump(0.0, lambda: self._call.outcome is not None)
         return self._call.outcome is not None
 
@@ -136,7 +137,7 @@ class Client:
 
     **One thread.** A Client belongs to the thread that created it, like the ZeroMQ socket it
     owns; every method raises RuntimeError from another thread. Use one Client per thread, or
-    :class:`~clients.dlad_client.AsyncClient` for many concurrent calls on one socket.
+    :class:`~dlad_client.AsyncClient` for many concurrent calls on one socket.
 
     **Images cross without copies**: a C-contiguous uint8 array is handed to ZeroMQ as it is, so
     do not write into it until its request is answered; a non-contiguous one is copied once.
@@ -245,7 +246,8 @@ class Client:
         ``H x W`` / ``H x W x 1`` (``"GRAY"``, inferred) uint8. ``stream``, ``priority``
         (0-7), ``deadline_ms`` (the daemon's dispatch budget), ``conf``, ``iou`` and
         ``max_det`` are INFER's fields of ``docs/protocol.md``; ``None`` means the daemon's
-        default. ``timeout_s`` overrides the client's for this call.
+        default. ``timeout_s`` overrides the client's for this call; keep it above
+        ``deadline_ms``, or the client gives up before the daemon has answered.
 
         Raises:
             TypeError, ValueError: ``image`` is not a uint8 array of a supported shape, or does
@@ -391,16 +393,21 @@ class Client:
             self._abandon(call, _timed_out(call))
 
     def _pump(self, until: float, done: Callable[[], bool]) -> bool:
-        """Take in replies until ``done()`` or the monotonic time ``until``; returns ``done()``."""
+        """Take in replies until ``done()`` or the monotonic time ``until``; returns ``done()``.
+
+        Also wakes at the deadlines of other calls, so that one nobody waits for (a dropped
+        handle) still gives its slot back and gets its CANCEL in time.
+        """
         while True:
             self._receive_ready()
             self._expire()
             if done():
                 return True
-            remaining = until - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if until <= now:
                 return False
-            self._socket.poll(_ms(remaining), zmq.POLLIN)
+            wake = min(until, self._calls.next_deadline())
+            self._socket.poll(_ms(wake - now), zmq.POLLIN)
 
     def _receive_ready(self) -> None:
         # ZMQ_EVENTS says whether a whole message is waiting, so no recv here ever blocks and

@@ -1,0 +1,57 @@
+"""dlad's client SDK: :class:`Client` (synchronous) and :class:`AsyncClient` (anyio on asyncio).
+
+Both send INFER, CANCEL and STATUS requests of wire protocol v1 (``docs/protocol.md``) over one
+ZeroMQ DEALER socket connected to one or more daemons, with many requests in flight::
+
+    from dlad_client import AsyncClient, Client, Overloaded
+
+    with Client("tcp://127.0.0.1:5555") as client:
+        result = client.detect(image)            # H x W x 3 uint8, RGB
+        for x1, y1, x2, y2, score, cls in result.detections:
+            ...
+        handles = [client.submit(frame, stream="cam0") for frame in frames]   # pipelined
+        results = [h.result() for h in handles]
+
+    async with AsyncClient(["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]) as client:
+        result = await client.detect(image, pixel_format="BGR", deadline_ms=50)
+
+Errors: a non-OK reply raises the class of :mod:`dlad.errors` for its status (the same classes
+the daemon uses, re-exported here), so ``except Overloaded`` means what the daemon meant::
+
+    Exception
+     ├── DladError                  a daemon's answer (``retryable`` says whether a retry helps)
+     │    ├── BadRequest            (also raised before sending for an out-of-range field)
+     │    │    └── ProtocolError
+     │    ├── NotFound, Overloaded, DeadlineExceeded, Cancelled,
+     │    └── ShuttingDown, DeviceFailed, InternalError
+     ├── TimeoutError
+     │    └── ClientTimeout         no reply within the client's own timeout (not a wire status)
+     ├── RuntimeError
+     │    └── ClientClosed          the client was closed
+     └── ValueError, TypeError      a bad image or setting, before anything is sent
+"""
+
+from dlad.errors import (
+    BadRequest,
+    Cancelled,
+    DeadlineExceeded,
+    DeviceFailed,
+    DladError,
+    InternalError,
+    NotFound,
+    Overloaded,
+    ProtocolError,
+    ShuttingDown,
+    Status,
+)
+from dlad.protocol import DaemonStatus, PixelFormat, Timing
+from dlad_client._async import AsyncClient, AsyncHandle
+from dlad_client._client import Client, Handle
+from dlad_client._core import ClientClosed, ClientTimeout, Result
+
+__all__ = [
+    "AsyncClient", "AsyncHandle", "BadRequest", "Cancelled", "Client", "ClientClosed",
+    "ClientTimeout", "DaemonStatus", "DeadlineExceeded", "DeviceFailed", "DladError", "Handle",
+    "InternalError", "NotFound", "Overloaded", "PixelFormat", "ProtocolError", "Result",
+    "ShuttingDown", "Status", "Timing",
+]  # fmt: skip

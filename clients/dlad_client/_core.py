@@ -1,0 +1,360 @@
+"""What :class:`~dlad_client.Client` and :class:`~dlad_client.AsyncClient`
+share: their errors and :class:`Result`, settings and input checks, and the table of calls in
+flight that matches replies to requests.
+
+Both clients speak wire protocol v1 through :mod:`dlad.protocol` (they never build a header by
+hand) over one ZeroMQ ``DEALER`` socket connected to every endpoint they are given. Each request
+gets the next id of a per-client counter (unique and increasing), and replies, which may arrive
+in any order, are matched to requests by ``(reply kind, id)`` in a :class:`_Calls` table. Every
+request carries its own deadline (the client's ``timeout_s`` unless the call overrides it); a
+request still unanswered at its deadline is failed with :class:`ClientTimeout` and, for an
+INFER, a best-effort CANCEL is sent so that the daemon does not run work nobody waits for.
+
+The socket sets ``ZMQ_IMMEDIATE``: a request is only queued to a daemon whose connection is up, so
+with several endpoints a daemon that is down does not swallow every other request, and with none
+up a send waits (within the request's timeout) instead of filling a queue nobody reads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar, final
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from dlad.errors import InternalError, ProtocolError, Status, error_for
+from dlad.protocol import (
+    CHANNELS,
+    CancelReply,
+    DaemonStatus,
+    ErrorReply,
+    FrameLike,
+    InferReply,
+    InferRequest,
+    Kind,
+    PixelFormat,
+    StatusReply,
+    Timing,
+    decode_reply,
+)
+
+__all__ = ["ClientClosed", "ClientTimeout", "Result"]
+
+DEFAULT_TIMEOUT_S: Final = 10.0
+DEFAULT_MAX_IN_FLIGHT: Final = 64
+DEFAULT_HWM: Final = 1000
+MAX_REPLY_BYTES: Final = 1 << 20
+"""``ZMQ_MAXMSGSIZE`` of the client socket. The largest valid reply is a header far under 64 KiB
+plus 1000 detections of 24 bytes, so a peer sending more is not a dlad daemon."""
+
+_log = logging.getLogger("dlad_client")
+
+
+class ClientTimeout(TimeoutError):
+    """No reply arrived within the client's own time limit (not a wire status: the daemon may
+    still answer, and that late reply is dropped). ``request_id`` names the request."""
+
+    def __init__(self, message: str, *, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed: before this request was answered, or before this call."""
+
+
+@final
+@dataclass(frozen=True, slots=True, eq=False)
+class Result:
+    """The detections of one INFER, in the original image's pixels.
+
+    ``detections`` is ``N x 6`` float32 ``x1 y1 x2 y2 score class``, sorted by score, and a
+    read-only view over the received frame (copy it to write into it). ``device`` is the device
+    that ran it (``"dla0"``, ``"dla1"``, ``"gpu"``); ``timing`` is the daemon's breakdown in µs.
+    """
+
+    request_id: int
+    detections: npt.NDArray[np.float32]
+    device: str | None
+    timing: Timing
+
+    def __len__(self) -> int:
+        """The number of detections (so a result without any is falsy)."""
+        return int(self.detections.shape[0])
+
+    @property
+    def boxes(self) -> npt.NDArray[np.float32]:
+        """``N x 4`` ``x1 y1 x2 y2`` (a view)."""
+        return self.detections[:, :4]
+
+    @property
+    def scores(self) -> npt.NDArray[np.float32]:
+        """``N`` confidences (a view)."""
+        return self.detections[:, 4]
+
+    @property
+    def classes(self) -> npt.NDArray[np.int64]:
+        """``N`` class indices as integers (a copy)."""
+        return self.detections[:, 5].astype(np.int64)
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+def _check_settings(
+    timeout_s: float, max_in_flight: int, sndhwm: int, rcvhwm: int, linger: int
+) -> None:
+    """Raise ValueError naming the first setting out of range (callers may be untyped)."""
+    _check_timeout(timeout_s, "timeout_s")
+    settings: tuple[tuple[str, object, int], ...] = (
+        ("max_in_flight", max_in_flight, 1),
+        # 0 would mean "unbounded" to ZeroMQ: the client's back-pressure would turn into memory.
+        ("sndhwm", sndhwm, 1),
+        ("rcvhwm", rcvhwm, 1),
+        ("linger", linger, 0),
+    )
+    for name, value, lo in settings:
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= lo):
+            raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def _check_timeout(value: object, name: str) -> float:
+    """``value`` as float seconds; raises ValueError unless it is a finite number > 0."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def _endpoints(endpoints: str | Sequence[str]) -> tuple[str, ...]:
+    """One endpoint or several as a tuple; raises ValueError if empty or not strings."""
+    items: tuple[object, ...] = (endpoints,) if isinstance(endpoints, str) else tuple(endpoints)
+    out = tuple(e for e in items if isinstance(e, str) and e)
+    if not out or len(out) != len(items):
+        raise ValueError(f"endpoints must be one or more endpoint strings, got {endpoints!r}")
+    return out
+
+
+def _configure(
+    socket: zmq.Socket[Any], endpoints: Sequence[str], sndhwm: int, rcvhwm: int, linger: int
+) -> None:
+    """Set the options of a client DEALER and connect it. Raises ValueError on a bad endpoint."""
+    socket.setsockopt(zmq.LINGER, linger)
+    socket.setsockopt(zmq.SNDHWM, sndhwm)
+    socket.setsockopt(zmq.RCVHWM, rcvhwm)
+    socket.setsockopt(zmq.IMMEDIATE, 1)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+    endpoint = ""
+    try:
+        for endpoint in endpoints:
+            socket.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise ValueError(f"cannot connect to {endpoint!r}: {exc}") from None
+
+
+def _infer_request(
+    request_id: int,
+    image: npt.NDArray[np.uint8],
+    *,
+    model: str,
+    pixel_format: PixelFormat | None,
+    stream: str | None,
+    priority: int,
+    deadline_ms: int | None,
+    conf: float | None,
+    iou: float | None,
+    max_det: int | None,
+) -> InferRequest:
+    """Validate an image and the INFER's fields; the image is sent without a copy when it is
+    C-contiguous, else it is made contiguous (one copy).
+
+    Raises TypeError (not an array), ValueError (not uint8, not ``H x W``/``H x W x 1``/
+    ``H x W x 3``, empty, or contradicting ``pixel_format``), ProtocolError (a ``BadRequest``:
+    another field out of the range of ``docs/protocol.md``, or a side over 65 535).
+    """
+    if not isinstance(image, np.ndarray):
+        raise TypeError(f"image must be a numpy array, got {type(image).__name__}")
+    if image.dtype != np.uint8:
+        raise ValueError(f"image must be uint8, got {image.dtype}")
+    if image.ndim == 2:
+        image = image[:, :, np.newaxis]
+    if image.ndim != 3 or image.shape[2] not in (1, 3):
+        raise ValueError(f"image must be H x W (gray), H x W x 1 or H x W x 3, got {image.shape}")
+    if image.shape[0] == 0 or image.shape[1] == 0:
+        raise ValueError(f"image is empty: {image.shape}")
+    channels = int(image.shape[2])
+    fmt = pixel_format if pixel_format is not None else ("GRAY" if channels == 1 else "RGB")
+    if CHANNELS.get(fmt) != channels:
+        raise ValueError(f"pixel_format {fmt!r} does not fit an image of shape {image.shape}")
+    return InferRequest(
+        id=request_id, model=model, image=np.ascontiguousarray(image), format=fmt, stream=stream,
+        priority=priority, deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ pending calls
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One request awaiting its reply. ``outcome`` is set exactly once (a reply or an error)."""
+
+    id: int
+    kind: Kind  # the reply kind that answers it
+    deadline: float  # on the owning client's clock
+    timeout: float  # seconds from sending to ``deadline``, for messages
+    outcome: InferReply | CancelReply | StatusReply | Exception | None = None
+
+    def settled(self) -> None:
+        """Called once, right after ``outcome`` is set."""
+
+
+C = TypeVar("C", bound=_Call)
+R = TypeVar("R", InferReply, CancelReply, StatusReply)
+_REPLY_KINDS: Final = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY)
+
+
+class _Calls(Generic[C]):
+    """Requests in flight, keyed by ``(reply kind, id)``: an INFER and its CANCEL share an id
+    and differ by the kind of their replies. Deadlines sit in a heap for :meth:`expired`."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[Kind, int], C] = {}
+        self._counts: Counter[Kind] = Counter()
+        self._heap: list[tuple[float, int, C]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def pending(self, kind: Kind) -> int:
+        return self._counts[kind]
+
+    def get(self, kind: Kind, request_id: int) -> C | None:
+        return self._calls.get((kind, request_id))
+
+    def add(self, call: C) -> None:
+        key = (call.kind, call.id)
+        if key in self._calls:
+            raise InternalError(f"request id {call.id} is already in flight")
+        self._calls[key] = call
+        self._counts[call.kind] += 1
+        # Answered calls stay in the heap until their deadline; rebuild it when they dominate,
+        # so it stays proportional to what is in flight (amortised O(1) per call).
+        if len(self._heap) > 2 * len(self._calls) + 1024:
+            self._heap = [entry for entry in self._heap if entry[2].outcome is None]
+            heapq.heapify(self._heap)
+        heapq.heappush(self._heap, (call.deadline, next(self._seq), call))
+
+    def finish(self, call: C, outcome: InferReply | CancelReply | StatusReply | Exception) -> bool:
+        """Settle ``call`` unless it already is; returns whether this call settled it."""
+        if call.outcome is not None:
+            return False
+        call.outcome = outcome
+        key = (call.kind, call.id)
+        if self._calls.get(key) is call:
+            del self._calls[key]
+            self._counts[call.kind] -= 1
+        call.settled()
+        return True
+
+    def next_deadline(self) -> float:
+        """The earliest deadline of a pending call (``inf`` if none): when to call
+        :meth:`expired` next."""
+        while self._heap and self._heap[0][2].outcome is not None:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else math.inf
+
+    def expired(self, now: float) -> list[C]:
+        """The unsettled calls whose deadline is ``<= now`` (each returned once)."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            call = heapq.heappop(self._heap)[2]
+            if call.outcome is None:
+                out.append(call)
+        return out
+
+    def fail_all(self, error: Callable[[C], Exception]) -> None:
+        for call in list(self._calls.values()):
+            self.finish(call, error(call))
+
+    def _addressed(self, request_id: int | None, kind: int | None) -> list[C]:
+        if request_id is None:
+            return []
+        kinds = [Kind(kind)] if kind in _REPLY_KINDS else _REPLY_KINDS
+        return [c for k in kinds if (c := self._calls.get((k, request_id))) is not None]
+
+    def deliver(self, frames: Sequence[FrameLike]) -> None:
+        """Decode one reply and settle the call it answers; never raises for a bad reply.
+
+        An undecodable reply whose id can still be read fails that request with the decoder's
+        ProtocolError; an ERROR_REPLY fails every request with its id; anything else that
+        matches no pending request (a late reply after a timeout, the reply to a CANCEL sent
+        on a timeout) is dropped.
+        """
+        try:
+            reply = decode_reply(frames)
+        except ProtocolError as exc:
+            targets = self._addressed(exc.request_id, exc.request_kind)
+            if not targets:
+                _log.warning("dropped an undecodable reply: %s", exc.message)
+            for call in targets:
+                self.finish(call, exc)
+            return
+        if isinstance(reply, ErrorReply):
+            targets = self._addressed(reply.id, None)
+            if not targets:
+                _log.warning("error reply for no pending request (id %s): %s", reply.id, reply)
+            for call in targets:
+                self.finish(call, error_for(reply.status, reply.message, request_id=reply.id))
+            return
+        answered = self._calls.get((reply.kind, reply.id))
+        if answered is None:
+            _log.debug("dropped a %s for id %d: no longer pending", reply.kind.name, reply.id)
+            return
+        self.finish(answered, reply)
+
+
+def _reply(call: _Call, cls: type[R]) -> R:
+    """The reply of a settled call, or raise what settled it (a non-OK status as its class)."""
+    outcome = call.outcome
+    if isinstance(outcome, Exception):
+        raise outcome
+    if not isinstance(outcome, cls):  # calls are keyed by reply kind: only a bug gets here
+        raise InternalError(f"request {call.id} got {type(outcome).__name__}", request_id=call.id)
+    # A CANCEL answered NOT_FOUND is an answer ("too late"), not a failure.
+    answers = (Status.OK, Status.NOT_FOUND) if call.kind is Kind.CANCEL_REPLY else (Status.OK,)
+    if outcome.status not in answers:
+        raise error_for(outcome.status, outcome.message, request_id=outcome.id)
+    return outcome
+
+
+def _result(call: _Call) -> Result:
+    reply = _reply(call, InferReply)
+    return Result(reply.id, reply.detections, reply.device, reply.timing)
+
+
+def _report(call: _Call) -> DaemonStatus:
+    report = _reply(call, StatusReply).report
+    if report is None:  # StatusReply guarantees a report with OK
+        raise InternalError("STATUS reply without a report", request_id=call.id)
+    return report
+
+
+def _timed_out(call: _Call) -> ClientTimeout:
+    what = {Kind.INFER_REPLY: "INFER", Kind.CANCEL_REPLY: "CANCEL", Kind.STATUS_REPLY: "STATUS"}
+    sent_cancel = "; a CANCEL was sent" if call.kind is Kind.INFER_REPLY else ""
+    return ClientTimeout(
+        f"{what.get(call.kind, call.kind.name)} request {call.id} was not answered "
+        f"within {call.timeout:g} s{sent_cancel}",
+        request_id=call.id,
+    )
