@@ -14,6 +14,7 @@ letterboxes it into the DLA's input buffer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import signal
 import time
@@ -88,6 +89,7 @@ class Daemon:
         self._pending: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
         self._socket: zmq.asyncio.Socket | None = None
         self._idle = anyio.Event()
+        self._expiry_wake = anyio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         f = self.config.frontend
         self.limits = protocol.Limits(
@@ -104,8 +106,11 @@ class Daemon:
 
     def stop_threadsafe(self) -> None:
         """:meth:`stop` from another thread (tests, embedding applications)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and self.state is not State.STOPPED:
+            # RuntimeError: the loop closed meanwhile, so the daemon has already stopped.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._stop.set)
 
     async def serve(self) -> None:
         """Run until stopped and drained. Raises what a device or the socket raised."""
@@ -244,6 +249,7 @@ class Daemon:
         self._next_job += 1
         superseded = self._scheduler.admit(job)  # NotFound / Overloaded answer at once
         self._pending[key] = job.id
+        self._expiry_wake.set()
         for old in superseded:
             await self._send_error(
                 old.payload, Cancelled("superseded by a newer frame of its stream")
@@ -259,12 +265,20 @@ class Daemon:
         await self._send(client, protocol.CancelReply(req.id, Status.OK))
 
     async def _expiry_loop(self) -> None:
+        """Answer queued jobs whose deadline passed, at their deadline (a timer, not a poll):
+        sleep until the earliest queued deadline, or until a new job may have an earlier one."""
         while True:
             for job in self._scheduler.expire():
                 await self._send_error(
                     job.payload, DeadlineExceeded("deadline passed while queued")
                 )
-            await anyio.sleep(0.002)
+            self._expiry_wake = anyio.Event()
+            nearest = self._scheduler.earliest_deadline()
+            if nearest is None:
+                await self._expiry_wake.wait()
+                continue
+            with anyio.move_on_after(max(nearest - time.monotonic_ns(), 0) / 1e9):
+                await self._expiry_wake.wait()
 
     async def _on_outcome(self, out: Outcome) -> None:
         work = out.work

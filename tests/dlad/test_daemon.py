@@ -36,6 +36,7 @@ queue_depth = {depth}
 mode = "{mode}"
 latency_us = {latency}
 task_timeout_ms = 2000.0
+{faults0}
 [devices.dla1]
 kind = "dla"
 core = 1
@@ -43,6 +44,7 @@ queue_depth = {depth}
 mode = "{mode}"
 latency_us = {latency}
 task_timeout_ms = 2000.0
+{faults1}
 [models.demo]
 devices = ["dla0", "dla1"]
 [models.demo.loadables]
@@ -53,10 +55,23 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 
 @contextmanager
 def running(
-    tmp_path: Path, *, mode: str = "timing", latency: float = 2000.0, depth: int = 4
+    tmp_path: Path,
+    *,
+    mode: str = "timing",
+    latency: float = 2000.0,
+    depth: int = 4,
+    error_rate: float = 0.0,
 ) -> Iterator[tuple[Daemon, str]]:
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(CONFIG.format(mode=mode, latency=latency, depth=depth))
+    faults = {
+        f"faults{core}": (
+            f"[devices.dla{core}.faults]\nerror_rate = {error_rate}\nseed = {core + 1}"
+            if error_rate
+            else ""
+        )
+        for core in (0, 1)
+    }
+    cfg.write_text(CONFIG.format(mode=mode, latency=latency, depth=depth, **faults))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     started = threading.Event()
     errors: list[BaseException] = []
@@ -181,3 +196,40 @@ def test_bad_input_gets_typed_status_and_daemon_stays_up(
         assert recv(sock).status == Status.NOT_FOUND
         sock.send_multipart(protocol.encode(protocol.InferRequest(2, "demo", IMAGE)), copy=False)
         assert recv(sock).status == Status.OK
+
+
+def test_injected_device_faults_answered_device_failed(tmp_path: Path) -> None:
+    n = 40
+    with running(tmp_path, latency=500.0, depth=64, error_rate=0.3) as (_, ep), dealer(ep) as sock:
+        for i in range(n):
+            sock.send_multipart(
+                protocol.encode(protocol.InferRequest(i, "demo", IMAGE)), copy=False
+            )
+        replies = [recv(sock) for _ in range(n)]
+        # the daemon is still serving after the faults
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(99)))
+        status = recv(sock)
+    assert sorted(int(r.id or 0) for r in replies) == list(range(n))
+    statuses = Counter(r.status for r in replies)
+    assert statuses[Status.DEVICE_FAILED] > 0
+    assert statuses[Status.OK] > 0
+    assert set(statuses) == {Status.OK, Status.DEVICE_FAILED}
+    assert status.status == Status.OK
+
+
+def test_drain_finishes_in_flight_and_refuses_new(tmp_path: Path) -> None:
+    with running(tmp_path, latency=100_000.0, depth=8) as (daemon, ep), dealer(ep) as sock:
+        for i in range(10):  # 4 start (2 cores x 2 slots), 6 queue
+            sock.send_multipart(
+                protocol.encode(protocol.InferRequest(i, "demo", IMAGE)), copy=False
+            )
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(50)))
+        assert recv(sock).id == 50  # every INFER above was received before draining starts
+        daemon.stop_threadsafe()
+        sock.send_multipart(protocol.encode(protocol.InferRequest(20, "demo", IMAGE)), copy=False)
+        replies = [recv(sock) for _ in range(11)]
+    by_id = {r.id: r.status for r in replies}
+    assert set(by_id) == set(range(10)) | {20}
+    assert by_id[20] == Status.SHUTTING_DOWN
+    assert Counter(by_id.values())[Status.OK] >= 4  # the ones on a device finished
+    assert set(by_id.values()) == {Status.OK, Status.SHUTTING_DOWN}
