@@ -10,9 +10,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
+import msgpack
 import numpy as np
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from dlad import protocol
@@ -233,3 +236,50 @@ def test_drain_finishes_in_flight_and_refuses_new(tmp_path: Path) -> None:
     assert by_id[20] == Status.SHUTTING_DOWN
     assert Counter(by_id.values())[Status.OK] >= 4  # the ones on a device finished
     assert set(by_id.values()) == {Status.OK, Status.SHUTTING_DOWN}
+
+
+_VALID = protocol.encode(protocol.InferRequest(1, "demo", IMAGE))
+
+
+def _mutations() -> st.SearchStrategy[list[bytes]]:
+    header = bytes(_VALID[0])
+    payload = bytes(_VALID[1])
+    return st.one_of(
+        st.lists(st.binary(max_size=64), min_size=1, max_size=3),  # garbage frames
+        st.builds(lambda cut: [header[:cut], payload], st.integers(0, len(header) - 1)),
+        st.builds(lambda extra: [header, payload[: len(payload) - extra]], st.integers(1, 50)),
+        st.builds(lambda extra: [header, payload + b"\\0" * extra], st.integers(1, 50)),
+        st.just([header]),  # no payload frame
+        st.just([header, payload, b"extra"]),
+        st.builds(
+            lambda key, value: [
+                msgpack.packb({**msgpack.unpackb(header), key: value}),
+                payload,
+            ],
+            st.sampled_from(
+                ["v", "kind", "id", "model", "image", "priority", "deadline_ms", "conf"]
+            ),
+            st.one_of(
+                st.none(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=8), st.floats()
+            ),
+        ),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=_mutations())
+def test_malformed_messages_get_a_typed_reply_and_the_daemon_stays_up(
+    shared_daemon: str, frames: list[bytes]
+) -> None:
+    with dealer(shared_daemon) as sock:
+        sock.send_multipart(frames)
+        reply = recv(sock)
+        assert reply.status in {Status.OK, Status.BAD_REQUEST, Status.NOT_FOUND}
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(7)))
+        assert recv(sock).status == Status.OK  # still up, still answering
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running(tmp_path_factory.mktemp("shared"), latency=200.0, depth=16) as (_, ep):
+        yield ep
