@@ -145,6 +145,26 @@ def drive(endpoint: str, seconds: float, in_flight: int, *, dlad: bool) -> dict[
     }
 
 
+def bare_ceiling(endpoint: str, seconds: float, in_flight: int) -> tuple[dict[str, float], float]:
+    """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame)."""
+    echo = subprocess.Popen(
+        [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
+    )
+    wait_ready(echo, "ready")
+    cpu0 = cpu_seconds(echo.pid)
+    stats = drive(endpoint, seconds, in_flight, dlad=False)
+    cpu = (cpu_seconds(echo.pid) - cpu0) / max(stats["ok"], 1)
+    ctx = zmq.Context()
+    stop = ctx.socket(zmq.DEALER)
+    stop.linger = 0
+    stop.connect(endpoint)
+    stop.send(b"stop")
+    echo.wait(10)
+    stop.close(0)
+    ctx.term()
+    return stats, cpu
+
+
 def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -159,31 +179,27 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--latency-us", type=float, default=3820.0)
     ap.add_argument("--endpoint", default="tcp://127.0.0.1:5599")
+    ap.add_argument(
+        "--transports", default="tcp,ipc", help="bare-pyzmq ceilings to measure (tcp and/or ipc)"
+    )
     args = ap.parse_args()
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
 
-    echo = subprocess.Popen(
-        [sys.executable, "-c", ECHO_SERVER, args.endpoint], stdout=subprocess.PIPE, text=True
-    )
-    wait_ready(echo, "ready")
-    cpu0 = cpu_seconds(echo.pid)
-    bare = drive(args.endpoint, args.seconds, args.in_flight, dlad=False)
-    bare_cpu = (cpu_seconds(echo.pid) - cpu0) / max(bare["ok"], 1)
-    ctx = zmq.Context()
-    stop = ctx.socket(zmq.DEALER)
-    stop.linger = 0
-    stop.connect(args.endpoint)
-    stop.send(b"stop")
-    echo.wait(10)
-    stop.close(0)
-    ctx.term()
+    ceilings: dict[str, tuple[dict[str, float], float]] = {}
+    for transport in args.transports.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            ep = args.endpoint if transport == "tcp" else f"ipc://{tmp}/echo.sock"
+            ceilings[transport] = bare_ceiling(ep, args.seconds, args.in_flight)
+        stats, cpu = ceilings[transport]
+        print(
+            f"bare pyzmq ROUTER/DEALER over {transport}, 1.35 MB frames, {args.in_flight} in "
+            f"flight: {stats['rate']:.0f} frames/s, p50 {stats['p50_ms']:.2f} ms, "
+            f"p99 {stats['p99_ms']:.2f} ms, server CPU {cpu * 1e3:.3f} ms/frame"
+        )
+    # dlad serves on tcp loopback (its default: faster and steadier than ipc on these machines).
+    bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
     ceiling = bare["rate"]
-    print(
-        f"bare pyzmq ROUTER/DEALER, 1.35 MB frames, {args.in_flight} in flight: "
-        f"{ceiling:.0f} frames/s, p50 {bare['p50_ms']:.2f} ms, p99 {bare['p99_ms']:.2f} ms, "
-        f"server CPU {bare_cpu * 1e3:.3f} ms/frame"
-    )
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
     bound = min(ideal, ceiling)
 
