@@ -44,6 +44,8 @@ __all__ = [
     "Placement", "Plan", "PrePostConfig", "endpoint_problem", "load_config", "parse_config",
 ]  # fmt: skip
 
+MAX_DET = 1000
+"""The most detections a reply can carry (equal to ``dlad.protocol.MAX_DET``; tested)."""
 BUNDLED_PREFIX: Final = "bundled:"
 """A loadable path ``bundled:<model>/<file>`` names a file of a model that ships with dlad
 (``dlad/models/<model>/``; ``bundled:demo/...`` is :data:`dlad.models.DEMO`)."""
@@ -363,7 +365,7 @@ class ModelConfig:
     iou_threshold: float = 0.45
     """Default class-aware NMS IoU threshold (in (0, 1])."""
     max_det: int = 300
-    """Default maximum number of detections in a reply (>= 1)."""
+    """Default maximum number of detections in a reply (1 to 1000, the wire's limit)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.devices), "devices", "needs at least one device")
@@ -374,6 +376,8 @@ class ModelConfig:
         _check(0 < self.iou_threshold <= 1, "iou_threshold",
                f"must be in (0, 1], got {self.iou_threshold:g}")  # fmt: skip
         _at_least_one(self.max_det, "max_det")
+        # The wire protocol's limit (dlad.protocol.MAX_DET; not imported: config stays light).
+        _check(self.max_det <= MAX_DET, "max_det", f"must be <= {MAX_DET}, got {self.max_det}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

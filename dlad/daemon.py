@@ -202,6 +202,9 @@ class Daemon:
         try:
             request = protocol.decode_request(frames[1:], self.limits)
         except DladError as exc:
+            log.bind(client=client.hex(), request_id=exc.request_id).info(
+                "bad_request", reason=exc.message
+            )
             await self._send(client, protocol.error_reply(exc))
             return
         try:
@@ -309,6 +312,9 @@ class Daemon:
 
     async def _send_error(self, work: Work, err: DladError, device: str | None = None) -> None:
         self._pending.pop((work.client, work.request_id), None)
+        log.bind(request_id=work.request_id, client=work.client.hex(), device=device).info(
+            "request_failed", status=err.status.name, reason=err.message
+        )
         total = int((time.monotonic_ns() - work.received_ns) / 1e3)
         reply = protocol.InferReply(
             work.request_id,

@@ -576,3 +576,9 @@ def test_importing_the_config_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_max_det_bound_is_the_wire_limit() -> None:
+    from dlad import config, protocol
+
+    assert config.MAX_DET == protocol.MAX_DET

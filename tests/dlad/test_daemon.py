@@ -283,3 +283,18 @@ def test_malformed_messages_get_a_typed_reply_and_the_daemon_stays_up(
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with running(tmp_path_factory.mktemp("shared"), latency=200.0, depth=16) as (_, ep):
         yield ep
+
+
+def test_failures_are_logged_with_request_context(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs, running(tmp_path) as (_, ep), dealer(ep) as sock:
+        sock.send_multipart([b"\xc1"])
+        assert recv(sock).status == Status.BAD_REQUEST
+        sock.send_multipart(
+            protocol.encode(protocol.InferRequest(41, "nope", IMAGE)), copy=False
+        )
+        assert recv(sock).status == Status.NOT_FOUND
+    bad = [e for e in logs if e["event"] == "bad_request"]
+    assert bad
+    assert "client" in bad[0]
