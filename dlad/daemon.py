@@ -121,7 +121,9 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.config.frontend.sndhwm)
         sock.setsockopt(zmq.RCVHWM, self.config.frontend.rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.frontend.max_message_bytes)
+        # A hard memory guard at twice the limit (ZeroMQ drops such a peer without a word);
+        # between the limit and the guard the decoder answers BAD_REQUEST, naming the size.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.frontend.max_message_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped
         self._socket = sock
         try:

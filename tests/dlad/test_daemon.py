@@ -291,10 +291,40 @@ def test_failures_are_logged_with_request_context(tmp_path: Path) -> None:
     with capture_logs() as logs, running(tmp_path) as (_, ep), dealer(ep) as sock:
         sock.send_multipart([b"\xc1"])
         assert recv(sock).status == Status.BAD_REQUEST
-        sock.send_multipart(
-            protocol.encode(protocol.InferRequest(41, "nope", IMAGE)), copy=False
-        )
+        sock.send_multipart(protocol.encode(protocol.InferRequest(41, "nope", IMAGE)), copy=False)
         assert recv(sock).status == Status.NOT_FOUND
     bad = [e for e in logs if e["event"] == "bad_request"]
     assert bad
     assert "client" in bad[0]
+
+
+def _header(**changes: object) -> bytes:
+    h = msgpack.unpackb(bytes(protocol.encode(protocol.InferRequest(5, "demo", IMAGE))[0]))
+    for key, value in changes.items():
+        if key.startswith("image."):
+            h["image"][key.split(".", 1)[1]] = value
+        else:
+            h[key] = value
+    return msgpack.packb(h)
+
+
+@pytest.mark.parametrize(
+    ("frames", "field"),
+    [
+        ([_header(kind=9), IMAGE.tobytes()], "kind"),
+        ([_header(v=2), IMAGE.tobytes()], "v"),
+        ([_header(**{"image.dtype": "float32"}), IMAGE.tobytes()], "dtype"),
+        ([_header(**{"image.height": IMAGE.shape[0] + 1}), IMAGE.tobytes()], "payload"),
+        ([_header(**{"image.width": 5000, "image.height": 1}), bytes(5000 * 3)], "width"),
+        ([_header(), IMAGE.tobytes() + IMAGE.tobytes()], "payload"),
+    ],
+    ids=["unknown-kind", "wrong-version", "non-uint8", "size-mismatch", "too-wide", "oversized"],
+)
+def test_each_bad_input_is_bad_request(shared_daemon: str, frames: list[bytes], field: str) -> None:
+    with dealer(shared_daemon) as sock:
+        sock.send_multipart(frames)
+        reply = recv(sock)
+        assert reply.status == Status.BAD_REQUEST, reply
+        assert field in reply.message, reply.message  # the message names what was wrong
+        sock.send_multipart(protocol.encode(protocol.InferRequest(6, "demo", IMAGE)), copy=False)
+        assert recv(sock).status == Status.OK
