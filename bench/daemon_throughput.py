@@ -19,18 +19,20 @@ p50/p99 latency, and the server process's CPU seconds per request (from /proc).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import zmq
 
-from dlad import protocol
-from dlad.errors import Status
+from dlad.errors import DladError
+from dlad_client import Client
 
 FRAME = (672, 672, 3)
 CONFIG = """
@@ -80,60 +82,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def drive(endpoint: str, seconds: float, in_flight: int, *, dlad: bool) -> dict[str, float]:
-    """Keep ``in_flight`` requests outstanding for ``seconds``; return rate and latencies."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.setsockopt(zmq.RCVHWM, 1000)
-    sock.connect(endpoint)
-    image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
-    sent: dict[int, int] = {}
-    lat: list[float] = []
-    ok = bad = 0
-    next_id = 0
-
-    def send() -> None:
-        nonlocal next_id
-        if dlad:
-            frames = protocol.encode(protocol.InferRequest(next_id, "demo", image))
-        else:
-            frames = [next_id.to_bytes(8, "little"), image]
-        sent[next_id] = time.perf_counter_ns()
-        sock.send_multipart(frames, copy=False)
-        next_id += 1
-
-    for _ in range(in_flight):
-        send()
-    warm_until = time.perf_counter() + 1.0
-    end = warm_until + seconds
-    t_start = None
-    while True:
-        now = time.perf_counter()
-        if now >= end:
-            break
-        if not sock.poll(5000):
-            raise RuntimeError("no reply for 5 s")
-        frames = sock.recv_multipart(copy=False)
-        if dlad:
-            reply = protocol.decode_reply(frames)
-            rid = reply.id
-            good = reply.status == Status.OK
-        else:
-            rid = next(iter(sent))  # the echo server answers in order
-            good = True
-        t0 = sent.pop(rid)
-        if now >= warm_until:
-            if t_start is None:
-                t_start = now
-            lat.append((time.perf_counter_ns() - t0) / 1e6)
-            ok += good
-            bad += not good
-        send()
-    elapsed = time.perf_counter() - (t_start or warm_until)
-    sock.close(0)
-    ctx.term()
+def _stats(lat: list[float], ok: int, bad: int, elapsed: float) -> dict[str, float]:
     arr = np.asarray(lat)
     return {
         "rate": ok / elapsed,
@@ -145,6 +94,74 @@ def drive(endpoint: str, seconds: float, in_flight: int, *, dlad: bool) -> dict[
     }
 
 
+def drive_bare(endpoint: str, seconds: float, in_flight: int) -> dict[str, float]:
+    """Bare pyzmq: keep ``in_flight`` frames outstanding for ``seconds`` (acks come in order)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.connect(endpoint)
+    image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
+    sent: deque[int] = deque()
+    lat: list[float] = []
+    ok = 0
+
+    def send() -> None:
+        sent.append(time.perf_counter_ns())
+        sock.send_multipart([b"x", image], copy=False)
+
+    for _ in range(in_flight):
+        send()
+    warm_until = time.perf_counter() + 1.0
+    end = warm_until + seconds
+    t_start = None
+    while (now := time.perf_counter()) < end:
+        if not sock.poll(5000):
+            raise RuntimeError("no reply for 5 s")
+        sock.recv_multipart(copy=False)
+        t0 = sent.popleft()
+        if now >= warm_until:
+            t_start = t_start or now
+            lat.append((time.perf_counter_ns() - t0) / 1e6)
+            ok += 1
+        send()
+    elapsed = time.perf_counter() - (t_start or warm_until)
+    sock.close(0)
+    ctx.term()
+    return _stats(lat, ok, 0, elapsed)
+
+
+def drive_sdk(endpoint: str, seconds: float, in_flight: int) -> dict[str, float]:
+    """The SDK: ``Client.submit`` keeps ``in_flight`` INFERs outstanding for ``seconds``."""
+    image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
+    lat: list[float] = []
+    ok = bad = 0
+    with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000) as c:
+        handles = deque((time.perf_counter_ns(), c.submit(image)) for _ in range(in_flight))
+        warm_until = time.perf_counter() + 1.0
+        end = warm_until + seconds
+        t_start = None
+        while (now := time.perf_counter()) < end:
+            t0, handle = handles.popleft()
+            try:
+                handle.result()
+                good = True
+            except DladError:
+                good = False
+            if now >= warm_until:
+                t_start = t_start or now
+                lat.append((time.perf_counter_ns() - t0) / 1e6)
+                ok += good
+                bad += not good
+            handles.append((time.perf_counter_ns(), c.submit(image)))
+        elapsed = time.perf_counter() - (t_start or warm_until)
+        for _, handle in handles:
+            with contextlib.suppress(DladError):
+                handle.result()
+    return _stats(lat, ok, bad, elapsed)
+
+
 def bare_ceiling(endpoint: str, seconds: float, in_flight: int) -> tuple[dict[str, float], float]:
     """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame)."""
     echo = subprocess.Popen(
@@ -152,7 +169,7 @@ def bare_ceiling(endpoint: str, seconds: float, in_flight: int) -> tuple[dict[st
     )
     wait_ready(echo, "ready")
     cpu0 = cpu_seconds(echo.pid)
-    stats = drive(endpoint, seconds, in_flight, dlad=False)
+    stats = drive_bare(endpoint, seconds, in_flight)
     cpu = (cpu_seconds(echo.pid) - cpu0) / max(stats["ok"], 1)
     ctx = zmq.Context()
     stop = ctx.socket(zmq.DEALER)
@@ -217,7 +234,7 @@ def main() -> None:
             )
             wait_ready(proc, "listening")
             cpu0 = cpu_seconds(proc.pid)
-            r = drive(args.endpoint, args.seconds, args.in_flight, dlad=True)
+            r = drive_sdk(args.endpoint, args.seconds, args.in_flight)
             cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
             proc.terminate()
             proc.wait(30)
