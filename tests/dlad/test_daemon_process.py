@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,9 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 """
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+@contextmanager
+def _daemon(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], zmq.Socket]]:
+    """A ``dlad`` process on an ipc endpoint and a DEALER connected to it; both cleaned up."""
     endpoint = f"ipc://{tmp_path}/dlad.sock"
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(CONFIG.format(endpoint=endpoint))
@@ -55,42 +59,44 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
         text=True,
     )
     assert proc.stdout is not None
-    for line in proc.stdout:  # readiness is announced, not slept on
-        if "listening" in line:
-            return proc, endpoint
-    raise AssertionError(f"dlad exited with {proc.wait()} before listening")
-
-
-def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
-    proc, endpoint = _start(tmp_path)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
-    sock.connect(endpoint)
-    image = np.zeros((64, 64, 3), np.uint8)
     try:
-        for i in range(12):  # 4 on the cores (2 slots each), 8 queued
-            sock.send_multipart(
-                protocol.encode(protocol.InferRequest(i, "demo", image)), copy=False
-            )
-        sock.send_multipart(protocol.encode(protocol.StatusRequest(100)))
-        assert sock.poll(10_000)
-        status = protocol.decode_reply(sock.recv_multipart())
-        assert status.id == 100  # all 12 INFERs were read before the signal
-        proc.send_signal(signal.SIGTERM)
-        replies = []
-        for _ in range(12):
-            assert sock.poll(20_000)
-            replies.append(protocol.decode_reply(sock.recv_multipart()))
-        assert proc.wait(30) == 0
+        for line in proc.stdout:  # readiness is announced, not slept on
+            if "listening" in line:
+                break
+        else:
+            raise AssertionError(f"dlad exited with {proc.wait()} before listening")
+        sock.connect(endpoint)
+        yield proc, sock
     finally:
         sock.close(0)
         ctx.term()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        assert proc.stdout is not None
         proc.stdout.close()
+
+
+def _infer_then_status(sock: zmq.Socket, n: int, image: np.ndarray) -> None:
+    """Send ``n`` INFERs, then a STATUS whose reply proves the daemon has read all of them."""
+    for i in range(n):
+        sock.send_multipart(protocol.encode(protocol.InferRequest(i, "demo", image)), copy=False)
+    sock.send_multipart(protocol.encode(protocol.StatusRequest(100)))
+    assert sock.poll(10_000)
+    assert protocol.decode_reply(sock.recv_multipart()).id == 100
+
+
+def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
+    with _daemon(tmp_path) as (proc, sock):
+        _infer_then_status(sock, 12, np.zeros((64, 64, 3), np.uint8))  # 4 run, 8 queue
+        proc.send_signal(signal.SIGTERM)
+        replies = []
+        for _ in range(12):
+            assert sock.poll(20_000)
+            replies.append(protocol.decode_reply(sock.recv_multipart()))
+        assert proc.wait(30) == 0
     assert sorted(int(r.id or 0) for r in replies) == list(range(12))
     counts = Counter(r.status for r in replies)
     assert counts[Status.OK] >= 4  # the ones already on a device finished
@@ -98,28 +104,8 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_second_signal_forces_exit(tmp_path: Path) -> None:
-    proc, endpoint = _start(tmp_path)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(endpoint)
-    try:
-        for i in range(4):  # keep both cores busy for 150 ms x 2 slots
-            sock.send_multipart(
-                protocol.encode(protocol.InferRequest(i, "demo", np.zeros((8, 8, 3), np.uint8))),
-                copy=False,
-            )
-        sock.send_multipart(protocol.encode(protocol.StatusRequest(100)))
-        assert sock.poll(10_000)
-        sock.recv_multipart()
+    with _daemon(tmp_path) as (proc, sock):
+        _infer_then_status(sock, 4, np.zeros((8, 8, 3), np.uint8))  # both cores busy
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) in (0, 1)
-    finally:
-        sock.close(0)
-        ctx.term()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
