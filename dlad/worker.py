@@ -34,7 +34,7 @@ import structlog
 from dlad.devices.base import CudlaStatus, DlaError, Task
 from dlad.devices.emulated import EmulatedDlaCore, FaultConfig
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
-from dlad.imaging.post import postprocess, unpack_chw16, unpack_chw32_int8
+from dlad.imaging.post import postprocess, unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
 from dlad.scheduler import Job, Scheduler
@@ -255,13 +255,10 @@ class DeviceWorker:
         return geometry
 
     def _post(self, work: Work, outputs: list[Any], geometry: Letterbox) -> np.ndarray:
-        heads = []
-        for d, buf in zip(self.module.outputs, outputs, strict=True):
-            if d.data_type == DataType.INT8:
-                packed = buf.array.reshape(-1, d.h, d.w, 32)
-                heads.append(unpack_chw32_int8(packed, d.c, float(d.scale or 0.0)))
-            else:
-                heads.append(unpack_chw16(buf.array.reshape(-1, d.h, d.w, 16), d.c))
+        heads = [
+            unpack_head(buf.array, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None)
+            for d, buf in zip(self.module.outputs, outputs, strict=True)
+        ]
         return postprocess(
             heads,
             self._anchors,

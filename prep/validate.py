@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlad.imaging.post import postprocess, unpack_chw16, unpack_chw32_int8
+from dlad.imaging.post import postprocess, unpack_head
 from dlad.loadable import Loadable
 from prep.data.coco import LetterboxedArrays
 from prep.evaluate import EvalResult, detections_to_coco, evaluate_detections
@@ -148,11 +148,7 @@ def emulated_heads(loadable: Loadable, *, threads: int = 2) -> HeadsFn:
         for image in images:
             buffers = engine.run(quantize_hwc4(image, loadable.input_scale))
             for level, (spec, buf) in enumerate(zip(specs, buffers, strict=True)):
-                if spec.dtype == "int8":
-                    assert spec.scale is not None  # int8 outputs always carry a scale
-                    head = unpack_chw32_int8(buf, spec.channels, spec.scale)
-                else:
-                    head = unpack_chw16(buf, spec.channels)
+                head = unpack_head(buf, spec.channels, spec.height, spec.width, spec.scale)
                 per_level[level].append(head)
         return [np.stack(level) for level in per_level]
 

@@ -19,6 +19,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +37,7 @@ __all__ = [
     "postprocess",
     "unpack_chw16",
     "unpack_chw32_int8",
+    "unpack_head",
 ]
 
 _F32 = npt.NDArray[np.float32]
@@ -96,6 +98,19 @@ def unpack_chw32_int8(buffer: npt.NDArray[np.int8], channels: int, scale: float)
     out = _unpack(buffer, channels, 32, np.int8)
     out *= np.float32(scale)
     return out
+
+
+def unpack_head(
+    buffer: npt.NDArray[Any], channels: int, height: int, width: int, int8_scale: float | None
+) -> _F32:
+    """One DLA output buffer (any shape over the right bytes) → ``[C, H, W]`` float32: ``CHW32``
+    int8 dequantised with ``int8_scale`` when it is given, else ``CHW16`` fp16.
+
+    Raises ValueError for a buffer of the wrong size or dtype, or a non-positive scale.
+    """
+    if int8_scale is not None:
+        return unpack_chw32_int8(buffer.reshape(-1, height, width, 32), channels, int8_scale)
+    return unpack_chw16(buffer.reshape(-1, height, width, 16), channels)
 
 
 def _pack(x: npt.ArrayLike, vec: int) -> npt.NDArray[np.generic]:

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from dlad.devices.int8_engine import Int8Engine, OutputSpec
-from dlad.imaging.post import postprocess, unpack_chw16
+from dlad.imaging.post import postprocess, unpack_head
 from dlad.imaging.pre import letterbox, quantize_hwc4
 from dlad.loadable import DataType, Loadable, read_loadable
 from dlad.models import DEMO
@@ -29,7 +29,10 @@ def _detect(loadable: Loadable, rgb: np.ndarray) -> np.ndarray:
     )
     canvas, geometry = letterbox(rgb, loadable.image_size[0])
     buffers = engine.run(quantize_hwc4(canvas, loadable.input_scale))
-    heads = [unpack_chw16(b, s.channels) for s, b in zip(specs, buffers, strict=True)]
+    heads = [
+        unpack_head(b, s.channels, s.height, s.width, None)
+        for s, b in zip(specs, buffers, strict=True)
+    ]
     return postprocess(
         heads,
         np.asarray(loadable.anchors_px, np.float32),
