@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full-size prep chain (YOLOv5s at 640) on the project's H200 machine, through the device
-# tool: installs the carried wheels (.whl/, see docs/BENCHMARKS.md), runs `prep all --preset full`
-# and copies the manifests, metrics and translator outputs (not the weights) to $OUT.
+# tool: installs the carried wheels (.whl/, made here by bench/fetch_h200_wheels.sh), runs
+# `prep all --preset full` and copies the manifests, metrics and translator outputs (not the
+# weights) to $OUT.
 #   run(command="bash bench/h200_prep_full.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
