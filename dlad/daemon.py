@@ -241,7 +241,6 @@ class Daemon:
             iou=req.iou if req.iou is not None else (model.iou_threshold if model else 0.45),
             max_det=req.max_det or (min(model.max_det, protocol.MAX_DET) if model else 300),
             received_ns=now,
-            reply=self._noop,
         )
         job = Job(
             self._next_job,
@@ -335,9 +334,6 @@ class Daemon:
         self.counters.replied += 1
         self.counters.by_status[status.name] = self.counters.by_status.get(status.name, 0) + 1
         await self._socket.send_multipart([client, *protocol.encode(message)], copy=False)
-
-    async def _noop(self, _: Any) -> None:
-        return None
 
     # ------------------------------------------------------------------------ status
     def _status_reply(self, request_id: int) -> protocol.StatusReply:

@@ -24,7 +24,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -54,8 +54,6 @@ class Work:
     iou: float
     max_det: int
     received_ns: int
-    reply: Callable[[Any], Awaitable[None]]
-    """Sends this request's one reply (the frontend guarantees at most one per request)."""
 
 
 @dataclass
@@ -79,7 +77,6 @@ class DeviceStats:
     completed: int = 0
     failed: int = 0
     busy_ns: int = 0
-    last: dict[str, float] = field(default_factory=dict)
 
 
 class DeviceWorker:
@@ -132,7 +129,6 @@ class DeviceWorker:
         self.module = self.core.load(loadable_path)
         self._slots = [self._make_slot() for _ in range(slots)]
         self._anchors = np.asarray(loadable.anchors_px, np.float32)
-        self.ready = False
 
     def _make_slot(self) -> dict[str, Any]:
         return {
@@ -151,9 +147,7 @@ class DeviceWorker:
             async with anyio.create_task_group() as tg:
                 for slot in self._slots:
                     tg.start_soon(self._slot_loop, slot, on_outcome)
-                self.ready = True
         finally:
-            self.ready = False
             self.core.close(force=True)
 
     async def _slot_loop(

@@ -458,18 +458,7 @@ def _int8_conv_inputs(
         round_half_away_from_zero(w / s_w.reshape((-1,) + (1,) * (w.ndim - 1))), -127, 127
     )
     out = list(inputs)
-    w_dq = b.fresh(f"{node.name}/weight/dq")
-    b.add(
-        "DequantizeLinear",
-        [
-            b.const(f"{node.name}/weight/int8", w_q.astype(np.int8)),
-            b.const(f"{node.name}/weight/scale", s_w),
-            b.const(f"{node.name}/weight/zero_point", np.zeros(w.shape[0], np.int8)),
-        ],
-        w_dq,
-        axis=0,
-    )
-    out[1] = w_dq
+    out[1] = _dequantized_const(b, f"{node.name}/weight", w_q.astype(np.int8), s_w)
     bias_name = node.input[2] if len(node.input) > 2 else ""
     if bias_name:
         if bias_name not in consts:
@@ -481,18 +470,24 @@ def _int8_conv_inputs(
         s_b = (s_in * s_w).astype(np.float32)
         bias = consts[bias_name].astype(np.float64) / s_b.astype(np.float64)
         b_q = np.clip(round_half_away_from_zero(bias), -_INT32_MAX - 1, _INT32_MAX)
-        b_dq = b.fresh(f"{node.name}/bias/dq")
-        b.add(
-            "DequantizeLinear",
-            [
-                b.const(f"{node.name}/bias/int32", b_q.astype(np.int32)),
-                b.const(f"{node.name}/bias/scale", s_b),
-                b.const(f"{node.name}/bias/zero_point", np.zeros(w.shape[0], np.int32)),
-            ],
-            b_dq,
-            axis=0,
-        )
-        out[2] = b_dq
+        out[2] = _dequantized_const(b, f"{node.name}/bias", b_q.astype(np.int32), s_b)
+    return out
+
+
+def _dequantized_const(b: _Builder, prefix: str, q: np.ndarray, scale: np.ndarray) -> str:
+    """A per-output-channel (``axis=0``) DequantizeLinear of the integer constant ``q``, zero
+    points 0 of ``q``'s dtype, named ``{prefix}/{dtype}``; returns its output tensor's name."""
+    out = b.fresh(f"{prefix}/dq")
+    b.add(
+        "DequantizeLinear",
+        [
+            b.const(f"{prefix}/{q.dtype}", q),
+            b.const(f"{prefix}/scale", scale),
+            b.const(f"{prefix}/zero_point", np.zeros(q.shape[0], q.dtype)),
+        ],
+        out,
+        axis=0,
+    )
     return out
 
 
