@@ -280,9 +280,11 @@ def calibrate(qmodel: nn.Module, batches: Iterable[torch.Tensor], method: str = 
         q.enable_calib()
     qmodel.eval()
     seen = 0
+    device = torch.device("cpu")
     for x in batches:
         qmodel(x)
         seen += 1
+        device = x.device
     if seen == 0:
         raise RuntimeError("calibration needs at least one batch")
     for q in quantizers:
@@ -291,7 +293,7 @@ def calibrate(qmodel: nn.Module, batches: Iterable[torch.Tensor], method: str = 
                 # ModelOpt 0.47's own "mse" passes num_bits where fake_tensor_quant now takes
                 # a bias, so every candidate scores 0 and it returns its first bin: compute it here.
                 amax = histogram_mse_amax(q._calibrator._calib_hist, q._calibrator._calib_bin_edges)
-                q.amax = torch.tensor(amax)
+                q.amax = torch.tensor(amax, dtype=torch.float32, device=device)
             else:
                 q.load_calib_amax(method)
         else:
@@ -299,6 +301,13 @@ def calibrate(qmodel: nn.Module, batches: Iterable[torch.Tensor], method: str = 
         q.enable_quant()
         q.disable_calib()
     return len(quantizers)
+
+
+def _host_array(values: Any) -> np.ndarray:
+    # The calibrator keeps its histogram as a tensor on the model's device (CUDA on a GPU run).
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.float64)
 
 
 def histogram_mse_amax(hist: Any, bin_edges: Any, num_bits: int = 8, start_bin: int = 128) -> float:
@@ -313,8 +322,7 @@ def histogram_mse_amax(hist: Any, bin_edges: Any, num_bits: int = 8, start_bin: 
     """
     if hist is None or bin_edges is None:
         raise RuntimeError("histogram calibrator saw no data")
-    counts = np.asarray(hist, dtype=np.float64)
-    edges = np.asarray(bin_edges, dtype=np.float64)
+    counts, edges = _host_array(hist), _host_array(bin_edges)
     if counts.sum() == 0.0:
         raise RuntimeError("histogram calibrator saw no data")
     # Only occupied bins contribute to the error: evaluate on those.
