@@ -216,15 +216,34 @@ class LoggingConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsConfig:
-    """``[metrics]``: reserved for the Prometheus endpoint (not served yet)."""
+    """``[metrics]``: Prometheus metrics and health over HTTP (docs/metrics.md)."""
 
     enabled: bool = False
-    """Serve metrics and health over HTTP."""
+    """Serve ``/metrics``, ``/health/live`` and ``/health/ready`` over HTTP."""
+    host: str = "127.0.0.1"
+    """The address the HTTP server binds: loopback by default; ``0.0.0.0`` lets a Prometheus
+    or a kubelet on another host reach it (the endpoints are read-only and unauthenticated)."""
     port: int = 9464
-    """The HTTP port on loopback (1-65535)."""
+    """The HTTP port (1-65535)."""
+    heartbeat_s: float = 0.5
+    """How often the event loop samples queues and devices into the gauges and proves it is
+    turning (> 0)."""
+    live_timeout_s: float = 5.0
+    """``/health/live`` fails once the loop has not beaten for this long (> heartbeat_s)."""
+    load_window_s: float = 10.0
+    """The span of the recent-load figures: busy ratio, rates and p99 in ``dlad status
+    --watch`` and the ``dlad_device_busy_ratio`` gauge (> 0)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "port", f"must be 1-65535, got {self.port}")
+        _text(self.host, "host")
+        _positive(self.heartbeat_s, "heartbeat_s")
+        _positive(self.load_window_s, "load_window_s")
+        _check(
+            self.live_timeout_s > self.heartbeat_s,
+            "live_timeout_s",
+            f"must be > heartbeat_s ({self.heartbeat_s}), got {self.live_timeout_s!r}",
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,16 +357,25 @@ class LoadablesConfig:
     """The loadable built for DLA core 0."""
     core1: str | None = None
     """The loadable built for DLA core 1."""
+    cudla_core0: str | None = None
+    """The TensorRT DLA standalone loadable built for core 0 (``prep build --target dla --core
+    0``): what a cudla device runs; ``core0`` still gives the model's metadata."""
+    cudla_core1: str | None = None
+    """The TensorRT DLA standalone loadable built for core 1."""
 
     def __post_init__(self) -> None:
         _check(self.core0 is not None or self.core1 is not None, "", "needs core0 or core1")
-        for key in ("core0", "core1"):
+        for key in ("core0", "core1", "cudla_core0", "cudla_core1"):
             value = getattr(self, key)
             _check(value is None or bool(value.strip()), key, "must be a non-empty path")
 
     def for_core(self, core: int) -> str | None:
         """The configured path of ``core``'s loadable, or None."""
         return self.core0 if core == 0 else self.core1
+
+    def cudla_for_core(self, core: int) -> str | None:
+        """The configured path of ``core``'s TensorRT loadable, or None."""
+        return self.cudla_core0 if core == 0 else self.cudla_core1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -425,6 +453,11 @@ class Config:
                 if device.core is not None and m.loadables.for_core(device.core) is None:
                     raise ConfigError(f"core{device.core} is required: devices.{_quote(name)} "
                                       f"(DLA core {device.core}) serves this model",
+                                      key=f"{where}.loadables")  # fmt: skip
+                cudla = device.backend == "cudla" and device.core is not None
+                if cudla and m.loadables.cudla_for_core(int(device.core or 0)) is None:
+                    raise ConfigError(f"cudla_core{device.core} is required: devices."
+                                      f"{_quote(name)} runs cuDLA on DLA core {device.core}",
                                       key=f"{where}.loadables")  # fmt: skip
         if self.pre_post.backend == "cuda":
             _check(any(d.kind == "gpu" and d.backend != "cpu" for d in self.devices),

@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -32,6 +32,7 @@ import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.emulated import FaultConfig
+from dlad.devices.factory import cudla_loadable_for
 from dlad.errors import (
     BadRequest,
     Cancelled,
@@ -43,8 +44,12 @@ from dlad.errors import (
     ShuttingDown,
     Status,
 )
+from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.scheduler import Job, Scheduler
 from dlad.worker import DeviceWorker, Outcome, Work
+
+if TYPE_CHECKING:
+    from dlad.gpu.service import GpuService
 
 log = structlog.get_logger("dlad")
 
@@ -69,10 +74,16 @@ class Daemon:
         plan: the checked config (``dlad.config.load_config(path).plan()``).
         endpoints: override ``plan.endpoints`` (tests bind ``tcp://127.0.0.1:0``-style ports).
         pre_post: override ``pre_post.enabled`` of the config.
+        metrics_port: override ``metrics.port`` (0: any free port, see ``metrics_server.port``).
     """
 
     def __init__(
-        self, plan: Plan, *, endpoints: Sequence[str] | None = None, pre_post: bool | None = None
+        self,
+        plan: Plan,
+        *,
+        endpoints: Sequence[str] | None = None,
+        pre_post: bool | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.plan = plan
         self.config: Config = plan.config
@@ -92,6 +103,21 @@ class Daemon:
         self._expiry_wake = anyio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         f = self.config.frontend
+        m = self.config.metrics
+        self.metrics = Metrics(
+            self.config.daemon.name,
+            dlad.__version__,
+            heartbeat_s=m.heartbeat_s,
+            live_timeout_s=m.live_timeout_s,
+            load_window_s=m.load_window_s,
+        )
+        self.metrics_server: MetricsServer | None = None
+        if m.enabled:
+            port = m.port if metrics_port is None else metrics_port
+            self.metrics_server = MetricsServer(self.metrics, m.host, port)
+        self._gpu: GpuService | None = None
+        self._warming = 0
+        self._warm = anyio.Event()
         self.limits = protocol.Limits(
             max_message_bytes=f.max_message_bytes,
             max_width=f.max_image_width,
@@ -127,16 +153,27 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped
         self._socket = sock
         try:
+            if self.metrics_server is not None:  # first, so readiness is seen to flip
+                self.metrics_server.start()
+                log.info("metrics", url=self.metrics_server.url)
             for ep in self.endpoints:
                 sock.bind(ep)
                 last = sock.getsockopt(zmq.LAST_ENDPOINT)
                 self.bound.append(last.decode() if isinstance(last, bytes) else str(last))
+            for p in self.plan.placements:  # the devices that get a worker (DLA cores)
+                if self.config.device(p.device).kind == "dla":
+                    self.metrics.device_state(p.device, "loading")
+            await self._start_gpu()
             self._start_workers(limiter)
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeat_loop)
+                self._warming = len(self._workers)
                 for worker in self._workers.values():
-                    tg.start_soon(worker.run, self._on_outcome)
+                    tg.start_soon(self._serve_device, worker)
                 tg.start_soon(self._expiry_loop)
                 tg.start_soon(self._receive_loop, sock)
+                if self._workers:
+                    await self._warm.wait()
                 self.ready.set()
                 log.info("listening", endpoints=self.bound, devices=list(self._workers))
                 await self._stop.wait()
@@ -144,9 +181,30 @@ class Daemon:
                 tg.cancel_scope.cancel()
         finally:
             self.state = State.STOPPED
+            if self._gpu is not None:  # after the workers: their streams use its memory
+                self._gpu.close()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             sock.close(0)
             ctx.term()
             log.info("stopped", replied=self.counters.replied)
+
+    async def _start_gpu(self) -> None:
+        """Choose the pre/post backend (logged): CUDA kernels where a GPU is configured and
+        usable, else the numpy reference. Raises RuntimeError when ``cuda`` was required."""
+        if not self.pre_post:
+            return
+        from dlad.gpu.service import GpuService, select_backend  # noqa: PLC0415 (GPU only)
+
+        configured = any(d.kind == "gpu" and d.backend != "cpu" for d in self.config.devices)
+        backend, found = select_backend(self.config.pre_post.backend, configured)
+        log.info(
+            "pre_post",
+            backend=backend,
+            gpu=found.describe() if found is not None else "not asked for",
+        )
+        if backend == "cuda":
+            self._gpu = await anyio.to_thread.run_sync(GpuService)
 
     def _start_workers(self, limiter: anyio.CapacityLimiter) -> None:
         for placement in self.plan.placements:
@@ -173,6 +231,9 @@ class Daemon:
                 task_timeout_ms=dev.task_timeout_ms,
                 limiter=limiter,
                 pre_post=self.pre_post,
+                gpu=self._gpu,
+                backend=dev.backend,
+                cudla_loadable=cudla_loadable_for(self.plan, placement),
             )
             self._scheduler.add_device(
                 dev.name,
@@ -181,6 +242,42 @@ class Daemon:
                 service_us=placement.latency_us,
             )
             self._workers[dev.name] = worker
+
+    async def _serve_device(self, worker: DeviceWorker) -> None:
+        """Warm ``worker``'s core with one task (readiness waits for every device), then serve."""
+        self.metrics.device_state(worker.name, "warming")
+        try:
+            await worker.warm_up()
+        except DladError as exc:  # the device still serves; /health/ready says it failed
+            log.error("warm_up_failed", device=worker.name, reason=exc.message)
+            self.metrics.device_state(worker.name, "failed")
+        except BaseException:
+            worker.core.close(force=True)  # cancelled before run() took the core over
+            raise
+        else:
+            self.metrics.device_state(worker.name, "ready")
+        self._warming -= 1
+        if self._warming == 0:
+            self._warm.set()
+        await worker.run(self._on_outcome)
+
+    async def _heartbeat_loop(self) -> None:
+        """Every ``metrics.heartbeat_s``: prove the loop turns (``/health/live``) and sample the
+        queues and devices into the gauges (the scrape itself never touches them)."""
+        while True:
+            self.metrics.daemon_state(self.state.value)
+            snaps = {s.name: s for s in self._scheduler.snapshot()}
+            self.metrics.tick(
+                DeviceSample(
+                    name,
+                    snaps[name].queue_depth,
+                    snaps[name].capacity,
+                    snaps[name].in_flight,
+                    worker.stats.busy_ns,
+                )
+                for name, worker in self._workers.items()
+            )
+            await anyio.sleep(self.config.metrics.heartbeat_s)
 
     async def _drain(self) -> None:
         self.state = State.DRAINING
@@ -207,6 +304,7 @@ class Daemon:
             log.bind(client=client.hex(), request_id=exc.request_id).info(
                 "bad_request", reason=exc.message
             )
+            self.metrics.observe_reply("", None, exc.status)
             await self._send(client, protocol.error_reply(exc))
             return
         try:
@@ -215,8 +313,10 @@ class Daemon:
             elif isinstance(request, protocol.CancelRequest):
                 await self._cancel(client, request)
             else:
-                await self._send(client, self._status_reply(request.id))
+                await self._send(client, self._status_reply(request.id, load=request.load))
         except DladError as exc:
+            if isinstance(request, protocol.InferRequest):  # refused at admission
+                self.metrics.observe_reply(request.model, None, exc.status)
             await self._send(
                 client,
                 protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind)),
@@ -241,6 +341,7 @@ class Daemon:
             iou=req.iou if req.iou is not None else (model.iou_threshold if model else 0.45),
             max_det=req.max_det or (min(model.max_det, protocol.MAX_DET) if model else 300),
             received_ns=now,
+            model=req.model,
         )
         job = Job(
             self._next_job,
@@ -309,6 +410,10 @@ class Daemon:
             detections=np.ascontiguousarray(dets[: protocol.MAX_DET], np.float32),
         )
         self._pending.pop((work.client, work.request_id), None)
+        self.metrics.observe_reply(
+            work.model, out.device, Status.OK, queue_us=timing.queue_us,
+            device_us=timing.device_us, total_us=timing.total_us,
+        )  # fmt: skip
         await self._send(work.client, reply)
 
     async def _send_error(self, work: Work, err: DladError, device: str | None = None) -> None:
@@ -317,6 +422,7 @@ class Daemon:
             "request_failed", status=err.status.name, reason=err.message
         )
         total = int((time.monotonic_ns() - work.received_ns) / 1e3)
+        self.metrics.observe_reply(work.model, device, err.status, total_us=total)
         reply = protocol.InferReply(
             work.request_id,
             err.status,
@@ -336,7 +442,7 @@ class Daemon:
         await self._socket.send_multipart([client, *protocol.encode(message)], copy=False)
 
     # ------------------------------------------------------------------------ status
-    def _status_reply(self, request_id: int) -> protocol.StatusReply:
+    def _status_reply(self, request_id: int, *, load: bool = False) -> protocol.StatusReply:
         snaps = {s.name: s for s in self._scheduler.snapshot()}
         devices = []
         for name, worker in self._workers.items():
@@ -371,17 +477,19 @@ class Daemon:
                 }
             )
         capacity = sum(s.capacity for s in snaps.values())
-        report = {
+        report: dict[str, Any] = {
             "name": self.config.daemon.name,
             "state": self.state.value,
             "live": True,
-            "ready": self.ready.is_set() and self.state is State.RUNNING,
+            "ready": self.ready.is_set() and self.metrics.ready()[0],
             "version": dlad.__version__,
             "protocol": protocol.PROTOCOL_VERSION,
             "devices": devices,
             "models": models,
             "queues": {"depth": self._scheduler.queued(), "capacity": capacity, "streams": 0},
         }
+        if load:
+            report["load"] = self.metrics.load_report()
         return protocol.StatusReply(request_id, Status.OK, report=report)  # type: ignore[arg-type]
 
 

@@ -53,16 +53,18 @@ import numpy.typing as npt
 from dlad.errors import DladError, ProtocolError, Status
 
 if TYPE_CHECKING:
+    from typing import NotRequired  # annotations only (3.11+); the daemon runs on 3.10 too
+
     import zmq
 
 __all__ = [
     "CHANNELS", "DEFAULT_LIMITS", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
     "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "PRIORITY_MAX", "PRIORITY_MIN", "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest", "DaemonState", "DaemonStatus",
-    "DeviceStatus", "ErrorReply", "Frame", "FrameLike", "InferReply", "InferRequest", "Kind",
-    "Limits", "Message", "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request",
-    "StatusReply", "StatusRequest", "Timing", "decode_reply", "decode_request", "encode",
-    "error_reply",
+    "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame", "FrameLike", "InferReply", "InferRequest",
+    "Kind", "Limits", "LoadStatus", "Message", "ModelStatus", "PixelFormat", "QueueStatus",
+    "Reply", "Request", "StatusReply", "StatusRequest", "Timing", "decode_reply",
+    "decode_request", "encode", "error_reply",
 ]  # fmt: skip
 
 PROTOCOL_VERSION: Final = 1
@@ -343,9 +345,15 @@ class CancelRequest(_IdOnly):
 
 @dataclass(frozen=True, slots=True)
 class StatusRequest(_IdOnly):
-    """Ask for the daemon's :class:`DaemonStatus`. Raises ProtocolError."""
+    """Ask for the daemon's :class:`DaemonStatus`; with ``load``, its report also carries the
+    recent-load figures (:class:`LoadStatus`). Raises ProtocolError."""
 
+    load: bool = False
     kind: ClassVar[Kind] = Kind.STATUS
+
+    def __post_init__(self) -> None:
+        _IdOnly.__post_init__(self)
+        _bool(self.load, "load")
 
 
 # ------------------------------------------------------------------------------ replies
@@ -480,6 +488,27 @@ class DaemonStatus(TypedDict):
     devices: list[DeviceStatus]
     models: list[ModelStatus]
     queues: QueueStatus
+    load: NotRequired[LoadStatus]  # present exactly when the STATUS request asked for it
+
+
+class DeviceLoad(TypedDict):
+    """One device's recent load, over :class:`LoadStatus` ``window_s``."""
+
+    name: str
+    busy_ratio: float  # fraction of the window the device was executing, 0 ... 1
+    rate_hz: float  # INFERs it answered OK, per second
+    p99_us: float  # 99th percentile receipt → reply of those, µs (0 when there were none)
+
+
+class LoadStatus(TypedDict):
+    """The daemon's recent load (``report.load``; only when the STATUS request sets ``load``)."""
+
+    window_s: float  # the span the figures cover (shorter just after start)
+    rate_hz: float  # INFER replies per second, every status
+    ok_rate_hz: float  # OK replies per second
+    p50_us: float  # median receipt → reply of OK replies, µs (0 when there were none)
+    p99_us: float  # 99th percentile of the same
+    devices: list[DeviceLoad]
 
 
 _DEVICE_SPEC: Final[Mapping[str, _Check]] = {
@@ -513,6 +542,30 @@ _REPORT_SPEC: Final[Mapping[str, _Check]] = {
     "models": _list_of(lambda v, p: _record(v, p, _MODEL_SPEC), 256),
     "queues": lambda v, p: _record(v, p, _QUEUE_SPEC),
 }
+_RATE: Final[_Check] = lambda v, p: _float(v, p, 0.0, 1e12, lo_open=False, hi_open=False)  # noqa: E731
+_DEVICE_LOAD_SPEC: Final[Mapping[str, _Check]] = {
+    "name": _name,
+    "busy_ratio": lambda v, p: _float(v, p, 0.0, 1.0, lo_open=False, hi_open=False),
+    "rate_hz": _RATE,
+    "p99_us": _RATE,
+}
+_LOAD_SPEC: Final[Mapping[str, _Check]] = {
+    "window_s": _RATE,
+    "rate_hz": _RATE,
+    "ok_rate_hz": _RATE,
+    "p50_us": _RATE,
+    "p99_us": _RATE,
+    "devices": _list_of(lambda v, p: _record(v, p, _DEVICE_LOAD_SPEC), 64),
+}
+
+
+def _report(value: object, path: str) -> dict[str, Any]:
+    """A STATUS report: every field of ``_REPORT_SPEC``, and ``load`` if present (optional)."""
+    m = _map(value, path)
+    report = _record({k: v for k, v in m.items() if k != "load"}, path, _REPORT_SPEC)
+    if "load" in m:
+        report["load"] = _record(m["load"], f"{path}.load", _LOAD_SPEC)
+    return report
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +582,7 @@ class StatusReply:
     def __post_init__(self) -> None:
         _reply_envelope(self, self.id, self.status, self.message)
         if self.status == Status.OK:
-            _set(self, "report", cast("DaemonStatus", _record(self.report, "report", _REPORT_SPEC)))
+            _set(self, "report", cast("DaemonStatus", _report(self.report, "report")))
         elif self.report is not None:
             _fail("report", "must be nil when status is not OK")
 
@@ -623,6 +676,8 @@ def encode(message: Message) -> list[Frame]:
         header |= {k: v for k, v in thresholds.items() if v is not None}
         return [_pack(header), message.image.data.cast("B")]
     if isinstance(message, (CancelRequest, StatusRequest)):
+        if isinstance(message, StatusRequest) and message.load:
+            header["load"] = True  # only when asked: a daemon older than the field refuses it
         return [_pack(header)]
     header["status"] = int(message.status)
     header["message"] = message.message
@@ -735,7 +790,7 @@ _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = 
     Kind.INFER: ((*_ENVELOPE, "model", "image"),
                  ("stream", "priority", "deadline_ms", "conf", "iou", "max_det")),
     Kind.CANCEL: (_ENVELOPE, ()),
-    Kind.STATUS: (_ENVELOPE, ()),
+    Kind.STATUS: (_ENVELOPE, ("load",)),
     Kind.INFER_REPLY: ((*_REPLY_ENVELOPE, "device", "timing", "count"), ()),
     Kind.CANCEL_REPLY: (_REPLY_ENVELOPE, ()),
     Kind.STATUS_REPLY: ((*_REPLY_ENVELOPE, "report"), ()),
@@ -779,7 +834,10 @@ def decode_request(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS)
     try:
         if kind == Kind.INFER:
             return _infer_request(h, views[1], limits)
-        return CancelRequest(h["id"]) if kind == Kind.CANCEL else StatusRequest(h["id"])
+        if kind == Kind.CANCEL:
+            return CancelRequest(h["id"])
+        load = h.get("load")  # nil means the default, like absence
+        return StatusRequest(h["id"], load=False if load is None else _bool(load, "load"))
     except ProtocolError as exc:
         _attach(exc, h.get("id"), h.get("kind"))
         raise

@@ -16,6 +16,13 @@ post-processes — the core's own "hardware" thread serialises execution, as a D
    the original image's pixels; reply.
 
 The event loop only moves small objects; image math runs on threads, numerics on the core.
+
+With a GPU (``gpu`` given), steps 2-5 become one chain queued at once on the slot's CUDA stream
+and fenced to the DLA task (``dlad.gpu``): upload → pre kernel → the GPU signals the slot's
+``ready`` fence → the task (waiting on ``ready``) runs and signals ``done`` → the stream waits
+on ``done`` → post kernels → result copy. One worker thread waits for the chain's end; the CPU
+never waits between pre and post. ``pre_us`` is then submission to task start and ``post_us``
+task end to result, both as seen by the host.
 """
 
 from __future__ import annotations
@@ -25,19 +32,24 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import numpy as np
 import structlog
 
 from dlad.devices.base import CudlaStatus, DlaError, Task
-from dlad.devices.emulated import EmulatedDlaCore, FaultConfig
+from dlad.devices.emulated import FaultConfig
+from dlad.devices.factory import open_core
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
 from dlad.imaging.post import postprocess, unpack_head
-from dlad.imaging.pre import Letterbox, letterbox, quantize_hwc4, to_rgb
+from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
+from dlad.protocol import MAX_DET
 from dlad.scheduler import Job, Scheduler
+
+if TYPE_CHECKING:
+    from dlad.gpu.service import GpuService, GpuSlot
 
 log = structlog.get_logger("dlad.worker")
 
@@ -54,6 +66,7 @@ class Work:
     iou: float
     max_det: int
     received_ns: int
+    model: str = ""  # the request's model (metrics labels)
 
 
 @dataclass
@@ -89,9 +102,12 @@ class DeviceWorker:
         loadable: its parsed header (anchors, strides, scales).
         scheduler: the daemon's scheduler (loop-owned).
         mode, latency_us, threads, faults, task_timeout_ms: the emulated core's settings.
+        backend, cudla_loadable: ``emulated``, ``cudla`` or ``auto`` and the TensorRT loadable
+            a cudla core runs (:func:`dlad.devices.factory.open_core`).
         pre_post: run pre/post-processing (off: the benchmark's "daemon path only" mode, where
             the reply carries no detections).
         limiter: bounds the threads used for pre/post-processing across all workers.
+        gpu: run pre/post-processing as CUDA kernels fenced to the DLA tasks (None: numpy).
     """
 
     def __init__(
@@ -110,6 +126,9 @@ class DeviceWorker:
         limiter: anyio.CapacityLimiter,
         pre_post: bool = True,
         slots: int = 2,
+        gpu: GpuService | None = None,
+        backend: str = "emulated",
+        cudla_loadable: str | None = None,
     ) -> None:
         self.name = name
         self.loadable = loadable
@@ -117,29 +136,54 @@ class DeviceWorker:
         self.pre_post = pre_post
         self.limiter = limiter
         self.stats = DeviceStats()
+        self.gpu = gpu if pre_post else None
         self._wake = anyio.Event()
-        self.core = EmulatedDlaCore(
+        self.core, self.module = open_core(
+            backend,
             core,
+            loadable_path,
+            loadable,
+            cudla_loadable=cudla_loadable,
             mode=mode,
             latency_us=latency_us,
             threads=threads,
             faults=faults,
+            allocator=None if self.gpu is None else self.gpu.host_array,
         )
         self.core.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
-        self.module = self.core.load(loadable_path)
         self._slots = [self._make_slot() for _ in range(slots)]
         self._anchors = np.asarray(loadable.anchors_px, np.float32)
 
     def _make_slot(self) -> dict[str, Any]:
-        return {
+        slot: dict[str, Any] = {
             "inputs": [self.core.alloc_buffer(d) for d in self.module.inputs],
             "outputs": [self.core.alloc_buffer(d) for d in self.module.outputs],
             "fence": self.core.create_fence(),
         }
+        if self.gpu is not None:
+            slot["gpu"] = self.gpu.slot(
+                self.loadable,
+                slot["inputs"][0].raw,
+                [b.raw for b in slot["outputs"]],
+                max_det=MAX_DET,
+            )
+        return slot
 
     def wake(self) -> None:
         """A job was queued for this device (called on the loop)."""
         self._wake.set()
+
+    async def warm_up(self) -> float:
+        """Run one task on the first slot's (zeroed) buffers before serving, so the first
+        request does not pay for the core's lazy set-up (readiness waits for this).
+
+        Returns its device time in µs. Raises DeviceFailed when the task fails.
+        """
+        handle = await self._submit(self._slots[0])
+        if handle.status is not CudlaStatus.SUCCESS:
+            sticky = self.core.last_error()
+            raise DeviceFailed(f"{self.name}: warm-up task failed ({sticky.name})")
+        return float(handle.timing.actual_us) if handle.timing is not None else 0.0
 
     async def run(self, on_outcome: Callable[[Outcome], Awaitable[None]]) -> None:
         """Serve jobs until cancelled; the core is closed on the way out."""
@@ -178,6 +222,8 @@ class DeviceWorker:
         )
 
     async def _execute(self, job: Job[Work], slot: dict[str, Any]) -> Outcome:
+        if "gpu" in slot:
+            return await self._execute_gpu(job, slot)
         work = job.payload
         out = Outcome(work, self.name)
         t0 = time.monotonic_ns()
@@ -218,6 +264,86 @@ class DeviceWorker:
         out.post_us = (time.monotonic_ns() - t2) / 1e3
         self.stats.completed += 1
         return out
+
+    async def _execute_gpu(self, job: Job[Work], slot: dict[str, Any]) -> Outcome:
+        work = job.payload
+        out = Outcome(work, self.name)
+        t0 = time.monotonic_ns()
+        out.queue_us = (t0 - work.received_ns) / 1e3
+        gpu: GpuSlot = slot["gpu"]
+        try:
+            handle, geometry = await anyio.to_thread.run_sync(
+                self._enqueue_gpu, work, slot, gpu, limiter=self.limiter
+            )
+        except DlaError as exc:
+            out.error = DeviceFailed(f"{self.name}: {exc}")
+            self.stats.failed += 1
+            return out
+        # Waits for the whole chain (pre, DLA, post) on a thread of its own, not the limiter's.
+        (result,) = await anyio.to_thread.run_sync(gpu.pipeline.synchronize)
+        t_end = time.monotonic_ns()
+        timing = handle.timing
+        if timing is not None:
+            out.start_ns, out.end_ns = timing.start_ns, timing.end_ns
+            out.device_us = timing.actual_us
+            out.pre_us = (timing.start_ns - t0) / 1e3
+            out.post_us = (t_end - timing.end_ns) / 1e3
+            self.stats.busy_ns += timing.end_ns - timing.start_ns
+        if handle.status is not CudlaStatus.SUCCESS:
+            sticky = self.core.last_error()
+            out.error = DeviceFailed(
+                f"{self.name}: task failed: {getattr(handle.status, 'c_name', handle.status)}"
+                f" ({sticky.name})"
+            )
+            self.stats.failed += 1
+            return out
+        if result.overflow:  # more candidates than the GPU stores: the reference decides
+            log.warning("gpu_candidates_overflow", device=self.name, found=result.found)
+            out.detections = await anyio.to_thread.run_sync(
+                self._post, work, slot["outputs"], geometry, limiter=self.limiter
+            )
+        else:
+            out.detections = result.detections
+        self.stats.completed += 1
+        return out
+
+    def _enqueue_gpu(self, work: Work, slot: dict[str, Any], gpu: GpuSlot) -> tuple[Any, Letterbox]:
+        """Queue the frame's whole chain; returns the DLA task's handle and the geometry."""
+        image = np.ascontiguousarray(work.image)
+        h, w = image.shape[0], image.shape[1]
+        geometry = letterbox_geometry(w, h, self.loadable.image_size)
+        pipe = gpu.pipeline
+        src = pipe.upload(image)
+        int8 = self.module.inputs[0].data_type == DataType.INT8
+        pipe.pre(
+            src,
+            image.shape,
+            work.pixel_format,  # type: ignore[arg-type]
+            geometry,
+            gpu.input_ptr,
+            input_scale=self.loadable.input_scale if int8 else None,
+        )
+        ready = gpu.ready.next_value()
+        gpu.ready.expect_gpu_signal(ready)
+        pipe.signal(gpu.ready.device_ptr, ready)
+        done = gpu.done.next_value()
+        task = Task(
+            self.module,
+            tuple(slot["inputs"]),
+            tuple(slot["outputs"]),
+            wait=((gpu.ready, ready),),
+            signal=((gpu.done, done),),
+        )
+        handle = self.core.submit(task)
+        pipe.wait(gpu.done.device_ptr, done)
+        pipe.post(
+            gpu.head_ptrs,
+            [geometry],
+            conf_threshold=work.conf,
+            iou_threshold=work.iou,
+            max_det=work.max_det,
+        )
+        return handle, geometry
 
     async def _submit(self, slot: dict[str, Any]) -> Any:
         fence = slot["fence"]

@@ -81,7 +81,15 @@ def _parser() -> argparse.ArgumentParser:
         if stage == "build":
             sp.add_argument("--onnx", type=Path, help="build this PTQ ONNX instead")
             sp.add_argument("--calib", type=Path, help="calibration cache for --onnx")
-            sp.add_argument("--core", type=int, choices=(0, 1), default=0)
+            sp.add_argument(
+                "--core", type=int, choices=(0, 1), default=None,
+                help="DLA core to build for (default: build.cores; 0 with --onnx)",
+            )  # fmt: skip
+            sp.add_argument(
+                "--target", action="append", choices=("emulated", "dla"),
+                help="build only these (repeatable): emulated loadables and/or TensorRT DLA"
+                " standalone loadables (default: build.targets)",
+            )  # fmt: skip
             sp.add_argument("--out", type=Path, help="loadable path for --onnx")
     profile_cmd.add_parser(sub)
     bp = sub.add_parser(
@@ -154,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prep.pipeline import Chain, ConfigError, dump_config, load_config, resolve_preset
 
     try:
-        cfg = load_config(resolve_preset(args.preset), _parse_set(args.set))
+        overrides = _parse_set(args.set)
+        if args.command == "build" and args.onnx is None:
+            if args.target:  # prep build --target dla --core N
+                overrides["build.targets"] = list(dict.fromkeys(args.target))
+            if args.core is not None:
+                overrides["build.cores"] = [args.core]
+        cfg = load_config(resolve_preset(args.preset), overrides)
     except ConfigError as e:
         print(f"prep: {e}", file=sys.stderr)
         return 2
@@ -204,9 +218,10 @@ def _translate_file(args: argparse.Namespace, default_version: int) -> int:
 def _build_file(args: argparse.Namespace) -> int:
     from prep.build_trt import DlaBuildSpec, build_dla_loadable
 
-    out = args.out or args.onnx.with_suffix(f".dla{args.core}.loadable")
+    core = 0 if args.core is None else args.core
+    out = args.out or args.onnx.with_suffix(f".dla{core}.loadable")
     report = build_dla_loadable(
-        DlaBuildSpec(onnx_path=args.onnx, calibration_cache=args.calib, dla_core=args.core), out
+        DlaBuildSpec(onnx_path=args.onnx, calibration_cache=args.calib, dla_core=core), out
     )
     print(report)
     return 0

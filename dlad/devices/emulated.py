@@ -212,11 +212,14 @@ class EmulatedBuffer:
     @classmethod
     def allocate(cls, owner: EmulatedDlaCore, descriptor: TensorDescriptor) -> EmulatedBuffer:
         """Raises MemoryError or ValueError when numpy cannot allocate the bytes."""
-        # Over-allocate and slice so the bytes start on a page, as an NvSciBuf object's do
-        # (cuDLA needs 32-byte alignment, the CUDA sample asks for 512).
-        backing = np.zeros(descriptor.size + mmap.PAGESIZE, dtype=np.uint8)
-        start = -backing.ctypes.data % mmap.PAGESIZE
-        raw = backing[start : start + descriptor.size]
+        if owner.allocator is not None:  # e.g. pinned memory a GPU also maps (dlad.gpu)
+            raw = owner.allocator(descriptor.size)[: descriptor.size]
+        else:
+            # Over-allocate and slice so the bytes start on a page, as an NvSciBuf object's do
+            # (cuDLA needs 32-byte alignment, the CUDA sample asks for 512).
+            backing = np.zeros(descriptor.size + mmap.PAGESIZE, dtype=np.uint8)
+            start = -backing.ctypes.data % mmap.PAGESIZE
+            raw = backing[start : start + descriptor.size]
         array = raw.view(descriptor.numpy_dtype).reshape(descriptor.buffer_shape)
         return cls(descriptor, raw, array, owner)
 
@@ -320,6 +323,9 @@ class EmulatedDlaCore:
         clock: monotonic nanoseconds for timestamps and the latency budget; it must advance
             with real time, because waits are real.
         queue_depth: tasks held (queued and running) before submit refuses.
+        allocator: returns ``n`` zeroed, page-aligned bytes (a uint8 array) for each buffer;
+            None: numpy memory. The daemon passes pinned, GPU-mapped memory when the GPU does
+            pre/post-processing, as an Orin's NvSciBuf buffers are shared with its GPU.
 
     Raises ValueError for a bad mode, latency, thread count, queue depth or faults.
     """
@@ -334,6 +340,7 @@ class EmulatedDlaCore:
         faults: FaultConfig | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        allocator: Callable[[int], npt.NDArray[np.uint8]] | None = None,
     ) -> None:
         if not _is_int(core, 0, 2):
             raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
@@ -355,6 +362,7 @@ class EmulatedDlaCore:
         self._rng = random.Random(faults.seed if faults else 0)
         self._clock = clock
         self._queue_depth = queue_depth
+        self.allocator = allocator
         self._cv = threading.Condition(threading.Lock())
         # Guarded by _cv (single reads elsewhere are fine under the GIL):
         self._queue: collections.deque[EmulatedTaskHandle] = collections.deque()

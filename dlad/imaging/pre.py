@@ -31,6 +31,8 @@ __all__ = [
     "dequantize_hwc4",
     "hwc4_layout",
     "letterbox",
+    "letterbox_geometry",
+    "normalize_chw16",
     "quantize_hwc4",
     "round_half_away_from_zero",
     "to_rgb",
@@ -205,28 +207,38 @@ def letterbox(
     non-positive canvas size, or ``pad_value`` outside 0..255.
     """
     _check_image(image, (1, 3))
-    dst_w, dst_h = _canvas_size(size)
     if _int_at_least(pad_value, 0) is None or pad_value > 255:
         raise ValueError(f"pad_value must be an int in 0..255, got {pad_value!r}")
     src_h, src_w, channels = image.shape
-    scale = min(dst_w / src_w, dst_h / src_h)
-    new_w = _scaled_extent(src_w, scale, dst_w)
-    new_h = _scaled_extent(src_h, scale, dst_h)
-    geometry = Letterbox(
-        scale=scale,
-        pad_x=(dst_w - new_w) // 2,
-        pad_y=(dst_h - new_h) // 2,
-        src_w=src_w,
-        src_h=src_h,
-        dst_w=dst_w,
-        dst_h=dst_h,
-    )
+    geometry = letterbox_geometry(src_w, src_h, size)
+    dst_w, dst_h, new_w, new_h = geometry.dst_w, geometry.dst_h, geometry.new_w, geometry.new_h
     canvas = np.full((dst_h, dst_w, channels), pad_value, dtype=np.uint8)
-    resized = _resize_bilinear(image, new_w, new_h, np.float32(scale))
+    resized = _resize_bilinear(image, new_w, new_h, np.float32(geometry.scale))
     canvas[geometry.pad_y : geometry.pad_y + new_h, geometry.pad_x : geometry.pad_x + new_w] = (
         resized
     )
     return canvas, geometry
+
+
+def letterbox_geometry(src_w: int, src_h: int, size: int | tuple[int, int]) -> Letterbox:
+    """The :class:`Letterbox` that :func:`letterbox` uses for a ``src_w x src_h`` image (see
+    its docstring for the formulas), without touching pixels. Raises ValueError for
+    non-positive sizes."""
+    dst_w, dst_h = _canvas_size(size)
+    if _int_at_least(src_w, 1) is None or _int_at_least(src_h, 1) is None:
+        raise ValueError(f"image size must be positive, got {src_w} x {src_h}")
+    scale = min(dst_w / src_w, dst_h / src_h)
+    new_w = _scaled_extent(src_w, scale, dst_w)
+    new_h = _scaled_extent(src_h, scale, dst_h)
+    return Letterbox(
+        scale=scale,
+        pad_x=(dst_w - new_w) // 2,
+        pad_y=(dst_h - new_h) // 2,
+        src_w=int(src_w),
+        src_h=int(src_h),
+        dst_w=dst_w,
+        dst_h=dst_h,
+    )
 
 
 def _axis_weights(
@@ -338,6 +350,18 @@ def quantize_hwc4(
     c_padded = 1 if c == 1 else 4
     out = np.zeros((h, w_padded, c_padded), dtype=np.int8)
     out[:, :w, :c] = lut_q[canvas_rgb_uint8]
+    return out
+
+
+def normalize_chw16(canvas_rgb_uint8: npt.NDArray[np.uint8]) -> npt.NDArray[np.float16]:
+    """An RGB (or 1-channel) canvas as the fp16 ``CHW16`` input of an FP16 loadable:
+    ``[1][H][W][16]``, lane ``c`` = ``(float)p / 255.0f`` rounded to the nearest fp16 (ties to
+    even), lanes ``C..15`` zero. Raises ValueError for a non-uint8 canvas or C not in {1, 3}.
+    """
+    _check_image(canvas_rgb_uint8, (1, 3))
+    h, w, c = canvas_rgb_uint8.shape
+    out = np.zeros((1, h, w, 16), dtype=np.float16)
+    out[0, :, :, :c] = (canvas_rgb_uint8.astype(np.float32) / np.float32(255.0)).astype(np.float16)
     return out
 
 

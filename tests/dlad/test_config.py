@@ -188,7 +188,7 @@ def test_unknown_key_in_a_subtable_and_a_quoted_key(tmp_path: Path) -> None:
          "frontend.endpoints", "array"),
         ('endpoints = ["tcp://127.0.0.1:5555"]', "endpoints = [5555]",
          "frontend.endpoints[0]", "string"),
-        ("enabled = false", "enabled = 0", "metrics.enabled", "boolean"),
+        ("enabled = true", "enabled = 0", "metrics.enabled", "boolean"),
         ('level = "info"', 'level = "loud"', "logging.level", "one of"),
         ('level = "info"', "level = 3", "logging.level", "one of"),
         ("core = 0", "core = 0.5", "devices.dla0.core", "integer"),
@@ -339,6 +339,9 @@ def test_emulation_settings_on_real_hardware_are_errors(setting: dict[str, Any],
     assert str(info.value).startswith(f"x.toml: devices.dla0.{key}: emulation only")
     data["devices"]["dla0"]["faults"] = {"seed": 3}  # a seed alone injects nothing
     data["devices"]["dla0"].pop(key, None)
+    with pytest.raises(ConfigError, match="cudla_core0 is required"):
+        parse_config(data)  # a cudla core runs a TensorRT loadable
+    data["models"]["demo"]["loadables"]["cudla_core0"] = "model.dla0.loadable"
     parse_config(data)
 
 

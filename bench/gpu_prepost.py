@@ -1,0 +1,412 @@
+"""GPU pre/post-processing vs its baselines, in one run on one machine (the H200 via the device
+tool; it needs a CUDA GPU, cuda-python with NVRTC, torch + torchvision and OpenCV).
+
+Pre: 1920x1080 BGR → 672x672 int8 DLA_HWC4 (letterbox, bilinear, pad 114, quantise):
+  dlad kernel from device memory / with the host→device copy from pinned memory,
+  vs OpenCV on the CPU (cv2.resize + copyMakeBorder + numpy quantise) and vs torch on the GPU.
+Post: YOLOv5s at 672 (3 fp16 CHW16 heads, 27,783 anchors, 80 classes; conf 0.25, IoU 0.45):
+  dlad kernels at batch 1 (end to end: launches + sync) and batched (per frame),
+  vs torchvision's batched_nms pipeline on the same GPU and vs the numpy reference.
+Bytes: each kernel's fewest bytes against a device-to-device copy's bandwidth, same run.
+
+    python bench/gpu_prepost.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dlad.gpu.driver import GpuContext, _check, _driver, probe
+from dlad.gpu.prepost import GpuPipeline, HeadSpec
+from dlad.imaging.post import YOLOV5_ANCHORS, pack_chw16, postprocess, unpack_head
+from dlad.imaging.pre import hwc4_layout, letterbox_geometry
+
+SIZE = 672
+SCALE = 0.0078125
+CONF, IOU = 0.25, 0.45
+
+
+def wall(fn: Callable[[], object], n: int, warm: int = 5) -> float:
+    """Median wall time of ``fn`` in microseconds."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times)
+
+
+class Events:
+    def __init__(self, ctx: GpuContext, stream: Any) -> None:
+        self.ctx, self.stream = ctx, stream
+        self.a, self.b = ctx.event(timing=True), ctx.event(timing=True)
+
+    def time_us(self, fn: Callable[[], object], n: int) -> float:
+        """GPU time per call of ``n`` back-to-back calls, microseconds."""
+        drv = _driver()
+        fn()
+        _check(drv.cuStreamSynchronize(self.stream), "sync")
+        _check(drv.cuEventRecord(self.a, self.stream), "rec")
+        for _ in range(n):
+            fn()
+        _check(drv.cuEventRecord(self.b, self.stream), "rec")
+        _check(drv.cuEventSynchronize(self.b), "sync")
+        ms = _check(drv.cuEventElapsedTime(self.a, self.b), "elapsed")
+        return float(ms) * 1e3 / n
+
+
+def copy_bandwidth(ctx: GpuContext, stream: Any) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 1 << 30
+    a, b = ctx.alloc(n, zero=False), ctx.alloc(n, zero=False)
+    ev = Events(ctx, stream)
+    drv = _driver()
+    us = ev.time_us(lambda: _check(drv.cuMemcpyDtoDAsync(b.ptr, a.ptr, n, stream), "copy"), 10)
+    a.free()
+    b.free()
+    return 2 * n / (us * 1e-6)
+
+
+def yolov5s_heads(rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Realistic raw heads: background objectness far below threshold, ~40 objects each lit
+    on a few neighbouring cells and anchors (so NMS has work), random box and class logits."""
+    nc, raws, packed = 80, [], []
+    for stride in (8, 16, 32):
+        g = SIZE // stride
+        raw = rng.normal(0.0, 1.0, size=(3 * (5 + nc), g, g)).astype(np.float32)
+        for a in range(3):
+            raw[a * (5 + nc) + 4] = rng.normal(-9.0, 1.5, size=(g, g))
+        for _ in range(40 // 3):
+            cx, cy, a = rng.integers(1, g - 1), rng.integers(1, g - 1), rng.integers(0, 3)
+            cls = rng.integers(0, nc)
+            for dy in (-1, 0, 1):
+                for dx in (-1, 0, 1):
+                    raw[a * (5 + nc) + 4, cy + dy, cx + dx] = rng.normal(2.0, 1.0)
+                    raw[a * (5 + nc) + 5 + cls, cy + dy, cx + dx] = rng.normal(3.0, 0.5)
+        packed.append(pack_chw16(raw))
+        raws.append(unpack_head(packed[-1], raw.shape[0], g, g, None))
+    return raws, packed
+
+
+def bench_pre(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
+    import cv2
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, size=(1080, 1920, 3), dtype=np.uint8)
+    geometry = letterbox_geometry(1920, 1080, SIZE)
+    pitch = hwc4_layout(3, SIZE, SIZE, 1)[0]
+    pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    drv = _driver()
+    dst = ctx.alloc(SIZE * pitch * 4)
+    src = pipe.upload(image)
+    pinned = ctx.host_alloc(image.nbytes)
+    pinned.array[:] = image.reshape(-1)
+    ev = Events(ctx, pipe.stream)
+
+    def pre() -> None:
+        pipe.pre(src, image.shape, "BGR", geometry, dst.ptr, input_scale=SCALE)
+
+    def pre_h2d() -> None:
+        _check(drv.cuMemcpyHtoDAsync(src, pinned.host_ptr, image.nbytes, pipe.stream), "h2d")
+        pre()
+
+    def pre_sync() -> None:
+        pre()
+        _check(drv.cuStreamSynchronize(pipe.stream), "sync")
+
+    gpu_us = ev.time_us(pre, 2000)
+    gpu_h2d_us = ev.time_us(pre_h2d, 500)
+    gpu_wall_us = wall(pre_sync, 300)
+
+    lut = np.clip(np.round(np.arange(256, dtype=np.float32) / 255.0 / SCALE), -128, 127).astype(
+        np.int8
+    )
+
+    def opencv() -> np.ndarray:
+        resized = cv2.resize(
+            image, (geometry.new_w, geometry.new_h), interpolation=cv2.INTER_LINEAR
+        )
+        top, left = geometry.pad_y, geometry.pad_x
+        canvas = cv2.copyMakeBorder(
+            resized, top, SIZE - geometry.new_h - top, left, SIZE - geometry.new_w - left,
+            cv2.BORDER_CONSTANT, value=(114, 114, 114),
+        )  # fmt: skip
+        out = np.zeros((SIZE, pitch, 4), np.int8)
+        out[:, :SIZE, :3] = lut[canvas[:, :, ::-1]]
+        return out
+
+    cv_us = wall(opencv, 50)
+
+    dev = torch.device("cuda")
+    timg = torch.from_numpy(image).to(dev)
+    tlut = torch.from_numpy(lut).to(dev)
+
+    def torch_pre() -> torch.Tensor:
+        x = timg.flip(-1).permute(2, 0, 1)[None].float()
+        x = F.interpolate(
+            x, size=(geometry.new_h, geometry.new_w), mode="bilinear", align_corners=False
+        )
+        x = x.round().clamp_(0, 255).to(torch.uint8)
+        canvas = torch.full((3, SIZE, SIZE), 114, dtype=torch.uint8, device=dev)
+        canvas[:, geometry.pad_y : geometry.pad_y + geometry.new_h,
+               geometry.pad_x : geometry.pad_x + geometry.new_w] = x[0]  # fmt: skip
+        out = torch.zeros((SIZE, pitch, 4), dtype=torch.int8, device=dev)
+        out[:, :SIZE, :3] = tlut[canvas.permute(1, 2, 0).long()]
+        return out
+
+    for _ in range(10):
+        torch_pre()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(500):
+        torch_pre()
+    e.record()
+    torch.cuda.synchronize()
+    torch_us = s.elapsed_time(e) * 1e3 / 500
+    torch_wall_us = wall(lambda: (torch_pre(), torch.cuda.synchronize()), 200)
+
+    nbytes = image.nbytes + SIZE * pitch * 4
+    floor_us = nbytes / bw * 1e6
+    results["pre"] = {
+        "bytes_min": nbytes,
+        "floor_us": floor_us,
+        "dlad_gpu_us": gpu_us,
+        "dlad_gpu_with_h2d_pinned_us": gpu_h2d_us,
+        "dlad_wall_launch_sync_us": gpu_wall_us,
+        "opencv_cpu_us": cv_us,
+        "opencv_threads": cv2.getNumThreads(),
+        "torch_gpu_us": torch_us,
+        "torch_wall_us": torch_wall_us,
+        "ratio_opencv_over_dlad": cv_us / gpu_us,
+        "ratio_torch_over_dlad": torch_us / gpu_us,
+        "fraction_of_bandwidth": floor_us / gpu_us,
+    }
+    pipe.close()
+    dst.free()
+    pinned.free()
+
+
+def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
+    import torch
+    import torchvision
+
+    rng = np.random.default_rng(1)
+    raws, packed = yolov5s_heads(rng)
+    geometry = letterbox_geometry(1920, 1080, SIZE)
+    specs = [HeadSpec(255, SIZE // s, SIZE // s, s) for s in (8, 16, 32)]
+    batch = 8
+    pipe1 = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS)
+    pipe8 = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS, batch=batch)
+    bufs = []
+    drv = _driver()
+    for p in packed:
+        many = np.ascontiguousarray(np.stack([p] * batch))
+        b = ctx.alloc(many.nbytes, zero=False)
+        _check(drv.cuMemcpyHtoD(b.ptr, many.ctypes.data, many.nbytes), "h2d")
+        bufs.append(b)
+    ptrs = [b.ptr for b in bufs]
+    kw = {"conf_threshold": CONF, "iou_threshold": IOU, "max_det": 300}
+
+    def post1() -> None:
+        pipe1.post(ptrs, [geometry], **kw)  # type: ignore[arg-type]
+
+    def post1_sync() -> list[Any]:
+        post1()
+        return pipe1.synchronize()
+
+    def post8() -> None:
+        pipe8.post(ptrs, [geometry] * batch, **kw)  # type: ignore[arg-type]
+
+    def post8_sync() -> list[Any]:
+        post8()
+        return pipe8.synchronize()
+
+    expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, conf_threshold=CONF,
+                           iou_threshold=IOU)  # fmt: skip
+    got = post1_sync()[0]
+    assert got.detections.shape == expected.shape, (got.detections.shape, expected.shape)
+    wall1 = wall(post1_sync, 500, warm=20)
+    gpu1 = Events(ctx, pipe1.stream).time_us(post1, 1000)
+    wall8 = wall(post8_sync, 200, warm=10) / batch
+    gpu8 = Events(ctx, pipe8.stream).time_us(post8, 300) / batch
+    ref_us = wall(lambda: postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry,
+                                      conf_threshold=CONF, iou_threshold=IOU), 30)  # fmt: skip
+
+    dev = torch.device("cuda")
+    theads = [torch.from_numpy(r).to(dev).half() for r in raws]
+    anchors = torch.from_numpy(YOLOV5_ANCHORS).to(dev)
+    grids = []
+    for r in raws:
+        g = r.shape[1]
+        yv, xv = torch.meshgrid(
+            torch.arange(g, device=dev), torch.arange(g, device=dev), indexing="ij"
+        )
+        grids.append(torch.stack((xv, yv), -1).view(1, g, g, 2).float())
+
+    def tv_pipeline() -> torch.Tensor:
+        # YOLOv5's own decode + non_max_suppression (single label), torchvision batched_nms.
+        preds = []
+        for lvl, (h, grid) in enumerate(zip(theads, grids, strict=True)):
+            g = h.shape[1]
+            y = h.float().view(3, 85, g, g).permute(0, 2, 3, 1).sigmoid()
+            xy = (y[..., :2] * 2 - 0.5 + grid) * (8 << lvl)
+            wh = (y[..., 2:4] * 2) ** 2 * anchors[lvl].view(3, 1, 1, 2)
+            preds.append(torch.cat((xy, wh, y[..., 4:]), -1).view(-1, 85))
+        x = torch.cat(preds)
+        x = x[x[:, 4] > CONF]
+        scores, cls = (x[:, 5:] * x[:, 4:5]).max(1)
+        keep = scores > CONF
+        x, scores, cls = x[keep], scores[keep], cls[keep]
+        boxes = torch.cat((x[:, :2] - x[:, 2:4] / 2, x[:, :2] + x[:, 2:4] / 2), 1)
+        idx = torchvision.ops.batched_nms(boxes, scores, cls, IOU)[:300]
+        out = torch.cat((boxes[idx], scores[idx, None], cls[idx, None].float()), 1)
+        out[:, [0, 2]] = ((out[:, [0, 2]] - geometry.pad_x) / geometry.scale).clamp(0, 1920)
+        out[:, [1, 3]] = ((out[:, [1, 3]] - geometry.pad_y) / geometry.scale).clamp(0, 1080)
+        return out.cpu()
+
+    tv_out = tv_pipeline()
+    tv_wall = wall(tv_pipeline, 300, warm=20)
+
+    head_sectors = sum(3 * (SIZE // s) ** 2 for s in (8, 16, 32)) * 32
+    floor_us = head_sectors / bw * 1e6
+    results["post"] = {
+        "candidates": int(got.found),
+        "detections": len(got.detections),
+        "torchvision_detections": int(tv_out.shape[0]),
+        "dlad_batch1_wall_us": wall1,
+        "dlad_batch1_gpu_us": gpu1,
+        f"dlad_batch{batch}_wall_per_frame_us": wall8,
+        f"dlad_batch{batch}_gpu_per_frame_us": gpu8,
+        "torchvision_wall_us": tv_wall,
+        "numpy_reference_us": ref_us,
+        "ratio_torchvision_over_dlad_wall": tv_wall / wall1,
+        "ratio_numpy_over_dlad_wall": ref_us / wall1,
+        "bytes_min_objectness_sectors": head_sectors,
+        "floor_us": floor_us,
+    }
+    pipe1.close()
+    pipe8.close()
+    for b in bufs:
+        b.free()
+
+
+def bench_breakdown(ctx: GpuContext, results: dict[str, Any]) -> None:
+    """Per-kernel GPU time (events between launches, one frame at a time) and per-call host
+    time of one batch-1 post() (where the microseconds go)."""
+    from dlad.gpu import prepost
+
+    rng = np.random.default_rng(1)
+    _, packed = yolov5s_heads(rng)
+    geometry = letterbox_geometry(1920, 1080, SIZE)
+    specs = [HeadSpec(255, SIZE // s, SIZE // s, s) for s in (8, 16, 32)]
+    pipe = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS)
+    drv = _driver()
+    ptrs = []
+    for p in packed:
+        b = ctx.alloc(p.nbytes, zero=False)
+        _check(drv.cuMemcpyHtoD(b.ptr, np.ascontiguousarray(p).ctypes.data, p.nbytes), "h2d")
+        ptrs.append(b.ptr)
+    events = [ctx.event(timing=True) for _ in range(8)]
+    names: list[str] = []
+    host: dict[str, list[float]] = {}
+    original = prepost.launch
+
+    def timed_launch(kernel: Any, *args: Any, **kw: Any) -> None:
+        t0 = time.perf_counter_ns()
+        original(kernel, *args, **kw)
+        host.setdefault(kernel.name, []).append((time.perf_counter_ns() - t0) / 1e3)
+        _check(drv.cuEventRecord(events[len(names) + 1], pipe.stream), "rec")
+        names.append(kernel.name)
+
+    prepost.launch = timed_launch  # type: ignore[assignment]
+    gpu: dict[str, list[float]] = {}
+    total: list[float] = []
+    try:
+        for _ in range(200):
+            names.clear()
+            _check(drv.cuEventRecord(events[0], pipe.stream), "rec")
+            t0 = time.perf_counter_ns()
+            pipe.post(ptrs, [geometry], conf_threshold=CONF, iou_threshold=IOU)
+            total.append((time.perf_counter_ns() - t0) / 1e3)
+            pipe.synchronize()
+            for i, name in enumerate(names):
+                ms = _check(drv.cuEventElapsedTime(events[i], events[i + 1]), "elapsed")
+                gpu.setdefault(name, []).append(float(ms) * 1e3)
+    finally:
+        prepost.launch = original  # type: ignore[assignment]
+    results["post_breakdown_batch1"] = {
+        "host_post_call_us": statistics.median(total),
+        "host_launch_us": {k: statistics.median(v) for k, v in host.items()},
+        "gpu_kernel_us": {k: statistics.median(v) for k, v in gpu.items()},
+    }
+    pipe.close()
+
+
+def bench_fence(ctx: GpuContext, results: dict[str, Any]) -> None:
+    """Latency of the GPU → host-polled fence (pre done → emulated DLA may start)."""
+    from dlad.gpu.fences import FencePoller, MappedFence
+
+    poller = FencePoller()
+    fence = MappedFence(ctx, poller)
+    stream = ctx.stream()
+    drv = _driver()
+    lat = []
+    for _ in range(300):
+        import threading
+
+        v = fence.next_value()
+        ev = threading.Event()
+        fence.on_reached(v, ev.set)
+        fence.expect_gpu_signal(v)
+        t0 = time.perf_counter_ns()
+        _check(drv.cuStreamWriteValue32(stream, fence.device_ptr, v & 0xFFFFFFFF, 0), "write")
+        ev.wait(5)
+        lat.append((time.perf_counter_ns() - t0) / 1e3)
+    results["fence_gpu_to_host_us"] = {"p50": float(np.percentile(lat, 50)),
+                                       "p99": float(np.percentile(lat, 99))}  # fmt: skip
+    fence.free()
+    poller.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    found = probe()
+    if not found.available:
+        raise SystemExit(f"needs a GPU: {found.reason}")
+    ctx = GpuContext(0)
+    stream = ctx.stream()
+    bw = copy_bandwidth(ctx, stream)
+    results: dict[str, Any] = {
+        "gpu": found.describe(),
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "d2d_copy_GBps": bw / 1e9,
+    }
+    bench_pre(ctx, results, bw)
+    bench_post(ctx, results, bw)
+    bench_breakdown(ctx, results)
+    bench_fence(ctx, results)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU tests and the GPU pre/post benchmark on the project's H200 machine (device tool):
+#   run(command="bash bench/h200_gpu.sh", carry=[".whl"], timeout_s=600)
+# .whl/ is made here by bench/fetch_h200_wheels.sh (pyzmq, structlog, modelopt & co.).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD:$PWD/clients" PYTHONUNBUFFERED=1 DLAD_CACHE_DIR=/tmp/dlad-cache
+out="${OUT:-/tmp/out}"; mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import cuda.bindings, cuda.core; print('cuda-bindings', cuda.bindings.__version__)" || true
+status=0
+if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+        -W "ignore::DeprecationWarning" ${PYTEST_ARGS:-tests/dlad/gpu tests/prep/test_qat_gpu.py} \
+        -rs 2>&1 | tee "$out/gpu_tests.log" | tail -40
+    status=${PIPESTATUS[0]}
+fi
+if [[ "${SKIP_BENCH:-0}" != 1 ]]; then
+    timeout "${BENCH_TIMEOUT:-200}" python3 bench/gpu_prepost.py --json "$out/gpu_prepost.json" 2>&1 | tail -60
+fi
+exit "$status"

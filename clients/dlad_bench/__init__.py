@@ -1,0 +1,30 @@
+"""dlad-bench: the load-testing harness for dlad, after Triton's perf_analyzer.
+
+It talks to a running daemon through the SDK (:mod:`dlad_client`) and the wire protocol only,
+never through the daemon's internals, so it measures what any client would see::
+
+    dlad-bench --concurrency 1:16:3                   closed loop, a concurrency sweep
+    dlad-bench --rate 100:800:100 --arrivals poisson  open loop at a mean rate (constant/gamma too)
+    dlad-bench --streams 16 --fps 30                  16 cameras, one-frame-period deadlines
+        [--input demo | random:640x480 | DIR] [--csv r.csv] [--json r.json] [--plots DIR]
+
+Each level runs a warm-up, then measurement windows until the last 3 agree within
+``--stability-pct`` on throughput and latency (or ``--max-trials`` windows), and reports
+throughput, goodput, client latency percentiles, the daemon's queue/pre/device/post split from
+the replies' timings, counts per status, each device's share, and late sends of the generator.
+``docs/BENCHMARKS.md`` §5 has a capacity study made with it (``bench/capacity_study.sh``).
+
+Modules: :mod:`~dlad_bench.schedule` (open-loop send times), :mod:`~dlad_bench.inputs`
+(frames), :mod:`~dlad_bench.runner` (one level against a daemon), :mod:`~dlad_bench.measure`
+(windows, stability, results), :mod:`~dlad_bench.report` (table, CSV, JSON),
+:mod:`~dlad_bench.plots` (PNG), :mod:`~dlad_bench.cli` (the command).
+"""
+
+from dlad_bench.measure import LevelResult, Measurement, Record, is_stable
+from dlad_bench.runner import Level, Load, Settings, run_level
+from dlad_bench.schedule import arrival_times, camera_times
+
+__all__ = [
+    "Level", "LevelResult", "Load", "Measurement", "Record", "Settings", "arrival_times",
+    "camera_times", "is_stable", "run_level",
+]  # fmt: skip

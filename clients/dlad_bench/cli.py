@@ -1,0 +1,303 @@
+"""``dlad-bench``: load-test a running dlad daemon (see the package docstring for the modes).
+
+Exit status: 0 done; 1 the daemon did not answer (or refused the run); 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from dlad.errors import DladError
+from dlad_bench import plots
+from dlad_bench.inputs import Frame, load_frames
+from dlad_bench.measure import Measurement
+from dlad_bench.report import print_table, write_csv, write_json
+from dlad_bench.runner import Level, Load, Settings, run_level
+from dlad_bench.schedule import ARRIVALS
+from dlad_client import AsyncClient, ClientTimeout, DaemonStatus
+
+__all__ = ["main", "parse_range"]
+
+
+def parse_range(text: str, *, integer: bool = False) -> list[float]:
+    """``"8"`` → ``[8]``; ``"start:end:step"`` → start, start+step, … ≤ end (``step`` defaults to
+    1). Raises ValueError on anything else, a step ≤ 0, end < start or a value ≤ 0."""
+    parts = text.split(":")
+    try:
+        nums = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{text!r}: expected N or START:END[:STEP]") from None
+    if len(nums) == 1:
+        values = nums
+    elif len(nums) in (2, 3):
+        start, end = nums[0], nums[1]
+        step = nums[2] if len(nums) == 3 else 1.0
+        if not (step > 0 and end >= start):
+            raise ValueError(f"{text!r}: need STEP > 0 and END >= START")
+        count = math.floor((end - start) / step + 1e-9) + 1
+        values = [start + i * step for i in range(count)]
+    else:
+        raise ValueError(f"{text!r}: expected N or START:END[:STEP]")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"{text!r}: every value must be > 0")
+    if integer and not all(v.is_integer() for v in values):
+        raise ValueError(f"{text!r}: values must be integers")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dlad-bench",
+        description="Load-test a running dlad: closed-loop concurrency, open-loop request rate "
+        "(constant, Poisson, gamma) or camera streams; windows with a stability criterion; "
+        "results as a table, CSV, JSON and plots.",
+    )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        help="daemon endpoint, repeatable (default tcp://127.0.0.1:5555)",
+    )
+    p.add_argument("--model", default="demo")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--concurrency", metavar="N|A:B:S", help="closed loop: requests in flight")
+    mode.add_argument("--rate", metavar="R|A:B:S", help="open loop: mean requests per second")
+    mode.add_argument("--streams", metavar="S|A:B:S", help="open loop: cameras at --fps each")
+    p.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="poisson",
+        help="--rate's inter-arrival gaps (default poisson)",
+    )
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma arrivals: coefficient of variation of the gaps (1 = Poisson)",
+    )
+    p.add_argument("--fps", type=float, default=30.0, help="--streams: frames per second each")
+    p.add_argument(
+        "--input",
+        default="demo",
+        help="frames: demo (bundled images), random:WxH, or a directory of images",
+    )
+    p.add_argument(
+        "--deadline-ms",
+        type=int,
+        default=None,
+        help="deadline of each request (streams: one frame period)",
+    )
+    p.add_argument("--timeout-s", type=float, default=10.0, help="client timeout per request")
+    p.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=3.0,
+        help="how long to wait for the daemon's first answer",
+    )
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    win = p.add_mutually_exclusive_group()
+    win.add_argument("--window-s", type=float, default=2.0, help="measurement window (s)")
+    win.add_argument(
+        "--window-count",
+        type=int,
+        default=None,
+        help="close windows after this many completed requests instead",
+    )
+    p.add_argument("--stability-pct", type=float, default=10.0)
+    p.add_argument("--stability-windows", type=int, default=3)
+    p.add_argument("--max-trials", type=int, default=10, help="most windows per level")
+    p.add_argument(
+        "--late-tolerance-ms",
+        type=float,
+        default=2.0,
+        help="an open-loop send later than this behind schedule counts as late",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv", type=Path, default=None, help="write the results table as CSV")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
+    p.add_argument("--timeline-ms", type=float, default=100.0, help="timeline plot's window")
+    p.add_argument(
+        "--timeline-level",
+        type=int,
+        default=-1,
+        help="which level (index, default the last) the timeline shows",
+    )
+    p.add_argument(
+        "--capacity-rps",
+        type=float,
+        default=None,
+        help="draw this engine capacity on the load plot",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+class _Progress:
+    """One status line per window: a live line on a terminal, plain lines otherwise."""
+
+    def __init__(self, console: Console, quiet: bool, total: int) -> None:
+        self.console = console
+        self.quiet = quiet
+        self.total = total
+        self.index = 0
+        self.live: Live | None = None
+        if not quiet and console.is_terminal:
+            self.live = Live(Text(""), console=console, transient=True, auto_refresh=False)
+            self.live.start()
+
+    def level(self, index: int, load: Load) -> None:
+        self.index = index
+        self._show(f"level {index + 1}/{self.total} {load.label}: warming up")
+
+    def window(self, load: Load, m: Measurement) -> None:
+        w = m.windows[-1]
+        self._show(
+            f"level {self.index + 1}/{self.total} {load.label}: window {len(m.windows)}"
+            f"/{m.max_trials}  {w.throughput:.1f} OK/s  mean {w.latency_ms:.2f} ms"
+            f"{'  stable' if m.stable else ''}"
+        )
+
+    def _show(self, text: str) -> None:
+        if self.live is not None:
+            self.live.update(Text(text), refresh=True)
+        elif not self.quiet:
+            self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+async def _bench(
+    args: argparse.Namespace, loads: list[Load], settings: Settings, frames: list[Frame]
+) -> int:
+    err = Console(stderr=True)
+    out = Console() if sys.stdout.isatty() else Console(width=200)  # a file gets whole rows
+    endpoints = args.endpoint or ["tcp://127.0.0.1:5555"]
+    levels: list[Level] = []
+    async with AsyncClient(endpoints, timeout_s=settings.timeout_s, max_in_flight=100_000) as c:
+        try:
+            status: DaemonStatus = await c.status(timeout_s=args.connect_timeout_s)
+        except ClientTimeout:
+            print(
+                f"dlad-bench: no daemon answered at {', '.join(endpoints)} within "
+                f"{args.connect_timeout_s:g} s (is dlad running? see --endpoint)",
+                file=sys.stderr,
+            )
+            return 1
+        except DladError as exc:
+            print(f"dlad-bench: the daemon refused STATUS: {exc}", file=sys.stderr)
+            return 1
+        if args.model not in {m["name"] for m in status["models"]}:
+            names = ", ".join(m["name"] for m in status["models"]) or "none"
+            print(
+                f"dlad-bench: the daemon serves no model {args.model!r} ({names})", file=sys.stderr
+            )
+            return 1
+        progress = _Progress(err, args.quiet, len(loads))
+        try:
+            for i, load in enumerate(loads):
+                progress.level(i, load)
+                level = await run_level(c, load, settings, frames, on_window=progress.window)
+                levels.append(level)
+                r = level.result
+                if r.late_fraction > 0.01:
+                    err.print(
+                        f"[yellow]warning[/]: {load.label}: {100 * r.late_fraction:.1f}% of "
+                        f"requests left more than {settings.late_tolerance_ms:g} ms behind "
+                        f"schedule (worst {r.max_late_ms:.1f} ms); achieved "
+                        f"{r.sent_rps:.1f}/s of {r.offered_rps:.1f}/s offered: the generator "
+                        "fell behind its schedule (is the client short of CPU?)"
+                    )
+        finally:
+            progress.close()
+    results = [lv.result for lv in levels]
+    print_table(results, out)
+    meta = {
+        "endpoints": endpoints,
+        "daemon": status["name"],
+        "daemon_version": status["version"],
+        "devices": [d["name"] for d in status["devices"]],
+        "model": args.model,
+        "input": args.input,
+        "frame_shapes": sorted({tuple(f.shape) for f in frames}),
+        "argv": sys.argv[1:],
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__},
+    }  # fmt: skip
+    if args.csv is not None:
+        write_csv(args.csv, results)
+    if args.json is not None:
+        write_json(args.json, results, meta)
+    if args.plots is not None:
+        _plots(args, levels)
+    return 0
+
+
+def _plots(args: argparse.Namespace, levels: list[Level]) -> None:
+    folder: Path = args.plots
+    folder.mkdir(parents=True, exist_ok=True)
+    plots.plot_cdf([(lv.load.label, lv.records) for lv in levels], folder / "latency_cdf.png")
+    plots.plot_load([lv.result for lv in levels], folder / "load.png", args.capacity_rps)
+    chosen = levels[args.timeline_level]
+    plots.plot_timeline(
+        chosen.records,
+        folder / "timeline.png",
+        span_ms=args.timeline_ms,
+        title=f"device timeline: {chosen.load.label}, {args.timeline_ms:g} ms",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dlad-bench`` with ``argv`` (default: the command line); returns the exit status."""
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        if args.concurrency is not None:
+            values = parse_range(args.concurrency, integer=True)
+            loads = [Load("concurrency", v) for v in values]
+        elif args.rate is not None:
+            values = parse_range(args.rate)
+            loads = [Load("rate", v, args.arrivals, args.burstiness) for v in values]
+        else:
+            values = parse_range(args.streams, integer=True)
+            loads = [Load("streams", v, fps=args.fps) for v in values]
+        if not (args.fps > 0 and args.burstiness > 0):
+            raise ValueError("--fps and --burstiness must be > 0")
+        settings = Settings(
+            model=args.model,
+            deadline_ms=args.deadline_ms,
+            timeout_s=args.timeout_s,
+            warmup_s=args.warmup_s,
+            window_s=args.window_s,
+            window_count=args.window_count,
+            stability_pct=args.stability_pct,
+            stability_windows=args.stability_windows,
+            max_trials=args.max_trials,
+            late_tolerance_ms=args.late_tolerance_ms,
+            seed=args.seed,
+        )
+        settings.check()
+        if args.deadline_ms is not None and args.deadline_ms < 1:
+            raise ValueError("--deadline-ms must be >= 1")
+        frames = load_frames(args.input, seed=args.seed)  # bad input fails before connecting
+    except (ValueError, FileNotFoundError) as exc:
+        p.error(str(exc))
+    return anyio.run(_bench, args, loads, settings, frames)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""dlad-bench's results: a printed table, a CSV (one row per level) and a JSON document.
+
+Both files have a fixed schema, tested: the CSV's columns are :data:`CSV_COLUMNS` in that order,
+whatever the daemon's devices (the per-device share is one ``device_share`` column of
+``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/1", "meta": {...}, "levels":
+[...]}`` where each level has the keys :data:`JSON_LEVEL_KEYS`. Times are milliseconds, rates
+requests per second; a value that does not apply (no OK reply, closed-loop offered rate) is
+empty in the CSV and ``null`` in the JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from rich.console import Console
+from rich.table import Table
+
+from dlad_bench.measure import STATUS_NAMES, LevelResult, as_dict
+
+__all__ = ["CSV_COLUMNS", "JSON_LEVEL_KEYS", "SCHEMA", "print_table", "write_csv", "write_json"]
+
+SCHEMA: Final = "dlad-bench/1"
+LATENCY_KEYS: Final = ("p50", "p90", "p95", "p99", "p99_9", "max", "mean")
+DAEMON_KEYS: Final = ("queue", "pre", "device", "post", "total", "queue_p99", "total_p99")
+CSV_COLUMNS: Final[tuple[str, ...]] = (
+    "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
+    *(f"status_{s}" for s in STATUS_NAMES), "shed_fraction",
+    *(f"latency_{k}_ms" for k in LATENCY_KEYS), "client_overhead_ms",
+    *(f"daemon_{k}_ms" for k in DAEMON_KEYS), "device_share",
+    "late_sends", "late_fraction", "max_late_ms", "windows", "stable", "measured_s",
+)  # fmt: skip
+JSON_LEVEL_KEYS: Final[tuple[str, ...]] = (
+    "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
+    "status_counts", "shed_fraction", "latency_ms", "client_overhead_ms", "daemon_ms",
+    "device_share", "late_sends", "late_fraction", "max_late_ms", "windows", "stable",
+    "measured_s", "window_stats",
+)  # fmt: skip
+
+
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def csv_row(r: LevelResult) -> dict[str, Any]:
+    """One level as a CSV row (keys: :data:`CSV_COLUMNS`)."""
+    row: dict[str, Any] = {
+        "mode": r.mode, "level": r.level, "offered_rps": r.offered_rps, "sent_rps": r.sent_rps,
+        "throughput_rps": r.throughput_rps, "goodput_rps": r.goodput_rps,
+        "requests": r.requests, "shed_fraction": r.shed_fraction,
+        "client_overhead_ms": r.client_overhead_ms,
+        "device_share": " ".join(f"{d}={s:.4f}" for d, s in r.device_share.items()),
+        "late_sends": r.late_sends, "late_fraction": r.late_fraction,
+        "max_late_ms": r.max_late_ms, "windows": r.windows, "stable": r.stable,
+        "measured_s": r.measured_s,
+    }  # fmt: skip
+    row |= {f"status_{s}": r.status_counts.get(s, 0) for s in STATUS_NAMES}
+    row |= {f"latency_{k}_ms": r.latency_ms[k] for k in LATENCY_KEYS}
+    row |= {f"daemon_{k}_ms": r.daemon_ms[k] for k in DAEMON_KEYS}
+    out = {}
+    for col in CSV_COLUMNS:
+        v = row[col]
+        if isinstance(v, float):
+            v = "" if not math.isfinite(v) else round(v, 4)
+        out[col] = v
+    return out
+
+
+def write_csv(path: Path, results: Sequence[LevelResult]) -> None:
+    """Write one row per level (header: :data:`CSV_COLUMNS`). Raises OSError."""
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for r in results:
+            writer.writerow(csv_row(r))
+
+
+def json_level(r: LevelResult) -> dict[str, Any]:
+    """One level as a JSON object (keys: :data:`JSON_LEVEL_KEYS`; NaN becomes null)."""
+    level = {
+        "mode": r.mode, "level": r.level, "offered_rps": _num(r.offered_rps),
+        "sent_rps": r.sent_rps, "throughput_rps": r.throughput_rps,
+        "goodput_rps": r.goodput_rps, "requests": r.requests,
+        "status_counts": dict(r.status_counts), "shed_fraction": _num(r.shed_fraction),
+        "latency_ms": {k: _num(r.latency_ms[k]) for k in LATENCY_KEYS},
+        "client_overhead_ms": _num(r.client_overhead_ms),
+        "daemon_ms": {k: _num(r.daemon_ms[k]) for k in DAEMON_KEYS},
+        "device_share": dict(r.device_share), "late_sends": r.late_sends,
+        "late_fraction": r.late_fraction, "max_late_ms": r.max_late_ms, "windows": r.windows,
+        "stable": r.stable, "measured_s": r.measured_s,
+        "window_stats": [
+            {k: _num(v) for k, v in as_dict(w).items()} for w in r.window_stats
+        ],
+    }  # fmt: skip
+    return {k: level[k] for k in JSON_LEVEL_KEYS}
+
+
+def write_json(path: Path, results: Sequence[LevelResult], meta: Mapping[str, Any]) -> None:
+    """Write ``{"schema", "meta", "levels"}``. Raises OSError."""
+    doc = {"schema": SCHEMA, "meta": dict(meta), "levels": [json_level(r) for r in results]}
+    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _f(x: float, digits: int = 1) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def print_table(results: Sequence[LevelResult], console: Console) -> None:
+    """The results as a table: load, rates, shed, client latency percentiles, the daemon's
+    split of the mean (queue / pre / device / post) and the client-side rest, device shares."""
+    table = Table(title="dlad-bench", header_style="bold", box=None, pad_edge=False)
+    for col in ("load", "offered/s", "sent/s", "ok/s", "good/s", "shed %", "p50", "p90", "p99",
+                "p99.9", "max", "queue", "pre", "device", "post", "client", "devices",
+                "late %", "stable"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("load", "devices") else "right")
+    for r in results:
+        lat, dm = r.latency_ms, r.daemon_ms
+        table.add_row(
+            f"{r.mode} {r.level:g}", _f(r.offered_rps), _f(r.sent_rps), _f(r.throughput_rps),
+            _f(r.goodput_rps), _f(100 * r.shed_fraction), _f(lat["p50"], 2), _f(lat["p90"], 2),
+            _f(lat["p99"], 2), _f(lat["p99_9"], 2), _f(lat["max"], 2), _f(dm["queue"], 2),
+            _f(dm["pre"], 2), _f(dm["device"], 2), _f(dm["post"], 2),
+            _f(r.client_overhead_ms, 2),
+            " ".join(f"{d} {100 * s:.0f}%" for d, s in r.device_share.items()),
+            _f(100 * r.late_fraction), "yes" if r.stable else "no",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "latencies in ms on the client (OK replies); queue/pre/device/post: the daemon's mean "
+        "split of them; client: the rest (transport, client)"
+    )

@@ -1,0 +1,8 @@
+"""The cudla backend: cuDLA standalone mode with NvSciBuf / NvSciSync, bound through ctypes.
+
+``abi`` declares the C ABI and loads the libraries, ``nvsci`` wraps NvSciBuf / NvSciSync,
+``backend`` implements the device interface (:class:`~dlad.devices.cudla.backend.CudlaDlaCore`),
+``probe`` reports the platform, ``selftest`` exercises every call once on an Orin, and
+``cuda_interop`` imports the NvSci objects into CUDA for GPU post-processing. Nothing heavy is
+imported here; ``docs/jetson.md`` is the user's guide.
+"""

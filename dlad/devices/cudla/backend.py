@@ -1,0 +1,1101 @@
+"""The cudla backend: a DLA core driven through cuDLA standalone mode, NvSciBuf and NvSciSync
+(implements the Protocols of :mod:`dlad.devices.base`).
+
+One :class:`CudlaDlaCore` is one ``cudlaDevHandle`` opened with ``CUDLA_STANDALONE`` on DLA
+core N, with its own NvSciBuf / NvSciSync modules and CPU wait context:
+
+* ``load`` reads a TensorRT DLA standalone loadable into ``cudlaModuleLoadFromMemory`` (one
+  module per handle) and reads its I/O descriptors with ``cudlaModuleGetAttributes``;
+* ``alloc_buffer`` allocates a CPU-mapped NvSciBuf raw buffer of the descriptor's size and
+  imports it with ``cudlaImportExternalMemory`` (its address must be 32-byte aligned);
+* ``create_fence`` reconciles and allocates an NvSciSync object (recipe B of
+  ``reference/cudla.md`` §4.7): ``signaller="dla"`` (the default) is signalled by this core's
+  tasks and waited on by the CPU and by DLA tasks; ``signaller="cpu"`` is signalled by the CPU
+  (``NvSciSyncObjSignal``) and waited on by DLA tasks. Either is imported with
+  ``cudlaImportExternalSemaphore`` into each core whose tasks use it;
+* ``submit`` builds a ``cudlaTask`` (outputs before inputs), its pre-fences and at most one EOF
+  fence, and calls ``cudlaSubmitTask`` with a NULL stream and, because only this object submits
+  to its handle and under its own lock, ``CUDLA_SUBMIT_SKIP_LOCK_ACQUIRE``; every ctypes array
+  and fence the task points at is kept until its EOF fence is reached;
+* a completion thread per core waits on each task's EOF fence in order (``NvSciSyncFenceWait``
+  with the CPU wait context), calls ``cudlaGetLastError``, records the task's status and timing,
+  then moves the dlad fence, whose waiters and callbacks wake exactly as on the emulated core;
+* ``close`` releases everything in the documented order (§4.7 step 8): buffers
+  (``cudlaMemUnregister``, ``NvSciBufObjFree``, attribute lists), sync objects (fences cleared,
+  ``cudlaMemUnregister``, ``NvSciSyncObjFree``, lists), ``cudlaModuleUnload``,
+  ``cudlaDestroyDevice``, then the NvSci modules.
+
+dlad fences are counters whose values callers choose; a cuDLA fence is a (syncpoint, threshold)
+snapshot that exists only once its signaller is submitted. So (cuDLA's shape, which the emulated
+core does not enforce): a task may wait on a DLA-signalled fence value only once it is reached or
+promised by a task already submitted; a CPU-signalled fence can be waited on at any future value
+(``NvSciSyncFenceUpdateFence``, or only the next value where that symbol is missing) and moves by
+one ``NvSciSyncObjSignal`` per unit; a task signals only DLA-signalled fences of its own core; a
+task without a signal fence signals the core's internal completion fence, because cuDLA reports
+completion only through a fence.
+
+Deterministic-semaphore mode (older JetPack/DriveOS, §4.7 step 7): ``semaphores="deterministic"``
+sets ``RequireDeterministicFences`` on the waiter lists, passes NULL EOF fences and computes each
+EOF fence with ``NvSciSyncFenceUpdateFence``; ``"auto"`` (the default) uses syncpoints unless
+``cudlaImportExternalSemaphore`` refuses them, then switches to deterministic semaphores.
+
+Only the standard library, numpy, structlog and dlad's own modules are imported.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import heapq
+import itertools
+import math
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from ctypes import POINTER, byref, c_uint8, c_uint64, c_void_p, cast, pointer
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from dlad.devices.base import (
+    DEFAULT_TASK_TIMEOUT_MS,
+    MAX_SIGNAL_EVENTS,
+    MAX_TASK_TIMEOUT_MS,
+    MAX_WAIT_EVENTS,
+    CudlaStatus,
+    DlaError,
+    LoadableSource,
+    Task,
+    TaskTiming,
+)
+from dlad.devices.cudla.abi import (
+    AccessPermission,
+    CudlaFence,
+    CudlaMode,
+    CudlaTask,
+    DevAttribute,
+    DevAttributeType,
+    ExternalMemoryHandleDesc,
+    ExternalSemaphoreHandleDesc,
+    FenceType,
+    Libraries,
+    ModuleAttribute,
+    ModuleAttributeType,
+    ModuleTensorDescriptor,
+    NvSciSyncAccessPerm,
+    NvSciSyncFence,
+    SignalEvents,
+    SubmitFlags,
+    SyncAttrFlags,
+    WaitEvents,
+    load_libraries,
+)
+from dlad.devices.cudla.nvsci import (
+    BufferAllocation,
+    NvSciSession,
+    SyncAllocation,
+    check_cudla,
+)
+from dlad.loadable import (
+    DataCategory,
+    DataFormat,
+    DataType,
+    PixelFormat,
+    PixelMapping,
+    TensorDescriptor,
+    TensorFormat,
+)
+
+__all__ = [
+    "ABORTED_STATUS",
+    "BUFFER_ALIGN",
+    "DEFAULT_QUEUE_DEPTH",
+    "CudlaBuffer",
+    "CudlaDlaCore",
+    "CudlaFence_",
+    "CudlaModule",
+    "CudlaTaskHandle",
+    "Semaphores",
+    "descriptor_from_c",
+]
+
+Semaphores = Literal["auto", "syncpoint", "deterministic"]
+Signaller = Literal["dla", "cpu"]
+DEFAULT_QUEUE_DEPTH: Final = 64
+"""Tasks a core holds (queued and running) before :meth:`CudlaDlaCore.submit` refuses."""
+ABORTED_STATUS: Final = CudlaStatus.ERROR_INVALID_DEVICE
+"""The status of tasks abandoned by ``close(force=True)``."""
+BUFFER_ALIGN: Final = mmap.PAGESIZE
+"""Alignment asked of NvSciBuf for I/O buffers (cuDLA needs 32 bytes; a page is what an
+NvSciBuf object gets anyway and what the emulated core gives)."""
+CUDLA_ALIGN: Final = 32
+MAX_CPU_SIGNAL_STEP: Final = 1 << 20
+"""A CPU fence moves by one ``NvSciSyncObjSignal`` per unit; larger jumps are refused."""
+_MAX_VALUE: Final = 1 << 64
+_INVALID: Final = CudlaStatus.ERROR_INVALID_PARAM
+
+_log = structlog.get_logger(__name__)
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, bool)
+        and low <= int(value) < high
+    )
+
+
+def _fence_value(value: object, call: str) -> int:
+    if not _is_int(value, 0, _MAX_VALUE):
+        raise DlaError(_INVALID, call, f"fence value {value!r} is not an int in [0, 2**64)")
+    assert isinstance(value, (int, np.integer))
+    return int(value)
+
+
+def _run_callback(callback: Callable[[], object]) -> None:
+    try:
+        callback()
+    except Exception:  # noqa: BLE001 (a consumer's bug must not stop the completion thread)
+        _log.exception("fence_callback_failed", callback=repr(callback))
+
+
+# ----------------------------------------------------------------------------- descriptors
+
+
+def descriptor_from_c(c: ModuleTensorDescriptor, scale: float | None) -> TensorDescriptor:
+    """A :class:`TensorDescriptor` from what ``cudlaModuleGetAttributes`` filled in.
+
+    cuDLA does not report TensorRT's I/O format: it follows from the data format and type
+    (NHWC: ``DLA_HWC4``; NCxHWx: ``CHW16`` for fp16, ``CHW32`` for int8; NCHW: ``DLA_LINEAR``).
+    ``scale`` (INT8 tensors only) comes from the model's metadata. Raises ValueError for a
+    descriptor dlad cannot use.
+    """
+    data_format = DataFormat(c.dataFormat)
+    data_type = DataType(c.dataType)
+    if data_format == DataFormat.NHWC:
+        fmt = TensorFormat.DLA_HWC4
+    elif data_format == DataFormat.NCxHWx and data_type == DataType.HALF:
+        fmt = TensorFormat.CHW16
+    elif data_format == DataFormat.NCxHWx and data_type == DataType.INT8:
+        fmt = TensorFormat.CHW32
+    elif data_format == DataFormat.NCHW:
+        fmt = TensorFormat.DLA_LINEAR
+    else:
+        raise ValueError(f"{data_format.name} {data_type.name} is no DLA I/O format dlad reads")
+    try:
+        name = bytes(c.name).split(b"\0", 1)[0].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"tensor name is not UTF-8: {bytes(c.name)!r}") from exc
+    return TensorDescriptor(
+        name, c.size, c.n, c.c, c.h, c.w, data_format, data_type,
+        DataCategory(c.dataCategory), PixelFormat(c.pixelFormat), PixelMapping(c.pixelMapping),
+        tuple(c.stride),
+        fmt, scale if data_type == DataType.INT8 else None,
+    )  # fmt: skip
+
+
+def descriptor_to_c(d: TensorDescriptor) -> ModuleTensorDescriptor:
+    """The C struct of ``d`` (its format and scale are not part of it)."""
+    c = ModuleTensorDescriptor()
+    c.name = d.name.encode("utf-8")
+    c.size, c.n, c.c, c.h, c.w = d.size, d.n, d.c, d.h, d.w
+    c.dataFormat, c.dataType, c.dataCategory = d.data_format, d.data_type, d.data_category
+    c.pixelFormat, c.pixelMapping = d.pixel_format, d.pixel_mapping
+    for i, s in enumerate(d.stride):
+        c.stride[i] = s
+    return c
+
+
+# ----------------------------------------------------------------------------- objects
+
+
+@dataclass(frozen=True, eq=False)
+class CudlaBuffer:
+    """An NvSciBuf raw buffer imported into one core (implements ``Buffer``). ``raw`` and
+    ``array`` view its CPU mapping; they are invalid once the core is closed."""
+
+    descriptor: TensorDescriptor
+    raw: npt.NDArray[np.uint8] = field(repr=False)
+    array: npt.NDArray[Any] = field(repr=False)
+    owner: CudlaDlaCore = field(repr=False)
+    alloc: BufferAllocation = field(repr=False)
+    registered: Any = field(repr=False)  # POINTER(c_uint64): cuDLA's handle of the buffer
+
+    @property
+    def nvsci_object(self) -> int:
+        """The ``NvSciBufObj`` (for a CUDA import, :mod:`dlad.devices.cudla.cuda_interop`)."""
+        return self.alloc.obj
+
+
+@dataclass(frozen=True, eq=False)
+class CudlaModule:
+    """A loadable loaded on one core (implements ``Module``)."""
+
+    core: int
+    inputs: tuple[TensorDescriptor, ...]
+    outputs: tuple[TensorDescriptor, ...]
+    handle: int = field(repr=False)
+    image: bytes = field(repr=False)  # the loadable's bytes, kept for the module's life
+
+
+@dataclass(eq=False)
+class CudlaTaskHandle:
+    """A submitted task (implements ``TaskHandle``). The completion thread sets ``timing`` and
+    then ``status`` before it moves the task's fence."""
+
+    id: int
+    task: Task = field(repr=False)
+    submit_ns: int = field(repr=False)
+    status: CudlaStatus | None = None
+    timing: TaskTiming | None = field(default=None, repr=False)
+
+
+@dataclass(eq=False)
+class _Record:
+    """A task in flight and everything its ``cudlaTask`` points at (kept until it ends)."""
+
+    handle: CudlaTaskHandle
+    fence: CudlaFence_
+    value: int
+    eof: NvSciSyncFence
+    keep: list[Any]
+    prefences: list[NvSciSyncFence]
+    waits: tuple[tuple[CudlaFence_, int], ...]
+    aborted: bool = False
+
+
+class CudlaFence_:
+    """An NvSciSync object used as a dlad fence (implements ``SyncObject``); see the module
+    docstring for which values a task may wait on and who may signal.
+
+    The value is what dlad has seen reached: a task's EOF fence observed by the completion
+    thread, or a CPU signal. Raises DlaError like the emulated fence: ``ERROR_INVALID_PARAM``
+    for a bad value, ``ERROR_UNSUPPORTED_OPERATION`` for a CPU signal of a DLA-signalled fence.
+    """
+
+    def __init__(self, owner: CudlaDlaCore, signaller: Signaller, name: str) -> None:
+        self.owner = owner
+        self.signaller = signaller
+        self.name = name
+        self.alloc = SyncAllocation()
+        self.registered: dict[int, Any] = {}  # id(core) -> POINTER(c_uint64)
+        self.deterministic = False
+        self._cond = threading.Condition(threading.Lock())
+        self._value = 0
+        self._promised = 0
+        self._order = itertools.count()
+        self._callbacks: list[tuple[int, int, Callable[[], object]]] = []
+        self._reached_at: list[tuple[int, int]] = [(0, 0)]  # (value, monotonic ns)
+        self._records: list[tuple[int, NvSciSyncFence]] = []  # dla: promised value -> EOF fence
+        self._fence_id = 0
+        self._raw_base = 0  # cpu: raw counter = base + value; dla deterministic: last raw
+
+    def __repr__(self) -> str:
+        return f"<CudlaFence {self.name} {self.signaller} value={self._value}>"
+
+    @property
+    def value(self) -> int:
+        """The current value."""
+        return self._value
+
+    @property
+    def nvsci_object(self) -> int:
+        """The ``NvSciSyncObj`` (for a CUDA import)."""
+        return self.alloc.obj
+
+    def reached(self, value: int) -> bool:
+        """Whether the value is ``>= value``."""
+        return self._value >= _fence_value(value, "NvSciSyncFenceWait")
+
+    def wait(self, value: int, timeout: float | None = None) -> bool:
+        """Block until ``value`` is reached or ``timeout`` seconds pass; returns whether it
+        was. Raises DlaError (``ERROR_INVALID_PARAM``) for a bad value or negative timeout."""
+        target = _fence_value(value, "NvSciSyncFenceWait")
+        if timeout is not None and not timeout >= 0:
+            raise DlaError(_INVALID, "NvSciSyncFenceWait", f"timeout {timeout!r}")
+        with self._cond:
+            return self._cond.wait_for(lambda: self._value >= target, timeout)
+
+    def on_reached(self, value: int, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` once ``value`` is reached: now if it is, else from the thread
+        that moves the fence (the owning core's completion thread, or a CPU signaller)."""
+        target = _fence_value(value, "NvSciSyncFenceWait")
+        with self._cond:
+            if self._value < target:
+                heapq.heappush(self._callbacks, (target, next(self._order), callback))
+                return
+        _run_callback(callback)
+
+    def signal(self, value: int) -> None:
+        """Signal from the CPU: ``value - self.value`` calls of ``NvSciSyncObjSignal``.
+
+        Raises DlaError: ``ERROR_UNSUPPORTED_OPERATION`` for a DLA-signalled fence;
+        ``ERROR_INVALID_PARAM`` unless ``value`` is above the current value by at most
+        :data:`MAX_CPU_SIGNAL_STEP`; ``ERROR_INVALID_DEVICE`` once its core is closed.
+        """
+        call = "NvSciSyncObjSignal"
+        target = _fence_value(value, call)
+        if self.signaller != "cpu":
+            raise DlaError(
+                CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
+                f"{self.name} is signalled by DLA tasks; use create_fence(signaller='cpu')",
+            )  # fmt: skip
+        with self._cond:
+            if not self.alloc.obj:
+                raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, call, f"{self.name}: freed")
+            if not 0 < target - self._value <= MAX_CPU_SIGNAL_STEP:
+                raise DlaError(
+                    _INVALID, call,
+                    f"{self.name}: {value} is not above {self._value} by 1..{MAX_CPU_SIGNAL_STEP}",
+                )  # fmt: skip
+            for _ in range(target - self._value):
+                self.owner.nvsci.signal(self.alloc.obj)
+        self._advance(target)
+
+    # ------------------------------------------------------------------ backend side
+
+    def _reached_ns(self, value: int) -> int:
+        with self._cond:
+            for reached, at in self._reached_at:
+                if reached >= value:
+                    return at
+        return 0
+
+    def _advance(self, value: int) -> None:
+        """Raise the value to ``value``, release the EOF fences now reached, run callbacks."""
+        due: list[Callable[[], object]] = []
+        done: list[NvSciSyncFence] = []
+        with self._cond:
+            if value > self._value:
+                self._value = value
+                self._reached_at.append((value, time.monotonic_ns()))
+                del self._reached_at[:-64]  # only recent values are asked about
+            while self._records and self._records[0][0] <= self._value:
+                done.append(self._records.pop(0)[1])
+            while self._callbacks and self._callbacks[0][0] <= self._value:
+                due.append(heapq.heappop(self._callbacks)[2])
+            self._cond.notify_all()
+        for fence in done:
+            self.owner.nvsci.clear(fence)
+        for callback in due:
+            _run_callback(callback)
+
+    def _reserve(self, value: int, call: str) -> int:
+        """Promise ``value`` to a task; returns the previous promise (to undo a refused
+        submission with :meth:`_unreserve`)."""
+        with self._cond:
+            floor = max(self._value, self._promised)
+            if value <= floor:
+                raise DlaError(
+                    _INVALID, call, f"{self.name}: {value} is not above {floor} (values only grow)"
+                )
+            previous, self._promised = self._promised, value
+            return previous
+
+    def _unreserve(self, previous: int) -> None:
+        with self._cond:
+            self._promised = previous
+
+    def _record(self, value: int, eof: NvSciSyncFence) -> None:
+        copy = NvSciSyncFence()
+        self.owner.nvsci.dup(eof, copy)
+        with self._cond:
+            self._records.append((value, copy))
+
+    def _prefence(self, value: int, call: str) -> NvSciSyncFence | None:
+        """A new NvSciSyncFence reached when ``value`` is (the caller clears it), or None when
+        ``value`` is already reached. Raises DlaError when cuDLA cannot be given one."""
+        nvsci = self.owner.nvsci
+        fence = NvSciSyncFence()
+        with self._cond:
+            if self._value >= value:
+                return None
+            if self.signaller == "dla":
+                for promised, eof in self._records:
+                    if promised >= value:
+                        nvsci.dup(eof, fence)
+                        return fence
+                raise DlaError(
+                    _INVALID, call,
+                    f"{self.name}: value {value} is neither reached nor promised by a submitted "
+                    "task; cuDLA takes a pre-fence only once its signaller is submitted",
+                )  # fmt: skip
+            if self.owner.libs.has("NvSciSyncFenceUpdateFence") and self._fence_id:
+                nvsci.update(self.alloc.obj, self._fence_id, self._raw_base + value, fence)
+                return fence
+            if value == self._value + 1:
+                nvsci.generate_fence(self.alloc.obj, fence)
+                return fence
+        raise DlaError(
+            CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "NvSciSyncFenceUpdateFence",
+            f"{self.name}: waiting on {value} (not the next value) needs NvSciSyncFenceUpdateFence",
+        )  # fmt: skip
+
+    def _release(self) -> None:
+        """Clear the EOF fences still held (teardown)."""
+        with self._cond:
+            records, self._records = self._records, []
+        for _, fence in records:
+            self.owner.nvsci.clear(fence)
+
+
+# ----------------------------------------------------------------------------- the core
+
+
+class CudlaDlaCore:
+    """One DLA core in cuDLA standalone mode (implements ``DlaCore``); construction opens it.
+
+    Args:
+        core: DLA core index (``cudlaCreateDevice``'s device; else DlaError
+            ``ERROR_INVALID_DEVICE``).
+        libs: the loaded libraries; None loads them (:func:`~dlad.devices.cudla.abi.load_libraries`,
+            which raises :class:`~dlad.devices.cudla.abi.CudlaLibraryError`).
+        semaphores: ``"auto"``, ``"syncpoint"`` or ``"deterministic"`` (see the module docstring).
+        queue_depth: tasks held before submit refuses.
+        wait_grace_ms: how long past the task timeout the completion thread waits for an EOF
+            fence before it ends the task itself with ``DLA_ERR_ENGINE_TIMEOUT``.
+        skip_lock: pass ``CUDLA_SUBMIT_SKIP_LOCK_ACQUIRE`` (legal: one submitter per handle).
+        gpu_uuid: the GPU's UUID, added to every buffer's attributes (``GpuId``) so CUDA can
+            import them (GPU post-processing); None for CPU-only use.
+        extra_waiter: called with the handle of an extra NvSciSync attribute list for every
+            DLA-signalled fence, to fill it for another waiter (CUDA:
+            :func:`~dlad.devices.cudla.cuda_interop.fill_wait_attributes`).
+
+    Raises DlaError naming the call that failed (everything opened so far is released), and
+    ValueError for bad arguments.
+    """
+
+    def __init__(
+        self,
+        core: int,
+        *,
+        libs: Libraries | None = None,
+        semaphores: Semaphores = "auto",
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        wait_grace_ms: int = 2_000,
+        skip_lock: bool = True,
+        gpu_uuid: bytes | None = None,
+        extra_waiter: Callable[[int], None] | None = None,
+    ) -> None:
+        if not _is_int(core, 0, 1 << 63):
+            raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
+        if semaphores not in ("auto", "syncpoint", "deterministic"):
+            raise ValueError(f"semaphores must be auto, syncpoint or deterministic: {semaphores!r}")
+        for name, value in (("queue_depth", queue_depth), ("wait_grace_ms", wait_grace_ms)):
+            if not _is_int(value, 1, 1 << 31):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if gpu_uuid is not None and len(gpu_uuid) != 16:
+            raise ValueError("gpu_uuid must be 16 bytes")
+        self._core = int(core)
+        self.libs = libs if libs is not None else load_libraries()
+        self._semaphores: Semaphores = semaphores
+        self._queue_depth = queue_depth
+        self._grace_ms = wait_grace_ms
+        self._flags = int(SubmitFlags.SKIP_LOCK_ACQUIRE) if skip_lock else 0
+        self._gpu_uuid = gpu_uuid
+        self._extra_waiter = extra_waiter
+        self._cv = threading.Condition(threading.Lock())
+        self._pending: collections.deque[_Record] = collections.deque()
+        self._buffers: list[CudlaBuffer] = []
+        self._fences: list[CudlaFence_] = []
+        self._foreign: list[tuple[CudlaFence_, Any]] = []
+        self._module: CudlaModule | None = None
+        self._sticky = CudlaStatus.SUCCESS
+        self._in_flight = 0
+        self._ids = itertools.count(1)
+        self._timeout_ms = DEFAULT_TASK_TIMEOUT_MS
+        self._last_end_ns = 0
+        self._stopping = False
+        self._closed = False
+        self._dev = c_void_p()
+        self.nvsci = NvSciSession(self.libs)
+        try:
+            check_cudla(
+                self.libs.cudlaCreateDevice(self._core, byref(self._dev), CudlaMode.STANDALONE),
+                "cudlaCreateDevice", f"DLA core {self._core}",
+            )  # fmt: skip
+            self._completion = self._new_fence("dla", f"dla{self._core}-completion")
+        except DlaError:
+            self._teardown()
+            raise
+        self._thread = threading.Thread(
+            target=self._complete, name=f"cudla-dla{self._core}", daemon=True
+        )
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<CudlaDlaCore dla{self._core} in_flight={self._in_flight}>"
+
+    def __enter__(self) -> CudlaDlaCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)
+
+    @property
+    def core(self) -> int:
+        """The DLA core index."""
+        return self._core
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks submitted and not yet ended."""
+        return self._in_flight
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The completion thread (fence callbacks of this core's tasks run on it)."""
+        return self._thread
+
+    @property
+    def semaphores(self) -> Semaphores:
+        """The semaphore mode in use (``auto`` until the first fence decided it)."""
+        return self._semaphores
+
+    def _enter(self, call: str) -> None:
+        """Refuse calls on a closed core, and every call while an error is sticky (lock held)."""
+        if self._stopping:
+            raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, call, "the core is closed")
+        if self._sticky is not CudlaStatus.SUCCESS:
+            raise DlaError(self._sticky, call, "an earlier task failed; read last_error()")
+
+    # ------------------------------------------------------------------ module
+
+    def load(
+        self, loadable: LoadableSource, *, scales: Mapping[str, float] | None = None
+    ) -> CudlaModule:
+        """Load a TensorRT DLA standalone loadable (bytes or a path) built for this core.
+
+        ``scales`` gives INT8 tensors' scales by name (cuDLA does not report them). Raises
+        DlaError: ``ERROR_UNSUPPORTED_OPERATION`` if a module is loaded, ``ERROR_OS`` for an
+        unreadable file, ``ERROR_INVALID_MODULE`` for descriptors dlad cannot use, and whatever
+        ``cudlaModuleLoadFromMemory`` / ``cudlaModuleGetAttributes`` return.
+        """
+        call = "cudlaModuleLoadFromMemory"
+        with self._cv:
+            self._enter(call)
+            if self._module is not None:
+                raise DlaError(
+                    CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, "one module per core handle"
+                )
+        if isinstance(loadable, (bytes, bytearray, memoryview)):
+            image = bytes(loadable)
+        else:
+            try:
+                image = Path(os.fspath(loadable)).read_bytes()
+            except (OSError, TypeError) as exc:
+                raise DlaError(CudlaStatus.ERROR_OS, call, str(exc)) from exc
+        if not image:
+            raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "empty loadable")
+        data = (c_uint8 * len(image)).from_buffer_copy(image)
+        handle = c_void_p()
+        check_cudla(
+            self.libs.cudlaModuleLoadFromMemory(self._dev, data, len(image), byref(handle), 0), call
+        )
+        try:
+            inputs = self._descriptors(handle, ModuleAttributeType.NUM_INPUT_TENSORS, scales)
+            outputs = self._descriptors(handle, ModuleAttributeType.NUM_OUTPUT_TENSORS, scales)
+        except DlaError:
+            self.libs.cudlaModuleUnload(handle, 0)
+            raise
+        module = CudlaModule(self._core, inputs, outputs, int(handle.value or 0), image)
+        with self._cv:
+            self._module = module
+        return module
+
+    def _descriptors(
+        self, handle: c_void_p, count_attr: ModuleAttributeType, scales: Mapping[str, float] | None
+    ) -> tuple[TensorDescriptor, ...]:
+        call = "cudlaModuleGetAttributes"
+        attr = ModuleAttribute()
+        check_cudla(self.libs.cudlaModuleGetAttributes(handle, count_attr, byref(attr)), call)
+        is_input = count_attr == ModuleAttributeType.NUM_INPUT_TENSORS
+        count = attr.numInputTensors if is_input else attr.numOutputTensors
+        array = (ModuleTensorDescriptor * max(count, 1))()
+        if is_input:
+            attr.inputTensorDesc = cast(array, POINTER(ModuleTensorDescriptor))
+            which = ModuleAttributeType.INPUT_TENSOR_DESCRIPTORS
+        else:
+            attr.outputTensorDesc = cast(array, POINTER(ModuleTensorDescriptor))
+            which = ModuleAttributeType.OUTPUT_TENSOR_DESCRIPTORS
+        check_cudla(self.libs.cudlaModuleGetAttributes(handle, which, byref(attr)), call)
+        out = []
+        for c in array[:count]:
+            name = bytes(c.name).split(b"\0", 1)[0].decode("utf-8", "replace")
+            try:
+                out.append(descriptor_from_c(c, (scales or {}).get(name)))
+            except ValueError as exc:
+                raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, f"{name!r}: {exc}") from exc
+        return tuple(out)
+
+    # ------------------------------------------------------------------ buffers
+
+    def alloc_buffer(self, descriptor: TensorDescriptor) -> CudlaBuffer:
+        """A zeroed NvSciBuf buffer of ``descriptor.size`` bytes imported into this core.
+
+        Raises DlaError: ``ERROR_INVALID_PARAM`` for anything but a TensorDescriptor its layout
+        fills exactly; ``ERROR_INVALID_ADDRESS`` for a CPU mapping not 32-byte aligned; the
+        NvSci or cuDLA failure otherwise (nothing stays allocated).
+        """
+        call = "cudlaImportExternalMemory"
+        with self._cv:
+            self._enter(call)
+        desc: object = descriptor
+        if not isinstance(desc, TensorDescriptor) or desc.size < 1:
+            raise DlaError(_INVALID, call, f"not a tensor descriptor of positive size: {desc!r}")
+        try:
+            fits = math.prod(desc.buffer_shape) * desc.numpy_dtype.itemsize
+        except ValueError as exc:
+            raise DlaError(_INVALID, call, str(exc)) from exc
+        if fits != desc.size:
+            raise DlaError(
+                _INVALID, call, f"{desc.name}: {desc.buffer_shape} is {fits} B, size {desc.size}"
+            )
+        alloc = self.nvsci.raw_buffer(desc.size, align=BUFFER_ALIGN, gpu_uuid=self._gpu_uuid)
+        try:
+            if alloc.cpu_ptr % CUDLA_ALIGN:
+                raise DlaError(
+                    CudlaStatus.ERROR_INVALID_ADDRESS, call,
+                    f"{desc.name}: NvSciBuf mapping {alloc.cpu_ptr:#x} is not 32-byte aligned",
+                )  # fmt: skip
+            mem = ExternalMemoryHandleDesc(c_void_p(alloc.obj), desc.size)
+            registered = POINTER(c_uint64)()
+            check_cudla(
+                self.libs.cudlaImportExternalMemory(
+                    self._dev, byref(mem), byref(registered), AccessPermission.READ_WRITE
+                ),
+                call, desc.name,
+            )  # fmt: skip
+        except DlaError:
+            self.nvsci.free_buffer(alloc)
+            raise
+        raw = np.ctypeslib.as_array((c_uint8 * desc.size).from_address(alloc.cpu_ptr))
+        raw[:] = 0
+        array = raw.view(desc.numpy_dtype).reshape(desc.buffer_shape)
+        buf = CudlaBuffer(desc, raw, array, self, alloc, registered)
+        with self._cv:
+            self._buffers.append(buf)
+        return buf
+
+    # ------------------------------------------------------------------ fences
+
+    def create_fence(self, name: str | None = None, *, signaller: Signaller = "dla") -> CudlaFence_:
+        """A new fence at value 0: ``signaller="dla"`` for this core's tasks to signal (the CPU
+        and any core's tasks wait), ``"cpu"`` for the CPU to signal (tasks wait). Raises
+        DlaError naming the NvSci or cuDLA call that failed; ValueError for another signaller."""
+        if signaller not in ("dla", "cpu"):
+            raise ValueError(f"signaller must be 'dla' or 'cpu', got {signaller!r}")
+        with self._cv:
+            self._enter("cudlaImportExternalSemaphore")
+        return self._new_fence(signaller, name or f"dla{self._core}-{signaller}-fence")
+
+    def _new_fence(self, signaller: Signaller, name: str) -> CudlaFence_:
+        mode = self._semaphores
+        try:
+            fence = self._build_fence(signaller, name, deterministic=mode == "deterministic")
+        except DlaError as exc:
+            refused = exc.call == "cudlaImportExternalSemaphore" and exc.status in (
+                CudlaStatus.ERROR_UNSUPPORTED_OPERATION, CudlaStatus.ERROR_NVSCI,
+            )  # fmt: skip
+            if mode != "auto" or not refused:
+                raise
+            _log.warning("cudla_deterministic_semaphores", core=self._core, reason=str(exc))
+            fence = self._build_fence(signaller, name, deterministic=True)
+            self._semaphores = "deterministic"
+        else:
+            if mode == "auto":
+                self._semaphores = "syncpoint"
+        with self._cv:
+            self._fences.append(fence)
+        return fence
+
+    def _build_fence(self, signaller: Signaller, name: str, *, deterministic: bool) -> CudlaFence_:
+        nvsci = self.nvsci
+        fence = CudlaFence_(self, signaller, name)
+        fence.deterministic = deterministic
+        alloc = fence.alloc
+        try:
+            if deterministic and not (
+                self.libs.has("NvSciSyncFenceUpdateFence")
+                and self.libs.has("NvSciSyncFenceExtractFence")
+            ):
+                raise DlaError(
+                    CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "NvSciSyncFenceUpdateFence",
+                    "deterministic semaphores need NvSciSyncFenceUpdateFence and "
+                    "NvSciSyncFenceExtractFence, which this NvSciSync lacks",
+                )  # fmt: skip
+            if signaller == "dla":
+                signal = nvsci.cudla_list(alloc, SyncAttrFlags.SIGNAL | SyncAttrFlags.WAIT)
+                waiters = [nvsci.cpu_list(alloc, NvSciSyncAccessPerm.WAIT_ONLY)]
+                if self._extra_waiter is not None:
+                    extra = nvsci.sync_list(alloc)
+                    self._extra_waiter(int(extra.value or 0))
+                    waiters.append(extra)
+            else:
+                signal = nvsci.cpu_list(alloc, NvSciSyncAccessPerm.SIGNAL_ONLY)
+                waiters = [nvsci.cudla_list(alloc, SyncAttrFlags.WAIT)]
+            if deterministic:
+                for handle in waiters:
+                    nvsci.require_deterministic(handle)
+            nvsci.reconcile_and_alloc(alloc, [signal, *waiters])
+            self._import(fence)
+            self._prime(fence)
+        except DlaError:
+            self._free_fence(fence)
+            raise
+        return fence
+
+    def _import(self, fence: CudlaFence_) -> Any:
+        """cuDLA's registered pointer for ``fence`` on this core (imported once)."""
+        key = id(self)
+        if key not in fence.registered:
+            desc = ExternalSemaphoreHandleDesc(c_void_p(fence.alloc.obj))
+            registered = POINTER(c_uint64)()
+            check_cudla(
+                self.libs.cudlaImportExternalSemaphore(
+                    self._dev, byref(desc), byref(registered), 0
+                ),
+                "cudlaImportExternalSemaphore", fence.name,
+            )  # fmt: skip
+            fence.registered[key] = registered
+            if fence.owner is not self:
+                self._foreign.append((fence, registered))
+        return fence.registered[key]
+
+    def _prime(self, fence: CudlaFence_) -> None:
+        """Learn the fence id and raw counter base that fences of future values are built from."""
+        nvsci, libs = self.nvsci, self.libs
+        if not libs.has("NvSciSyncFenceExtractFence"):
+            return
+        probe = NvSciSyncFence()
+        try:
+            if fence.signaller == "cpu":
+                nvsci.generate_fence(fence.alloc.obj, probe)  # reached by the next signal
+                fence._fence_id, raw_next = nvsci.extract(probe)
+                fence._raw_base = raw_next - 1
+            elif fence.deterministic:  # §4.7 step 7: prime from (0, 0), then extract
+                nvsci.update(fence.alloc.obj, 0, 0, probe)
+                fence._fence_id, fence._raw_base = nvsci.extract(probe)
+        finally:
+            nvsci.clear(probe)
+
+    def _free_fence(self, fence: CudlaFence_) -> None:
+        fence._release()
+        registered = fence.registered.pop(id(self), None)
+        if registered is not None:
+            self.libs.cudlaMemUnregister(self._dev, registered)
+        self.nvsci.free_sync(fence.alloc)
+
+    # ------------------------------------------------------------------ settings, errors
+
+    def set_task_timeout(self, ms: int) -> None:
+        """``cudlaSetTaskTimeoutInMs`` where this release has it; the completion thread also
+        ends a task whose EOF fence is not reached ``ms`` + the grace after it reached the head
+        of the queue. Raises DlaError ``ERROR_INVALID_PARAM`` unless ``1 <= ms <= 1000000``."""
+        call = "cudlaSetTaskTimeoutInMs"
+        with self._cv:
+            self._enter(call)
+            if not _is_int(ms, 1, MAX_TASK_TIMEOUT_MS + 1):
+                raise DlaError(_INVALID, call, f"timeout {ms!r} ms")
+            if self.libs.has(call):
+                check_cudla(self.libs.cudlaSetTaskTimeoutInMs(self._dev, int(ms)), call)
+            self._timeout_ms = int(ms)
+
+    def last_error(self) -> CudlaStatus:
+        """The most recent failed task's status (from ``cudlaGetLastError`` after its fence),
+        or SUCCESS; reading clears it. Raises DlaError ``ERROR_INVALID_DEVICE`` once closed."""
+        with self._cv:
+            if self._stopping:
+                raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaGetLastError", "closed")
+            status, self._sticky = self._sticky, CudlaStatus.SUCCESS
+            return status
+
+    def device_version(self) -> int:
+        """``cudlaDeviceGetAttribute(CUDLA_DEVICE_VERSION)``."""
+        attr = DevAttribute()
+        check_cudla(
+            self.libs.cudlaDeviceGetAttribute(
+                self._dev, DevAttributeType.DEVICE_VERSION, byref(attr)
+            ),
+            "cudlaDeviceGetAttribute",
+        )  # fmt: skip
+        return int(attr.deviceVersion)
+
+    # ------------------------------------------------------------------ tasks
+
+    def submit(self, task: Task) -> CudlaTaskHandle:
+        """Queue ``task`` on the DLA (``cudlaSubmitTask``); returns at once.
+
+        Raises DlaError, queueing and reserving nothing: ``ERROR_INVALID_MODULE`` for a module
+        not loaded on this core; ``ERROR_INVALID_ADDRESS`` for a buffer not allocated on it;
+        ``ERROR_INVALID_PARAM`` for a wrong buffer count or size, too many events, a fence of
+        another backend, a wait cuDLA cannot be given (see the module docstring), a signal
+        fence that is not a DLA-signalled fence of this core or a value not above its promises;
+        ``ERROR_OUT_OF_RESOURCES`` when ``queue_depth`` tasks are held; and what cuDLA returns.
+        """
+        call = "cudlaSubmitTask"
+        checked: object = task
+        if not isinstance(checked, Task):
+            raise DlaError(_INVALID, call, f"not a Task: {checked!r}")
+        with self._cv:
+            self._enter(call)
+            module = self._module
+            if module is None or task.module is not module:
+                raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "module not loaded here")
+            self._check_buffers("input", task.inputs, module.inputs, call)
+            self._check_buffers("output", task.outputs, module.outputs, call)
+            if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
+                why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
+                raise DlaError(_INVALID, call, why)
+            pairs: tuple[object, ...] = (*task.wait, *task.signal)
+            for pair in pairs:
+                if not (
+                    isinstance(pair, tuple)
+                    and len(pair) == 2
+                    and isinstance(pair[0], CudlaFence_)
+                    and pair[0].owner.libs.paths == self.libs.paths
+                ):
+                    raise DlaError(
+                        _INVALID, call, f"not (CudlaFence, value) of this driver: {pair!r}"
+                    )
+                _fence_value(pair[1], call)
+            if task.signal:
+                fence, value = task.signal[0]
+                assert isinstance(fence, CudlaFence_)
+                if fence.owner is not self or fence.signaller != "dla":
+                    raise DlaError(
+                        _INVALID, call, f"{fence.name}: a task signals only DLA fences of its core"
+                    )
+                value = int(value)
+            else:
+                fence, value = self._completion, self._completion._promised + 1
+            if self._in_flight >= self._queue_depth:
+                raise DlaError(
+                    CudlaStatus.ERROR_OUT_OF_RESOURCES, call, f"{self._queue_depth} tasks held"
+                )
+            previous = fence._reserve(value, call)
+            prefences: list[NvSciSyncFence] = []
+            try:
+                record = self._submit_locked(task, module, fence, value, prefences, call)
+            except BaseException:
+                fence._unreserve(previous)
+                for f in prefences:
+                    self.nvsci.clear(f)
+                raise
+            self._pending.append(record)
+            self._in_flight += 1
+            self._cv.notify_all()
+        return record.handle
+
+    def _submit_locked(  # noqa: PLR0917 (one private call site)
+        self, task: Task, module: CudlaModule, fence: CudlaFence_, value: int,
+        prefences: list[NvSciSyncFence], call: str,
+    ) -> _Record:  # fmt: skip
+        keep: list[Any] = []
+        waits = tuple((f, int(v)) for f, v in task.wait if isinstance(f, CudlaFence_))
+        cfences = []
+        for wait_fence, wait_value in waits:
+            assert isinstance(wait_fence, CudlaFence_)
+            pre = wait_fence._prefence(wait_value, call)
+            if pre is None:
+                continue  # already reached: cuDLA need not wait
+            prefences.append(pre)
+            self._import(wait_fence)  # the waiting handle imports the object too
+            cfences.append(
+                CudlaFence(c_void_p(cast(pointer(pre), c_void_p).value), FenceType.NVSCISYNC_FENCE)
+            )
+        wait_events = None
+        if cfences:
+            array = (CudlaFence * len(cfences))(*cfences)
+            wait_events = WaitEvents(cast(array, POINTER(CudlaFence)), len(cfences))
+            keep += [array, wait_events]
+        eof = NvSciSyncFence()
+        registered = fence.registered[id(self)]
+        raw_next = fence._raw_base + 1
+        if fence.deterministic:  # dlad computes the EOF fence; cuDLA is given none
+            self.nvsci.update(fence.alloc.obj, fence._fence_id, raw_next, eof)
+            eof_ptr = None
+        else:
+            eof_ptr = cast(pointer(eof), c_void_p).value
+        eof_array = (CudlaFence * 1)(CudlaFence(eof_ptr, FenceType.NVSCISYNC_FENCE))
+        dev_ptrs = (POINTER(c_uint64) * 1)(registered)
+        signal_events = SignalEvents(
+            cast(dev_ptrs, POINTER(POINTER(c_uint64))), cast(eof_array, POINTER(CudlaFence)), 1
+        )
+        ins = (POINTER(c_uint64) * len(task.inputs))(*(b.registered for b in task.inputs))  # type: ignore[attr-defined]
+        outs = (POINTER(c_uint64) * len(task.outputs))(*(b.registered for b in task.outputs))  # type: ignore[attr-defined]
+        ctask = CudlaTask(
+            c_void_p(module.handle), cast(outs, POINTER(POINTER(c_uint64))), len(task.outputs),
+            len(task.inputs), cast(ins, POINTER(POINTER(c_uint64))),
+            pointer(wait_events) if wait_events is not None else None, pointer(signal_events),
+        )  # fmt: skip
+        keep += [eof_array, dev_ptrs, signal_events, ins, outs, ctask]
+        handle = CudlaTaskHandle(next(self._ids), task, time.monotonic_ns())
+        status = self.libs.cudlaSubmitTask(self._dev, byref(ctask), 1, None, self._flags)
+        if status != 0:
+            if fence.deterministic:
+                self.nvsci.clear(eof)
+            check_cudla(status, call)
+        if fence.deterministic:
+            fence._raw_base = raw_next
+        fence._record(value, eof)
+        return _Record(handle, fence, value, eof, keep, prefences, waits)
+
+    def _check_buffers(
+        self, kind: str, buffers: Sequence[object], descs: Sequence[TensorDescriptor], call: str
+    ) -> None:
+        if len(buffers) != len(descs):
+            raise DlaError(_INVALID, call, f"{len(buffers)} {kind} buffers for {len(descs)}")
+        for buf, desc in zip(buffers, descs, strict=True):
+            if not isinstance(buf, CudlaBuffer) or buf.owner is not self:
+                why = f"{kind} {desc.name!r}: buffer not allocated on DLA{self._core}"
+                raise DlaError(CudlaStatus.ERROR_INVALID_ADDRESS, call, why)
+            if buf.raw.size < desc.size:
+                raise DlaError(
+                    _INVALID, call, f"{kind} {desc.name!r}: {buf.raw.size} B for {desc.size} B"
+                )
+
+    # ------------------------------------------------------------------ completion
+
+    def _complete(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopping:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                record = self._pending[0]
+                timeout_us = (self._timeout_ms + self._grace_ms) * 1000
+            try:
+                status = self._await(record, timeout_us)
+            except Exception:  # noqa: BLE001 (a bug must fail one task, not wedge the core)
+                _log.exception("cudla_completion_failed", core=self._core, task=record.handle.id)
+                status = CudlaStatus.ERROR_UNKNOWN
+            self._finish(record, status)
+
+    def _await(self, record: _Record, timeout_us: int) -> CudlaStatus:
+        if not self.nvsci.wait(record.eof, timeout_us):
+            _log.error("cudla_eof_timeout", core=self._core, task=record.handle.id)
+            return CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
+        status = self.libs.cudlaGetLastError(self._dev)
+        try:
+            return CudlaStatus(status)
+        except ValueError:
+            return CudlaStatus.ERROR_UNKNOWN
+
+    def _finish(self, record: _Record, status: CudlaStatus) -> None:
+        handle = record.handle
+        if status is CudlaStatus.SUCCESS:
+            # The DLA passed these pre-fences; another core's completion thread may not have
+            # recorded that yet. Let it, so the start estimate below is never before them.
+            for fence, value in record.waits:
+                fence.wait(value, self._grace_ms / 1000)
+        end = time.monotonic_ns()
+        start = max(
+            handle.submit_ns, self._last_end_ns,
+            *(f._reached_ns(v) for f, v in record.waits),
+        )  # fmt: skip
+        start = min(start, end)
+        self._last_end_ns = end
+        if record.aborted:
+            status = ABORTED_STATUS
+        handle.timing = TaskTiming(handle.submit_ns, start, end)
+        handle.status = status
+        for nvsci_fence in (record.eof, *record.prefences):
+            self.nvsci.clear(nvsci_fence)
+        with self._cv:
+            self._pending.popleft()
+            if status is not CudlaStatus.SUCCESS:
+                self._sticky = status
+            self._in_flight -= 1
+            self._cv.notify_all()
+        record.fence._advance(record.value)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self, *, force: bool = False) -> None:
+        """Release everything in the documented order and destroy the handle; idempotent.
+
+        Raises DlaError ``DLA_ERR_PROCESSOR_BUSY`` while tasks are in flight unless ``force``;
+        a DLA task cannot be aborted, so ``force`` signals the CPU fences the unfinished tasks
+        wait on, waits for the DLA to end them (each bounded by the task timeout) and reports
+        them with :data:`ABORTED_STATUS`. ``ERROR_UNSUPPORTED_OPERATION`` from the completion
+        thread (a fence callback). A failure while releasing is raised after everything else
+        was released.
+        """
+        call = "cudlaDestroyDevice"
+        if threading.current_thread() is self._thread:
+            raise DlaError(CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, "from the core thread")
+        with self._cv:
+            if self._closed:
+                return
+            if self._in_flight and not force:
+                raise DlaError(
+                    CudlaStatus.DLA_ERR_PROCESSOR_BUSY, call, f"{self._in_flight} tasks in flight"
+                )
+            self._stopping = True
+            pending = list(self._pending)
+            for record in pending:
+                record.aborted = True
+            self._cv.notify_all()
+        for record in pending:  # release the CPU gates so the hardware drains
+            for fence, value in record.waits:
+                if fence.signaller == "cpu" and fence.value < value and fence.alloc.obj:
+                    try:
+                        fence.signal(value)
+                    except DlaError:
+                        _log.exception("cudla_close_gate_failed", fence=fence.name)
+        self._thread.join()
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """§4.7 step 8: buffers, sync objects, module, device, NvSci modules."""
+        errors: list[DlaError] = []
+
+        def attempt(fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except DlaError as exc:
+                errors.append(exc)
+
+        libs, dev = self.libs, self._dev
+
+        def unregister(registered: Any) -> None:
+            check_cudla(libs.cudlaMemUnregister(dev, registered), "cudlaMemUnregister")
+
+        for buf in self._buffers:
+            attempt(functools.partial(unregister, buf.registered))
+            self.nvsci.free_buffer(buf.alloc)
+        self._buffers.clear()
+        for fence, registered in self._foreign:
+            fence.registered.pop(id(self), None)
+            attempt(functools.partial(unregister, registered))
+        self._foreign.clear()
+        for fence in self._fences:
+            fence._release()
+            registered = fence.registered.pop(id(self), None)
+            if registered is not None:
+                attempt(functools.partial(unregister, registered))
+            self.nvsci.free_sync(fence.alloc)
+        self._fences.clear()
+        if self._module is not None:
+            handle = self._module.handle
+            attempt(
+                lambda: check_cudla(
+                    libs.cudlaModuleUnload(c_void_p(handle), 0), "cudlaModuleUnload"
+                )
+            )
+            self._module = None
+        if dev.value:
+            attempt(lambda: check_cudla(libs.cudlaDestroyDevice(dev), "cudlaDestroyDevice"))
+            self._dev = c_void_p()
+        self.nvsci.close()
+        if errors:
+            raise errors[0]

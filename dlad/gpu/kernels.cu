@@ -1,0 +1,529 @@
+// dlad's GPU pre- and post-processing kernels, compiled at daemon start with NVRTC
+// (dlad/gpu/compile.py) and cached on disk by source hash.
+//
+// The numpy reference in dlad/imaging/pre.py and dlad/imaging/post.py is the specification:
+// every float32 step below is the one named there, done with explicit round-to-nearest
+// intrinsics (__fadd_rn, __fmul_rn, ...) so that the compiler cannot fuse a multiply-add and
+// change a rounding. Where the GPU cannot be bit-exact (expf vs numpy's exp, 1-2 ulp) the
+// tolerance is stated in the parity tests.
+//
+// No headers: NVRTC compiles this without an include path (fp16 conversions are PTX cvt).
+// Struct layouts are mirrored by ctypes.Structure classes in dlad/gpu/prepost.py: 8-byte
+// fields first, then 4-byte fields, no implicit padding.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define DLAD_MAX_LEVELS 4
+#define DLAD_MAX_ANCHORS 4
+#define DLAD_SORT_CAPACITY 8192  // candidates entering NMS at most (power of two)
+#define DLAD_MASK_WORDS (DLAD_SORT_CAPACITY / 64)
+#define DLAD_SHARED_ROWS 1024  // up to this many NMS candidates, NMS runs in shared memory
+#define DLAD_SHARED_COLS (DLAD_SHARED_ROWS / 32)
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 float_to_half_rn(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// --------------------------------------------------------------------------------- pre
+
+struct PreParams {
+    const u8* src;        // H x W x C uint8, rows `src_pitch` bytes apart
+    void* dst;            // DLA_HWC4 int8 [H][dst_pitch_px][4] or CHW16 fp16 [G][H][W][16]
+    int src_w, src_h, src_pitch, src_c;  // src_c: 1 (GRAY) or 3
+    int bgr;              // 1: source is BGR (channels reversed into RGB)
+    int dst_w, dst_h, dst_pitch_px;      // dst_pitch_px: W_padded of DLA_HWC4 (= dst_w for CHW16)
+    int new_w, new_h, pad_x, pad_y;      // letterbox geometry (dlad.imaging.pre.Letterbox)
+    float scale;          // (float)Letterbox.scale
+    float input_scale;    // int8 input scale (HWC4 only)
+    int pad_value;        // 0..255
+    int chw16_groups;     // CHW16 only: ceil(3 / 16) = 1 plane group
+};
+
+// One letterboxed RGB pixel at canvas (x, y), as dlad.imaging.pre.letterbox computes it:
+// pad_value outside the resized image, else bilinear with half-pixel centres, no FMA.
+__device__ __forceinline__ void letterbox_pixel(const PreParams& p, int x, int y, u8 rgb[3]) {
+    int xd = x - p.pad_x, yd = y - p.pad_y;
+    if (xd < 0 || yd < 0 || xd >= p.new_w || yd >= p.new_h) {
+        rgb[0] = rgb[1] = rgb[2] = (u8)p.pad_value;
+        return;
+    }
+    float xs = __fsub_rn(__fdiv_rn(__fadd_rn((float)xd, 0.5f), p.scale), 0.5f);
+    xs = fminf(fmaxf(xs, 0.0f), (float)(p.src_w - 1));
+    int x0 = (int)floorf(xs);
+    int x1 = min(x0 + 1, p.src_w - 1);
+    float fx = __fsub_rn(xs, (float)x0), gx = __fsub_rn(1.0f, fx);
+    float ys = __fsub_rn(__fdiv_rn(__fadd_rn((float)yd, 0.5f), p.scale), 0.5f);
+    ys = fminf(fmaxf(ys, 0.0f), (float)(p.src_h - 1));
+    int y0 = (int)floorf(ys);
+    int y1 = min(y0 + 1, p.src_h - 1);
+    float fy = __fsub_rn(ys, (float)y0), gy = __fsub_rn(1.0f, fy);
+    const u8* r0 = p.src + (long long)y0 * p.src_pitch;
+    const u8* r1 = p.src + (long long)y1 * p.src_pitch;
+    int n = p.src_c == 1 ? 1 : 3;
+    for (int c = 0; c < n; ++c) {
+        int sc = (p.bgr && n == 3) ? 2 - c : c;
+        float p00 = (float)r0[x0 * p.src_c + sc], p01 = (float)r0[x1 * p.src_c + sc];
+        float p10 = (float)r1[x0 * p.src_c + sc], p11 = (float)r1[x1 * p.src_c + sc];
+        float top = __fadd_rn(__fmul_rn(gx, p00), __fmul_rn(fx, p01));
+        float bot = __fadd_rn(__fmul_rn(gx, p10), __fmul_rn(fx, p11));
+        float v = __fadd_rn(__fmul_rn(gy, top), __fmul_rn(fy, bot));
+        rgb[c] = (u8)fminf(roundf(v), 255.0f);
+    }
+    if (n == 1) rgb[1] = rgb[2] = rgb[0];
+}
+
+// dlad.imaging.pre.quantize_hwc4: roundf((p / 255) / s), ties away from zero, saturated.
+__device__ __forceinline__ int quantize(u8 v, float s) {
+    float q = roundf(__fdiv_rn(__fdiv_rn((float)v, 255.0f), s));
+    return (int)fminf(fmaxf(q, -128.0f), 127.0f);
+}
+
+// uint8 image -> letterbox -> int8 DLA_HWC4, one thread per canvas pixel (padding columns
+// included, written as zero), one 32-bit store each. Grid: (ceil(pitch/32), dst_h), block 32x8.
+extern "C" __global__ void pre_hwc4_i8(const PreParams p) {
+    int x = blockIdx.x * blockDim.x + threadIdx.x;
+    int y = blockIdx.y * blockDim.y + threadIdx.y;
+    if (x >= p.dst_pitch_px || y >= p.dst_h) return;
+    u32 word = 0;  // channel 3 and the row padding stay zero
+    if (x < p.dst_w) {
+        u8 rgb[3];
+        letterbox_pixel(p, x, y, rgb);
+        word = (u32)(u8)quantize(rgb[0], p.input_scale) |
+               ((u32)(u8)quantize(rgb[1], p.input_scale) << 8) |
+               ((u32)(u8)quantize(rgb[2], p.input_scale) << 16);
+    }
+    reinterpret_cast<u32*>(p.dst)[(long long)y * p.dst_pitch_px + x] = word;
+}
+
+// uint8 image -> letterbox -> fp16 CHW16 (p / 255, round to nearest even), lanes 3..15 zero.
+// dlad.imaging.pre.normalize_chw16. One thread per pixel, two 16-byte stores.
+extern "C" __global__ void pre_chw16_f16(const PreParams p) {
+    int x = blockIdx.x * blockDim.x + threadIdx.x;
+    int y = blockIdx.y * blockDim.y + threadIdx.y;
+    if (x >= p.dst_w || y >= p.dst_h) return;
+    u8 rgb[3];
+    letterbox_pixel(p, x, y, rgb);
+    u32 lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    lanes[0] = (u32)float_to_half_rn(__fdiv_rn((float)rgb[0], 255.0f)) |
+               ((u32)float_to_half_rn(__fdiv_rn((float)rgb[1], 255.0f)) << 16);
+    lanes[1] = (u32)float_to_half_rn(__fdiv_rn((float)rgb[2], 255.0f));
+    uint4* out = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.dst) +
+                                          ((long long)y * p.dst_w + x) * 16);
+    out[0] = make_uint4(lanes[0], lanes[1], lanes[2], lanes[3]);
+    out[1] = make_uint4(lanes[4], lanes[5], lanes[6], lanes[7]);
+}
+
+// --------------------------------------------------------------------------------- post
+
+struct Candidate {
+    float x1, y1, x2, y2, score;
+    int cls;
+};
+
+struct Geometry {  // dlad.imaging.pre.Letterbox, per image
+    double scale;
+    int pad_x, pad_y, src_w, src_h;
+};
+
+struct PostParams {
+    const void* heads[DLAD_MAX_LEVELS];  // head buffers of image 0; image b at + b * head_image_bytes
+    long long head_image_bytes[DLAD_MAX_LEVELS];
+    Candidate* cands;      // [batch][cand_capacity]
+    u64* keys;             // [batch][cand_capacity]: (~score bits) << 32 | reference order index
+    u32* counts;           // [batch]: candidates found (may exceed the capacity: overflow)
+    Candidate* sorted;     // [batch][DLAD_SORT_CAPACITY]
+    u64* mask;             // [batch][DLAD_SORT_CAPACITY][DLAD_MASK_WORDS]
+    u32* kept_m;           // [batch]: candidates entering NMS
+    float* out;            // [batch][4 + 6 * max_det]: n, found, overflow, m, then detections
+    const Geometry* geoms; // [batch]
+    float head_scale[DLAD_MAX_LEVELS];   // CHW32 int8 dequantisation scale; 0 for CHW16 fp16
+    int head_h[DLAD_MAX_LEVELS], head_w[DLAD_MAX_LEVELS], head_stride[DLAD_MAX_LEVELS];
+    int level_cells[DLAD_MAX_LEVELS + 1];  // prefix sums of na * H * W
+    float anchors[DLAD_MAX_LEVELS][DLAD_MAX_ANCHORS][2];
+    int nl, na, nc;
+    int multi_label;
+    float conf;            // score > conf passes
+    float obj_cut;         // (float)(logit(conf) - 1e-3): rows whose objectness cannot pass
+    float iou;             // IoU >= iou suppresses
+    int max_det;
+    int cand_capacity;
+    int max_candidates;    // <= DLAD_SORT_CAPACITY
+    int nms_rounds;        // fixed-point rounds before post_scan walks instead
+};
+
+__device__ __forceinline__ float sigmoidf(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+
+__device__ __forceinline__ float head_value(const PostParams& p, int level, const void* base, int c,
+                                            int iy, int ix) {
+    int w = p.head_w[level], h = p.head_h[level];
+    if (p.head_scale[level] > 0.0f) {  // CHW32 int8
+        const i8* d = reinterpret_cast<const i8*>(base);
+        long long off = (((long long)(c >> 5) * h + iy) * w + ix) * 32 + (c & 31);
+        return __fmul_rn((float)d[off], p.head_scale[level]);
+    }
+    const u16* d = reinterpret_cast<const u16*>(base);
+    long long off = (((long long)(c >> 4) * h + iy) * w + ix) * 16 + (c & 15);
+    return half_to_float(d[off]);
+}
+
+__device__ __forceinline__ void emit(const PostParams& p, int b, float x1, float y1, float x2,
+                                     float y2, float score, int cls, u32 order) {
+    u32 slot = atomicAdd(&p.counts[b], 1u);
+    if (slot >= (u32)p.cand_capacity) return;  // overflow: counted, reported, not stored
+    long long at = (long long)b * p.cand_capacity + slot;
+    Candidate c = {x1, y1, x2, y2, score, cls};
+    p.cands[at] = c;
+    p.keys[at] = ((u64)(0xFFFFFFFFu - __float_as_uint(score)) << 32) | order;
+}
+
+// dlad.imaging.post.decode: one thread per (level, anchor, cell); grid.y = image.
+extern "C" __global__ void post_decode(const PostParams p) {
+    int b = blockIdx.y;
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= p.level_cells[p.nl]) return;
+    int level = 0;
+    while (t >= p.level_cells[level + 1]) ++level;
+    int r = t - p.level_cells[level];
+    int hw = p.head_h[level] * p.head_w[level];
+    int a = r / hw, cell = r - a * hw;
+    int iy = cell / p.head_w[level], ix = cell - iy * p.head_w[level];
+    const void* base = reinterpret_cast<const char*>(p.heads[level]) + b * p.head_image_bytes[level];
+    int ch = a * (5 + p.nc);
+    float obj_logit = head_value(p, level, base, ch + 4, iy, ix);
+    if (!(obj_logit > p.obj_cut)) return;
+    float sx = sigmoidf(head_value(p, level, base, ch + 0, iy, ix));
+    float sy = sigmoidf(head_value(p, level, base, ch + 1, iy, ix));
+    float sw = sigmoidf(head_value(p, level, base, ch + 2, iy, ix));
+    float sh = sigmoidf(head_value(p, level, base, ch + 3, iy, ix));
+    float obj = sigmoidf(obj_logit);
+    float stride = (float)p.head_stride[level];
+    float cx = __fmul_rn(__fadd_rn(__fsub_rn(__fmul_rn(sx, 2.0f), 0.5f), (float)ix), stride);
+    float cy = __fmul_rn(__fadd_rn(__fsub_rn(__fmul_rn(sy, 2.0f), 0.5f), (float)iy), stride);
+    float tw = __fmul_rn(sw, 2.0f), th = __fmul_rn(sh, 2.0f);
+    float bw = __fmul_rn(__fmul_rn(tw, tw), p.anchors[level][a][0]);
+    float bh = __fmul_rn(__fmul_rn(th, th), p.anchors[level][a][1]);
+    float hw_ = __fmul_rn(bw, 0.5f), hh = __fmul_rn(bh, 0.5f);
+    float x1 = __fsub_rn(cx, hw_), y1 = __fsub_rn(cy, hh);
+    float x2 = __fadd_rn(cx, hw_), y2 = __fadd_rn(cy, hh);
+    if (!(isfinite(x1) && isfinite(y1) && isfinite(x2) && isfinite(y2))) return;
+    if (p.multi_label) {
+        u32 order0 = (u32)(t) * (u32)p.nc;
+#pragma unroll 8
+        for (int k = 0; k < p.nc; ++k) {
+            float conf = __fmul_rn(obj, sigmoidf(head_value(p, level, base, ch + 5 + k, iy, ix)));
+            if (conf > p.conf) emit(p, b, x1, y1, x2, y2, conf, k, order0 + k);
+        }
+    } else {
+        int best = 0;
+        float best_logit = head_value(p, level, base, ch + 5, iy, ix);
+#pragma unroll 16
+        for (int k = 1; k < p.nc; ++k) {  // unrolled: the loads go out together
+            float v = head_value(p, level, base, ch + 5 + k, iy, ix);
+            if (v > best_logit) { best_logit = v; best = k; }  // first maximum wins ties
+        }
+        float conf = __fmul_rn(obj, sigmoidf(best_logit));
+        if (conf > p.conf) emit(p, b, x1, y1, x2, y2, conf, best, (u32)t);
+    }
+}
+
+// The `max_candidates` best candidates (score descending, reference order on ties), sorted,
+// into `sorted`; the candidate counter is reset for the next frame. One block of 1024 threads
+// per image (grid.x = image); dynamic shared memory: DLAD_SORT_CAPACITY * 12 bytes.
+extern "C" __global__ void post_select_sort(const PostParams p) {
+    extern __shared__ u64 smem[];
+    u64* skey = smem;                                            // [DLAD_SORT_CAPACITY]
+    u32* spos = reinterpret_cast<u32*>(smem + DLAD_SORT_CAPACITY);  // [DLAD_SORT_CAPACITY]
+    __shared__ u32 hist[256];
+    __shared__ u64 prefix, prefix_mask;
+    __shared__ u32 remaining, m;
+    __shared__ u32 found;
+    int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const u64* keys = p.keys + (long long)b * p.cand_capacity;
+    if (tid == 0) {
+        found = p.counts[b];
+        prefix = 0;
+        prefix_mask = 0;
+        remaining = (u32)p.max_candidates;
+        m = 0;
+    }
+    __syncthreads();
+    u32 n = min(found, (u32)p.cand_capacity);
+    u64 cut = ~0ull;  // keys <= cut are selected
+    if (n > (u32)p.max_candidates) {
+        // Radix select of the max_candidates-th smallest key (keys are unique), 8 bits a pass.
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            for (int i = tid; i < 256; i += nt) hist[i] = 0;
+            __syncthreads();
+            u64 pf = prefix, pm = prefix_mask;
+            for (u32 i = tid; i < n; i += nt) {
+                u64 k = keys[i];
+                if ((k & pm) == pf) atomicAdd(&hist[(k >> shift) & 255], 1u);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                u32 need = remaining, acc = 0;
+                int d = 0;
+                while (acc + hist[d] < need) acc += hist[d++];
+                remaining = need - acc;
+                prefix = pf | ((u64)d << shift);
+                prefix_mask = pm | (255ull << shift);
+            }
+            __syncthreads();
+        }
+        cut = prefix;
+    }
+    for (u32 i = tid; i < n; i += nt) {
+        u64 k = keys[i];
+        if (k <= cut) {
+            u32 at = atomicAdd(&m, 1u);
+            skey[at] = k;
+            spos[at] = i;
+        }
+    }
+    __syncthreads();
+    u32 count = m;
+    u32 size = 1;
+    while (size < count) size <<= 1;
+    for (u32 i = count + tid; i < size; i += nt) { skey[i] = ~0ull; spos[i] = 0; }
+    __syncthreads();
+    // Bitonic sort of (key, position), ascending key.
+    for (u32 k = 2; k <= size; k <<= 1) {
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 i = tid; i < size; i += nt) {
+                u32 l = i ^ j;
+                if (l > i) {
+                    bool up = (i & k) == 0;
+                    u64 ki = skey[i], kl = skey[l];
+                    if ((ki > kl) == up) {
+                        skey[i] = kl; skey[l] = ki;
+                        u32 t = spos[i]; spos[i] = spos[l]; spos[l] = t;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    const Candidate* cands = p.cands + (long long)b * p.cand_capacity;
+    Candidate* sorted = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
+    for (u32 i = tid; i < count; i += nt) sorted[i] = cands[spos[i]];
+    if (tid == 0) {
+        p.kept_m[b] = count;
+        p.counts[b] = 0;  // ready for the next frame on this stream
+        float* out = p.out + (long long)b * (4 + 6 * p.max_det);
+        out[1] = (float)found;
+        out[2] = found > (u32)p.cand_capacity ? 1.0f : 0.0f;
+        out[3] = (float)count;
+    }
+}
+
+// dlad.imaging.post.nms's IoU, in double on edge coordinates.
+__device__ __forceinline__ bool suppresses(const Candidate& a, const Candidate& c, double thr) {
+    double iw = fmax(fmin((double)a.x2, (double)c.x2) - fmax((double)a.x1, (double)c.x1), 0.0);
+    double ih = fmax(fmin((double)a.y2, (double)c.y2) - fmax((double)a.y1, (double)c.y1), 0.0);
+    double inter = iw * ih;
+    double area_a = fmax((double)a.x2 - (double)a.x1, 0.0) * fmax((double)a.y2 - (double)a.y1, 0.0);
+    double area_c = fmax((double)c.x2 - (double)c.x1, 0.0) * fmax((double)c.y2 - (double)c.y1, 0.0);
+    double uni = area_a + area_c - inter;
+    double iou = uni > 0.0 ? inter / uni : 0.0;
+    return iou >= thr;
+}
+
+// Suppression bitmask: bit j of word w of row i is set when sorted candidate i (higher
+// score) of the same class overlaps candidate j = 64 w + bit, j > i, with IoU >= iou.
+// Only words w >= i / 64 are written (the scan reads no others). Any grid; grid.y = image.
+extern "C" __global__ void post_mask(const PostParams p) {
+    int b = blockIdx.y;
+    u32 m = p.kept_m[b];
+    const Candidate* s = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
+    u64* mask = p.mask + (long long)b * DLAD_SORT_CAPACITY * DLAD_MASK_WORDS;
+    double thr = (double)p.iou;
+    if (m <= DLAD_SHARED_ROWS) {
+        // Column mask for post_scan: word v of column j holds bit i - 32 v for every i < j
+        // (same class) that suppresses j. Only words v <= j / 32 are written and read.
+        // One warp per word: lane l tests i = 32 v + l, and the ballot is the word.
+        u32* col = reinterpret_cast<u32*>(mask);
+        u32 cols = (m + 31) >> 5;
+        u32 items = m * cols, lane = threadIdx.x & 31;
+        u32 warps = gridDim.x * (blockDim.x >> 5);
+        for (u32 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+            u32 j = it / cols, v = it - j * cols;
+            if (v > (j >> 5)) continue;  // warp-uniform
+            u32 i = (v << 5) + lane;
+            bool hit = false;
+            if (i < j) {
+                Candidate a = s[i], c = s[j];
+                hit = a.cls == c.cls && suppresses(a, c, thr);
+            }
+            u32 bits = __ballot_sync(0xFFFFFFFFu, hit);
+            if (lane == 0) col[j * DLAD_SHARED_COLS + v] = bits;
+        }
+        return;
+    }
+    u32 words = (m + 63) >> 6;
+    u64 items = (u64)m * words;
+    for (u64 it = (u64)blockIdx.x * blockDim.x + threadIdx.x; it < items;
+         it += (u64)gridDim.x * blockDim.x) {
+        u32 i = (u32)(it / words), w = (u32)(it % words);
+        if (w < (i >> 6)) continue;
+        Candidate a = s[i];
+        u64 bits = 0;
+        u32 j0 = w << 6, j1 = min(j0 + 64, m);
+        for (u32 j = max(j0, i + 1); j < j1; ++j) {
+            Candidate c = s[j];
+            if (c.cls == a.cls && suppresses(a, c, thr)) bits |= 1ull << (j - j0);
+        }
+        mask[(u64)i * DLAD_MASK_WORDS + w] = bits;
+    }
+}
+
+// Greedy NMS resolution, one block per image (grid.x = image, 1024 threads), recording the
+// kept indices, then every thread maps kept boxes back to the source image
+// (Letterbox.to_original, in double, clipped to the edges) and writes the output record.
+//   m <= DLAD_SHARED_ROWS: post_mask's *column* mask (bit i of column j: candidate i < j, same
+//     class, suppresses j) is staged in shared memory and the greedy result found as a fixed
+//     point in a few parallel rounds (a one-warp walk over j when it does not converge).
+//   larger m: post_mask's row mask in global memory, resolved word by word by one warp.
+// Dynamic shared memory: DLAD_SHARED_ROWS * DLAD_SHARED_COLS * 4 + max_det * 4 bytes.
+extern "C" __global__ void post_scan(const PostParams p) {
+    extern __shared__ u32 scol[];  // [DLAD_SHARED_ROWS][DLAD_SHARED_COLS]
+    u32* keep = scol + DLAD_SHARED_ROWS * DLAD_SHARED_COLS;  // [max_det]
+    __shared__ int s_kept;
+    int b = blockIdx.x, tid = threadIdx.x;
+    u32 m = p.kept_m[b];
+    u32 words = (m + 63) >> 6;
+    const Candidate* s = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
+    const u64* gmask = p.mask + (long long)b * DLAD_SORT_CAPACITY * DLAD_MASK_WORDS;
+    float* out = p.out + (long long)b * (4 + 6 * p.max_det);
+    if (m <= DLAD_SHARED_ROWS) {
+        __shared__ u32 kw[DLAD_SHARED_COLS], nkw[DLAD_SHARED_COLS];
+        __shared__ int converged;
+        u32 cols = (m + 31) >> 5;
+        const u32* gcol = reinterpret_cast<const u32*>(gmask);
+        for (u32 it = tid; it < m * cols; it += blockDim.x) {
+            u32 j = it / cols, v = it - j * cols;
+            if (v <= (j >> 5)) scol[j * DLAD_SHARED_COLS + v] = gcol[j * DLAD_SHARED_COLS + v];
+        }
+        if (tid < DLAD_SHARED_COLS) {
+            u32 v = tid;
+            kw[v] = (v << 5) >= m ? 0u : ((v + 1) << 5) <= m ? ~0u : (1u << (m - (v << 5))) - 1u;
+        }
+        if (tid == 0) converged = 0;
+        __syncthreads();
+        // Fixed point of keep[j] = no kept i < j suppresses j, from "all kept": its unique
+        // fixed point is the greedy result, and after round t the first t candidates are final,
+        // so a round without change ends it. Long suppression chains fall back to the walk.
+        for (int round = 0; round < p.nms_rounds; ++round) {
+            if (tid < DLAD_SHARED_COLS) nkw[tid] = 0u;
+            __syncthreads();
+            for (u32 j = tid; j < m; j += blockDim.x) {
+                u32 hit = 0;
+                for (u32 v = 0; v <= (j >> 5); ++v) hit |= scol[j * DLAD_SHARED_COLS + v] & kw[v];
+                if (!hit) atomicOr(&nkw[j >> 5], 1u << (j & 31));
+            }
+            __syncthreads();
+            int diff = tid < DLAD_SHARED_COLS && nkw[tid] != kw[tid];
+            int any = __syncthreads_or(diff);
+            if (tid < DLAD_SHARED_COLS) kw[tid] = nkw[tid];
+            __syncthreads();
+            if (!any) { if (tid == 0) converged = 1; break; }
+        }
+        __syncthreads();
+        if (tid < 32) {
+            u32 lane = tid;
+            if (converged) {
+                // The kept indices in order, the first max_det of them: a warp prefix sum.
+                u32 word = kw[lane], count = __popc(word), before = count;
+                for (int d = 1; d < 32; d <<= 1) {
+                    u32 up = __shfl_up_sync(0xFFFFFFFFu, before, d);
+                    if (lane >= (u32)d) before += up;
+                }
+                before -= count;
+                for (u32 bits = word, k = before; bits; bits &= bits - 1, ++k) {
+                    if (k < (u32)p.max_det) keep[k] = (lane << 5) + (__ffs(bits) - 1);
+                }
+                u32 total = __shfl_sync(0xFFFFFFFFu, before + count, 31);
+                if (lane == 0) s_kept = (int)min(total, (u32)p.max_det);
+            } else {
+                // The walk: j in score order is kept iff no kept i < j suppresses it.
+                u32 kept_word = 0;
+                int kept = 0;
+                for (u32 j = 0; j < m && kept < p.max_det; ++j) {
+                    u32 hit = lane <= (j >> 5) ? (scol[j * DLAD_SHARED_COLS + lane] & kept_word) : 0u;
+                    if (!__any_sync(0xFFFFFFFFu, hit != 0u)) {
+                        if (lane == (j >> 5)) kept_word |= 1u << (j & 31);
+                        if (lane == 0) keep[kept] = j;
+                        ++kept;
+                    }
+                }
+                if (lane == 0) s_kept = kept;
+            }
+        }
+    } else if (tid < 32) {
+        const u64* rows = gmask;
+        const u32 pitch = DLAD_MASK_WORDS;
+        u32 lane = tid;
+        // Lane l owns words l, l + 32, l + 64, l + 96 of the "removed" bitset, in registers.
+        u64 r[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            u32 w = lane + 32 * q;
+            r[q] = w >= words ? ~0ull : (((w + 1) << 6) > m ? ~0ull << (m - (w << 6)) : 0ull);
+        }
+        // Word by word: every lane resolves the word's 64 candidates in the same order (the
+        // same loads, broadcast), so the serial chain is one load per kept box; then
+        // each lane ORs the kept boxes' rows into the later words it owns (independent loads).
+        int kept = 0;
+        for (u32 w = 0; w < words && kept < p.max_det; ++w) {
+            u32 q = w >> 5;
+            u64 mine = q == 0 ? r[0] : q == 1 ? r[1] : q == 2 ? r[2] : r[3];
+            u64 alive = ~__shfl_sync(0xFFFFFFFFu, mine, w & 31);
+            u64 kept_bits = 0;
+            while (alive && kept < p.max_det) {
+                int j = __ffsll((long long)alive) - 1;
+                u32 i = (w << 6) + j;
+                kept_bits |= 1ull << j;
+                if (lane == 0) keep[kept] = i;
+                ++kept;
+                alive &= ~(1ull << j);
+                alive &= ~rows[(u64)i * pitch + w];
+            }
+            for (u64 kb = kept_bits; kb; kb &= kb - 1) {
+                const u64* row = rows + (u64)((w << 6) + (__ffsll((long long)kb) - 1)) * pitch;
+#pragma unroll
+                for (int q2 = 0; q2 < 4; ++q2) {
+                    u32 w2 = lane + 32 * q2;
+                    if (w2 > w && w2 < words) r[q2] |= row[w2];
+                }
+            }
+        }
+        if (lane == 0) s_kept = kept;
+    }
+    __syncthreads();
+    int kept = s_kept;
+    Geometry g = p.geoms[b];
+    for (int k = tid; k < kept; k += blockDim.x) {
+        Candidate c = s[keep[k]];
+        float* d = out + 4 + 6 * k;
+        double x1 = ((double)c.x1 - g.pad_x) / g.scale, x2 = ((double)c.x2 - g.pad_x) / g.scale;
+        double y1 = ((double)c.y1 - g.pad_y) / g.scale, y2 = ((double)c.y2 - g.pad_y) / g.scale;
+        d[0] = (float)fmin(fmax(x1, 0.0), (double)g.src_w);
+        d[1] = (float)fmin(fmax(y1, 0.0), (double)g.src_h);
+        d[2] = (float)fmin(fmax(x2, 0.0), (double)g.src_w);
+        d[3] = (float)fmin(fmax(y2, 0.0), (double)g.src_h);
+        d[4] = c.score;
+        d[5] = (float)c.cls;
+    }
+    if (tid == 0) out[0] = (float)kept;
+}

@@ -1,0 +1,468 @@
+"""GPU pre- and post-processing for one model: the kernels of ``kernels.cu`` driven on one CUDA
+stream per :class:`GpuPipeline` (the daemon makes one per worker slot).
+
+Per frame, everything is queued at once and the CPU waits only at the very end::
+
+    upload image ─▶ pre kernel ─▶ signal fence A ─▶ (DLA task: waits A, runs, signals B)
+        ─▶ stream waits B ─▶ decode ─▶ select+sort ─▶ IoU mask ─▶ greedy scan ─▶ copy result
+        ─▶ event
+
+:meth:`GpuPipeline.synchronize` waits for the event (on a worker thread, never on the loop) and
+returns the detections of each image, ``[N, 6]`` float32 ``x1, y1, x2, y2, score, class`` in
+source-image pixels, as :func:`dlad.imaging.post.postprocess` does with ``max_candidates =
+min(max_candidates, SORT_CAPACITY)``.
+
+Limits (stated, checked): at most ``cand_capacity`` candidates per image are stored after the
+confidence test; a frame that finds more is reported as ``overflow`` and the caller runs the
+numpy reference for it. At most :data:`SORT_CAPACITY` candidates enter NMS (the best ones).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from dlad.gpu.driver import (
+    CudaError,
+    DeviceBuffer,
+    GpuContext,
+    HostBuffer,
+    _check,
+    _driver,
+    launch,
+)
+from dlad.imaging.pre import Letterbox, hwc4_layout
+
+__all__ = [
+    "MAX_ANCHORS",
+    "MAX_LEVELS",
+    "SORT_CAPACITY",
+    "GpuPipeline",
+    "HeadSpec",
+    "PostResult",
+]
+
+MAX_LEVELS = 4
+MAX_ANCHORS = 4
+SORT_CAPACITY = 8192
+"""Candidates entering NMS at most (``DLAD_SORT_CAPACITY`` in kernels.cu)."""
+_MASK_WORDS = SORT_CAPACITY // 64
+_SORT_THREADS = 1024
+_SORT_SMEM = SORT_CAPACITY * (8 + 4)
+_SCAN_THREADS = 1024
+_SCAN_ROWS = 1024  # DLAD_SHARED_ROWS
+
+
+class PreParams(ctypes.Structure):
+    """Mirror of ``struct PreParams`` in kernels.cu."""
+
+    _fields_ = [
+        ("src", ctypes.c_void_p),
+        ("dst", ctypes.c_void_p),
+        ("src_w", ctypes.c_int),
+        ("src_h", ctypes.c_int),
+        ("src_pitch", ctypes.c_int),
+        ("src_c", ctypes.c_int),
+        ("bgr", ctypes.c_int),
+        ("dst_w", ctypes.c_int),
+        ("dst_h", ctypes.c_int),
+        ("dst_pitch_px", ctypes.c_int),
+        ("new_w", ctypes.c_int),
+        ("new_h", ctypes.c_int),
+        ("pad_x", ctypes.c_int),
+        ("pad_y", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("input_scale", ctypes.c_float),
+        ("pad_value", ctypes.c_int),
+        ("chw16_groups", ctypes.c_int),
+    ]
+
+
+class Geometry(ctypes.Structure):
+    """Mirror of ``struct Geometry`` (one image's :class:`Letterbox`)."""
+
+    _fields_ = [
+        ("scale", ctypes.c_double),
+        ("pad_x", ctypes.c_int),
+        ("pad_y", ctypes.c_int),
+        ("src_w", ctypes.c_int),
+        ("src_h", ctypes.c_int),
+    ]
+
+
+class PostParams(ctypes.Structure):
+    """Mirror of ``struct PostParams`` in kernels.cu."""
+
+    _fields_ = [
+        ("heads", ctypes.c_void_p * MAX_LEVELS),
+        ("head_image_bytes", ctypes.c_longlong * MAX_LEVELS),
+        ("cands", ctypes.c_void_p),
+        ("keys", ctypes.c_void_p),
+        ("counts", ctypes.c_void_p),
+        ("sorted", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("kept_m", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("geoms", ctypes.c_void_p),
+        ("head_scale", ctypes.c_float * MAX_LEVELS),
+        ("head_h", ctypes.c_int * MAX_LEVELS),
+        ("head_w", ctypes.c_int * MAX_LEVELS),
+        ("head_stride", ctypes.c_int * MAX_LEVELS),
+        ("level_cells", ctypes.c_int * (MAX_LEVELS + 1)),
+        ("anchors", ctypes.c_float * 2 * MAX_ANCHORS * MAX_LEVELS),
+        ("nl", ctypes.c_int),
+        ("na", ctypes.c_int),
+        ("nc", ctypes.c_int),
+        ("multi_label", ctypes.c_int),
+        ("conf", ctypes.c_float),
+        ("obj_cut", ctypes.c_float),
+        ("iou", ctypes.c_float),
+        ("max_det", ctypes.c_int),
+        ("cand_capacity", ctypes.c_int),
+        ("max_candidates", ctypes.c_int),
+        ("nms_rounds", ctypes.c_int),
+    ]
+
+
+_CANDIDATE_BYTES = 24  # struct Candidate: 5 floats + int
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSpec:
+    """One detection head as the DLA writes it: ``CHW32`` int8 when ``int8_scale`` is set,
+    else ``CHW16`` fp16; ``c`` channels (``na * (5 + nc)``) over ``h x w`` cells."""
+
+    c: int
+    h: int
+    w: int
+    stride: int
+    int8_scale: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one image of this head."""
+        vec = 32 if self.int8_scale is not None else 16
+        elem = 1 if self.int8_scale is not None else 2
+        return -(-self.c // vec) * self.h * self.w * vec * elem
+
+
+@dataclass(frozen=True, slots=True)
+class PostResult:
+    """One image's result: ``detections`` ``[N, 6]``; ``found`` candidates passed the
+    confidence test; ``overflow`` when more than the capacity did (the detections are then
+    incomplete: run the numpy reference); ``entered_nms`` how many entered NMS."""
+
+    detections: npt.NDArray[np.float32]
+    found: int
+    overflow: bool
+    entered_nms: int
+
+
+def _logit_cut(conf: float) -> np.float32:
+    # dlad.imaging.post.decode's row pre-filter, compared in float32 there as here.
+    if conf == 0:
+        return np.float32(-math.inf)
+    return np.float32(math.log(conf / (1 - conf)) - 1e-3)
+
+
+class GpuPipeline:
+    """Pre/post-processing of one model on one CUDA stream (not thread-safe: one frame at a
+    time, one owner). Buffers are sized for ``batch`` images.
+
+    Args:
+        ctx: the GPU context.
+        canvas: the model input ``(height, width)``.
+        heads: the model's heads, in output order.
+        anchors: ``(levels, anchors, 2)`` in input pixels.
+        batch: images per :meth:`post` call at most.
+        max_det: largest ``max_det`` a frame may ask for.
+        cand_capacity: candidates stored per image after the confidence test.
+
+    Raises ValueError for shapes the kernels do not take (more than 4 levels or anchors per
+    level, heads whose channels are not ``na * (5 + nc)``), CudaError when allocation fails.
+    """
+
+    def __init__(
+        self,
+        ctx: GpuContext,
+        canvas: tuple[int, int],
+        heads: Sequence[HeadSpec],
+        anchors: npt.ArrayLike,
+        *,
+        batch: int = 1,
+        max_det: int = 300,
+        cand_capacity: int = 1 << 17,
+    ) -> None:
+        anc = np.asarray(anchors, dtype=np.float32)
+        if anc.ndim != 3 or anc.shape[2] != 2 or not 1 <= anc.shape[0] <= MAX_LEVELS:
+            raise ValueError(f"anchors must be (1..{MAX_LEVELS}, na, 2), got {anc.shape}")
+        nl, na = anc.shape[0], anc.shape[1]
+        if not 1 <= na <= MAX_ANCHORS or len(heads) != nl:
+            raise ValueError(f"{len(heads)} heads for {nl} levels of {na} anchors (max 4)")
+        channels = {h.c for h in heads}
+        if len(channels) != 1 or (c := channels.pop()) % na or c // na < 6:
+            raise ValueError("every head needs the same na * (5 + nc) channels, nc >= 1")
+        if batch < 1 or max_det < 0 or cand_capacity < 1:
+            raise ValueError("batch, cand_capacity must be >= 1 and max_det >= 0")
+        self.ctx = ctx
+        self.canvas = canvas
+        self.heads = tuple(heads)
+        self.anchors = anc
+        self.nc = c // na - 5
+        self.batch = batch
+        self.max_det = max_det
+        self.cand_capacity = cand_capacity
+        ctx.make_current()
+        ctx.set_max_dynamic_smem(ctx.kernels["post_select_sort"], _SORT_SMEM)
+        self._scan_smem = _SCAN_ROWS * _SCAN_ROWS // 8 + 4 * max(max_det, 1)
+        ctx.set_max_dynamic_smem(ctx.kernels["post_scan"], self._scan_smem)
+        self.stream = ctx.stream()
+        self.done = ctx.event()
+        self._image: DeviceBuffer | None = None
+        self._owned: list[DeviceBuffer | HostBuffer] = []
+        cap = batch * cand_capacity
+        self._cands = self._dev(cap * _CANDIDATE_BYTES)
+        self._keys = self._dev(cap * 8)
+        self._counts = self._dev(batch * 4)
+        self._sorted = self._dev(batch * SORT_CAPACITY * _CANDIDATE_BYTES)
+        self._mask = self._dev(batch * SORT_CAPACITY * _MASK_WORDS * 8)
+        self._kept_m = self._dev(batch * 4)
+        self._out_floats = 4 + 6 * max_det
+        self._out = self._dev(batch * self._out_floats * 4)
+        self._out_host = self._host(batch * self._out_floats * 4)
+        self._geoms = self._host(batch * ctypes.sizeof(Geometry))
+        self._pre_params = PreParams()
+        self._post_params = PostParams()
+        self._fill_static(self._post_params)
+        self._last_heads: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._requested: list[int] = []
+
+    def _fill_static(self, p: PostParams) -> None:
+        """The fields that never change between frames (set once: ctypes writes cost µs)."""
+        na = self.anchors.shape[1]
+        cells = 0
+        for i, head in enumerate(self.heads):
+            p.head_scale[i] = head.int8_scale or 0.0
+            p.head_h[i], p.head_w[i], p.head_stride[i] = head.h, head.w, head.stride
+            p.level_cells[i] = cells
+            cells += na * head.h * head.w
+            for a in range(na):
+                p.anchors[i][a][0], p.anchors[i][a][1] = self.anchors[i, a]
+        p.level_cells[len(self.heads)] = cells
+        self._cells = cells
+        p.cands, p.keys, p.counts = self._cands.ptr, self._keys.ptr, self._counts.ptr
+        p.sorted, p.mask, p.kept_m = self._sorted.ptr, self._mask.ptr, self._kept_m.ptr
+        p.out, p.geoms = self._out.ptr, self._geoms.device_ptr
+        p.nl, p.na, p.nc = len(self.heads), na, self.nc
+        p.cand_capacity = self.cand_capacity
+
+    def _dev(self, nbytes: int) -> DeviceBuffer:
+        buf = self.ctx.alloc(nbytes)
+        self._owned.append(buf)
+        return buf
+
+    def _host(self, nbytes: int) -> HostBuffer:
+        buf = self.ctx.host_alloc(nbytes)
+        self._owned.append(buf)
+        return buf
+
+    def close(self) -> None:
+        """Free every buffer, the stream and the event (after the stream drains)."""
+        drv = _driver()
+        self.ctx.make_current()
+        drv.cuStreamSynchronize(self.stream)
+        for buf in self._owned:
+            buf.free()
+        if self._image is not None:
+            self._image.free()
+        drv.cuEventDestroy(self.done)
+        drv.cuStreamDestroy(self.stream)
+
+    # ------------------------------------------------------------------------- pre
+
+    def upload(self, image: npt.NDArray[np.uint8]) -> int:
+        """Queue a copy of ``image`` (C-contiguous uint8) to the pipeline's device image buffer,
+        growing it when needed; returns its device address. A pageable ``image`` is staged by the
+        driver before this returns, so the caller may reuse it afterwards."""
+        if image.dtype != np.uint8 or not image.flags.c_contiguous:
+            raise ValueError("image must be a C-contiguous uint8 array")
+        self.ctx.make_current()
+        if self._image is None or self._image.nbytes < image.nbytes:
+            if self._image is not None:
+                _check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+                self._image.free()
+            self._image = self.ctx.alloc(image.nbytes, zero=False)
+        _check(
+            _driver().cuMemcpyHtoDAsync(
+                self._image.ptr, image.ctypes.data, image.nbytes, self.stream
+            ),
+            "cuMemcpyHtoDAsync",
+        )
+        return self._image.ptr
+
+    def pre(
+        self,
+        src_ptr: int,
+        src_shape: tuple[int, ...],
+        pixel_format: Literal["RGB", "BGR", "GRAY"],
+        geometry: Letterbox,
+        dst_ptr: int,
+        *,
+        input_scale: float | None,
+        pad_value: int = 114,
+    ) -> None:
+        """Queue letterbox + normalise of the image at ``src_ptr`` (``H x W x C`` uint8, rows
+        contiguous) into ``dst_ptr``: int8 ``DLA_HWC4`` with ``input_scale`` (row pitch from
+        :func:`hwc4_layout`), or fp16 ``CHW16`` when ``input_scale`` is None.
+
+        Raises ValueError for a shape that does not match ``pixel_format`` or ``geometry``.
+        """
+        h, w = int(src_shape[0]), int(src_shape[1])
+        c = 1 if len(src_shape) == 2 else int(src_shape[2])
+        if (pixel_format == "GRAY") != (c == 1) or c not in (1, 3):
+            raise ValueError(f"image shape {src_shape} does not match {pixel_format}")
+        if (geometry.src_w, geometry.src_h) != (w, h):
+            raise ValueError("geometry was computed for another image size")
+        p = self._pre_params
+        p.src, p.dst = src_ptr, dst_ptr
+        p.src_w, p.src_h, p.src_pitch, p.src_c = w, h, w * c, c
+        p.bgr = int(pixel_format == "BGR")
+        p.dst_w, p.dst_h = geometry.dst_w, geometry.dst_h
+        p.new_w, p.new_h = geometry.new_w, geometry.new_h
+        p.pad_x, p.pad_y = geometry.pad_x, geometry.pad_y
+        p.scale = float(np.float32(geometry.scale))
+        p.pad_value = pad_value
+        p.chw16_groups = 1
+        if input_scale is not None:
+            p.input_scale = float(np.float32(input_scale))
+            p.dst_pitch_px = hwc4_layout(3, geometry.dst_h, geometry.dst_w, 1)[0]
+            kernel, width = self.ctx.kernels["pre_hwc4_i8"], p.dst_pitch_px
+        else:
+            p.input_scale = 1.0
+            p.dst_pitch_px = geometry.dst_w
+            kernel, width = self.ctx.kernels["pre_chw16_f16"], geometry.dst_w
+        grid = (-(-width // 32), -(-geometry.dst_h // 8), 1)
+        launch(kernel, grid, (32, 8, 1), p, self.stream)
+
+    # ------------------------------------------------------------------------- fences
+
+    def signal(self, device_ptr: int, value: int) -> None:
+        """Queue a write of ``value``'s low 32 bits to the fence word at ``device_ptr`` (the GPU
+        signals a fence once the work queued before it is done)."""
+        drv = _driver()
+        _check(
+            drv.cuStreamWriteValue32(self.stream, device_ptr, value & 0xFFFFFFFF, 0),
+            "cuStreamWriteValue32",
+        )
+
+    def wait(self, device_ptr: int, value: int) -> None:
+        """Queue a wait until the fence word at ``device_ptr`` reaches ``value`` (wrap-safe
+        32-bit ``>=``): the stream's later work starts only after the fence's producer."""
+        drv = _driver()
+        flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        _check(
+            drv.cuStreamWaitValue32(self.stream, device_ptr, value & 0xFFFFFFFF, flags),
+            "cuStreamWaitValue32",
+        )
+
+    # ------------------------------------------------------------------------- post
+
+    def post(
+        self,
+        head_ptrs: Sequence[int],
+        geometries: Sequence[Letterbox],
+        *,
+        conf_threshold: float = 0.25,
+        iou_threshold: float = 0.45,
+        max_det: int = 300,
+        multi_label: bool = False,
+        max_candidates: int = SORT_CAPACITY,
+        head_image_bytes: Sequence[int] | None = None,
+        nms_rounds: int = 24,
+    ) -> None:
+        """Queue decode → top-``max_candidates`` → NMS → back-projection for
+        ``len(geometries)`` images whose heads start at ``head_ptrs`` (image ``b`` at
+        ``ptr + b * head_image_bytes``, default: each head's :attr:`HeadSpec.nbytes`), then the
+        copy of the results to host memory and the completion event. NMS over at most 1,024
+        candidates runs as a fixed point of at most ``nms_rounds`` parallel rounds, then (if it
+        has not converged: a long suppression chain) as a sequential walk; both are exact.
+
+        Raises ValueError for thresholds outside ``[0, 1)`` / ``(0, 1]``, ``max_det`` above the
+        pipeline's, ``max_candidates`` outside ``1..SORT_CAPACITY``, or a batch too large.
+        """
+        n = len(geometries)
+        if not 1 <= n <= self.batch or len(head_ptrs) != len(self.heads):
+            raise ValueError(f"{n} images ({self.batch} max), {len(head_ptrs)} head pointers")
+        if not (0 <= conf_threshold < 1 and 0 < iou_threshold <= 1):
+            raise ValueError("conf_threshold must be in [0, 1) and iou_threshold in (0, 1]")
+        if not 0 <= max_det <= self.max_det or not 1 <= max_candidates <= SORT_CAPACITY:
+            raise ValueError(f"max_det must be <= {self.max_det}, max_candidates in 1..8192")
+        sizes = head_image_bytes or [h.nbytes for h in self.heads]
+        geoms = (Geometry * self.batch).from_address(self._geoms.host_ptr)
+        for b, g in enumerate(geometries):
+            geoms[b].scale, geoms[b].pad_x, geoms[b].pad_y = g.scale, g.pad_x, g.pad_y
+            geoms[b].src_w, geoms[b].src_h = g.src_w, g.src_h
+        p = self._post_params
+        heads_key = (tuple(head_ptrs), tuple(sizes))
+        if heads_key != self._last_heads:
+            for i, ptr in enumerate(head_ptrs):
+                p.heads[i] = ptr
+                p.head_image_bytes[i] = sizes[i]
+            self._last_heads = heads_key
+        cells = self._cells
+        p.multi_label = int(multi_label)
+        p.conf = float(np.float32(conf_threshold))
+        p.obj_cut = float(_logit_cut(conf_threshold))
+        p.iou = float(iou_threshold)
+        p.max_det = max_det
+        p.max_candidates = max_candidates
+        p.nms_rounds = nms_rounds
+        k = self.ctx.kernels
+        launch(k["post_decode"], (-(-cells // 256), n, 1), (256, 1, 1), p, self.stream)
+        launch(k["post_select_sort"], (n, 1, 1), (_SORT_THREADS, 1, 1), p, self.stream, _SORT_SMEM)
+        launch(k["post_mask"], (2 * self.ctx.sm_count, n, 1), (256, 1, 1), p, self.stream)
+        launch(k["post_scan"], (n, 1, 1), (_SCAN_THREADS, 1, 1), p, self.stream, self._scan_smem)
+        stride = (4 + 6 * max_det) * 4
+        drv = _driver()
+        _check(
+            drv.cuMemcpyDtoHAsync(self._out_host.host_ptr, self._out.ptr, n * stride, self.stream),
+            "cuMemcpyDtoHAsync",
+        )
+        _check(drv.cuEventRecord(self.done, self.stream), "cuEventRecord")
+        self._requested = [max_det] * n
+
+    def synchronize(self) -> list[PostResult]:
+        """Block the calling thread until the queued frame is done; the results of each image.
+        Raises CudaError when the stream failed (a kernel fault poisons the context)."""
+        self.ctx.make_current()
+        _check(_driver().cuEventSynchronize(self.done), "cuEventSynchronize")
+        return self.results()
+
+    def ready(self) -> bool:
+        """Whether the queued frame is done (non-blocking)."""
+        err = _driver().cuEventQuery(self.done)[0]
+        if int(err) == 0:
+            return True
+        if err == _driver().CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise CudaError("cuEventQuery", int(err), getattr(err, "name", ""))
+
+    def results(self) -> list[PostResult]:
+        """The results of the frame last queued (valid once it is done)."""
+        out: list[PostResult] = []
+        if not self._requested:
+            return out
+        stride = 4 + 6 * self._requested[0]
+        floats = self._out_host.array.view(np.float32)
+        for b in range(len(self._requested)):
+            rec = floats[b * stride : (b + 1) * stride]
+            kept = int(rec[0])
+            dets = rec[4 : 4 + 6 * kept].reshape(kept, 6).copy()
+            out.append(PostResult(dets, int(rec[1]), bool(rec[2]), int(rec[3])))
+        return out

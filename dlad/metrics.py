@@ -1,0 +1,386 @@
+"""Prometheus metrics, health endpoints, and the recent-load figures of STATUS.
+
+:class:`Metrics` is owned by the daemon's event loop: the daemon reports each INFER reply
+(:meth:`Metrics.observe_reply`), each device's life cycle (:meth:`Metrics.device_state`), and
+every ``heartbeat_s`` a sample of its queues and devices (:meth:`Metrics.tick`), which is also the
+loop's heartbeat. The loop is the only writer; the HTTP server's threads only read, through
+values replaced whole (a float, a frozen :class:`Health`) and through ``prometheus_client``'s
+own locks, so a scrape never touches the scheduler or a worker.
+
+:class:`MetricsServer` serves, on its own threads (never the event loop's)::
+
+    GET /metrics        the Prometheus text exposition of the daemon's own CollectorRegistry
+    GET /health/live    200 while the loop has beaten within ``live_timeout_s``, else 503
+    GET /health/ready   200 while RUNNING with every device loaded and warm, else 503
+
+Both health endpoints answer a small JSON object saying why. Metric names, types and labels
+are listed in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import socketserver
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Literal
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import numpy as np
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+    make_wsgi_app,
+)
+
+from dlad.errors import Status
+from dlad.protocol import DeviceLoad, LoadStatus
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+
+__all__ = ["DeviceSample", "DeviceState", "Health", "Metrics", "MetricsServer"]
+
+DeviceState = Literal["loading", "warming", "ready", "failed"]
+"""A device's life cycle as readiness sees it: ``loading`` (core opening, loadable loading),
+``warming`` (the first task running), ``ready``, or ``failed`` (warm-up failed)."""
+
+LATENCY_BUCKETS: Final = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+"""Histogram buckets in seconds: a DLA task takes ~1-10 ms, a queue wait up to the deadline."""
+_MAX_SAMPLES: Final = 1 << 18
+"""Bound on the replies remembered for the load window (memory stays bounded at any rate)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """One device as the loop sees it at a heartbeat (cumulative counters since start)."""
+
+    name: str
+    queue_depth: int
+    capacity: int
+    in_flight: int
+    busy_ns: int
+    """Total device execution time so far, ns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What ``/health/ready`` reports: the daemon's state and each device's life cycle."""
+
+    state: str = "STARTING"
+    devices: Mapping[str, DeviceState] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        """RUNNING, with at least one device and every device ``ready``."""
+        return (
+            self.state == "RUNNING"
+            and bool(self.devices)
+            and all(s == "ready" for s in self.devices.values())
+        )
+
+
+class Metrics:
+    """The daemon's metrics and health state (see the module docstring).
+
+    Args:
+        name, version: exported as ``dlad_info``.
+        heartbeat_s: the expected interval between :meth:`tick` calls (for the loop-lag gauge).
+        live_timeout_s: the longest gap between beats that still counts as live.
+        load_window_s: the span of the busy ratio, rates and percentiles.
+        clock: monotonic seconds (a fake clock in tests).
+
+    Every method except :meth:`live`, :meth:`ready` and :meth:`exposition` must be called on the
+    event loop that owns the daemon; those three are safe from any thread.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        version: str,
+        *,
+        heartbeat_s: float = 0.5,
+        live_timeout_s: float = 5.0,
+        load_window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (heartbeat_s > 0 and live_timeout_s > heartbeat_s and load_window_s > 0):
+            raise ValueError(
+                "need heartbeat_s > 0, live_timeout_s > heartbeat_s, load_window_s > 0"
+            )
+        self._clock = clock
+        self._heartbeat_s = heartbeat_s
+        self._live_timeout_s = live_timeout_s
+        self._window_s = load_window_s
+        self._started = clock()
+        self._last_beat = self._started  # read by the HTTP threads: a float, replaced whole
+        self._health = Health()  # read by the HTTP threads: frozen, replaced whole
+        # (time, status is OK, total µs, device) of recent replies, and each device's
+        # (time, cumulative busy ns) at recent heartbeats.
+        self._replies: deque[tuple[float, bool, float, str]] = deque(maxlen=_MAX_SAMPLES)
+        self._busy: dict[str, deque[tuple[float, int]]] = {}
+
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
+        Info("dlad", "The daemon's name and version.", registry=r).info(
+            {"name": name, "version": version}
+        )
+        md = ["model", "device"]
+        self._requests = Counter(
+            "dlad_requests",
+            "INFER requests answered, by model, device and reply status (the failure reason).",
+            ["model", "device", "status"],
+            registry=r,
+        )
+        self._queue_s = Histogram(
+            "dlad_request_queue_seconds",
+            "Receipt to dispatch to a device, of requests answered OK.",
+            md, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._device_s = Histogram(
+            "dlad_request_device_seconds",
+            "Device execution time of requests answered OK.",
+            md, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._total_s = Histogram(
+            "dlad_request_duration_seconds",
+            "Receipt to reply (end to end on the daemon) of requests answered OK.",
+            md, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._queue_depth = Gauge(
+            "dlad_queue_depth", "Requests admitted and waiting for the device.", ["device"],
+            registry=r,
+        )  # fmt: skip
+        self._queue_capacity = Gauge(
+            "dlad_queue_capacity", "The device queue's bound (full: OVERLOADED).", ["device"],
+            registry=r,
+        )  # fmt: skip
+        self._in_flight = Gauge(
+            "dlad_device_in_flight", "Requests dispatched to the device and not yet answered.",
+            ["device"], registry=r,
+        )  # fmt: skip
+        self._busy_total = Counter(
+            "dlad_device_busy_seconds", "Time the device spent executing tasks.", ["device"],
+            registry=r,
+        )  # fmt: skip
+        self._busy_ratio = Gauge(
+            "dlad_device_busy_ratio",
+            "Fraction of the last load window the device spent executing (0-1).",
+            ["device"], registry=r,
+        )  # fmt: skip
+        self._device_ready = Gauge(
+            "dlad_device_ready", "1 when the device is loaded and warm, else 0.", ["device"],
+            registry=r,
+        )  # fmt: skip
+        self._ready = Gauge(
+            "dlad_ready", "1 when the daemon is RUNNING with every device ready.", registry=r
+        )
+        self._loop_lag = Gauge(
+            "dlad_event_loop_lag_seconds",
+            "How late the last heartbeat ran (a busy or blocked event loop).",
+            registry=r,
+        )
+
+    # ------------------------------------------------------------------------ loop-side events
+    def device_state(self, name: str, state: DeviceState) -> None:
+        """Record a device's life cycle step (readiness needs every device ``ready``)."""
+        self._health = Health(self._health.state, {**self._health.devices, name: state})
+        self._device_ready.labels(name).set(1 if state == "ready" else 0)
+        self._ready.set(1 if self._health.ready else 0)
+
+    def daemon_state(self, state: str) -> None:
+        """Record the daemon's state (``RUNNING``, ``DRAINING``, ``STOPPED``)."""
+        self._health = Health(state, self._health.devices)
+        self._ready.set(1 if self._health.ready else 0)
+
+    def observe_reply(
+        self,
+        model: str,
+        device: str | None,
+        status: Status,
+        *,
+        queue_us: float = 0.0,
+        device_us: float = 0.0,
+        total_us: float = 0.0,
+    ) -> None:
+        """Count one INFER reply; the histograms and percentiles take OK replies only.
+
+        ``model`` and ``device`` are empty/None when the request never named a readable model
+        or never reached a device.
+        """
+        dev = device or ""
+        self._requests.labels(model, dev, status.name).inc()
+        ok = status == Status.OK
+        if ok:
+            self._queue_s.labels(model, dev).observe(queue_us / 1e6)
+            self._device_s.labels(model, dev).observe(device_us / 1e6)
+            self._total_s.labels(model, dev).observe(total_us / 1e6)
+        self._replies.append((self._clock(), ok, total_us, dev))
+
+    def tick(self, devices: Iterable[DeviceSample]) -> None:
+        """The loop's heartbeat: proves liveness and samples queues and devices into gauges."""
+        now = self._clock()
+        self._loop_lag.set(max(now - self._last_beat - self._heartbeat_s, 0.0))
+        self._last_beat = now
+        horizon = now - self._window_s
+        for d in devices:
+            self._queue_depth.labels(d.name).set(d.queue_depth)
+            self._queue_capacity.labels(d.name).set(d.capacity)
+            self._in_flight.labels(d.name).set(d.in_flight)
+            samples = self._busy.setdefault(d.name, deque())
+            if samples:
+                self._busy_total.labels(d.name).inc(max(d.busy_ns - samples[-1][1], 0) / 1e9)
+            samples.append((now, d.busy_ns))
+            # keep one sample at or before the horizon, so the ratio spans the whole window
+            while len(samples) > 2 and samples[1][0] <= horizon:
+                samples.popleft()
+            self._busy_ratio.labels(d.name).set(self._busy_ratio_of(samples))
+        while self._replies and self._replies[0][0] < horizon:
+            self._replies.popleft()
+
+    @staticmethod
+    def _busy_ratio_of(samples: deque[tuple[float, int]]) -> float:
+        if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+            return 0.0
+        ratio = (samples[-1][1] - samples[0][1]) / 1e9 / (samples[-1][0] - samples[0][0])
+        return min(max(ratio, 0.0), 1.0)
+
+    def load_report(self) -> LoadStatus:
+        """The recent-load figures of a STATUS report (``report.load``)."""
+        now = self._clock()
+        window = min(self._window_s, now - self._started)
+        recent = [r for r in self._replies if r[0] >= now - self._window_s]
+        ok = np.array([r[2] for r in recent if r[1]], dtype=np.float64)
+        per = 1.0 / window if window > 0 else 0.0
+
+        def p(values: np.ndarray, q: float) -> float:
+            return float(np.percentile(values, q)) if values.size else 0.0
+
+        devices: list[DeviceLoad] = []
+        for name, samples in self._busy.items():
+            mine = np.array([r[2] for r in recent if r[1] and r[3] == name], dtype=np.float64)
+            devices.append(
+                {
+                    "name": name,
+                    "busy_ratio": self._busy_ratio_of(samples),
+                    "rate_hz": mine.size * per,
+                    "p99_us": p(mine, 99),
+                }
+            )
+        return {
+            "window_s": max(window, 0.0),
+            "rate_hz": len(recent) * per,
+            "ok_rate_hz": ok.size * per,
+            "p50_us": p(ok, 50),
+            "p99_us": p(ok, 99),
+            "devices": devices,
+        }
+
+    # ------------------------------------------------------------------------ any thread
+    def live(self) -> tuple[bool, dict[str, Any]]:
+        """Whether the event loop beat within ``live_timeout_s``, and the age of its last beat."""
+        age = self._clock() - self._last_beat
+        return age <= self._live_timeout_s, {
+            "live": age <= self._live_timeout_s,
+            "last_beat_s": round(age, 3),
+            "timeout_s": self._live_timeout_s,
+        }
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Whether the daemon is RUNNING with every device loaded and warm (and each one's step)."""
+        health = self._health
+        return health.ready, {
+            "ready": health.ready,
+            "state": health.state,
+            "devices": dict(health.devices),
+        }
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition (what ``GET /metrics`` answers)."""
+        return generate_latest(self.registry)
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds up the daemon's exit
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds would flood the daemon's log; they are not logged."""
+
+
+class MetricsServer:
+    """HTTP for :class:`Metrics` on ``host:port`` (port 0: any free port; see :attr:`port`).
+
+    :meth:`start` binds and serves on a background thread; :meth:`close` stops it and joins.
+    Raises OSError from :meth:`start` when the address cannot be bound.
+    """
+
+    def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 9464) -> None:
+        self._metrics = metrics
+        self._host = host
+        self._want_port = port
+        self._prometheus = make_wsgi_app(metrics.registry)
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (valid after :meth:`start`)."""
+        if self._server is None:
+            raise RuntimeError("the metrics server is not started")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self._host}:{self.port}"
+
+    def start(self) -> None:
+        server = make_server(
+            self._host, self._want_port, self._app, server_class=_Server,
+            handler_class=_QuietHandler,
+        )  # fmt: skip
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="dlad-metrics",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _app(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path in ("/health/live", "/health/ready"):
+            ok, body = self._metrics.live() if path == "/health/live" else self._metrics.ready()
+            data = json.dumps(body).encode()
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(data)))],
+            )
+            return [data]
+        if path == "/metrics":
+            return self._prometheus(environ, start_response)  # type: ignore[no-any-return]
+        data = b"dlad: /metrics, /health/live, /health/ready\n"
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [data]

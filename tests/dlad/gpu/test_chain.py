@@ -1,0 +1,192 @@
+"""Fence chaining (GPU → emulated DLA → GPU) and the daemon serving with GPU pre/post: its
+detections equal the CPU path's on the same images."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from PIL import Image
+
+from dlad.config import load_config
+from dlad.daemon import Daemon
+from dlad.devices.base import CudlaStatus, Task
+from dlad.devices.emulated import EmulatedDlaCore
+from dlad.gpu.fences import FencePoller, MappedFence, word_reached
+from dlad.gpu.service import GpuService
+from dlad.imaging.post import postprocess, unpack_head
+from dlad.imaging.pre import letterbox, quantize_hwc4
+from dlad.loadable import DataType, read_loadable
+from dlad.models import DEMO
+from dlad_client import Client
+
+pytestmark = pytest.mark.timeout(300)
+
+IMAGES = sorted((DEMO / "images").glob("*.jpg"))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuService]:
+    from tests.dlad.gpu.conftest import PROBE
+
+    if not PROBE.available:
+        pytest.skip(f"needs a CUDA GPU (run on the H200): {PROBE.reason}")
+    svc = GpuService(0, cache_dir=tmp_path_factory.mktemp("cache"))
+    yield svc
+    svc.close()
+
+
+def test_word_reached_is_wrap_safe() -> None:
+    assert word_reached(5, 5)
+    assert word_reached(6, 5)
+    assert not word_reached(4, 5)
+    assert word_reached(3, 0xFFFFFFFE + 4)  # the word wrapped past 2**32
+    assert not word_reached(0xFFFFFFFF, 2**32 + 1)
+
+
+def test_gpu_signal_wakes_dla_and_dla_signal_releases_stream(service: GpuService) -> None:
+    # GPU pre → fence A → emulated DLA task (numeric) → fence B → GPU post, queued at once;
+    # the result equals the CPU reference on the same DLA outputs.
+    loadable = read_loadable(DEMO / "fp16_heads.dla0.emu", expect_core=0)
+    with EmulatedDlaCore(0, mode="numeric", allocator=service.host_array) as core:
+        module = core.load(DEMO / "fp16_heads.dla0.emu")
+        inputs = [core.alloc_buffer(d) for d in module.inputs]
+        outputs = [core.alloc_buffer(d) for d in module.outputs]
+        slot = service.slot(loadable, inputs[0].raw, [b.raw for b in outputs], max_det=300)
+        total = 0
+        for frame, path in enumerate(IMAGES):
+            rgb = np.ascontiguousarray(np.asarray(Image.open(path).convert("RGB")))
+            canvas, geometry = letterbox(rgb, loadable.image_size)
+            p = slot.pipeline
+            src = p.upload(rgb)
+            p.pre(src, rgb.shape, "RGB", geometry, slot.input_ptr, input_scale=loadable.input_scale)
+            a = slot.ready.next_value()
+            slot.ready.expect_gpu_signal(a)
+            p.signal(slot.ready.device_ptr, a)
+            b = slot.done.next_value()
+            task = Task(module, inputs, outputs, wait=((slot.ready, a),), signal=((slot.done, b),))
+            handle = core.submit(task)
+            p.wait(slot.done.device_ptr, b)
+            p.post(slot.head_ptrs, [geometry])
+            (result,) = p.synchronize()
+            assert handle.status is CudlaStatus.SUCCESS, frame
+            # The DLA read exactly the reference's input bytes.
+            np.testing.assert_array_equal(
+                inputs[0].array[0], quantize_hwc4(canvas, loadable.input_scale)
+            )
+            heads = [
+                unpack_head(
+                    buf.array, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None
+                )
+                for d, buf in zip(module.outputs, outputs, strict=True)
+            ]
+            expected = postprocess(
+                heads, np.asarray(loadable.anchors_px, np.float32), loadable.strides, geometry
+            )
+            total += len(expected)
+            np.testing.assert_array_equal(result.detections[:, 5], expected[:, 5])
+            np.testing.assert_allclose(
+                result.detections[:, :5], expected[:, :5], rtol=1e-5, atol=1e-3
+            )
+        assert total > 0
+
+
+def test_poller_advances_fence_written_by_gpu(service: GpuService) -> None:
+    poller = FencePoller()
+    try:
+        fence = MappedFence(service.ctx, poller)
+        reached = threading.Event()
+        fence.on_reached(1, reached.set)
+        fence.expect_gpu_signal(1)
+        fence._word[0] = 1  # what cuStreamWriteValue32 does from the GPU
+        assert reached.wait(5)
+        assert fence.value == 1
+        fence.free()
+    finally:
+        poller.close()
+
+
+CONFIG = """
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[pre_post]
+backend = "{backend}"
+[devices.dla0]
+kind = "dla"
+core = 0
+[devices.dla1]
+kind = "dla"
+core = 1
+[devices.gpu]
+kind = "gpu"
+[models.demo]
+devices = ["dla0", "dla1"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+"""
+
+
+@contextmanager
+def running(tmp_path: Path, backend: str) -> Iterator[str]:
+    cfg = tmp_path / f"{backend}.toml"
+    cfg.write_text(CONFIG.format(backend=backend))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(daemon.serve)
+            await daemon.ready.wait()
+            started.set()
+
+    def target() -> None:
+        try:
+            anyio.run(main)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+            started.set()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert started.wait(120)
+    assert not errors, errors
+    try:
+        yield daemon.bound[0]
+    finally:
+        daemon.stop_threadsafe()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert not errors, errors
+
+
+def _detect_all(endpoint: str) -> list[np.ndarray]:
+    out = []
+    with Client(endpoint, timeout_s=30) as client:
+        for path in IMAGES:
+            rgb = np.ascontiguousarray(np.asarray(Image.open(path).convert("RGB")))
+            for fmt, img in (("RGB", rgb), ("BGR", np.ascontiguousarray(rgb[:, :, ::-1]))):
+                result = client.detect(img, pixel_format=fmt, conf=0.25)  # type: ignore[arg-type]
+                out.append(result.detections.copy())
+            gray = np.ascontiguousarray(rgb[:, :, 1])
+            out.append(client.detect(gray, pixel_format="GRAY").detections.copy())
+    return out
+
+
+def test_daemon_gpu_detections_equal_cpu(tmp_path: Path, service: GpuService) -> None:
+    del service  # only for the skip: the daemon opens its own context
+    with running(tmp_path, "cuda") as endpoint:
+        gpu = _detect_all(endpoint)
+    with running(tmp_path, "cpu") as endpoint:
+        cpu = _detect_all(endpoint)
+    assert sum(len(d) for d in cpu) > 0
+    for g, c in zip(gpu, cpu, strict=True):
+        assert g.shape == c.shape
+        np.testing.assert_array_equal(g[:, 5], c[:, 5])
+        np.testing.assert_allclose(g[:, :5], c[:, :5], rtol=1e-5, atol=1e-3)

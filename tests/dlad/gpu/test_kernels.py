@@ -1,0 +1,297 @@
+"""Parity of the CUDA pre/post kernels with the numpy reference (dlad.imaging.pre/post).
+
+Tolerances: pre-processing bytes are equal (every float step is specified and done with the
+same IEEE operations, no FMA). Post-processing runs ``expf`` where numpy runs its own ``exp``
+(both within ~2 ulp), so scores agree to 1e-5 relative and boxes to 1e-3 px + 1e-5 relative;
+the detections themselves (count, order, classes) are equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlad.gpu.driver import GpuContext
+from dlad.gpu.prepost import SORT_CAPACITY, GpuPipeline, HeadSpec
+from dlad.imaging.post import (
+    YOLOV5_ANCHORS,
+    pack_chw16,
+    pack_chw32,
+    postprocess,
+    unpack_head,
+)
+from dlad.imaging.pre import (
+    Letterbox,
+    hwc4_layout,
+    letterbox,
+    normalize_chw16,
+    quantize_hwc4,
+    to_rgb,
+)
+from tests.dlad.gpu.conftest import Device
+
+pytestmark = pytest.mark.timeout(300)
+GPU_SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _reference_pre(
+    image: np.ndarray, fmt: str, size: tuple[int, int], scale: float | None
+) -> tuple[np.ndarray, Letterbox]:
+    rgb = to_rgb(image, fmt)  # type: ignore[arg-type]
+    canvas, geometry = letterbox(rgb, size)
+    if scale is None:
+        return normalize_chw16(canvas), geometry
+    return quantize_hwc4(canvas, scale), geometry
+
+
+def _gpu_pre(
+    ctx: GpuContext,
+    dev: Device,
+    image: np.ndarray,
+    fmt: str,
+    geometry: Letterbox,
+    scale: float | None,
+) -> np.ndarray:
+    heads = [HeadSpec(18, 2, 2, 8)]
+    pipe = GpuPipeline(ctx, (geometry.dst_h, geometry.dst_w), heads, YOLOV5_ANCHORS[:1])
+    try:
+        h, w = geometry.dst_h, geometry.dst_w
+        if scale is None:
+            shape: tuple[int, ...] = (1, h, w, 16)
+            dtype: type = np.float16
+        else:
+            shape, dtype = (h, hwc4_layout(3, h, w, 1)[0], 4), np.int8
+        dst = dev.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        src = dev.put(image)
+        pipe.pre(src, image.shape, fmt, geometry, dst, input_scale=scale)  # type: ignore[arg-type]
+        pipe.ctx.make_current()
+        from cuda.bindings import driver
+
+        assert int(driver.cuStreamSynchronize(pipe.stream)[0]) == 0
+        return dev.get(dst, shape, dtype)
+    finally:
+        pipe.close()
+
+
+@GPU_SETTINGS
+@given(
+    w=st.integers(1, 400),
+    h=st.integers(1, 400),
+    canvas=st.sampled_from([(64, 64), (96, 160), (256, 256), (640, 640)]),
+    fmt=st.sampled_from(["RGB", "BGR", "GRAY"]),
+    scale=st.sampled_from([1 / 255, 0.0078125, 0.0042, None]),
+    seed=st.integers(0, 2**31),
+)
+def test_pre_bytes_equal_reference(
+    ctx: GpuContext,
+    dev: Device,
+    w: int,
+    h: int,
+    canvas: tuple[int, int],
+    fmt: str,
+    scale: float | None,
+    seed: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    shape = (h, w) if fmt == "GRAY" else (h, w, 3)
+    image = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    expected, geometry = _reference_pre(image, fmt, canvas, scale)
+    got = _gpu_pre(ctx, dev, image, fmt, geometry, scale)
+    if scale is None:
+        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_pre_1080p_bgr_to_672(ctx: GpuContext, dev: Device) -> None:
+    rng = np.random.default_rng(7)
+    image = rng.integers(0, 256, size=(1080, 1920, 3), dtype=np.uint8)
+    expected, geometry = _reference_pre(image, "BGR", (672, 672), 0.0078125)
+    got = _gpu_pre(ctx, dev, image, "BGR", geometry, 0.0078125)
+    np.testing.assert_array_equal(got, expected)
+    assert not got[..., 3].any()  # the fourth channel is zero
+
+
+# ------------------------------------------------------------------------------- post
+
+
+def _heads(
+    rng: np.random.Generator,
+    canvas: int,
+    nc: int,
+    obj_mean: float,
+    int8: bool,
+    strides: tuple[int, ...] = (8, 16, 32),
+) -> tuple[list[np.ndarray], list[HeadSpec], list[np.ndarray]]:
+    """Random raw heads, their packed DLA buffers and specs."""
+    c = 3 * (5 + nc)
+    raws: list[np.ndarray] = []
+    specs: list[HeadSpec] = []
+    packed: list[np.ndarray] = []
+    for s in strides:
+        g = canvas // s
+        raw = rng.normal(0.0, 1.5, size=(c, g, g)).astype(np.float32)
+        for a in range(3):
+            raw[a * (5 + nc) + 4] = rng.normal(obj_mean, 2.0, size=(g, g))
+        if int8:
+            scale = 0.06
+            q = pack_chw32(raw, scale)
+            raws.append(unpack_head(q, c, g, g, scale))
+            specs.append(HeadSpec(c, g, g, s, scale))
+            packed.append(q)
+        else:
+            f = pack_chw16(raw)
+            raws.append(unpack_head(f, c, g, g, None))
+            specs.append(HeadSpec(c, g, g, s, None))
+            packed.append(f)
+    return raws, specs, packed
+
+
+def _compare(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    np.testing.assert_array_equal(got[:, 5], expected[:, 5])
+    np.testing.assert_allclose(got[:, 4], expected[:, 4], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[:, :4], expected[:, :4], rtol=1e-5, atol=1e-3)
+
+
+def _run_post(
+    ctx: GpuContext,
+    dev: Device,
+    specs: list[HeadSpec],
+    packed: list[list[np.ndarray]],
+    geometries: list[Letterbox],
+    **kw: object,
+) -> list[object]:
+    batch = len(geometries)
+    canvas = (geometries[0].dst_h, geometries[0].dst_w)
+    cap = int(kw.pop("cand_capacity", 1 << 17))  # type: ignore[call-overload]
+    pipe = GpuPipeline(ctx, canvas, specs, YOLOV5_ANCHORS, batch=batch, cand_capacity=cap)
+    try:
+        ptrs = [dev.put(np.stack([p[i] for p in packed])) for i in range(len(specs))]
+        pipe.post(ptrs, geometries, **kw)  # type: ignore[arg-type]
+        return pipe.synchronize()  # type: ignore[return-value]
+    finally:
+        pipe.close()
+
+
+@GPU_SETTINGS
+@given(
+    seed=st.integers(0, 2**31),
+    canvas=st.sampled_from([128, 256, 320]),
+    nc=st.sampled_from([1, 3, 80]),
+    obj_mean=st.sampled_from([-12.0, -5.0, -2.0, 3.0]),
+    conf=st.sampled_from([0.001, 0.1, 0.25, 0.6]),
+    iou=st.sampled_from([0.3, 0.45, 0.7]),
+    multi_label=st.booleans(),
+    int8=st.booleans(),
+    max_det=st.sampled_from([1, 100, 300]),
+)
+def test_post_matches_reference(
+    ctx: GpuContext,
+    dev: Device,
+    seed: int,
+    canvas: int,
+    nc: int,
+    obj_mean: float,
+    conf: float,
+    iou: float,
+    multi_label: bool,
+    int8: bool,
+    max_det: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    raws, specs, packed = _heads(rng, canvas, nc, obj_mean, int8)
+    src = (int(rng.integers(50, 2000)), int(rng.integers(50, 2000)))
+    _, geometry = letterbox(np.zeros((src[1], src[0], 3), np.uint8), canvas)
+    kw = {"conf_threshold": conf, "iou_threshold": iou, "max_det": max_det}
+    expected = postprocess(
+        raws,
+        YOLOV5_ANCHORS,
+        (8, 16, 32),
+        geometry,
+        multi_label=multi_label,
+        max_candidates=SORT_CAPACITY,
+        **kw,  # type: ignore[arg-type]
+    )
+    (result,) = _run_post(
+        ctx, dev, specs, [packed], [geometry], multi_label=multi_label, cand_capacity=1 << 22, **kw
+    )
+    assert not result.overflow  # type: ignore[attr-defined]
+    _compare(result.detections, expected)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 24])
+def test_nms_walk_and_fixed_point_agree(ctx: GpuContext, dev: Device, rounds: int) -> None:
+    # 0 rounds: the sequential walk; 1: the walk after an unconverged round; 24: fixed point.
+    rng = np.random.default_rng(15)
+    raws, specs, packed = _heads(rng, 320, 3, -3.0, False)
+    _, geometry = letterbox(np.zeros((480, 640, 3), np.uint8), 320)
+    expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, iou_threshold=0.3)
+    (result,) = _run_post(
+        ctx, dev, specs, [packed], [geometry], iou_threshold=0.3, nms_rounds=rounds
+    )
+    assert 20 < result.entered_nms <= 1024  # type: ignore[attr-defined]
+    _compare(result.detections, expected)  # type: ignore[attr-defined]
+
+
+def test_post_selects_top_candidates_when_saturated(ctx: GpuContext, dev: Device) -> None:
+    # Every anchor of a 672 model passes: 27,783 x 80 multi-label candidates, far more than
+    # the 8,192 entering NMS; the radix select must keep exactly the reference's best ones.
+    rng = np.random.default_rng(11)
+    raws, specs, packed = _heads(rng, 672, 80, 6.0, False)
+    _, geometry = letterbox(np.zeros((1080, 1920, 3), np.uint8), 672)
+    kw = {"conf_threshold": 0.3, "iou_threshold": 0.5, "max_det": 300}
+    expected = postprocess(
+        raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, multi_label=True,
+        max_candidates=SORT_CAPACITY, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+    (result,) = _run_post(
+        ctx, dev, specs, [packed], [geometry], multi_label=True, cand_capacity=1 << 22, **kw
+    )
+    assert not result.overflow  # type: ignore[attr-defined]
+    assert result.found > SORT_CAPACITY  # type: ignore[attr-defined]
+    assert result.entered_nms == SORT_CAPACITY  # type: ignore[attr-defined]
+    _compare(result.detections, expected)  # type: ignore[attr-defined]
+
+
+def test_post_reports_overflow(ctx: GpuContext, dev: Device) -> None:
+    rng = np.random.default_rng(12)
+    _, specs, packed = _heads(rng, 256, 3, 6.0, True)
+    _, geometry = letterbox(np.zeros((256, 256, 3), np.uint8), 256)
+    (result,) = _run_post(ctx, dev, specs, [packed], [geometry], cand_capacity=100)
+    assert result.overflow  # type: ignore[attr-defined]
+    assert result.found > 100  # type: ignore[attr-defined]
+
+
+def test_post_empty_and_batched(ctx: GpuContext, dev: Device) -> None:
+    rng = np.random.default_rng(13)
+    frames = [_heads(rng, 256, 80, m, False) for m in (-30.0, -3.0, 0.0, -3.0)]
+    sizes = [(640, 480), (1920, 1080), (256, 256), (300, 900)]
+    geometries = [letterbox(np.zeros((h, w, 3), np.uint8), 256)[1] for w, h in sizes]
+    results = _run_post(ctx, dev, frames[0][1], [f[2] for f in frames], geometries)
+    assert len(results) == 4
+    for (raws, _, _), g, r in zip(frames, geometries, results, strict=True):
+        expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), g, max_candidates=SORT_CAPACITY)
+        _compare(r.detections, expected)  # type: ignore[attr-defined]
+    assert results[0].detections.shape == (0, 6)  # type: ignore[attr-defined]
+
+
+def test_frames_reuse_the_pipeline(ctx: GpuContext, dev: Device) -> None:
+    # The candidate counter is reset on the GPU between frames of one stream.
+    rng = np.random.default_rng(14)
+    raws, specs, packed = _heads(rng, 256, 3, -2.0, False)
+    _, geometry = letterbox(np.zeros((256, 256, 3), np.uint8), 256)
+    expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry)
+    pipe = GpuPipeline(ctx, (256, 256), specs, YOLOV5_ANCHORS)
+    try:
+        ptrs = [dev.put(p[None]) for p in packed]
+        for _ in range(3):
+            pipe.post(ptrs, [geometry])
+            (r,) = pipe.synchronize()
+            _compare(r.detections, expected)
+    finally:
+        pipe.close()
