@@ -303,58 +303,6 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
         b.free()
 
 
-def bench_breakdown(ctx: GpuContext, results: dict[str, Any]) -> None:
-    """Per-kernel GPU time (events between launches, one frame at a time) and per-call host
-    time of one batch-1 post() (where the microseconds go)."""
-    from dlad.gpu import prepost
-
-    rng = np.random.default_rng(1)
-    _, packed = yolov5s_heads(rng)
-    geometry = letterbox_geometry(1920, 1080, SIZE)
-    specs = [HeadSpec(255, SIZE // s, SIZE // s, s) for s in (8, 16, 32)]
-    pipe = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS)
-    drv = _driver()
-    ptrs = []
-    for p in packed:
-        b = ctx.alloc(p.nbytes, zero=False)
-        _check(drv.cuMemcpyHtoD(b.ptr, np.ascontiguousarray(p).ctypes.data, p.nbytes), "h2d")
-        ptrs.append(b.ptr)
-    events = [ctx.event(timing=True) for _ in range(8)]
-    names: list[str] = []
-    host: dict[str, list[float]] = {}
-    original = prepost.launch
-
-    def timed_launch(kernel: Any, *args: Any, **kw: Any) -> None:
-        t0 = time.perf_counter_ns()
-        original(kernel, *args, **kw)
-        host.setdefault(kernel.name, []).append((time.perf_counter_ns() - t0) / 1e3)
-        _check(drv.cuEventRecord(events[len(names) + 1], pipe.stream), "rec")
-        names.append(kernel.name)
-
-    prepost.launch = timed_launch  # type: ignore[assignment]
-    gpu: dict[str, list[float]] = {}
-    total: list[float] = []
-    try:
-        for _ in range(200):
-            names.clear()
-            _check(drv.cuEventRecord(events[0], pipe.stream), "rec")
-            t0 = time.perf_counter_ns()
-            pipe.post(ptrs, [geometry], conf_threshold=CONF, iou_threshold=IOU)
-            total.append((time.perf_counter_ns() - t0) / 1e3)
-            pipe.synchronize()
-            for i, name in enumerate(names):
-                ms = _check(drv.cuEventElapsedTime(events[i], events[i + 1]), "elapsed")
-                gpu.setdefault(name, []).append(float(ms) * 1e3)
-    finally:
-        prepost.launch = original  # type: ignore[assignment]
-    results["post_breakdown_batch1"] = {
-        "host_post_call_us": statistics.median(total),
-        "host_launch_us": {k: statistics.median(v) for k, v in host.items()},
-        "gpu_kernel_us": {k: statistics.median(v) for k, v in gpu.items()},
-    }
-    pipe.close()
-
-
 def bench_fence(ctx: GpuContext, results: dict[str, Any]) -> None:
     """Latency of the GPU → host-polled fence (pre done → emulated DLA may start)."""
     from dlad.gpu.fences import FencePoller, MappedFence
@@ -399,7 +347,6 @@ def main() -> None:
     }
     bench_pre(ctx, results, bw)
     bench_post(ctx, results, bw)
-    bench_breakdown(ctx, results)
     bench_fence(ctx, results)
     text = json.dumps(results, indent=2)
     print(text)

@@ -18,5 +18,10 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
 fi
 if [[ "${SKIP_BENCH:-0}" != 1 ]]; then
     timeout "${BENCH_TIMEOUT:-200}" python3 bench/gpu_prepost.py --json "$out/gpu_prepost.json" 2>&1 | tail -60
+    # Per-kernel durations of one batch-1 post-processing frame (Nsight Compute).
+    if command -v ncu >/dev/null; then
+        timeout 120 ncu --clock-control none -k regex:post_ --metrics gpu__time_duration.sum \
+            python3 bench/gpu_post_profile.py 300 2>&1 | grep -E "post_|duration|kept" | tail -9
+    fi
 fi
 exit "$status"

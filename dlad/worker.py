@@ -149,6 +149,7 @@ class DeviceWorker:
             threads=threads,
             faults=faults,
             allocator=None if self.gpu is None else self.gpu.host_array,
+            cudla_options=None if self.gpu is None else self.gpu.cudla_options(),
         )
         self.core.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
         self._slots = [self._make_slot() for _ in range(slots)]
@@ -160,13 +161,16 @@ class DeviceWorker:
             "outputs": [self.core.alloc_buffer(d) for d in self.module.outputs],
             "fence": self.core.create_fence(),
         }
-        if self.gpu is not None:
-            slot["gpu"] = self.gpu.slot(
-                self.loadable,
-                slot["inputs"][0].raw,
-                [b.raw for b in slot["outputs"]],
-                max_det=MAX_DET,
-            )
+        if self.gpu is not None:  # mapped words (emulated) or NvSci imports (cudla)
+            try:
+                slot["gpu"] = self.gpu.slot_for(
+                    self.core, self.loadable, slot["inputs"], slot["outputs"], max_det=MAX_DET
+                )
+            except DlaError as exc:
+                # e.g. a cudla core in deterministic-semaphore mode, which cannot take a
+                # GPU-signalled fence: this worker pre/post-processes on the CPU instead.
+                log.warning("gpu_pre_post_unavailable", device=self.name, reason=str(exc))
+                self.gpu = None
         return slot
 
     def wake(self) -> None:
@@ -323,19 +327,8 @@ class DeviceWorker:
             gpu.input_ptr,
             input_scale=self.loadable.input_scale if int8 else None,
         )
-        ready = gpu.ready.next_value()
-        gpu.ready.expect_gpu_signal(ready)
-        pipe.signal(gpu.ready.device_ptr, ready)
-        done = gpu.done.next_value()
-        task = Task(
-            self.module,
-            tuple(slot["inputs"]),
-            tuple(slot["outputs"]),
-            wait=((gpu.ready, ready),),
-            signal=((gpu.done, done),),
-        )
-        handle = self.core.submit(task)
-        pipe.wait(gpu.done.device_ptr, done)
+        # GPU signals ready → task (waits ready, signals done) → stream waits done
+        handle = gpu.chain_task(self.core, self.module, slot["inputs"], slot["outputs"])
         pipe.post(
             gpu.head_ptrs,
             [geometry],

@@ -137,6 +137,17 @@ struct Geometry {  // dlad.imaging.pre.Letterbox, per image
     int pad_x, pad_y, src_w, src_h;
 };
 
+struct FrameParams {  // what changes from frame to frame; copied to the GPU in the frame's graph
+    float conf;            // score > conf passes
+    float obj_cut;         // (float)(logit(conf) - 1e-3): rows whose objectness cannot pass
+    float iou;             // IoU >= iou suppresses
+    int max_det;
+    int multi_label;
+    int max_candidates;    // <= DLAD_SORT_CAPACITY
+    int nms_rounds;        // fixed-point rounds before post_scan walks instead
+    int reserved;
+};
+
 struct PostParams {
     const void* heads[DLAD_MAX_LEVELS];  // head buffers of image 0; image b at + b * head_image_bytes
     long long head_image_bytes[DLAD_MAX_LEVELS];
@@ -147,20 +158,14 @@ struct PostParams {
     u64* mask;             // [batch][DLAD_SORT_CAPACITY][DLAD_MASK_WORDS]
     u32* kept_m;           // [batch]: candidates entering NMS
     float* out;            // [batch][4 + 6 * max_det]: n, found, overflow, m, then detections
-    const Geometry* geoms; // [batch]
+    const Geometry* geoms; // [batch], device memory
+    const FrameParams* frame;  // device memory
     float head_scale[DLAD_MAX_LEVELS];   // CHW32 int8 dequantisation scale; 0 for CHW16 fp16
     int head_h[DLAD_MAX_LEVELS], head_w[DLAD_MAX_LEVELS], head_stride[DLAD_MAX_LEVELS];
     int level_cells[DLAD_MAX_LEVELS + 1];  // prefix sums of na * H * W
     float anchors[DLAD_MAX_LEVELS][DLAD_MAX_ANCHORS][2];
     int nl, na, nc;
-    int multi_label;
-    float conf;            // score > conf passes
-    float obj_cut;         // (float)(logit(conf) - 1e-3): rows whose objectness cannot pass
-    float iou;             // IoU >= iou suppresses
-    int max_det;
     int cand_capacity;
-    int max_candidates;    // <= DLAD_SORT_CAPACITY
-    int nms_rounds;        // fixed-point rounds before post_scan walks instead
 };
 
 __device__ __forceinline__ float sigmoidf(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
@@ -190,6 +195,7 @@ __device__ __forceinline__ void emit(const PostParams& p, int b, float x1, float
 
 // dlad.imaging.post.decode: one thread per (level, anchor, cell); grid.y = image.
 extern "C" __global__ void post_decode(const PostParams p) {
+    const FrameParams f = *p.frame;
     int b = blockIdx.y;
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= p.level_cells[p.nl]) return;
@@ -202,7 +208,7 @@ extern "C" __global__ void post_decode(const PostParams p) {
     const void* base = reinterpret_cast<const char*>(p.heads[level]) + b * p.head_image_bytes[level];
     int ch = a * (5 + p.nc);
     float obj_logit = head_value(p, level, base, ch + 4, iy, ix);
-    if (!(obj_logit > p.obj_cut)) return;
+    if (!(obj_logit > f.obj_cut)) return;
     float sx = sigmoidf(head_value(p, level, base, ch + 0, iy, ix));
     float sy = sigmoidf(head_value(p, level, base, ch + 1, iy, ix));
     float sw = sigmoidf(head_value(p, level, base, ch + 2, iy, ix));
@@ -218,12 +224,12 @@ extern "C" __global__ void post_decode(const PostParams p) {
     float x1 = __fsub_rn(cx, hw_), y1 = __fsub_rn(cy, hh);
     float x2 = __fadd_rn(cx, hw_), y2 = __fadd_rn(cy, hh);
     if (!(isfinite(x1) && isfinite(y1) && isfinite(x2) && isfinite(y2))) return;
-    if (p.multi_label) {
+    if (f.multi_label) {
         u32 order0 = (u32)(t) * (u32)p.nc;
 #pragma unroll 8
         for (int k = 0; k < p.nc; ++k) {
             float conf = __fmul_rn(obj, sigmoidf(head_value(p, level, base, ch + 5 + k, iy, ix)));
-            if (conf > p.conf) emit(p, b, x1, y1, x2, y2, conf, k, order0 + k);
+            if (conf > f.conf) emit(p, b, x1, y1, x2, y2, conf, k, order0 + k);
         }
     } else {
         int best = 0;
@@ -234,7 +240,7 @@ extern "C" __global__ void post_decode(const PostParams p) {
             if (v > best_logit) { best_logit = v; best = k; }  // first maximum wins ties
         }
         float conf = __fmul_rn(obj, sigmoidf(best_logit));
-        if (conf > p.conf) emit(p, b, x1, y1, x2, y2, conf, best, (u32)t);
+        if (conf > f.conf) emit(p, b, x1, y1, x2, y2, conf, best, (u32)t);
     }
 }
 
@@ -242,6 +248,7 @@ extern "C" __global__ void post_decode(const PostParams p) {
 // into `sorted`; the candidate counter is reset for the next frame. One block of 1024 threads
 // per image (grid.x = image); dynamic shared memory: DLAD_SORT_CAPACITY * 12 bytes.
 extern "C" __global__ void post_select_sort(const PostParams p) {
+    const FrameParams f = *p.frame;
     extern __shared__ u64 smem[];
     u64* skey = smem;                                            // [DLAD_SORT_CAPACITY]
     u32* spos = reinterpret_cast<u32*>(smem + DLAD_SORT_CAPACITY);  // [DLAD_SORT_CAPACITY]
@@ -255,13 +262,13 @@ extern "C" __global__ void post_select_sort(const PostParams p) {
         found = p.counts[b];
         prefix = 0;
         prefix_mask = 0;
-        remaining = (u32)p.max_candidates;
+        remaining = (u32)f.max_candidates;
         m = 0;
     }
     __syncthreads();
     u32 n = min(found, (u32)p.cand_capacity);
     u64 cut = ~0ull;  // keys <= cut are selected
-    if (n > (u32)p.max_candidates) {
+    if (n > (u32)f.max_candidates) {
         // Radix select of the max_candidates-th smallest key (keys are unique), 8 bits a pass.
         for (int shift = 56; shift >= 0; shift -= 8) {
             for (int i = tid; i < 256; i += nt) hist[i] = 0;
@@ -294,6 +301,27 @@ extern "C" __global__ void post_select_sort(const PostParams p) {
     }
     __syncthreads();
     u32 count = m;
+    const Candidate* cands = p.cands + (long long)b * p.cand_capacity;
+    Candidate* sorted = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
+    if (count <= 2 * (u32)nt) {
+        // Few candidates (the usual case): each one's rank is the number of smaller keys (keys
+        // are unique), one pass over shared memory, no barrier rounds.
+        for (u32 i = tid; i < count; i += nt) {
+            u64 key = skey[i];
+            u32 rank = 0;
+            for (u32 j = 0; j < count; ++j) rank += skey[j] < key;
+            sorted[rank] = cands[spos[i]];
+        }
+        if (tid == 0) {
+            p.kept_m[b] = count;
+            p.counts[b] = 0;  // ready for the next frame on this stream
+            float* out = p.out + (long long)b * (4 + 6 * f.max_det);
+            out[1] = (float)found;
+            out[2] = found > (u32)p.cand_capacity ? 1.0f : 0.0f;
+            out[3] = (float)count;
+        }
+        return;
+    }
     u32 size = 1;
     while (size < count) size <<= 1;
     for (u32 i = count + tid; i < size; i += nt) { skey[i] = ~0ull; spos[i] = 0; }
@@ -315,13 +343,11 @@ extern "C" __global__ void post_select_sort(const PostParams p) {
             __syncthreads();
         }
     }
-    const Candidate* cands = p.cands + (long long)b * p.cand_capacity;
-    Candidate* sorted = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
     for (u32 i = tid; i < count; i += nt) sorted[i] = cands[spos[i]];
     if (tid == 0) {
         p.kept_m[b] = count;
         p.counts[b] = 0;  // ready for the next frame on this stream
-        float* out = p.out + (long long)b * (4 + 6 * p.max_det);
+        float* out = p.out + (long long)b * (4 + 6 * f.max_det);
         out[1] = (float)found;
         out[2] = found > (u32)p.cand_capacity ? 1.0f : 0.0f;
         out[3] = (float)count;
@@ -344,11 +370,12 @@ __device__ __forceinline__ bool suppresses(const Candidate& a, const Candidate& 
 // score) of the same class overlaps candidate j = 64 w + bit, j > i, with IoU >= iou.
 // Only words w >= i / 64 are written (the scan reads no others). Any grid; grid.y = image.
 extern "C" __global__ void post_mask(const PostParams p) {
+    const FrameParams f = *p.frame;
     int b = blockIdx.y;
     u32 m = p.kept_m[b];
     const Candidate* s = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
     u64* mask = p.mask + (long long)b * DLAD_SORT_CAPACITY * DLAD_MASK_WORDS;
-    double thr = (double)p.iou;
+    double thr = (double)f.iou;
     if (m <= DLAD_SHARED_ROWS) {
         // Column mask for post_scan: word v of column j holds bit i - 32 v for every i < j
         // (same class) that suppresses j. Only words v <= j / 32 are written and read.
@@ -397,6 +424,7 @@ extern "C" __global__ void post_mask(const PostParams p) {
 //   larger m: post_mask's row mask in global memory, resolved word by word by one warp.
 // Dynamic shared memory: DLAD_SHARED_ROWS * DLAD_SHARED_COLS * 4 + max_det * 4 bytes.
 extern "C" __global__ void post_scan(const PostParams p) {
+    const FrameParams f = *p.frame;
     extern __shared__ u32 scol[];  // [DLAD_SHARED_ROWS][DLAD_SHARED_COLS]
     u32* keep = scol + DLAD_SHARED_ROWS * DLAD_SHARED_COLS;  // [max_det]
     __shared__ int s_kept;
@@ -405,7 +433,7 @@ extern "C" __global__ void post_scan(const PostParams p) {
     u32 words = (m + 63) >> 6;
     const Candidate* s = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
     const u64* gmask = p.mask + (long long)b * DLAD_SORT_CAPACITY * DLAD_MASK_WORDS;
-    float* out = p.out + (long long)b * (4 + 6 * p.max_det);
+    float* out = p.out + (long long)b * (4 + 6 * f.max_det);
     if (m <= DLAD_SHARED_ROWS) {
         __shared__ u32 kw[DLAD_SHARED_COLS], nkw[DLAD_SHARED_COLS];
         __shared__ int converged;
@@ -424,7 +452,7 @@ extern "C" __global__ void post_scan(const PostParams p) {
         // Fixed point of keep[j] = no kept i < j suppresses j, from "all kept": its unique
         // fixed point is the greedy result, and after round t the first t candidates are final,
         // so a round without change ends it. Long suppression chains fall back to the walk.
-        for (int round = 0; round < p.nms_rounds; ++round) {
+        for (int round = 0; round < f.nms_rounds; ++round) {
             if (tid < DLAD_SHARED_COLS) nkw[tid] = 0u;
             __syncthreads();
             for (u32 j = tid; j < m; j += blockDim.x) {
@@ -451,15 +479,15 @@ extern "C" __global__ void post_scan(const PostParams p) {
                 }
                 before -= count;
                 for (u32 bits = word, k = before; bits; bits &= bits - 1, ++k) {
-                    if (k < (u32)p.max_det) keep[k] = (lane << 5) + (__ffs(bits) - 1);
+                    if (k < (u32)f.max_det) keep[k] = (lane << 5) + (__ffs(bits) - 1);
                 }
                 u32 total = __shfl_sync(0xFFFFFFFFu, before + count, 31);
-                if (lane == 0) s_kept = (int)min(total, (u32)p.max_det);
+                if (lane == 0) s_kept = (int)min(total, (u32)f.max_det);
             } else {
                 // The walk: j in score order is kept iff no kept i < j suppresses it.
                 u32 kept_word = 0;
                 int kept = 0;
-                for (u32 j = 0; j < m && kept < p.max_det; ++j) {
+                for (u32 j = 0; j < m && kept < f.max_det; ++j) {
                     u32 hit = lane <= (j >> 5) ? (scol[j * DLAD_SHARED_COLS + lane] & kept_word) : 0u;
                     if (!__any_sync(0xFFFFFFFFu, hit != 0u)) {
                         if (lane == (j >> 5)) kept_word |= 1u << (j & 31);
@@ -485,12 +513,12 @@ extern "C" __global__ void post_scan(const PostParams p) {
         // same loads, broadcast), so the serial chain is one load per kept box; then
         // each lane ORs the kept boxes' rows into the later words it owns (independent loads).
         int kept = 0;
-        for (u32 w = 0; w < words && kept < p.max_det; ++w) {
+        for (u32 w = 0; w < words && kept < f.max_det; ++w) {
             u32 q = w >> 5;
             u64 mine = q == 0 ? r[0] : q == 1 ? r[1] : q == 2 ? r[2] : r[3];
             u64 alive = ~__shfl_sync(0xFFFFFFFFu, mine, w & 31);
             u64 kept_bits = 0;
-            while (alive && kept < p.max_det) {
+            while (alive && kept < f.max_det) {
                 int j = __ffsll((long long)alive) - 1;
                 u32 i = (w << 6) + j;
                 kept_bits |= 1ull << j;

@@ -23,11 +23,12 @@ import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from dlad.devices.cudla import cuda_interop
 from dlad.gpu.driver import (
     CudaError,
     DeviceBuffer,
@@ -110,6 +111,7 @@ class PostParams(ctypes.Structure):
         ("kept_m", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("geoms", ctypes.c_void_p),
+        ("frame", ctypes.c_void_p),
         ("head_scale", ctypes.c_float * MAX_LEVELS),
         ("head_h", ctypes.c_int * MAX_LEVELS),
         ("head_w", ctypes.c_int * MAX_LEVELS),
@@ -119,14 +121,23 @@ class PostParams(ctypes.Structure):
         ("nl", ctypes.c_int),
         ("na", ctypes.c_int),
         ("nc", ctypes.c_int),
-        ("multi_label", ctypes.c_int),
+        ("cand_capacity", ctypes.c_int),
+    ]
+
+
+class FrameParams(ctypes.Structure):
+    """Mirror of ``struct FrameParams``: the per-frame settings, which the frame's graph
+    copies to the GPU (so the captured kernels' own arguments never change)."""
+
+    _fields_ = [
         ("conf", ctypes.c_float),
         ("obj_cut", ctypes.c_float),
         ("iou", ctypes.c_float),
         ("max_det", ctypes.c_int),
-        ("cand_capacity", ctypes.c_int),
+        ("multi_label", ctypes.c_int),
         ("max_candidates", ctypes.c_int),
         ("nms_rounds", ctypes.c_int),
+        ("reserved", ctypes.c_int),
     ]
 
 
@@ -236,11 +247,19 @@ class GpuPipeline:
         self._out_floats = 4 + 6 * max_det
         self._out = self._dev(batch * self._out_floats * 4)
         self._out_host = self._host(batch * self._out_floats * 4)
-        self._geoms = self._host(batch * ctypes.sizeof(Geometry))
+        # Per-frame settings and geometries: written here in pinned memory, copied to the GPU
+        # by the first node of the frame's graph.
+        self._frame_bytes = ctypes.sizeof(FrameParams) + batch * ctypes.sizeof(Geometry)
+        self._frame_host = self._host(self._frame_bytes)
+        self._frame_dev = self._dev(self._frame_bytes)
+        self._frame = FrameParams.from_address(self._frame_host.host_ptr)
+        self._geoms = (Geometry * batch).from_address(
+            self._frame_host.host_ptr + ctypes.sizeof(FrameParams)
+        )
+        self._graphs: dict[tuple[object, ...], tuple[object, object]] = {}
         self._pre_params = PreParams()
         self._post_params = PostParams()
         self._fill_static(self._post_params)
-        self._last_heads: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._requested: list[int] = []
 
     def _fill_static(self, p: PostParams) -> None:
@@ -258,7 +277,9 @@ class GpuPipeline:
         self._cells = cells
         p.cands, p.keys, p.counts = self._cands.ptr, self._keys.ptr, self._counts.ptr
         p.sorted, p.mask, p.kept_m = self._sorted.ptr, self._mask.ptr, self._kept_m.ptr
-        p.out, p.geoms = self._out.ptr, self._geoms.device_ptr
+        p.out = self._out.ptr
+        p.frame = self._frame_dev.ptr
+        p.geoms = self._frame_dev.ptr + ctypes.sizeof(FrameParams)
         p.nl, p.na, p.nc = len(self.heads), na, self.nc
         p.cand_capacity = self.cand_capacity
 
@@ -277,6 +298,10 @@ class GpuPipeline:
         drv = _driver()
         self.ctx.make_current()
         drv.cuStreamSynchronize(self.stream)
+        for graph, graph_exec in self._graphs.values():
+            drv.cuGraphExecDestroy(graph_exec)
+            drv.cuGraphDestroy(graph)
+        self._graphs.clear()
         for buf in self._owned:
             buf.free()
         if self._image is not None:
@@ -371,6 +396,19 @@ class GpuPipeline:
             "cuStreamWaitValue32",
         )
 
+    def signal_external(self, semaphore: Any, fence_address: int, rt: Any = None) -> None:
+        """Queue ``cudaSignalExternalSemaphoresAsync`` of an imported NvSciSync semaphore on
+        this stream; CUDA fills the ``NvSciSyncFence`` at ``fence_address`` with the fence the
+        signal reaches (a DLA task's pre-fence). ``rt``: cuda-python's runtime (default: the
+        installed one). Raises CudaInteropError naming the call."""
+        cuda_interop.signal_fence(semaphore, fence_address, self.stream, rt=rt)
+
+    def wait_external(self, semaphore: Any, fence_address: int, rt: Any = None) -> None:
+        """Queue ``cudaWaitExternalSemaphoresAsync`` for the ``NvSciSyncFence`` at
+        ``fence_address`` (a DLA task's EOF fence): the stream's later work starts only once the
+        DLA reached it. Raises CudaInteropError naming the call."""
+        cuda_interop.wait_fence(semaphore, fence_address, self.stream, rt=rt)
+
     # ------------------------------------------------------------------------- post
 
     def post(
@@ -404,38 +442,67 @@ class GpuPipeline:
         if not 0 <= max_det <= self.max_det or not 1 <= max_candidates <= SORT_CAPACITY:
             raise ValueError(f"max_det must be <= {self.max_det}, max_candidates in 1..8192")
         sizes = head_image_bytes or [h.nbytes for h in self.heads]
-        geoms = (Geometry * self.batch).from_address(self._geoms.host_ptr)
+        # The previous frame of this pipeline is done (one frame at a time), so its graph no
+        # longer reads the pinned settings.
         for b, g in enumerate(geometries):
-            geoms[b].scale, geoms[b].pad_x, geoms[b].pad_y = g.scale, g.pad_x, g.pad_y
-            geoms[b].src_w, geoms[b].src_h = g.src_w, g.src_h
-        p = self._post_params
-        heads_key = (tuple(head_ptrs), tuple(sizes))
-        if heads_key != self._last_heads:
-            for i, ptr in enumerate(head_ptrs):
-                p.heads[i] = ptr
-                p.head_image_bytes[i] = sizes[i]
-            self._last_heads = heads_key
-        cells = self._cells
-        p.multi_label = int(multi_label)
-        p.conf = float(np.float32(conf_threshold))
-        p.obj_cut = float(_logit_cut(conf_threshold))
-        p.iou = float(iou_threshold)
-        p.max_det = max_det
-        p.max_candidates = max_candidates
-        p.nms_rounds = nms_rounds
-        k = self.ctx.kernels
-        launch(k["post_decode"], (-(-cells // 256), n, 1), (256, 1, 1), p, self.stream)
-        launch(k["post_select_sort"], (n, 1, 1), (_SORT_THREADS, 1, 1), p, self.stream, _SORT_SMEM)
-        launch(k["post_mask"], (2 * self.ctx.sm_count, n, 1), (256, 1, 1), p, self.stream)
-        launch(k["post_scan"], (n, 1, 1), (_SCAN_THREADS, 1, 1), p, self.stream, self._scan_smem)
-        stride = (4 + 6 * max_det) * 4
+            geo = self._geoms[b]
+            geo.scale, geo.pad_x, geo.pad_y, geo.src_w, geo.src_h = (
+                g.scale, g.pad_x, g.pad_y, g.src_w, g.src_h
+            )  # fmt: skip
+        f = self._frame
+        f.conf = float(np.float32(conf_threshold))
+        f.obj_cut = float(_logit_cut(conf_threshold))
+        f.iou = float(iou_threshold)
+        f.max_det, f.multi_label = max_det, int(multi_label)
+        f.max_candidates, f.nms_rounds = max_candidates, nms_rounds
+        key = (n, tuple(head_ptrs), tuple(sizes))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(n, head_ptrs, sizes)
         drv = _driver()
-        _check(
-            drv.cuMemcpyDtoHAsync(self._out_host.host_ptr, self._out.ptr, n * stride, self.stream),
-            "cuMemcpyDtoHAsync",
-        )
+        _check(drv.cuGraphLaunch(graph[1], self.stream), "cuGraphLaunch")
         _check(drv.cuEventRecord(self.done, self.stream), "cuEventRecord")
         self._requested = [max_det] * n
+
+    def _capture(
+        self, n: int, head_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[object, object]:
+        """Capture one frame of ``n`` images (settings copy, the four kernels, the result copy)
+        as a CUDA graph: one launch per frame instead of six calls."""
+        p = self._post_params
+        for i, ptr in enumerate(head_ptrs):
+            p.heads[i] = ptr
+            p.head_image_bytes[i] = sizes[i]
+        drv = _driver()
+        self.ctx.make_current()
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _check(drv.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        try:
+            _check(
+                drv.cuMemcpyHtoDAsync(
+                    self._frame_dev.ptr, self._frame_host.host_ptr, self._frame_bytes, self.stream
+                ),
+                "cuMemcpyHtoDAsync",
+            )
+            k = self.ctx.kernels
+            cells = self._cells
+            launch(k["post_decode"], (-(-cells // 256), n, 1), (256, 1, 1), p, self.stream)
+            launch(
+                k["post_select_sort"], (n, 1, 1), (_SORT_THREADS, 1, 1), p, self.stream, _SORT_SMEM
+            )
+            launch(k["post_mask"], (2 * self.ctx.sm_count, n, 1), (256, 1, 1), p, self.stream)
+            launch(
+                k["post_scan"], (n, 1, 1), (_SCAN_THREADS, 1, 1), p, self.stream, self._scan_smem
+            )
+            nbytes = n * self._out_floats * 4  # every image's record, whatever its max_det
+            _check(
+                drv.cuMemcpyDtoHAsync(self._out_host.host_ptr, self._out.ptr, nbytes, self.stream),
+                "cuMemcpyDtoHAsync",
+            )
+        finally:
+            graph = _check(drv.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        graph_exec = _check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        return graph, graph_exec
 
     def synchronize(self) -> list[PostResult]:
         """Block the calling thread until the queued frame is done; the results of each image.

@@ -1,5 +1,7 @@
 """The GPU as the daemon's pre/post-processing engine: one context, one fence poller, pinned
-buffers the emulated DLA cores and the GPU share, and one :class:`GpuSlot` per worker slot.
+buffers the emulated DLA cores and the GPU share, and one :class:`GpuSlot` per worker slot
+(:meth:`GpuService.slot_for` builds it for either backend: mapped words for an emulated core,
+NvSci objects imported into CUDA for a cudla core, see :mod:`dlad.gpu.links`).
 
 :func:`select_backend` makes the start-up choice (logged): CUDA kernels where the probe finds a
 usable GPU, else the numpy reference on CPU threads.
@@ -8,19 +10,26 @@ usable GPU, else the numpy reference on CPU threads.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
-from dlad.gpu.driver import GpuContext, GpuProbe, HostBuffer, probe
+from dlad.devices.base import Buffer, DlaCore, Module, Task, TaskHandle
+from dlad.devices.cudla import cuda_interop
+from dlad.gpu.driver import GpuContext, GpuProbe, HostBuffer, _check, _driver, probe
 from dlad.gpu.fences import FencePoller, MappedFence
+from dlad.gpu.links import CudlaInterop, GpuFenceLink, MappedFenceLink, link_cudla_slot
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
 from dlad.imaging.pre import letterbox_geometry
 from dlad.loadable import DataType, Loadable
+
+if TYPE_CHECKING:
+    from dlad.devices.cudla.backend import CudlaBuffer, CudlaDlaCore
 
 __all__ = ["GpuService", "GpuSlot", "select_backend"]
 
@@ -45,13 +54,65 @@ def select_backend(
 @dataclass(eq=False)
 class GpuSlot:
     """One worker slot's GPU resources: its stream (in ``pipeline``), the fence the GPU signals
-    when the DLA input is ready (``ready``) and the fence the DLA task signals (``done``)."""
+    when the DLA input is ready (``ready``) and the fence the DLA task signals (``done``), the
+    device addresses of the DLA buffers, and how the stream reaches each fence (``ready_link``,
+    ``done_link``; by default the :class:`MappedFence` word operations). ``ready``/``done`` are
+    the core's fences: :class:`MappedFence` on emulated cores, cudla fences (``interop`` then
+    holds their CUDA imports) on cudla cores.
+    """
 
     pipeline: GpuPipeline
-    ready: MappedFence
-    done: MappedFence
+    ready: Any  # MappedFence (emulated core) or CudlaFence_ (cudla core): the core's fence type
+    done: Any
     input_ptr: int
     head_ptrs: list[int] = field(default_factory=list)
+    ready_link: GpuFenceLink | None = None
+    done_link: GpuFenceLink | None = None
+    interop: CudlaInterop | None = None
+
+    def __post_init__(self) -> None:
+        if self.ready_link is None:
+            self.ready_link = MappedFenceLink(self.ready)
+        if self.done_link is None:
+            self.done_link = MappedFenceLink(self.done)
+
+    def _links(self) -> tuple[GpuFenceLink, GpuFenceLink]:
+        if self.ready_link is None or self.done_link is None:  # __post_init__ sets both
+            raise RuntimeError("GpuSlot without fence links")
+        return self.ready_link, self.done_link
+
+    def chain_task(
+        self, core: DlaCore, module: Module, inputs: Sequence[Buffer], outputs: Sequence[Buffer]
+    ) -> TaskHandle:
+        """Queue one frame's fence chain after the pre-processing already on the stream: the
+        GPU signals ``ready = n``; the DLA task (waiting ``ready >= n``, signalling
+        ``done = m``) is submitted; the stream waits ``done >= m``. Post-processing queued
+        afterwards reads the task's outputs. Returns the task's handle. Raises DlaError (from
+        the fences or ``core.submit``) and CudaError / CudaInteropError (from the stream)."""
+        ready_link, done_link = self._links()
+        ready = ready_link.next_value()
+        ready_link.gpu_signal(self.pipeline, ready)
+        done = done_link.next_value()
+        handle = core.submit(
+            Task(
+                module,
+                tuple(inputs),
+                tuple(outputs),
+                wait=((self.ready, ready),),
+                signal=((self.done, done),),
+            )
+        )
+        done_link.gpu_wait(self.pipeline, done)
+        return handle
+
+    def release_fences(self) -> None:
+        """Free the links' resources and destroy the CUDA imports (the stream must no longer
+        use them; idempotent for imports)."""
+        ready_link, done_link = self._links()
+        ready_link.release()
+        done_link.release()
+        if self.interop is not None:
+            self.interop.release()
 
 
 class GpuService:
@@ -91,12 +152,7 @@ class GpuService:
         Every kernel runs once here (a frame on zeroed buffers, no fence waits): with CUDA's
         lazy module loading, the first launch of a kernel behind a blocked stream wait would
         hang the launching thread."""
-        heads = [
-            HeadSpec(d.c, d.h, d.w, s, d.scale if d.data_type == DataType.INT8 else None)
-            for d, s in zip(loadable.outputs, loadable.strides, strict=True)
-        ]
-        h, w = loadable.image_size
-        pipeline = GpuPipeline(self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det)
+        pipeline = self._pipeline(loadable, max_det)
         slot = GpuSlot(
             pipeline,
             MappedFence(self.ctx, self.poller, "gpu-ready"),
@@ -108,6 +164,76 @@ class GpuService:
         with self._lock:
             self._slots.append(slot)
         return slot
+
+    def slot_for(
+        self,
+        core: DlaCore,
+        loadable: Loadable,
+        inputs: Sequence[Any],
+        outputs: Sequence[Any],
+        max_det: int,
+    ) -> GpuSlot:
+        """The slot for ``core``'s backend: :meth:`cudla_slot` for a cudla core, else
+        :meth:`slot` on buffers from :meth:`host_array` (emulated). Raises as those do."""
+        from dlad.devices.cudla.backend import CudlaDlaCore  # noqa: PLC0415 (ctypes binding)
+
+        if isinstance(core, CudlaDlaCore):
+            return self.cudla_slot(core, loadable, inputs, outputs, max_det)
+        return self.slot(loadable, inputs[0].raw, [b.raw for b in outputs], max_det)
+
+    def cudla_options(self) -> dict[str, Any]:
+        """The :class:`~dlad.devices.cudla.backend.CudlaDlaCore` keyword arguments that let
+        this GPU import the core's buffers (``gpu_uuid``) and fences (CUDA's waiter and
+        signaller attribute lists). Raises CudaError when the device's UUID cannot be read."""
+        drv = _driver()
+        uuid = _check(drv.cuDeviceGetUuid(self.ctx.device), "cuDeviceGetUuid")
+        index = int(self.ctx.device)
+
+        def waiter(attr_list: int) -> None:
+            cuda_interop.fill_wait_attributes(attr_list, index)
+
+        def signaller(attr_list: int) -> None:
+            cuda_interop.fill_signal_attributes(attr_list, index)
+
+        return {"gpu_uuid": bytes(uuid.bytes), "extra_waiter": waiter, "gpu_signaller": signaller}
+
+    def cudla_slot(
+        self,
+        core: CudlaDlaCore,
+        loadable: Loadable,
+        inputs: Sequence[CudlaBuffer],
+        outputs: Sequence[CudlaBuffer],
+        max_det: int,
+    ) -> GpuSlot:
+        """GPU resources for one worker slot of a cudla core opened with
+        :meth:`cudla_options`: its NvSciBuf buffers and two NvSciSync fences imported into CUDA
+        (:func:`~dlad.gpu.links.link_cudla_slot`), kernels warmed up as in :meth:`slot`. Raises
+        ValueError, DlaError, CudaError or CudaInteropError (nothing of the slot is kept)."""
+        pipeline = self._pipeline(loadable, max_det)
+        try:
+            slot = link_cudla_slot(
+                core, pipeline, inputs, outputs, make_current=self.ctx.make_current
+            )
+        except BaseException:
+            pipeline.close()
+            raise
+        try:
+            self._warm_up(slot, loadable)
+        except BaseException:
+            pipeline.close()
+            slot.release_fences()
+            raise
+        with self._lock:
+            self._slots.append(slot)
+        return slot
+
+    def _pipeline(self, loadable: Loadable, max_det: int) -> GpuPipeline:
+        heads = [
+            HeadSpec(d.c, d.h, d.w, s, d.scale if d.data_type == DataType.INT8 else None)
+            for d, s in zip(loadable.outputs, loadable.strides, strict=True)
+        ]
+        h, w = loadable.image_size
+        return GpuPipeline(self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det)
 
     def _warm_up(self, slot: GpuSlot, loadable: Loadable) -> None:
         p = slot.pipeline
@@ -132,8 +258,7 @@ class GpuService:
             host, self._host = self._host, {}
         for s in slots:
             s.pipeline.close()
-            s.ready.free()
-            s.done.free()
+            s.release_fences()
         for buf in host.values():
             buf.free()
         self.ctx.close()

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from dlad.gpu.driver import KERNEL_SOURCE
-from dlad.gpu.prepost import Geometry, PostParams, PreParams
+from dlad.gpu.prepost import FrameParams, Geometry, PostParams, PreParams
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {
     "PreParams": PreParams,
     "PostParams": PostParams,
     "Geometry": Geometry,
+    "FrameParams": FrameParams,
 }
 
 

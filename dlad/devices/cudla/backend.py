@@ -11,7 +11,9 @@ core N, with its own NvSciBuf / NvSciSync modules and CPU wait context:
 * ``create_fence`` reconciles and allocates an NvSciSync object (recipe B of
   ``reference/cudla.md`` §4.7): ``signaller="dla"`` (the default) is signalled by this core's
   tasks and waited on by the CPU and by DLA tasks; ``signaller="cpu"`` is signalled by the CPU
-  (``NvSciSyncObjSignal``) and waited on by DLA tasks. Either is imported with
+  (``NvSciSyncObjSignal``) and waited on by DLA tasks; ``signaller="gpu"`` (recipe A) is
+  signalled by a CUDA stream (``cudaSignalExternalSemaphoresAsync``, through
+  :meth:`CudlaFence_.signal_from_gpu`) and waited on by DLA tasks. Each is imported with
   ``cudlaImportExternalSemaphore`` into each core whose tasks use it;
 * ``submit`` builds a ``cudlaTask`` (outputs before inputs), its pre-fences and at most one EOF
   fence, and calls ``cudlaSubmitTask`` with a NULL stream and, because only this object submits
@@ -126,7 +128,7 @@ __all__ = [
 ]
 
 Semaphores = Literal["auto", "syncpoint", "deterministic"]
-Signaller = Literal["dla", "cpu"]
+Signaller = Literal["dla", "cpu", "gpu"]
 DEFAULT_QUEUE_DEPTH: Final = 64
 """Tasks a core holds (queued and running) before :meth:`CudlaDlaCore.submit` refuses."""
 ABORTED_STATUS: Final = CudlaStatus.ERROR_INVALID_DEVICE
@@ -295,6 +297,7 @@ class CudlaFence_:
         self._records: list[tuple[int, NvSciSyncFence]] = []  # dla: promised value -> EOF fence
         self._fence_id = 0
         self._raw_base = 0  # cpu: raw counter = base + value; dla deterministic: last raw
+        self._held: list[tuple[int, NvSciSyncFence]] = []  # fences handed to CUDA waits
 
     def __repr__(self) -> str:
         return f"<CudlaFence {self.name} {self.signaller} value={self._value}>"
@@ -308,6 +311,67 @@ class CudlaFence_:
     def nvsci_object(self) -> int:
         """The ``NvSciSyncObj`` (for a CUDA import)."""
         return self.alloc.obj
+
+    def next_value(self) -> int:
+        """The lowest value a new signal may use: above the value and every promise."""
+        with self._cond:
+            return max(self._value, self._promised) + 1
+
+    def signal_from_gpu(self, value: int, queue_signal: Callable[[int], None]) -> None:
+        """Promise ``value`` to a GPU signal of this ``signaller="gpu"`` fence: a fresh
+        ``NvSciSyncFence`` is passed (by address) to ``queue_signal``, which must queue
+        ``cudaSignalExternalSemaphoresAsync`` with it (CUDA fills it in); tasks that wait on
+        ``value`` then wait on that fence, which is kept until ``value`` is reached. The value
+        moves once a DLA task that waited on it ends successfully (the DLA passed it).
+
+        Raises DlaError: ``ERROR_UNSUPPORTED_OPERATION`` for a fence of another signaller,
+        ``ERROR_INVALID_PARAM`` unless ``value`` is above the value and every promise,
+        ``ERROR_INVALID_DEVICE`` once freed; and whatever ``queue_signal`` raises (the
+        promise is then withdrawn).
+        """
+        call = "cudaSignalExternalSemaphoresAsync"
+        target = _fence_value(value, call)
+        if self.signaller != "gpu":
+            raise DlaError(
+                CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
+                f"{self.name} is signalled by {self.signaller}; use create_fence(signaller='gpu')",
+            )  # fmt: skip
+        if not self.alloc.obj:
+            raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, call, f"{self.name}: freed")
+        previous = self._reserve(target, call)
+        fence = NvSciSyncFence()
+        try:
+            queue_signal(cast(pointer(fence), c_void_p).value or 0)
+        except BaseException:
+            self._unreserve(previous)
+            self.owner.nvsci.clear(fence)
+            raise
+        with self._cond:
+            self._records.append((target, fence))
+
+    def wait_from_gpu(self, value: int, queue_wait: Callable[[int], None]) -> bool:
+        """Have a CUDA stream wait for ``value``: ``queue_wait`` gets the address of an
+        ``NvSciSyncFence`` reached with ``value`` (a DLA fence's EOF fence, once the task that
+        signals it is submitted) and must queue ``cudaWaitExternalSemaphoresAsync`` with it;
+        the fence is kept until ``value`` is reached. Returns False (and calls nothing) when
+        ``value`` is reached already. Raises DlaError as a task's wait would (``value`` neither
+        reached nor promised) and whatever ``queue_wait`` raises.
+        """
+        fence = self._prefence(_fence_value(value, "cudaWaitExternalSemaphoresAsync"),
+                               "cudaWaitExternalSemaphoresAsync")  # fmt: skip
+        if fence is None:
+            return False
+        try:
+            queue_wait(cast(pointer(fence), c_void_p).value or 0)
+        except BaseException:
+            self.owner.nvsci.clear(fence)
+            raise
+        with self._cond:
+            if self._value < value:
+                self._held.append((int(value), fence))
+                return True
+        self.owner.nvsci.clear(fence)  # reached meanwhile: _advance will not see it
+        return True
 
     def reached(self, value: int) -> bool:
         """Whether the value is ``>= value``."""
@@ -344,7 +408,7 @@ class CudlaFence_:
         if self.signaller != "cpu":
             raise DlaError(
                 CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
-                f"{self.name} is signalled by DLA tasks; use create_fence(signaller='cpu')",
+                f"{self.name} is signalled by {self.signaller}; use create_fence(signaller='cpu')",
             )  # fmt: skip
         with self._cond:
             if not self.alloc.obj:
@@ -378,6 +442,8 @@ class CudlaFence_:
                 del self._reached_at[:-64]  # only recent values are asked about
             while self._records and self._records[0][0] <= self._value:
                 done.append(self._records.pop(0)[1])
+            done += [f for v, f in self._held if v <= self._value]
+            self._held = [(v, f) for v, f in self._held if v > self._value]
             while self._callbacks and self._callbacks[0][0] <= self._value:
                 due.append(heapq.heappop(self._callbacks)[2])
             self._cond.notify_all()
@@ -416,7 +482,7 @@ class CudlaFence_:
         with self._cond:
             if self._value >= value:
                 return None
-            if self.signaller == "dla":
+            if self.signaller in ("dla", "gpu"):
                 for promised, eof in self._records:
                     if promised >= value:
                         nvsci.dup(eof, fence)
@@ -424,7 +490,7 @@ class CudlaFence_:
                 raise DlaError(
                     _INVALID, call,
                     f"{self.name}: value {value} is neither reached nor promised by a submitted "
-                    "task; cuDLA takes a pre-fence only once its signaller is submitted",
+                    "signaller; cuDLA takes a pre-fence only once its signaller is submitted",
                 )  # fmt: skip
             if self.owner.libs.has("NvSciSyncFenceUpdateFence") and self._fence_id:
                 nvsci.update(self.alloc.obj, self._fence_id, self._raw_base + value, fence)
@@ -441,7 +507,8 @@ class CudlaFence_:
         """Clear the EOF fences still held (teardown)."""
         with self._cond:
             records, self._records = self._records, []
-        for _, fence in records:
+            held, self._held = self._held, []
+        for _, fence in (*records, *held):
             self.owner.nvsci.clear(fence)
 
 
@@ -466,6 +533,10 @@ class CudlaDlaCore:
         extra_waiter: called with the handle of an extra NvSciSync attribute list for every
             DLA-signalled fence, to fill it for another waiter (CUDA:
             :func:`~dlad.devices.cudla.cuda_interop.fill_wait_attributes`).
+        gpu_signaller: called with the handle of the signaller's NvSciSync attribute list of
+            every ``signaller="gpu"`` fence, to fill it for CUDA
+            (:func:`~dlad.devices.cudla.cuda_interop.fill_signal_attributes`); without it such
+            fences are refused.
 
     Raises DlaError naming the call that failed (everything opened so far is released), and
     ValueError for bad arguments.
@@ -482,6 +553,7 @@ class CudlaDlaCore:
         skip_lock: bool = True,
         gpu_uuid: bytes | None = None,
         extra_waiter: Callable[[int], None] | None = None,
+        gpu_signaller: Callable[[int], None] | None = None,
     ) -> None:
         if not _is_int(core, 0, 1 << 63):
             raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
@@ -500,6 +572,8 @@ class CudlaDlaCore:
         self._flags = int(SubmitFlags.SKIP_LOCK_ACQUIRE) if skip_lock else 0
         self._gpu_uuid = gpu_uuid
         self._extra_waiter = extra_waiter
+        self._gpu_signaller = gpu_signaller
+        self._close_hooks: list[Callable[[], object]] = []
         self._cv = threading.Condition(threading.Lock())
         self._pending: collections.deque[_Record] = collections.deque()
         self._buffers: list[CudlaBuffer] = []
@@ -552,6 +626,19 @@ class CudlaDlaCore:
     def thread(self) -> threading.Thread:
         """The completion thread (fence callbacks of this core's tasks run on it)."""
         return self._thread
+
+    @property
+    def cuda_linked(self) -> bool:
+        """Whether CUDA can import this core's buffers and fences (opened with ``gpu_uuid``,
+        ``extra_waiter`` and ``gpu_signaller``)."""
+        return None not in (self._gpu_uuid, self._extra_waiter, self._gpu_signaller)
+
+    def add_close_hook(self, hook: Callable[[], object]) -> None:
+        """Call ``hook()`` in :meth:`close` once no task is in flight and before anything is
+        released (CUDA imports of this core's objects are destroyed there, §4.7 step 8). A
+        hook's exception is logged; the release goes on."""
+        with self._cv:
+            self._close_hooks.append(hook)
 
     @property
     def semaphores(self) -> Semaphores:
@@ -687,10 +774,13 @@ class CudlaDlaCore:
 
     def create_fence(self, name: str | None = None, *, signaller: Signaller = "dla") -> CudlaFence_:
         """A new fence at value 0: ``signaller="dla"`` for this core's tasks to signal (the CPU
-        and any core's tasks wait), ``"cpu"`` for the CPU to signal (tasks wait). Raises
-        DlaError naming the NvSci or cuDLA call that failed; ValueError for another signaller."""
-        if signaller not in ("dla", "cpu"):
-            raise ValueError(f"signaller must be 'dla' or 'cpu', got {signaller!r}")
+        and any core's tasks wait), ``"cpu"`` for the CPU to signal (tasks wait), ``"gpu"`` for
+        a CUDA stream to signal (tasks wait; syncpoint mode only). Raises DlaError naming the
+        NvSci or cuDLA call that failed (``ERROR_UNSUPPORTED_OPERATION`` for ``"gpu"`` on a
+        core opened without ``gpu_signaller`` or in deterministic-semaphore mode); ValueError
+        for another signaller."""
+        if signaller not in ("dla", "cpu", "gpu"):
+            raise ValueError(f"signaller must be 'dla', 'cpu' or 'gpu', got {signaller!r}")
         with self._cv:
             self._enter("cudlaImportExternalSemaphore")
         return self._new_fence(signaller, name or f"dla{self._core}-{signaller}-fence")
@@ -730,7 +820,19 @@ class CudlaDlaCore:
                     "deterministic semaphores need NvSciSyncFenceUpdateFence and "
                     "NvSciSyncFenceExtractFence, which this NvSciSync lacks",
                 )  # fmt: skip
-            if signaller == "dla":
+            if signaller == "gpu":
+                # dlad computes no fences for a CUDA signaller: CUDA fills them in at each
+                # signal, which deterministic semaphores (§4.7 step 7) would need dlad to do.
+                if deterministic or self._gpu_signaller is None:
+                    why = "deterministic semaphores" if deterministic else "no gpu_signaller"
+                    raise DlaError(
+                        CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "NvSciSyncAttrListReconcile",
+                        f"{name}: a CUDA-signalled fence is not available here ({why})",
+                    )  # fmt: skip
+                signal = nvsci.sync_list(alloc)
+                self._gpu_signaller(int(signal.value or 0))
+                waiters = [nvsci.cudla_list(alloc, SyncAttrFlags.WAIT)]
+            elif signaller == "dla":
                 signal = nvsci.cudla_list(alloc, SyncAttrFlags.SIGNAL | SyncAttrFlags.WAIT)
                 waiters = [nvsci.cpu_list(alloc, NvSciSyncAccessPerm.WAIT_ONLY)]
                 if self._extra_waiter is not None:
@@ -992,6 +1094,9 @@ class CudlaDlaCore:
     def _finish(self, record: _Record, status: CudlaStatus) -> None:
         handle = record.handle
         if status is CudlaStatus.SUCCESS:
+            for fence, value in record.waits:  # no CPU waits on a CUDA-signalled fence
+                if fence.signaller == "gpu":
+                    fence._advance(value)
             # The DLA passed these pre-fences; another core's completion thread may not have
             # recorded that yet. Let it, so the start estimate below is never before them.
             for fence, value in record.waits:
@@ -1053,6 +1158,9 @@ class CudlaDlaCore:
                         _log.exception("cudla_close_gate_failed", fence=fence.name)
         self._thread.join()
         self._closed = True
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            _run_callback(hook)  # logs a failure: the core's objects are released regardless
         self._teardown()
 
     def _teardown(self) -> None:

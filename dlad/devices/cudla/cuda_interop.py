@@ -23,6 +23,7 @@ __all__ = [
     "import_semaphore",
     "runtime",
     "signal_fence",
+    "synchronize",
     "wait_fence",
 ]
 
@@ -124,6 +125,13 @@ def signal_fence(sem: Any, fence_address: int, stream: Any, rt: Any = None) -> N
     params.flags = 0
     _check(rt, "cudaSignalExternalSemaphoresAsync",
            rt.cudaSignalExternalSemaphoresAsync([sem], [params], 1, stream))  # fmt: skip
+
+
+def synchronize(stream: Any, rt: Any = None) -> None:
+    """``cudaStreamSynchronize``: block until ``stream`` (a driver API ``CUstream`` is a
+    ``cudaStream_t``) has run everything queued, e.g. before its semaphores are destroyed."""
+    rt = rt or runtime()
+    _check(rt, "cudaStreamSynchronize", rt.cudaStreamSynchronize(stream))
 
 
 def destroy_semaphore(sem: Any, rt: Any = None) -> None:
