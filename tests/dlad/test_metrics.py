@@ -87,7 +87,7 @@ def serving(
     tmp_path: Path, *, latency: float = 2000.0, live_timeout: float = 0.5
 ) -> Iterator[Daemon]:
     """A daemon on its own thread with metrics on a free port; yields as soon as its metrics
-    server is up (devices may still be loading or warming)."""
+    server is up and its socket bound (devices may still be loading or warming)."""
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(CONFIG.format(latency=latency, live_timeout=live_timeout))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"], metrics_port=0)
@@ -107,7 +107,7 @@ def serving(
     def started() -> bool:
         assert not errors, errors
         try:
-            return server.port > 0
+            return server.port > 0 and bool(daemon.bound)
         except RuntimeError:
             return False
 
