@@ -1,6 +1,7 @@
 """The daemon at saturation vs the transport ceiling and the ideal device capacity, in one run.
 
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
+        [--pre-post-backends cpu[,cuda]]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -9,8 +10,9 @@ frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER
 2. dlad with two emulated DLA cores in timing mode at the published Orin service time
    (YOLOv5s 672, FP16 heads: 3.82 ms per frame per core), pre/post-processing OFF (the daemon's
    own path: frontend, scheduler, workers, fences, replies);
-3. the same with pre/post-processing ON (letterbox 672->256 + int8 quantise, decode + NMS, on
-   the CPU reference path).
+3. the same with pre/post-processing ON (letterbox 672->256 + int8 quantise, decode + NMS), on
+   the CPU reference path and, with ``--pre-post-backends cpu,cuda`` on a GPU machine, as CUDA
+   kernels fenced to the DLA tasks (docs/gpu.md).
 
 Reported: achieved requests/s, the ratio to min(ideal device capacity, transport ceiling),
 p50/p99 latency, and the server process's CPU seconds per request (from /proc).
@@ -44,6 +46,7 @@ sndhwm = 1000
 rcvhwm = 1000
 [pre_post]
 enabled = {pre_post}
+backend = "{backend}"
 threads = 2
 [devices.dla0]
 kind = "dla"
@@ -62,7 +65,7 @@ devices = ["dla0", "dla1"]
 [models.demo.loadables]
 core0 = "bundled:demo/fp16_heads.dla0.emu"
 core1 = "bundled:demo/fp16_heads.dla1.emu"
-"""
+{gpu}"""
 
 ECHO_SERVER = """
 import sys, zmq
@@ -199,6 +202,7 @@ def main() -> None:
     ap.add_argument(
         "--transports", default="tcp,ipc", help="bare-pyzmq ceilings to measure (tcp and/or ipc)"
     )
+    ap.add_argument("--pre-post-backends", default="cpu", help="cpu and/or cuda, comma-separated")
     args = ap.parse_args()
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
@@ -220,11 +224,19 @@ def main() -> None:
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
     bound = min(ideal, ceiling)
 
-    for pre_post in ("false", "true"):
+    runs = [("false", "cpu")] + [("true", b) for b in args.pre_post_backends.split(",")]
+    for pre_post, backend in runs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = Path(tmp) / "dlad.toml"
+            gpu = '[devices.gpu]\nkind = "gpu"\n' if backend == "cuda" else ""
             cfg.write_text(
-                CONFIG.format(endpoint=args.endpoint, pre_post=pre_post, latency=args.latency_us)
+                CONFIG.format(
+                    endpoint=args.endpoint,
+                    pre_post=pre_post,
+                    latency=args.latency_us,
+                    backend=backend,
+                    gpu=gpu,
+                )
             )
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
@@ -239,7 +251,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
         print(
-            f"dlad, pre/post {'on ' if pre_post == 'true' else 'off'}: {r['rate']:.0f} req/s "
+            f"dlad, pre/post {'on (' + backend + ')' if pre_post == 'true' else 'off'}: "
+            f"{r['rate']:.0f} req/s "
             f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
             f"p99 {r['p99_ms']:.2f} ms; daemon CPU {cpu * 1e3:.3f} ms/request "
             f"(bare pyzmq server: {bare_cpu * 1e3:.3f}); errors {r['errors']}"

@@ -325,6 +325,18 @@ def bench_fence(ctx: GpuContext, results: dict[str, Any]) -> None:
         lat.append((time.perf_counter_ns() - t0) / 1e3)
     results["fence_gpu_to_host_us"] = {"p50": float(np.percentile(lat, 50)),
                                        "p99": float(np.percentile(lat, 99))}  # fmt: skip
+    # The daemon's path: the word write plus a blocking-sync event the fence's waiter sleeps on.
+    pipe = GpuPipeline(ctx, (64, 64), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    lat = []
+    for _ in range(300):
+        v = fence.next_value()
+        t0 = time.perf_counter_ns()
+        fence.gpu_signal(pipe, v)
+        fence.wait(v, 5)
+        lat.append((time.perf_counter_ns() - t0) / 1e3)
+    results["fence_gpu_to_host_event_us"] = {"p50": float(np.percentile(lat, 50)),
+                                             "p99": float(np.percentile(lat, 99))}  # fmt: skip
+    pipe.close()
     fence.free()
     poller.close()
 

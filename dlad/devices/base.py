@@ -22,19 +22,23 @@ consumer woken by a fence reads the task's status (or :meth:`DlaCore.last_error`
 which. Every failure of a core call is a :class:`DlaError` carrying the ``cudlaStatus`` value and
 the name of the cuDLA (or NvSci) call it stands for.
 
-Only the standard library, numpy and :mod:`dlad.loadable` are imported.
+Only the standard library, numpy, structlog and :mod:`dlad.loadable` are imported.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from dlad.loadable import TensorDescriptor
 
@@ -47,6 +51,7 @@ __all__ = [
     "CudlaStatus",
     "DlaCore",
     "DlaError",
+    "FenceCore",
     "FenceValue",
     "LoadableSource",
     "Module",
@@ -54,6 +59,9 @@ __all__ = [
     "Task",
     "TaskHandle",
     "TaskTiming",
+    "fence_value",
+    "is_int_in",
+    "run_fence_callback",
 ]
 
 DEFAULT_TASK_TIMEOUT_MS: Final = 30_000
@@ -334,3 +342,92 @@ class DlaCore(Protocol):
         ``force``, which ends them with ``ERROR_INVALID_DEVICE`` and signals their fences.
         """
         ...
+
+
+# ----------------------------------------------------------------------- backends' helpers
+
+_FENCE_VALUE_END: Final = 1 << 64
+_log = structlog.get_logger("dlad.devices")
+
+
+def is_int_in(value: object, low: int, high: int) -> bool:
+    """``value`` is an int (a numpy integer too, never a bool) in ``[low, high)``."""
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, bool)
+        and low <= int(value) < high
+    )
+
+
+def fence_value(value: object, call: str) -> int:
+    """``value`` as a fence value. Raises DlaError (``ERROR_INVALID_PARAM``, naming ``call``)
+    unless it is an int in ``[0, 2**64)``."""
+    if not is_int_in(value, 0, _FENCE_VALUE_END):
+        raise DlaError(
+            CudlaStatus.ERROR_INVALID_PARAM,
+            call,
+            f"fence value {value!r} is not an int in [0, 2**64)",
+        )
+    assert isinstance(value, (int, np.integer))  # narrowing: checked just above
+    return int(value)
+
+
+def run_fence_callback(callback: Callable[[], object]) -> None:
+    """Run a fence's ``on_reached`` callback; its exception is logged, never raised, because a
+    consumer's bug must not stop the thread that signals the fence."""
+    try:
+        callback()
+    except Exception:  # noqa: BLE001 (see the docstring)
+        _log.exception("fence_callback_failed", callback=repr(callback))
+
+
+class FenceCore:
+    """What every fence backend shares: a value that only grows (``_value``, guarded by
+    ``_cond``), threads waiting on the condition, and ``on_reached`` callbacks, which whoever
+    advances the value runs outside the lock. Backends add how a value is reached and promised.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._value = 0
+        self._order = itertools.count()  # FIFO among callbacks of one value
+        self._callbacks: list[tuple[int, int, Callable[[], object]]] = []  # heap by value
+
+    @property
+    def value(self) -> int:
+        """The current value."""
+        return self._value
+
+    def reached(self, value: int) -> bool:
+        """Whether the value is ``>= value``. Raises DlaError for a value outside uint64."""
+        return self._value >= fence_value(value, "NvSciSyncFenceWait")
+
+    def wait(self, value: int, timeout: float | None = None) -> bool:
+        """Block until ``value`` is reached or ``timeout`` seconds pass; returns whether it was.
+        Raises DlaError (``ERROR_INVALID_PARAM``) for a bad value or a negative timeout."""
+        target = fence_value(value, "NvSciSyncFenceWait")
+        if timeout is not None and not timeout >= 0:
+            raise DlaError(
+                CudlaStatus.ERROR_INVALID_PARAM, "NvSciSyncFenceWait", f"timeout {timeout!r}"
+            )
+        with self._cond:
+            return self._cond.wait_for(lambda: self._value >= target, timeout)
+
+    def on_reached(self, value: int, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` once ``value`` is reached: now, in the calling thread, if it is;
+        else from the thread that advances the fence (see ``SyncObject.on_reached``)."""
+        target = fence_value(value, "NvSciSyncFenceWait")
+        with self._cond:
+            if self._value < target:
+                heapq.heappush(self._callbacks, (target, next(self._order), callback))
+                return
+        run_fence_callback(callback)
+
+    def _due_locked(self) -> list[Callable[[], object]]:
+        """With ``_cond`` held, after raising ``_value``: pop the callbacks now due and wake the
+        waiters. Run the returned callbacks after releasing the lock."""
+        due: list[Callable[[], object]] = []
+        while self._callbacks and self._callbacks[0][0] <= self._value:
+            due.append(heapq.heappop(self._callbacks)[2])
+        self._cond.notify_all()
+        return due

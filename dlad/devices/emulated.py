@@ -23,7 +23,6 @@ is faked. onnxruntime is imported only when a numeric-mode core loads a loadable
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import math
 import mmap
@@ -46,9 +45,13 @@ from dlad.devices.base import (
     MAX_WAIT_EVENTS,
     CudlaStatus,
     DlaError,
+    FenceCore,
     LoadableSource,
     Task,
     TaskTiming,
+    fence_value,
+    is_int_in,
+    run_fence_callback,
 )
 from dlad.devices.int8_engine import Int8Engine, Int8EngineError, OutputSpec
 from dlad.loadable import (
@@ -92,15 +95,6 @@ _LOAD_ERRORS: Final = (  # first match wins: the subclasses come before Loadable
 _log = structlog.get_logger(__name__)
 
 
-def _is_int(value: object, low: int, high: int) -> bool:
-    """``value`` is an int (not a bool) in ``[low, high)``."""
-    return (
-        isinstance(value, (int, np.integer))
-        and not isinstance(value, bool)
-        and low <= int(value) < high
-    )
-
-
 def _is_number(value: object, low: float, high: float) -> bool:
     """``value`` is a real number (not a bool) in ``[low, high]`` and finite."""
     return (
@@ -111,20 +105,7 @@ def _is_number(value: object, low: float, high: float) -> bool:
     )
 
 
-def _fence_value(value: object, call: str) -> int:
-    if not _is_int(value, 0, _MAX_VALUE):
-        raise DlaError(_INVALID, call, f"fence value {value!r} is not an int in [0, 2**64)")
-    return int(cast("int", value))
-
-
-def _run_callback(callback: Callable[[], object]) -> None:
-    try:
-        callback()
-    except Exception:  # noqa: BLE001 (a consumer's bug must not stop the signalling core thread)
-        _log.exception("fence_callback_failed", callback=repr(callback))
-
-
-class EmulatedFence:
+class EmulatedFence(FenceCore):
     """A syncpoint-like fence: an integer that only grows (implements ``SyncObject``).
 
     Any core's tasks may wait on it or signal it; the CPU signals it with :meth:`signal`. A value
@@ -133,48 +114,17 @@ class EmulatedFence:
     """
 
     def __init__(self, name: str = "fence") -> None:
+        super().__init__()
         self.name = name
-        self._cond = threading.Condition(threading.Lock())
-        self._value = 0
         self._promised = 0
-        self._order = itertools.count()  # FIFO among callbacks of one value
-        self._callbacks: list[tuple[int, int, Callable[[], object]]] = []  # heap by value
 
     def __repr__(self) -> str:
         return f"<EmulatedFence {self.name} value={self._value}>"
 
-    @property
-    def value(self) -> int:
-        """The current value."""
-        return self._value
-
-    def reached(self, value: int) -> bool:
-        """Whether the value is ``>= value``. Raises DlaError for a value outside uint64."""
-        return self._value >= _fence_value(value, "NvSciSyncFenceWait")
-
-    def wait(self, value: int, timeout: float | None = None) -> bool:
-        """Block until ``value`` is reached or ``timeout`` seconds pass; returns whether it was.
-        Raises DlaError (``ERROR_INVALID_PARAM``) for a bad value or a negative timeout."""
-        target = _fence_value(value, "NvSciSyncFenceWait")
-        if timeout is not None and not timeout >= 0:
-            raise DlaError(_INVALID, "NvSciSyncFenceWait", f"timeout {timeout!r}")
-        with self._cond:
-            return self._cond.wait_for(lambda: self._value >= target, timeout)
-
-    def on_reached(self, value: int, callback: Callable[[], object]) -> None:
-        """Call ``callback()`` once ``value`` is reached: now if it is, else from the thread
-        that signals it (see ``SyncObject.on_reached``)."""
-        target = _fence_value(value, "NvSciSyncFenceWait")
-        with self._cond:
-            if self._value < target:
-                heapq.heappush(self._callbacks, (target, next(self._order), callback))
-                return
-        _run_callback(callback)
-
     def signal(self, value: int) -> None:
         """Set the value from the CPU. Raises DlaError (``ERROR_INVALID_PARAM``) unless
         ``value`` exceeds the current value and every value a submitted task will signal."""
-        target = _fence_value(value, "NvSciSyncObjSignal")
+        target = fence_value(value, "NvSciSyncObjSignal")
         self._reserve(target, "NvSciSyncObjSignal")
         self._advance(target)
 
@@ -189,14 +139,11 @@ class EmulatedFence:
 
     def _advance(self, value: int) -> None:
         """Raise the value to ``value`` (never lower it) and run the callbacks now due."""
-        due: list[Callable[[], object]] = []
         with self._cond:
             self._value = max(self._value, value)
-            while self._callbacks and self._callbacks[0][0] <= self._value:
-                due.append(heapq.heappop(self._callbacks)[2])
-            self._cond.notify_all()
+            due = self._due_locked()
         for callback in due:  # outside the lock: a callback may use this fence again
-            _run_callback(callback)
+            run_fence_callback(callback)
 
 
 @dataclass(frozen=True, eq=False)
@@ -298,7 +245,7 @@ class FaultConfig:
                 raise ValueError(f"{name} must be a number in [0, 1], got {getattr(self, name)!r}")
         if self.error_rate + self.hang_rate > 1:
             raise ValueError("error_rate + hang_rate must be at most 1")
-        if self.seed is not None and not _is_int(self.seed, -(1 << 63), 1 << 63):
+        if self.seed is not None and not is_int_in(self.seed, -(1 << 63), 1 << 63):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         status = CudlaStatus(self.error_status)  # ValueError for a value cuDLA does not have
         if status is CudlaStatus.SUCCESS:
@@ -342,14 +289,14 @@ class EmulatedDlaCore:
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         allocator: Callable[[int], npt.NDArray[np.uint8]] | None = None,
     ) -> None:
-        if not _is_int(core, 0, 2):
+        if not is_int_in(core, 0, 2):
             raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
         if mode not in ("numeric", "timing"):
             raise ValueError(f"mode must be 'numeric' or 'timing', got {mode!r}")
         if latency_us is not None and not _is_number(latency_us, 0.0, math.inf):
             raise ValueError(f"latency_us must be None or finite and >= 0, got {latency_us!r}")
         for name, value in (("threads", threads), ("queue_depth", queue_depth)):
-            if not _is_int(value, 1, 1 << 31):
+            if not is_int_in(value, 1, 1 << 31):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         checked: object = faults
         if checked is not None and not isinstance(checked, FaultConfig):
@@ -525,7 +472,7 @@ class EmulatedDlaCore:
         call = "cudlaSetTaskTimeoutInMs"
         with self._cv:
             self._enter(call)
-            if not _is_int(ms, 1, MAX_TASK_TIMEOUT_MS + 1):
+            if not is_int_in(ms, 1, MAX_TASK_TIMEOUT_MS + 1):
                 raise DlaError(_INVALID, call, f"timeout {ms!r} ms")
             self._timeout_ns = ms * 1_000_000
 
@@ -572,7 +519,7 @@ class EmulatedDlaCore:
                     and isinstance(pair[0], EmulatedFence)
                 ):
                     raise DlaError(_INVALID, call, f"not (EmulatedFence, value): {pair!r}")
-                _fence_value(pair[1], call)
+                fence_value(pair[1], call)
             if self._in_flight >= self._queue_depth:
                 raise DlaError(
                     CudlaStatus.ERROR_OUT_OF_RESOURCES, call, f"{self._queue_depth} tasks held"

@@ -330,11 +330,14 @@ class GpuContext:
         flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         return _check(drv.cuStreamCreate(flags), "cuStreamCreate")
 
-    def event(self, *, timing: bool = False) -> Any:
-        """A new event (without timing unless ``timing``: cheaper to record and wait)."""
+    def event(self, *, timing: bool = False, blocking: bool = False) -> Any:
+        """A new event (without timing unless ``timing``: cheaper to record and wait). A
+        ``blocking`` event's waiter sleeps until the GPU interrupts instead of spinning."""
         self.make_current()
         drv = _driver()
-        flags = 0 if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        flags = 0 if timing else int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if blocking:
+            flags |= int(drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         return _check(drv.cuEventCreate(flags), "cuEventCreate")
 
     def close(self) -> None:

@@ -7,9 +7,12 @@ device-mapped host memory, which is what an NvSciSync *deterministic semaphore* 
 
 * DLA → GPU: a :class:`MappedFence` publishes every value it reaches into its word; a stream
   waits on it with ``cuStreamWaitValue32`` (``>=``, wrap-safe).
-* GPU → DLA: a stream writes the word with ``cuStreamWriteValue32``; the :class:`FencePoller`
-  (standing in for the syncpoint interrupt) sees the new value and advances the fence, which
-  wakes the emulated core's task that waits on it.
+* GPU → DLA: a stream writes the word with ``cuStreamWriteValue32`` and records a blocking-sync
+  event behind it (:meth:`MappedFence.gpu_signal`); the fence's waiter thread sleeps on that
+  event (the GPU's interrupt, standing in for the syncpoint interrupt) and advances the fence,
+  which wakes the emulated core's task that waits on it. A word written by other means (a
+  stream the daemon did not queue, the CPU) can instead be watched by the :class:`FencePoller`,
+  which polls.
 
 A :class:`MappedFence` is an :class:`~dlad.devices.emulated.EmulatedFence`, so emulated cores
 accept it in any task.
@@ -17,14 +20,19 @@ accept it in any task.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 
 from dlad.devices.emulated import EmulatedFence
-from dlad.gpu.driver import GpuContext
+from dlad.gpu.driver import GpuContext, _driver
+
+if TYPE_CHECKING:
+    from dlad.gpu.prepost import GpuPipeline
 
 __all__ = ["FencePoller", "MappedFence"]
 
@@ -49,10 +57,13 @@ class MappedFence(EmulatedFence):
 
     def __init__(self, ctx: GpuContext, poller: FencePoller, name: str = "gpu-fence") -> None:
         super().__init__(name)
+        self._ctx = ctx
         self._memory = ctx.host_alloc(64)
         self._word = self._memory.array[:4].view(np.uint32)
         self.device_ptr = self._memory.device_ptr
         self._poller = poller
+        self._events: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None
 
     @property
     def word(self) -> int:
@@ -76,8 +87,39 @@ class MappedFence(EmulatedFence):
         self._reserve(value, call)
         self._poller.watch(self, value)
 
+    def gpu_signal(self, pipeline: GpuPipeline, value: int) -> None:
+        """Queue on ``pipeline``'s stream the write of ``value`` (once the work queued before it
+        is done) and a blocking-sync event behind it; the fence's waiter thread advances the
+        fence when the event fires. Raises DlaError unless ``value`` is above the fence's value
+        and promises; CudaError when queueing fails."""
+        self._reserve(value, "cuStreamWriteValue32")
+        pipeline.signal(self.device_ptr, value)
+        event = self._ctx.event(blocking=True)
+        pipeline.record(event)  # recorded before the waiter can wait on it
+        if self._waiter is None:
+            self._waiter = threading.Thread(
+                target=self._wait_events, name=f"dlad-{self.name}-waiter", daemon=True
+            )
+            self._waiter.start()
+        self._events.put((event, value))
+
+    def _wait_events(self) -> None:
+        drv = _driver()
+        self._ctx.make_current()
+        while (item := self._events.get()) is not None:
+            event, value = item
+            err = drv.cuEventSynchronize(event)[0]
+            if int(err) != 0:  # the stream failed: release the task anyway, it will fail too
+                log.error("gpu_fence_event_failed", fence=self.name, error=str(err))
+            drv.cuEventDestroy(event)
+            self._advance(value)
+
     def free(self) -> None:
-        """Release the word's memory (no stream may still use it)."""
+        """Stop the waiter and release the word's memory (no stream may still use it)."""
+        if self._waiter is not None:
+            self._events.put(None)
+            self._waiter.join()
+            self._waiter = None
         self._memory.free()
 
 

@@ -81,9 +81,9 @@ class MappedFenceLink:
         return self._fence.next_value()
 
     def gpu_signal(self, pipeline: GpuPipeline, value: int) -> None:
-        """Reserve ``value`` and have the poller advance the fence once the stream wrote it."""
-        self._fence.expect_gpu_signal(value)
-        pipeline.signal(self._fence.device_ptr, value)
+        """Reserve ``value``, queue its write and the event the fence's waiter sleeps on
+        (:meth:`MappedFence.gpu_signal`)."""
+        self._fence.gpu_signal(pipeline, value)
 
     def gpu_wait(self, pipeline: GpuPipeline, value: int) -> None:
         """Wait (wrap-safe 32-bit ``>=``) on the word the DLA side publishes into."""

@@ -386,6 +386,10 @@ class GpuPipeline:
             "cuStreamWriteValue32",
         )
 
+    def record(self, event: object) -> None:
+        """Record ``event`` on the stream (it fires once the work queued before is done)."""
+        _check(_driver().cuEventRecord(event, self.stream), "cuEventRecord")
+
     def wait(self, device_ptr: int, value: int) -> None:
         """Queue a wait until the fence word at ``device_ptr`` reaches ``value`` (wrap-safe
         32-bit ``>=``): the stream's later work starts only after the fence's producer."""

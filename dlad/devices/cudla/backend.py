@@ -41,6 +41,12 @@ sets ``RequireDeterministicFences`` on the waiter lists, passes NULL EOF fences 
 EOF fence with ``NvSciSyncFenceUpdateFence``; ``"auto"`` (the default) uses syncpoints unless
 ``cudlaImportExternalSemaphore`` refuses them, then switches to deterministic semaphores.
 
+The pieces live in their own modules, re-exported here: :mod:`~dlad.devices.cudla.modules`
+(:class:`CudlaModule`, loading and the I/O descriptors), :mod:`~dlad.devices.cudla.memory`
+(:class:`CudlaBuffer`, NvSciBuf allocation and import) and :mod:`~dlad.devices.cudla.fences`
+(:class:`CudlaFence_`, its NvSciSync object, value, signals and waits). This module owns the core:
+the handle, fence creation and import, task submission, the completion thread and teardown.
+
 Only the standard library, numpy, structlog and dlad's own modules are imported.
 """
 
@@ -48,21 +54,14 @@ from __future__ import annotations
 
 import collections
 import functools
-import heapq
 import itertools
-import math
-import mmap
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from ctypes import POINTER, byref, c_uint8, c_uint64, c_void_p, cast, pointer
+from ctypes import POINTER, byref, c_uint64, c_void_p, cast, pointer
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final, Literal
 
-import numpy as np
-import numpy.typing as npt
 import structlog
 
 from dlad.devices.base import (
@@ -75,175 +74,68 @@ from dlad.devices.base import (
     LoadableSource,
     Task,
     TaskTiming,
+    fence_value,
+    is_int_in,
+    run_fence_callback,
 )
 from dlad.devices.cudla.abi import (
-    AccessPermission,
     CudlaFence,
     CudlaMode,
     CudlaTask,
     DevAttribute,
     DevAttributeType,
-    ExternalMemoryHandleDesc,
     ExternalSemaphoreHandleDesc,
     FenceType,
     Libraries,
-    ModuleAttribute,
-    ModuleAttributeType,
-    ModuleTensorDescriptor,
-    NvSciSyncAccessPerm,
     NvSciSyncFence,
     SignalEvents,
     SubmitFlags,
-    SyncAttrFlags,
     WaitEvents,
     load_libraries,
 )
-from dlad.devices.cudla.nvsci import (
-    BufferAllocation,
-    NvSciSession,
-    SyncAllocation,
-    check_cudla,
+from dlad.devices.cudla.fences import (
+    MAX_CPU_SIGNAL_STEP,
+    CudlaFence_,
+    Signaller,
 )
-from dlad.loadable import (
-    DataCategory,
-    DataFormat,
-    DataType,
-    PixelFormat,
-    PixelMapping,
-    TensorDescriptor,
-    TensorFormat,
+from dlad.devices.cudla.memory import BUFFER_ALIGN, CUDLA_ALIGN, CudlaBuffer, import_buffer
+from dlad.devices.cudla.modules import (
+    CudlaModule,
+    descriptor_from_c,
+    descriptor_to_c,
+    load_module,
 )
+from dlad.devices.cudla.nvsci import NvSciSession, check_cudla
+from dlad.loadable import TensorDescriptor
 
 __all__ = [
     "ABORTED_STATUS",
     "BUFFER_ALIGN",
+    "CUDLA_ALIGN",
     "DEFAULT_QUEUE_DEPTH",
+    "MAX_CPU_SIGNAL_STEP",
     "CudlaBuffer",
     "CudlaDlaCore",
     "CudlaFence_",
     "CudlaModule",
     "CudlaTaskHandle",
     "Semaphores",
+    "Signaller",
     "descriptor_from_c",
+    "descriptor_to_c",
 ]
 
 Semaphores = Literal["auto", "syncpoint", "deterministic"]
-Signaller = Literal["dla", "cpu", "gpu"]
 DEFAULT_QUEUE_DEPTH: Final = 64
 """Tasks a core holds (queued and running) before :meth:`CudlaDlaCore.submit` refuses."""
 ABORTED_STATUS: Final = CudlaStatus.ERROR_INVALID_DEVICE
 """The status of tasks abandoned by ``close(force=True)``."""
-BUFFER_ALIGN: Final = mmap.PAGESIZE
-"""Alignment asked of NvSciBuf for I/O buffers (cuDLA needs 32 bytes; a page is what an
-NvSciBuf object gets anyway and what the emulated core gives)."""
-CUDLA_ALIGN: Final = 32
-MAX_CPU_SIGNAL_STEP: Final = 1 << 20
-"""A CPU fence moves by one ``NvSciSyncObjSignal`` per unit; larger jumps are refused."""
-_MAX_VALUE: Final = 1 << 64
 _INVALID: Final = CudlaStatus.ERROR_INVALID_PARAM
 
 _log = structlog.get_logger(__name__)
 
 
-def _is_int(value: object, low: int, high: int) -> bool:
-    return (
-        isinstance(value, (int, np.integer))
-        and not isinstance(value, bool)
-        and low <= int(value) < high
-    )
-
-
-def _fence_value(value: object, call: str) -> int:
-    if not _is_int(value, 0, _MAX_VALUE):
-        raise DlaError(_INVALID, call, f"fence value {value!r} is not an int in [0, 2**64)")
-    assert isinstance(value, (int, np.integer))
-    return int(value)
-
-
-def _run_callback(callback: Callable[[], object]) -> None:
-    try:
-        callback()
-    except Exception:  # noqa: BLE001 (a consumer's bug must not stop the completion thread)
-        _log.exception("fence_callback_failed", callback=repr(callback))
-
-
-# ----------------------------------------------------------------------------- descriptors
-
-
-def descriptor_from_c(c: ModuleTensorDescriptor, scale: float | None) -> TensorDescriptor:
-    """A :class:`TensorDescriptor` from what ``cudlaModuleGetAttributes`` filled in.
-
-    cuDLA does not report TensorRT's I/O format: it follows from the data format and type
-    (NHWC: ``DLA_HWC4``; NCxHWx: ``CHW16`` for fp16, ``CHW32`` for int8; NCHW: ``DLA_LINEAR``).
-    ``scale`` (INT8 tensors only) comes from the model's metadata. Raises ValueError for a
-    descriptor dlad cannot use.
-    """
-    data_format = DataFormat(c.dataFormat)
-    data_type = DataType(c.dataType)
-    if data_format == DataFormat.NHWC:
-        fmt = TensorFormat.DLA_HWC4
-    elif data_format == DataFormat.NCxHWx and data_type == DataType.HALF:
-        fmt = TensorFormat.CHW16
-    elif data_format == DataFormat.NCxHWx and data_type == DataType.INT8:
-        fmt = TensorFormat.CHW32
-    elif data_format == DataFormat.NCHW:
-        fmt = TensorFormat.DLA_LINEAR
-    else:
-        raise ValueError(f"{data_format.name} {data_type.name} is no DLA I/O format dlad reads")
-    try:
-        name = bytes(c.name).split(b"\0", 1)[0].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"tensor name is not UTF-8: {bytes(c.name)!r}") from exc
-    return TensorDescriptor(
-        name, c.size, c.n, c.c, c.h, c.w, data_format, data_type,
-        DataCategory(c.dataCategory), PixelFormat(c.pixelFormat), PixelMapping(c.pixelMapping),
-        tuple(c.stride),
-        fmt, scale if data_type == DataType.INT8 else None,
-    )  # fmt: skip
-
-
-def descriptor_to_c(d: TensorDescriptor) -> ModuleTensorDescriptor:
-    """The C struct of ``d`` (its format and scale are not part of it)."""
-    c = ModuleTensorDescriptor()
-    c.name = d.name.encode("utf-8")
-    c.size, c.n, c.c, c.h, c.w = d.size, d.n, d.c, d.h, d.w
-    c.dataFormat, c.dataType, c.dataCategory = d.data_format, d.data_type, d.data_category
-    c.pixelFormat, c.pixelMapping = d.pixel_format, d.pixel_mapping
-    for i, s in enumerate(d.stride):
-        c.stride[i] = s
-    return c
-
-
 # ----------------------------------------------------------------------------- objects
-
-
-@dataclass(frozen=True, eq=False)
-class CudlaBuffer:
-    """An NvSciBuf raw buffer imported into one core (implements ``Buffer``). ``raw`` and
-    ``array`` view its CPU mapping; they are invalid once the core is closed."""
-
-    descriptor: TensorDescriptor
-    raw: npt.NDArray[np.uint8] = field(repr=False)
-    array: npt.NDArray[Any] = field(repr=False)
-    owner: CudlaDlaCore = field(repr=False)
-    alloc: BufferAllocation = field(repr=False)
-    registered: Any = field(repr=False)  # POINTER(c_uint64): cuDLA's handle of the buffer
-
-    @property
-    def nvsci_object(self) -> int:
-        """The ``NvSciBufObj`` (for a CUDA import, :mod:`dlad.devices.cudla.cuda_interop`)."""
-        return self.alloc.obj
-
-
-@dataclass(frozen=True, eq=False)
-class CudlaModule:
-    """A loadable loaded on one core (implements ``Module``)."""
-
-    core: int
-    inputs: tuple[TensorDescriptor, ...]
-    outputs: tuple[TensorDescriptor, ...]
-    handle: int = field(repr=False)
-    image: bytes = field(repr=False)  # the loadable's bytes, kept for the module's life
 
 
 @dataclass(eq=False)
@@ -270,246 +162,6 @@ class _Record:
     prefences: list[NvSciSyncFence]
     waits: tuple[tuple[CudlaFence_, int], ...]
     aborted: bool = False
-
-
-class CudlaFence_:
-    """An NvSciSync object used as a dlad fence (implements ``SyncObject``); see the module
-    docstring for which values a task may wait on and who may signal.
-
-    The value is what dlad has seen reached: a task's EOF fence observed by the completion
-    thread, or a CPU signal. Raises DlaError like the emulated fence: ``ERROR_INVALID_PARAM``
-    for a bad value, ``ERROR_UNSUPPORTED_OPERATION`` for a CPU signal of a DLA-signalled fence.
-    """
-
-    def __init__(self, owner: CudlaDlaCore, signaller: Signaller, name: str) -> None:
-        self.owner = owner
-        self.signaller = signaller
-        self.name = name
-        self.alloc = SyncAllocation()
-        self.registered: dict[int, Any] = {}  # id(core) -> POINTER(c_uint64)
-        self.deterministic = False
-        self._cond = threading.Condition(threading.Lock())
-        self._value = 0
-        self._promised = 0
-        self._order = itertools.count()
-        self._callbacks: list[tuple[int, int, Callable[[], object]]] = []
-        self._reached_at: list[tuple[int, int]] = [(0, 0)]  # (value, monotonic ns)
-        self._records: list[tuple[int, NvSciSyncFence]] = []  # dla: promised value -> EOF fence
-        self._fence_id = 0
-        self._raw_base = 0  # cpu: raw counter = base + value; dla deterministic: last raw
-        self._held: list[tuple[int, NvSciSyncFence]] = []  # fences handed to CUDA waits
-
-    def __repr__(self) -> str:
-        return f"<CudlaFence {self.name} {self.signaller} value={self._value}>"
-
-    @property
-    def value(self) -> int:
-        """The current value."""
-        return self._value
-
-    @property
-    def nvsci_object(self) -> int:
-        """The ``NvSciSyncObj`` (for a CUDA import)."""
-        return self.alloc.obj
-
-    def next_value(self) -> int:
-        """The lowest value a new signal may use: above the value and every promise."""
-        with self._cond:
-            return max(self._value, self._promised) + 1
-
-    def signal_from_gpu(self, value: int, queue_signal: Callable[[int], None]) -> None:
-        """Promise ``value`` to a GPU signal of this ``signaller="gpu"`` fence: a fresh
-        ``NvSciSyncFence`` is passed (by address) to ``queue_signal``, which must queue
-        ``cudaSignalExternalSemaphoresAsync`` with it (CUDA fills it in); tasks that wait on
-        ``value`` then wait on that fence, which is kept until ``value`` is reached. The value
-        moves once a DLA task that waited on it ends successfully (the DLA passed it).
-
-        Raises DlaError: ``ERROR_UNSUPPORTED_OPERATION`` for a fence of another signaller,
-        ``ERROR_INVALID_PARAM`` unless ``value`` is above the value and every promise,
-        ``ERROR_INVALID_DEVICE`` once freed; and whatever ``queue_signal`` raises (the
-        promise is then withdrawn).
-        """
-        call = "cudaSignalExternalSemaphoresAsync"
-        target = _fence_value(value, call)
-        if self.signaller != "gpu":
-            raise DlaError(
-                CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
-                f"{self.name} is signalled by {self.signaller}; use create_fence(signaller='gpu')",
-            )  # fmt: skip
-        if not self.alloc.obj:
-            raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, call, f"{self.name}: freed")
-        previous = self._reserve(target, call)
-        fence = NvSciSyncFence()
-        try:
-            queue_signal(cast(pointer(fence), c_void_p).value or 0)
-        except BaseException:
-            self._unreserve(previous)
-            self.owner.nvsci.clear(fence)
-            raise
-        with self._cond:
-            self._records.append((target, fence))
-
-    def wait_from_gpu(self, value: int, queue_wait: Callable[[int], None]) -> bool:
-        """Have a CUDA stream wait for ``value``: ``queue_wait`` gets the address of an
-        ``NvSciSyncFence`` reached with ``value`` (a DLA fence's EOF fence, once the task that
-        signals it is submitted) and must queue ``cudaWaitExternalSemaphoresAsync`` with it;
-        the fence is kept until ``value`` is reached. Returns False (and calls nothing) when
-        ``value`` is reached already. Raises DlaError as a task's wait would (``value`` neither
-        reached nor promised) and whatever ``queue_wait`` raises.
-        """
-        fence = self._prefence(_fence_value(value, "cudaWaitExternalSemaphoresAsync"),
-                               "cudaWaitExternalSemaphoresAsync")  # fmt: skip
-        if fence is None:
-            return False
-        try:
-            queue_wait(cast(pointer(fence), c_void_p).value or 0)
-        except BaseException:
-            self.owner.nvsci.clear(fence)
-            raise
-        with self._cond:
-            if self._value < value:
-                self._held.append((int(value), fence))
-                return True
-        self.owner.nvsci.clear(fence)  # reached meanwhile: _advance will not see it
-        return True
-
-    def reached(self, value: int) -> bool:
-        """Whether the value is ``>= value``."""
-        return self._value >= _fence_value(value, "NvSciSyncFenceWait")
-
-    def wait(self, value: int, timeout: float | None = None) -> bool:
-        """Block until ``value`` is reached or ``timeout`` seconds pass; returns whether it
-        was. Raises DlaError (``ERROR_INVALID_PARAM``) for a bad value or negative timeout."""
-        target = _fence_value(value, "NvSciSyncFenceWait")
-        if timeout is not None and not timeout >= 0:
-            raise DlaError(_INVALID, "NvSciSyncFenceWait", f"timeout {timeout!r}")
-        with self._cond:
-            return self._cond.wait_for(lambda: self._value >= target, timeout)
-
-    def on_reached(self, value: int, callback: Callable[[], object]) -> None:
-        """Call ``callback()`` once ``value`` is reached: now if it is, else from the thread
-        that moves the fence (the owning core's completion thread, or a CPU signaller)."""
-        target = _fence_value(value, "NvSciSyncFenceWait")
-        with self._cond:
-            if self._value < target:
-                heapq.heappush(self._callbacks, (target, next(self._order), callback))
-                return
-        _run_callback(callback)
-
-    def signal(self, value: int) -> None:
-        """Signal from the CPU: ``value - self.value`` calls of ``NvSciSyncObjSignal``.
-
-        Raises DlaError: ``ERROR_UNSUPPORTED_OPERATION`` for a DLA-signalled fence;
-        ``ERROR_INVALID_PARAM`` unless ``value`` is above the current value by at most
-        :data:`MAX_CPU_SIGNAL_STEP`; ``ERROR_INVALID_DEVICE`` once its core is closed.
-        """
-        call = "NvSciSyncObjSignal"
-        target = _fence_value(value, call)
-        if self.signaller != "cpu":
-            raise DlaError(
-                CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
-                f"{self.name} is signalled by {self.signaller}; use create_fence(signaller='cpu')",
-            )  # fmt: skip
-        with self._cond:
-            if not self.alloc.obj:
-                raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, call, f"{self.name}: freed")
-            if not 0 < target - self._value <= MAX_CPU_SIGNAL_STEP:
-                raise DlaError(
-                    _INVALID, call,
-                    f"{self.name}: {value} is not above {self._value} by 1..{MAX_CPU_SIGNAL_STEP}",
-                )  # fmt: skip
-            for _ in range(target - self._value):
-                self.owner.nvsci.signal(self.alloc.obj)
-        self._advance(target)
-
-    # ------------------------------------------------------------------ backend side
-
-    def _reached_ns(self, value: int) -> int:
-        with self._cond:
-            for reached, at in self._reached_at:
-                if reached >= value:
-                    return at
-        return 0
-
-    def _advance(self, value: int) -> None:
-        """Raise the value to ``value``, release the EOF fences now reached, run callbacks."""
-        due: list[Callable[[], object]] = []
-        done: list[NvSciSyncFence] = []
-        with self._cond:
-            if value > self._value:
-                self._value = value
-                self._reached_at.append((value, time.monotonic_ns()))
-                del self._reached_at[:-64]  # only recent values are asked about
-            while self._records and self._records[0][0] <= self._value:
-                done.append(self._records.pop(0)[1])
-            done += [f for v, f in self._held if v <= self._value]
-            self._held = [(v, f) for v, f in self._held if v > self._value]
-            while self._callbacks and self._callbacks[0][0] <= self._value:
-                due.append(heapq.heappop(self._callbacks)[2])
-            self._cond.notify_all()
-        for fence in done:
-            self.owner.nvsci.clear(fence)
-        for callback in due:
-            _run_callback(callback)
-
-    def _reserve(self, value: int, call: str) -> int:
-        """Promise ``value`` to a task; returns the previous promise (to undo a refused
-        submission with :meth:`_unreserve`)."""
-        with self._cond:
-            floor = max(self._value, self._promised)
-            if value <= floor:
-                raise DlaError(
-                    _INVALID, call, f"{self.name}: {value} is not above {floor} (values only grow)"
-                )
-            previous, self._promised = self._promised, value
-            return previous
-
-    def _unreserve(self, previous: int) -> None:
-        with self._cond:
-            self._promised = previous
-
-    def _record(self, value: int, eof: NvSciSyncFence) -> None:
-        copy = NvSciSyncFence()
-        self.owner.nvsci.dup(eof, copy)
-        with self._cond:
-            self._records.append((value, copy))
-
-    def _prefence(self, value: int, call: str) -> NvSciSyncFence | None:
-        """A new NvSciSyncFence reached when ``value`` is (the caller clears it), or None when
-        ``value`` is already reached. Raises DlaError when cuDLA cannot be given one."""
-        nvsci = self.owner.nvsci
-        fence = NvSciSyncFence()
-        with self._cond:
-            if self._value >= value:
-                return None
-            if self.signaller in ("dla", "gpu"):
-                for promised, eof in self._records:
-                    if promised >= value:
-                        nvsci.dup(eof, fence)
-                        return fence
-                raise DlaError(
-                    _INVALID, call,
-                    f"{self.name}: value {value} is neither reached nor promised by a submitted "
-                    "signaller; cuDLA takes a pre-fence only once its signaller is submitted",
-                )  # fmt: skip
-            if self.owner.libs.has("NvSciSyncFenceUpdateFence") and self._fence_id:
-                nvsci.update(self.alloc.obj, self._fence_id, self._raw_base + value, fence)
-                return fence
-            if value == self._value + 1:
-                nvsci.generate_fence(self.alloc.obj, fence)
-                return fence
-        raise DlaError(
-            CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "NvSciSyncFenceUpdateFence",
-            f"{self.name}: waiting on {value} (not the next value) needs NvSciSyncFenceUpdateFence",
-        )  # fmt: skip
-
-    def _release(self) -> None:
-        """Clear the EOF fences still held (teardown)."""
-        with self._cond:
-            records, self._records = self._records, []
-            held, self._held = self._held, []
-        for _, fence in (*records, *held):
-            self.owner.nvsci.clear(fence)
 
 
 # ----------------------------------------------------------------------------- the core
@@ -555,12 +207,12 @@ class CudlaDlaCore:
         extra_waiter: Callable[[int], None] | None = None,
         gpu_signaller: Callable[[int], None] | None = None,
     ) -> None:
-        if not _is_int(core, 0, 1 << 63):
+        if not is_int_in(core, 0, 1 << 63):
             raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
         if semaphores not in ("auto", "syncpoint", "deterministic"):
             raise ValueError(f"semaphores must be auto, syncpoint or deterministic: {semaphores!r}")
         for name, value in (("queue_depth", queue_depth), ("wait_grace_ms", wait_grace_ms)):
-            if not _is_int(value, 1, 1 << 31):
+            if not is_int_in(value, 1, 1 << 31):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if gpu_uuid is not None and len(gpu_uuid) != 16:
             raise ValueError("gpu_uuid must be 16 bytes")
@@ -671,55 +323,12 @@ class CudlaDlaCore:
                 raise DlaError(
                     CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, "one module per core handle"
                 )
-        if isinstance(loadable, (bytes, bytearray, memoryview)):
-            image = bytes(loadable)
-        else:
-            try:
-                image = Path(os.fspath(loadable)).read_bytes()
-            except (OSError, TypeError) as exc:
-                raise DlaError(CudlaStatus.ERROR_OS, call, str(exc)) from exc
-        if not image:
-            raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "empty loadable")
-        data = (c_uint8 * len(image)).from_buffer_copy(image)
-        handle = c_void_p()
-        check_cudla(
-            self.libs.cudlaModuleLoadFromMemory(self._dev, data, len(image), byref(handle), 0), call
+        module = load_module(
+            loadable, libs=self.libs, dev=self._dev, core=self._core, scales=scales
         )
-        try:
-            inputs = self._descriptors(handle, ModuleAttributeType.NUM_INPUT_TENSORS, scales)
-            outputs = self._descriptors(handle, ModuleAttributeType.NUM_OUTPUT_TENSORS, scales)
-        except DlaError:
-            self.libs.cudlaModuleUnload(handle, 0)
-            raise
-        module = CudlaModule(self._core, inputs, outputs, int(handle.value or 0), image)
         with self._cv:
             self._module = module
         return module
-
-    def _descriptors(
-        self, handle: c_void_p, count_attr: ModuleAttributeType, scales: Mapping[str, float] | None
-    ) -> tuple[TensorDescriptor, ...]:
-        call = "cudlaModuleGetAttributes"
-        attr = ModuleAttribute()
-        check_cudla(self.libs.cudlaModuleGetAttributes(handle, count_attr, byref(attr)), call)
-        is_input = count_attr == ModuleAttributeType.NUM_INPUT_TENSORS
-        count = attr.numInputTensors if is_input else attr.numOutputTensors
-        array = (ModuleTensorDescriptor * max(count, 1))()
-        if is_input:
-            attr.inputTensorDesc = cast(array, POINTER(ModuleTensorDescriptor))
-            which = ModuleAttributeType.INPUT_TENSOR_DESCRIPTORS
-        else:
-            attr.outputTensorDesc = cast(array, POINTER(ModuleTensorDescriptor))
-            which = ModuleAttributeType.OUTPUT_TENSOR_DESCRIPTORS
-        check_cudla(self.libs.cudlaModuleGetAttributes(handle, which, byref(attr)), call)
-        out = []
-        for c in array[:count]:
-            name = bytes(c.name).split(b"\0", 1)[0].decode("utf-8", "replace")
-            try:
-                out.append(descriptor_from_c(c, (scales or {}).get(name)))
-            except ValueError as exc:
-                raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, f"{name!r}: {exc}") from exc
-        return tuple(out)
 
     # ------------------------------------------------------------------ buffers
 
@@ -733,39 +342,10 @@ class CudlaDlaCore:
         call = "cudlaImportExternalMemory"
         with self._cv:
             self._enter(call)
-        desc: object = descriptor
-        if not isinstance(desc, TensorDescriptor) or desc.size < 1:
-            raise DlaError(_INVALID, call, f"not a tensor descriptor of positive size: {desc!r}")
-        try:
-            fits = math.prod(desc.buffer_shape) * desc.numpy_dtype.itemsize
-        except ValueError as exc:
-            raise DlaError(_INVALID, call, str(exc)) from exc
-        if fits != desc.size:
-            raise DlaError(
-                _INVALID, call, f"{desc.name}: {desc.buffer_shape} is {fits} B, size {desc.size}"
-            )
-        alloc = self.nvsci.raw_buffer(desc.size, align=BUFFER_ALIGN, gpu_uuid=self._gpu_uuid)
-        try:
-            if alloc.cpu_ptr % CUDLA_ALIGN:
-                raise DlaError(
-                    CudlaStatus.ERROR_INVALID_ADDRESS, call,
-                    f"{desc.name}: NvSciBuf mapping {alloc.cpu_ptr:#x} is not 32-byte aligned",
-                )  # fmt: skip
-            mem = ExternalMemoryHandleDesc(c_void_p(alloc.obj), desc.size)
-            registered = POINTER(c_uint64)()
-            check_cudla(
-                self.libs.cudlaImportExternalMemory(
-                    self._dev, byref(mem), byref(registered), AccessPermission.READ_WRITE
-                ),
-                call, desc.name,
-            )  # fmt: skip
-        except DlaError:
-            self.nvsci.free_buffer(alloc)
-            raise
-        raw = np.ctypeslib.as_array((c_uint8 * desc.size).from_address(alloc.cpu_ptr))
-        raw[:] = 0
-        array = raw.view(desc.numpy_dtype).reshape(desc.buffer_shape)
-        buf = CudlaBuffer(desc, raw, array, self, alloc, registered)
+        buf = import_buffer(
+            descriptor, owner=self, libs=self.libs, nvsci=self.nvsci, dev=self._dev,
+            gpu_uuid=self._gpu_uuid,
+        )  # fmt: skip
         with self._cv:
             self._buffers.append(buf)
         return buf
@@ -806,48 +386,12 @@ class CudlaDlaCore:
         return fence
 
     def _build_fence(self, signaller: Signaller, name: str, *, deterministic: bool) -> CudlaFence_:
-        nvsci = self.nvsci
         fence = CudlaFence_(self, signaller, name)
         fence.deterministic = deterministic
-        alloc = fence.alloc
         try:
-            if deterministic and not (
-                self.libs.has("NvSciSyncFenceUpdateFence")
-                and self.libs.has("NvSciSyncFenceExtractFence")
-            ):
-                raise DlaError(
-                    CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "NvSciSyncFenceUpdateFence",
-                    "deterministic semaphores need NvSciSyncFenceUpdateFence and "
-                    "NvSciSyncFenceExtractFence, which this NvSciSync lacks",
-                )  # fmt: skip
-            if signaller == "gpu":
-                # dlad computes no fences for a CUDA signaller: CUDA fills them in at each
-                # signal, which deterministic semaphores (§4.7 step 7) would need dlad to do.
-                if deterministic or self._gpu_signaller is None:
-                    why = "deterministic semaphores" if deterministic else "no gpu_signaller"
-                    raise DlaError(
-                        CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "NvSciSyncAttrListReconcile",
-                        f"{name}: a CUDA-signalled fence is not available here ({why})",
-                    )  # fmt: skip
-                signal = nvsci.sync_list(alloc)
-                self._gpu_signaller(int(signal.value or 0))
-                waiters = [nvsci.cudla_list(alloc, SyncAttrFlags.WAIT)]
-            elif signaller == "dla":
-                signal = nvsci.cudla_list(alloc, SyncAttrFlags.SIGNAL | SyncAttrFlags.WAIT)
-                waiters = [nvsci.cpu_list(alloc, NvSciSyncAccessPerm.WAIT_ONLY)]
-                if self._extra_waiter is not None:
-                    extra = nvsci.sync_list(alloc)
-                    self._extra_waiter(int(extra.value or 0))
-                    waiters.append(extra)
-            else:
-                signal = nvsci.cpu_list(alloc, NvSciSyncAccessPerm.SIGNAL_ONLY)
-                waiters = [nvsci.cudla_list(alloc, SyncAttrFlags.WAIT)]
-            if deterministic:
-                for handle in waiters:
-                    nvsci.require_deterministic(handle)
-            nvsci.reconcile_and_alloc(alloc, [signal, *waiters])
+            fence._allocate(gpu_signaller=self._gpu_signaller, extra_waiter=self._extra_waiter)
             self._import(fence)
-            self._prime(fence)
+            fence._prime()
         except DlaError:
             self._free_fence(fence)
             raise
@@ -870,23 +414,6 @@ class CudlaDlaCore:
                 self._foreign.append((fence, registered))
         return fence.registered[key]
 
-    def _prime(self, fence: CudlaFence_) -> None:
-        """Learn the fence id and raw counter base that fences of future values are built from."""
-        nvsci, libs = self.nvsci, self.libs
-        if not libs.has("NvSciSyncFenceExtractFence"):
-            return
-        probe = NvSciSyncFence()
-        try:
-            if fence.signaller == "cpu":
-                nvsci.generate_fence(fence.alloc.obj, probe)  # reached by the next signal
-                fence._fence_id, raw_next = nvsci.extract(probe)
-                fence._raw_base = raw_next - 1
-            elif fence.deterministic:  # §4.7 step 7: prime from (0, 0), then extract
-                nvsci.update(fence.alloc.obj, 0, 0, probe)
-                fence._fence_id, fence._raw_base = nvsci.extract(probe)
-        finally:
-            nvsci.clear(probe)
-
     def _free_fence(self, fence: CudlaFence_) -> None:
         fence._release()
         registered = fence.registered.pop(id(self), None)
@@ -903,7 +430,7 @@ class CudlaDlaCore:
         call = "cudlaSetTaskTimeoutInMs"
         with self._cv:
             self._enter(call)
-            if not _is_int(ms, 1, MAX_TASK_TIMEOUT_MS + 1):
+            if not is_int_in(ms, 1, MAX_TASK_TIMEOUT_MS + 1):
                 raise DlaError(_INVALID, call, f"timeout {ms!r} ms")
             if self.libs.has(call):
                 check_cudla(self.libs.cudlaSetTaskTimeoutInMs(self._dev, int(ms)), call)
@@ -966,7 +493,7 @@ class CudlaDlaCore:
                     raise DlaError(
                         _INVALID, call, f"not (CudlaFence, value) of this driver: {pair!r}"
                     )
-                _fence_value(pair[1], call)
+                fence_value(pair[1], call)
             if task.signal:
                 fence, value = task.signal[0]
                 assert isinstance(fence, CudlaFence_)
@@ -1160,7 +687,7 @@ class CudlaDlaCore:
         self._closed = True
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
-            _run_callback(hook)  # logs a failure: the core's objects are released regardless
+            run_fence_callback(hook)  # logs a failure: the core's objects are released regardless
         self._teardown()
 
     def _teardown(self) -> None:

@@ -15,11 +15,12 @@ from PIL import Image
 
 from dlad.config import load_config
 from dlad.daemon import Daemon
-from dlad.devices.base import CudlaStatus, Task
+from dlad.devices.base import CudlaStatus, DlaError, Task
 from dlad.devices.emulated import EmulatedDlaCore
 from dlad.gpu.fences import FencePoller, MappedFence, word_reached
+from dlad.gpu.prepost import GpuPipeline, HeadSpec
 from dlad.gpu.service import GpuService
-from dlad.imaging.post import postprocess, unpack_head
+from dlad.imaging.post import YOLOV5_ANCHORS, postprocess, unpack_head
 from dlad.imaging.pre import letterbox, quantize_hwc4
 from dlad.loadable import DataType, read_loadable
 from dlad.models import DEMO
@@ -109,6 +110,26 @@ def test_poller_advances_fence_written_by_gpu(service: GpuService) -> None:
         fence.free()
     finally:
         poller.close()
+
+
+def test_gpu_signal_wakes_fence_through_its_event(service: GpuService) -> None:
+    # The daemon's GPU -> DLA path: word write + blocking-sync event, no polling.
+    fence = MappedFence(service.ctx, service.poller, "event-path")
+    pipe = GpuPipeline(service.ctx, (64, 64), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    try:
+        reached = threading.Event()
+        fence.on_reached(1, reached.set)
+        fence.gpu_signal(pipe, 1)
+        assert reached.wait(5)
+        assert fence.word == 1
+        fence.gpu_signal(pipe, 2)
+        assert fence.wait(2, 5)
+        assert fence.value == 2
+        with pytest.raises(DlaError):
+            fence.gpu_signal(pipe, 2)  # values only grow
+    finally:
+        pipe.close()
+        fence.free()
 
 
 CONFIG = """
