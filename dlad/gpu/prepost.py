@@ -234,7 +234,7 @@ class GpuPipeline:
         self._scan_smem = _SCAN_ROWS * _SCAN_ROWS // 8 + 4 * max(max_det, 1)
         ctx.set_max_dynamic_smem(ctx.kernels["post_scan"], self._scan_smem)
         self.stream = ctx.stream()
-        self.done = ctx.event()
+        self.done = ctx.event(blocking=True)  # the waiting thread sleeps, it does not spin
         self._image: DeviceBuffer | None = None
         self._owned: list[DeviceBuffer | HostBuffer] = []
         cap = batch * cand_capacity
