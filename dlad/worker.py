@@ -245,18 +245,7 @@ class DeviceWorker:
             out.error = DeviceFailed(f"{self.name}: {exc}")
             self.stats.failed += 1
             return out
-        status = handle.status
-        timing = handle.timing
-        if timing is not None:
-            out.start_ns, out.end_ns = timing.start_ns, timing.end_ns
-            out.device_us = timing.actual_us
-            self.stats.busy_ns += timing.end_ns - timing.start_ns
-        if status is not CudlaStatus.SUCCESS:
-            sticky = self.core.last_error()  # read (and clear) the sticky error, as cuDLA wants
-            out.error = DeviceFailed(
-                f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"
-            )
-            self.stats.failed += 1
+        if not self._settle(out, handle):
             return out
         t2 = time.monotonic_ns()
         if self.pre_post and geometry is not None:
@@ -286,20 +275,11 @@ class DeviceWorker:
         # Waits for the whole chain (pre, DLA, post) on a thread of its own, not the limiter's.
         (result,) = await anyio.to_thread.run_sync(gpu.pipeline.synchronize)
         t_end = time.monotonic_ns()
-        timing = handle.timing
-        if timing is not None:
-            out.start_ns, out.end_ns = timing.start_ns, timing.end_ns
-            out.device_us = timing.actual_us
-            out.pre_us = (timing.start_ns - t0) / 1e3
-            out.post_us = (t_end - timing.end_ns) / 1e3
-            self.stats.busy_ns += timing.end_ns - timing.start_ns
-        if handle.status is not CudlaStatus.SUCCESS:
-            sticky = self.core.last_error()
-            out.error = DeviceFailed(
-                f"{self.name}: task failed: {getattr(handle.status, 'c_name', handle.status)}"
-                f" ({sticky.name})"
-            )
-            self.stats.failed += 1
+        ok = self._settle(out, handle)
+        if handle.timing is not None:
+            out.pre_us = (handle.timing.start_ns - t0) / 1e3
+            out.post_us = (t_end - handle.timing.end_ns) / 1e3
+        if not ok:
             return out
         if result.overflow:  # more candidates than the GPU stores: the reference decides
             log.warning("gpu_candidates_overflow", device=self.name, found=result.found)
@@ -310,6 +290,25 @@ class DeviceWorker:
             out.detections = result.detections
         self.stats.completed += 1
         return out
+
+    def _settle(self, out: Outcome, handle: Any) -> bool:
+        """Copy the ended task's timing into ``out``; for a failed task read (and clear) the
+        core's sticky error, as cuDLA wants, and set ``out.error``. Returns whether it
+        succeeded."""
+        timing = handle.timing
+        if timing is not None:
+            out.start_ns, out.end_ns = timing.start_ns, timing.end_ns
+            out.device_us = timing.actual_us
+            self.stats.busy_ns += timing.end_ns - timing.start_ns
+        status = handle.status
+        if status is CudlaStatus.SUCCESS:
+            return True
+        sticky = self.core.last_error()
+        out.error = DeviceFailed(
+            f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"
+        )
+        self.stats.failed += 1
+        return False
 
     def _enqueue_gpu(self, work: Work, slot: dict[str, Any], gpu: GpuSlot) -> tuple[Any, Letterbox]:
         """Queue the frame's whole chain; returns the DLA task's handle and the geometry."""

@@ -431,3 +431,45 @@ class FenceCore:
             due.append(heapq.heappop(self._callbacks)[2])
         self._cond.notify_all()
         return due
+
+
+def check_task_layout(
+    task: Task, module: object, *, owner: object, buffer_type: type, core: int, call: str
+) -> None:
+    """What every backend's ``submit`` checks under its lock before anything else: ``task``
+    uses ``module`` (the one loaded on the core), binds one buffer of ``buffer_type`` allocated
+    by ``owner`` and large enough for each tensor, and has few enough events.
+
+    Raises DlaError: ``ERROR_INVALID_MODULE``, ``ERROR_INVALID_ADDRESS`` (a foreign buffer) or
+    ``ERROR_INVALID_PARAM`` (count, size, events), naming ``call``.
+    """
+    invalid = CudlaStatus.ERROR_INVALID_PARAM
+    if module is None or task.module is not module:
+        raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "module not loaded here")
+    for kind, buffers, descs in (
+        ("input", task.inputs, task.module.inputs),
+        ("output", task.outputs, task.module.outputs),
+    ):
+        if len(buffers) != len(descs):
+            raise DlaError(invalid, call, f"{len(buffers)} {kind} buffers for {len(descs)}")
+        for buf, desc in zip(buffers, descs, strict=True):
+            if not isinstance(buf, buffer_type) or getattr(buf, "owner", None) is not owner:
+                why = f"{kind} {desc.name!r}: buffer not allocated on DLA{core}"
+                raise DlaError(CudlaStatus.ERROR_INVALID_ADDRESS, call, why)
+            if buf.raw.size < desc.size:
+                why = f"{kind} {desc.name!r}: {buf.raw.size} B for {desc.size} B"
+                raise DlaError(invalid, call, why)
+    if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
+        why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
+        raise DlaError(invalid, call, why)
+
+
+def check_fence_pairs(task: Task, accept: Callable[[object], bool], what: str, call: str) -> None:
+    """Every wait and signal of ``task`` is a ``(fence, value)`` pair whose fence ``accept``
+    takes and whose value is a fence value. Raises DlaError (``ERROR_INVALID_PARAM``) naming
+    ``what`` was expected and ``call``."""
+    pairs: tuple[object, ...] = (*task.wait, *task.signal)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and accept(pair[0])):
+            raise DlaError(CudlaStatus.ERROR_INVALID_PARAM, call, f"not {what}: {pair!r}")
+        fence_value(pair[1], call)

@@ -30,7 +30,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
@@ -40,15 +40,15 @@ import structlog
 
 from dlad.devices.base import (
     DEFAULT_TASK_TIMEOUT_MS,
-    MAX_SIGNAL_EVENTS,
     MAX_TASK_TIMEOUT_MS,
-    MAX_WAIT_EVENTS,
     CudlaStatus,
     DlaError,
     FenceCore,
     LoadableSource,
     Task,
     TaskTiming,
+    check_fence_pairs,
+    check_task_layout,
     fence_value,
     is_int_in,
     run_fence_callback,
@@ -503,23 +503,17 @@ class EmulatedDlaCore:
             raise DlaError(_INVALID, call, f"not a Task: {checked!r}")
         with self._cv:
             self._enter(call)
-            module = self._module
-            if module is None or task.module is not module:
-                raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "module not loaded here")
-            self._check_buffers("input", task.inputs, module.inputs, call)
-            self._check_buffers("output", task.outputs, module.outputs, call)
-            if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
-                why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
-                raise DlaError(_INVALID, call, why)
-            pairs: tuple[object, ...] = (*task.wait, *task.signal)
-            for pair in pairs:
-                if not (
-                    isinstance(pair, tuple)
-                    and len(pair) == 2
-                    and isinstance(pair[0], EmulatedFence)
-                ):
-                    raise DlaError(_INVALID, call, f"not (EmulatedFence, value): {pair!r}")
-                fence_value(pair[1], call)
+            check_task_layout(
+                task,
+                self._module,
+                owner=self,
+                buffer_type=EmulatedBuffer,
+                core=self._core,
+                call=call,
+            )
+            check_fence_pairs(
+                task, lambda f: isinstance(f, EmulatedFence), "(EmulatedFence, value)", call
+            )
             if self._in_flight >= self._queue_depth:
                 raise DlaError(
                     CudlaStatus.ERROR_OUT_OF_RESOURCES, call, f"{self._queue_depth} tasks held"
@@ -531,20 +525,6 @@ class EmulatedDlaCore:
             self._in_flight += 1
             self._cv.notify_all()
         return handle
-
-    def _check_buffers(
-        self, kind: str, buffers: Sequence[object], descs: Sequence[TensorDescriptor], call: str
-    ) -> None:
-        if len(buffers) != len(descs):
-            raise DlaError(_INVALID, call, f"{len(buffers)} {kind} buffers for {len(descs)}")
-        for buf, desc in zip(buffers, descs, strict=True):
-            if not isinstance(buf, EmulatedBuffer) or buf.owner is not self:
-                why = f"{kind} {desc.name!r}: buffer not allocated on DLA{self._core}"
-                raise DlaError(CudlaStatus.ERROR_INVALID_ADDRESS, call, why)
-            if buf.raw.size < desc.size:
-                raise DlaError(
-                    _INVALID, call, f"{kind} {desc.name!r}: {buf.raw.size} B for {desc.size} B"
-                )
 
     def close(self, *, force: bool = False) -> None:
         """Stop the core's thread and release the module; idempotent.

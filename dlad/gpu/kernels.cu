@@ -48,7 +48,6 @@ struct PreParams {
     float scale;          // (float)Letterbox.scale
     float input_scale;    // int8 input scale (HWC4 only)
     int pad_value;        // 0..255
-    int chw16_groups;     // CHW16 only: ceil(3 / 16) = 1 plane group
 };
 
 // One letterboxed RGB pixel at canvas (x, y), as dlad.imaging.pre.letterbox computes it:

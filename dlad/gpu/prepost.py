@@ -30,7 +30,6 @@ import numpy.typing as npt
 
 from dlad.devices.cudla import cuda_interop
 from dlad.gpu.driver import (
-    CudaError,
     DeviceBuffer,
     GpuContext,
     HostBuffer,
@@ -81,7 +80,6 @@ class PreParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("input_scale", ctypes.c_float),
         ("pad_value", ctypes.c_int),
-        ("chw16_groups", ctypes.c_int),
     ]
 
 
@@ -363,7 +361,6 @@ class GpuPipeline:
         p.pad_x, p.pad_y = geometry.pad_x, geometry.pad_y
         p.scale = float(np.float32(geometry.scale))
         p.pad_value = pad_value
-        p.chw16_groups = 1
         if input_scale is not None:
             p.input_scale = float(np.float32(input_scale))
             p.dst_pitch_px = hwc4_layout(3, geometry.dst_h, geometry.dst_w, 1)[0]
@@ -514,15 +511,6 @@ class GpuPipeline:
         self.ctx.make_current()
         _check(_driver().cuEventSynchronize(self.done), "cuEventSynchronize")
         return self.results()
-
-    def ready(self) -> bool:
-        """Whether the queued frame is done (non-blocking)."""
-        err = _driver().cuEventQuery(self.done)[0]
-        if int(err) == 0:
-            return True
-        if err == _driver().CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        raise CudaError("cuEventQuery", int(err), getattr(err, "name", ""))
 
     def results(self) -> list[PostResult]:
         """The results of the frame last queued (valid once it is done)."""

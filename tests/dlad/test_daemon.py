@@ -3,13 +3,11 @@ deadlines, cancel, bad input and drain — every request answered exactly once."
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import anyio
 import msgpack
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import Status
 from dlad.models import DEMO
+from tests.dlad.serving import serve_in_thread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,33 +75,8 @@ def running(
     }
     cfg.write_text(CONFIG.format(mode=mode, latency=latency, depth=depth, **faults))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
-    started = threading.Event()
-    errors: list[BaseException] = []
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(daemon.serve)
-            await daemon.ready.wait()
-            started.set()
-
-    def target() -> None:
-        try:
-            anyio.run(main)
-        except BaseException as exc:  # noqa: BLE001 (re-raised by the test via `errors`)
-            errors.append(exc)
-            started.set()
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    assert started.wait(30)
-    assert not errors, errors
-    try:
-        yield daemon, daemon.bound[0]
-    finally:
-        daemon.stop_threadsafe()
-        thread.join(30)
-        assert not thread.is_alive()
-        assert not errors, errors
+    with serve_in_thread(daemon) as endpoint:
+        yield daemon, endpoint
 
 
 @contextmanager

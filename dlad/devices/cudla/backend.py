@@ -57,7 +57,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from ctypes import POINTER, byref, c_uint64, c_void_p, cast, pointer
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -66,15 +66,14 @@ import structlog
 
 from dlad.devices.base import (
     DEFAULT_TASK_TIMEOUT_MS,
-    MAX_SIGNAL_EVENTS,
     MAX_TASK_TIMEOUT_MS,
-    MAX_WAIT_EVENTS,
     CudlaStatus,
     DlaError,
     LoadableSource,
     Task,
     TaskTiming,
-    fence_value,
+    check_fence_pairs,
+    check_task_layout,
     is_int_in,
     run_fence_callback,
 )
@@ -475,25 +474,16 @@ class CudlaDlaCore:
         with self._cv:
             self._enter(call)
             module = self._module
-            if module is None or task.module is not module:
-                raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "module not loaded here")
-            self._check_buffers("input", task.inputs, module.inputs, call)
-            self._check_buffers("output", task.outputs, module.outputs, call)
-            if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
-                why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
-                raise DlaError(_INVALID, call, why)
-            pairs: tuple[object, ...] = (*task.wait, *task.signal)
-            for pair in pairs:
-                if not (
-                    isinstance(pair, tuple)
-                    and len(pair) == 2
-                    and isinstance(pair[0], CudlaFence_)
-                    and pair[0].owner.libs.paths == self.libs.paths
-                ):
-                    raise DlaError(
-                        _INVALID, call, f"not (CudlaFence, value) of this driver: {pair!r}"
-                    )
-                fence_value(pair[1], call)
+            check_task_layout(
+                task, module, owner=self, buffer_type=CudlaBuffer, core=self._core, call=call
+            )
+            assert module is not None  # checked: the task's module is the loaded one
+            check_fence_pairs(
+                task,
+                lambda f: isinstance(f, CudlaFence_) and f.owner.libs.paths == self.libs.paths,
+                "(CudlaFence, value) of this driver",
+                call,
+            )
             if task.signal:
                 fence, value = task.signal[0]
                 assert isinstance(fence, CudlaFence_)
@@ -575,20 +565,6 @@ class CudlaDlaCore:
             fence._raw_base = raw_next
         fence._record(value, eof)
         return _Record(handle, fence, value, eof, keep, prefences, waits)
-
-    def _check_buffers(
-        self, kind: str, buffers: Sequence[object], descs: Sequence[TensorDescriptor], call: str
-    ) -> None:
-        if len(buffers) != len(descs):
-            raise DlaError(_INVALID, call, f"{len(buffers)} {kind} buffers for {len(descs)}")
-        for buf, desc in zip(buffers, descs, strict=True):
-            if not isinstance(buf, CudlaBuffer) or buf.owner is not self:
-                why = f"{kind} {desc.name!r}: buffer not allocated on DLA{self._core}"
-                raise DlaError(CudlaStatus.ERROR_INVALID_ADDRESS, call, why)
-            if buf.raw.size < desc.size:
-                raise DlaError(
-                    _INVALID, call, f"{kind} {desc.name!r}: {buf.raw.size} B for {desc.size} B"
-                )
 
     # ------------------------------------------------------------------ completion
 

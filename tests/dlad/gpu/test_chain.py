@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import anyio
 import numpy as np
 import pytest
 from PIL import Image
@@ -25,6 +24,7 @@ from dlad.imaging.pre import letterbox, quantize_hwc4
 from dlad.loadable import DataType, read_loadable
 from dlad.models import DEMO
 from dlad_client import Client
+from tests.dlad.serving import serve_in_thread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -158,33 +158,8 @@ def running(tmp_path: Path, backend: str) -> Iterator[str]:
     cfg = tmp_path / f"{backend}.toml"
     cfg.write_text(CONFIG.format(backend=backend))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
-    started = threading.Event()
-    errors: list[BaseException] = []
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(daemon.serve)
-            await daemon.ready.wait()
-            started.set()
-
-    def target() -> None:
-        try:
-            anyio.run(main)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            errors.append(exc)
-            started.set()
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    assert started.wait(120)
-    assert not errors, errors
-    try:
-        yield daemon.bound[0]
-    finally:
-        daemon.stop_threadsafe()
-        thread.join(60)
-        assert not thread.is_alive()
-        assert not errors, errors
+    with serve_in_thread(daemon, start_timeout=120) as endpoint:
+        yield endpoint
 
 
 def _detect_all(endpoint: str) -> list[np.ndarray]:
