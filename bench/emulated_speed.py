@@ -6,15 +6,19 @@ images (``max|x| / 127``; 1/127 for Sigmoid outputs, as the Q/DQ translator give
 times per frame at batch 1, all with the same intra-op thread count:
 
   (a) onnxruntime FP32 on the FP32 model (graph optimizations on);
-  (b) ``Int8Engine`` on ``build_int8_graph(...)``: uint8 activations with zero point 128,
-      including the DLA_HWC4 input unpack and the CHW32 output packing;
-  (b') the same uint8 graph in a bare onnxruntime session (no unpack/pack);
+  (b) ``Int8Engine`` on ``build_int8_graph(...)``: uint8 activations with zero point 128, on the
+      exact operands this host takes (``operands="auto"``: uint8 x int8 where that kernel sums
+      exactly, else the weights re-encoded as uint8), including the DLA_HWC4 input unpack and
+      the CHW32 output packing;
+  (b') the same engine graph in a bare onnxruntime session (no unpack/pack);
+  (b8) ``Int8Engine`` forced onto uint8 x uint8 (``operands="u8u8"``): what a CPU without VNNI
+      runs; exact everywhere;
   (c) the same Q/DQ graph with TensorRT-style int8 activations (zero point 0), default session;
   (c') (c) with ``session.qdqisint8allowed=1`` (lets onnxruntime fuse int8 Q/DQ on x86).
 
 Rounds alternate between the variants so that machine noise hits all of them alike; medians and
-the ratios to (a) are printed, with the kernels onnxruntime runs for (b) and (c) and a check that
-(b) and (c) compute the same values.
+the ratios to (a) are printed, with the kernels onnxruntime runs for (b) and (c), the INT8 kernel
+path this host takes, and checks that (b), (b8) and (c) compute the same values.
 
     .venv/bin/python bench/emulated_speed.py [--size 672] [--variant s] [--threads 2]
 """
@@ -120,6 +124,7 @@ def main() -> None:
     import torch
 
     from dlad.devices.int8_engine import Int8Engine
+    from dlad.devices.int8_layout import open_session, select_kernel_path
     from dlad.imaging.pre import quantize_hwc4
     from prep.emulate_graph import build_int8_graph, optimized_op_counts
 
@@ -140,15 +145,22 @@ def main() -> None:
         print(f"{name} kernels: {counts}")
     s8_fused = _session(s8.to_bytes(), args.threads, {"session.qdqisint8allowed": "1"})
 
-    engine = Int8Engine(
-        u8.to_bytes(),
-        input_scale=u8.input_scale,
-        input_shape=u8.input_shape,
-        outputs=u8.outputs,
-        threads=args.threads,
-    )
+    def int8_engine(operands: Any) -> Int8Engine:
+        return Int8Engine(
+            u8.to_bytes(),
+            input_scale=u8.input_scale,
+            input_shape=u8.input_shape,
+            outputs=u8.outputs,
+            threads=args.threads,
+            operands=operands,
+        )
+
+    engine = int8_engine("auto")
+    engine_u8u8 = int8_engine("u8u8")
+    print(f"INT8 kernel path (b): {engine.kernel.summary()}")
+    print(f"                     {engine.kernel.reason}")
     fp32 = _session(fp32_bytes, args.threads)
-    u8_bare = _session(u8.to_bytes(), args.threads)
+    u8_bare = open_session(u8.to_bytes(), threads=args.threads, kernel=select_kernel_path())
     s8_sess = _session(s8.to_bytes(), args.threads)
 
     rng = np.random.default_rng(3)
@@ -170,10 +182,16 @@ def main() -> None:
     same = all(np.array_equal(a, b) for a, b in zip(ref_u8, ref_s8, strict=True))
     print(f"uint8-zp128 and int8-zp0 graphs, reference arithmetic: heads identical = {same}")
 
+    same = all(
+        np.array_equal(a, b) for a, b in zip(engine.run(hwc4), engine_u8u8.run(hwc4), strict=True)
+    )
+    print(f"(b) and (b8), fused integer kernels: heads identical = {same}")
+
     fns: dict[str, Callable[[], object]] = {
         "(a) fp32": lambda: fp32.run(None, {"images": x_f32}),
-        "(b) int8 engine, u8 zp128": lambda: engine.run(hwc4),
-        "(b') u8 graph, bare session": lambda: u8_bare.run(None, {"images": x_u8}),
+        "(b) int8 engine, auto": lambda: engine.run(hwc4),
+        "(b') engine graph, bare session": lambda: u8_bare.run(None, {"images": x_u8}),
+        "(b8) int8 engine, u8u8": lambda: engine_u8u8.run(hwc4),
         "(c) s8 zp0 (TensorRT-style)": lambda: s8_sess.run(None, {"images": q}),
         "(c') s8 zp0, qdqisint8allowed=1": lambda: s8_fused.run(None, {"images": q}),
     }
@@ -189,7 +207,8 @@ def main() -> None:
     base = med["(a) fp32"]
     for key, ms in med.items():
         print(f"  {key:34s} {ms:8.1f} ms/frame   {ms / base:5.2f} x fp32")
-    print(f"ratio (b)/(a) = {med['(b) int8 engine, u8 zp128'] / base:.2f}")
+    print(f"ratio (b)/(a) = {med['(b) int8 engine, auto'] / base:.2f}")
+    print(f"ratio (b8)/(a) = {med['(b8) int8 engine, u8u8'] / base:.2f}")
     print(f"ratio (c)/(a) = {med['(c) s8 zp0 (TensorRT-style)'] / base:.2f}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 

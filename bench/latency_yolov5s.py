@@ -4,7 +4,7 @@
 
 Exports a YOLOv5s (80 classes; weights do not matter to the model) at 672, runs
 ``prep.latency.estimate`` for the three head variants and prints them beside NVIDIA's published
-figures (reference/cudla.md §6: ~2.4 ms INT8 CHW32 heads, 3.82 ms FP16 CHW16 heads at batch 1).
+figures (docs/reference/cudla.md §6: ~2.4 ms INT8 CHW32 heads, 3.82 ms FP16 CHW16 heads at batch 1).
 """
 
 from __future__ import annotations

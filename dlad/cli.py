@@ -5,11 +5,15 @@
     dlad status [--endpoint tcp://...]   print a running daemon's STATUS report
     dlad status --watch [SECONDS]        a live per-device table (busy %, queue, rate, p99)
     dlad status --platform               this host's cuDLA probe (version, DLA cores, or why not)
+                                         and the emulated core's INT8 kernel path
     dlad selftest [--loadable 0=PATH]    exercise every cuDLA call once on a Jetson (docs/jetson.md)
     dlad --version
 
-``--help`` and ``--version`` import nothing heavy. Exit status: 0 success, 1 a runtime failure,
-2 bad arguments or configuration (the message names the key and the file; no traceback).
+``--help`` and ``--version`` import nothing heavy. ``--config`` may come before or after the
+subcommand. Exit status: 0 success; 1 a runtime failure (no daemon answered, the daemon answered
+an error, a port to bind is taken: the message names the config key); 2 bad arguments or
+configuration (the message names the key and the file). No traceback for any of these, and a
+closed pipe (``dlad status | head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="etc/dlad.toml", help="configuration file (TOML)")
     sub = p.add_subparsers(dest="command")
     st = sub.add_parser("status", help="print a running daemon's STATUS report as JSON")
+    # Also after the subcommand (what people type); SUPPRESS keeps the top-level value otherwise.
+    st.add_argument("--config", default=argparse.SUPPRESS, help="configuration file (TOML)")
     st.add_argument("--endpoint", default=None, help="daemon endpoint (default: from --config)")
     st.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the reply")
     st.add_argument(
@@ -41,18 +48,33 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     st.add_argument("--count", type=int, default=None, help="with --watch: stop after N draws")
     st.add_argument("--platform", action="store_true",
-                    help="print this host's cuDLA probe (version, DLA cores) as JSON")  # fmt: skip
+                    help="print this host's cuDLA probe (version, DLA cores) and the emulated "
+                         "DLA core's INT8 kernel path as JSON")  # fmt: skip
     sub.add_parser("selftest", add_help=False,
                    help="exercise every cuDLA call once on a Jetson (--help: options)")  # fmt: skip
     return p
 
 
+def _int8_kernel_path() -> dict[str, object]:
+    """The emulated core's INT8 kernel path on this host, or why there is none."""
+    try:
+        from dlad.devices.int8_layout import NoExactKernelError, select_kernel_path
+
+        return select_kernel_path("auto").to_dict()
+    except ImportError as exc:
+        return {"available": False, "reason": f"onnxruntime or onnx is not installed: {exc}"}
+    except NoExactKernelError as exc:
+        return {"available": False, "reason": str(exc)}
+
+
 def _platform() -> int:
-    """``dlad status --platform``: the cuDLA platform probe of this host (needs no daemon)."""
+    """``dlad status --platform``: the cuDLA platform probe of this host and the emulated core's
+    INT8 kernel path (``emulated_int8``); needs no daemon."""
     from dlad.devices.cudla.probe import probe
 
     found = probe()
-    print(json.dumps({"summary": found.summary(), **found.to_dict()}, indent=2))
+    report = {"summary": found.summary(), **found.to_dict(), "emulated_int8": _int8_kernel_path()}
+    print(json.dumps(report, indent=2))
     return 0
 
 
@@ -82,6 +104,7 @@ def _status(endpoint: str, timeout: float) -> int:
     import zmq
 
     from dlad import protocol
+    from dlad.errors import ProtocolError, Status
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -92,15 +115,58 @@ def _status(endpoint: str, timeout: float) -> int:
         if not sock.poll(int(timeout * 1000)):
             print(f"dlad: no reply from {endpoint} within {timeout} s", file=sys.stderr)
             return 1
-        reply = protocol.decode_reply(sock.recv_multipart())
+        try:
+            reply = protocol.decode_reply(sock.recv_multipart())
+        except ProtocolError as exc:
+            print(f"dlad: {endpoint} sent a reply that is not dlad's: {exc}", file=sys.stderr)
+            return 1
     finally:
         sock.close(0)
         ctx.term()
-    print(json.dumps(getattr(reply, "report", None), indent=2))
+    if reply.status != Status.OK or not isinstance(reply, protocol.StatusReply):
+        print(f"dlad: {endpoint}: {reply.status.name}: {reply.message}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply.report, indent=2))
     return 0
 
 
+def _endpoint_or_exit(endpoint: str) -> str | None:
+    """``endpoint`` if it can name a daemon, else None after saying why (exit status 2)."""
+    from dlad.protocol import endpoint_error
+
+    problem = endpoint_error(endpoint)
+    if problem is not None:
+        print(f"dlad: --endpoint: {problem}", file=sys.stderr)
+        return None
+    return endpoint
+
+
+def _startup_error(exc: BaseException) -> BaseException | None:
+    """The daemon's StartupError inside ``exc`` (the task groups wrap it), if that is what
+    stopped it."""
+    from dlad.daemon import StartupError
+
+    if isinstance(exc, StartupError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):  # an ExceptionGroup
+        found = _startup_error(inner)
+        if found is not None:
+            return found
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (``dlad status | head``): nothing more to say, and nowhere to
+        # say it; point stdout at /dev/null so the interpreter's final flush is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args, rest = _parser().parse_known_args(argv)
     if args.command == "selftest":  # its own options; needs no config
         from dlad.devices.cudla.selftest import main as selftest
@@ -118,12 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"dlad: {exc}", file=sys.stderr)
         return 2
-    if args.command == "status" and args.watch is not None:
-        from dlad.status_view import watch
-
-        return watch(args.endpoint or plan.endpoints[0], args.watch, args.timeout, args.count)
     if args.command == "status":
-        return _status(args.endpoint or plan.endpoints[0], args.timeout)
+        endpoint = _endpoint_or_exit(args.endpoint or plan.endpoints[0])
+        if endpoint is None:
+            return 2
+        if args.watch is not None:
+            from dlad.status_view import watch
+
+            return watch(endpoint, args.watch, args.timeout, args.count)
+        return _status(endpoint, args.timeout)
     _configure_logging(config.logging.format, config.logging.level)
     import anyio
 
@@ -132,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         anyio.run(run, plan)
     except KeyboardInterrupt:  # a forced exit
+        return 1
+    except Exception as exc:  # a StartupError is told plainly; anything else is re-raised
+        found = _startup_error(exc)
+        if found is None:
+            raise
+        print(f"dlad: {args.config}: {found}", file=sys.stderr)
         return 1
     return 0
 

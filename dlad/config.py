@@ -174,7 +174,7 @@ class FrontendConfig:
 
     endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
     """Where the ROUTER socket binds, one or more, distinct. tcp loopback is the default because
-    it is faster and steadier than ipc on the project's VMs (reference/environment.md §8). A
+    it is faster and steadier than ipc on the project's VMs (docs/BENCHMARKS.md §4). A
     relative ipc path is relative to the config file's directory."""
     sndhwm: int = 128
     """ZMQ_SNDHWM: replies queued per client before ZeroMQ pushes back (>= 1; never 0, which
@@ -300,8 +300,8 @@ class DeviceConfig:
     name: str = field(metadata=_KEY)
     """The table's key (``dla0``); how logs, replies and ``[models]`` name the device."""
     kind: Literal["dla", "gpu"]
-    """``dla``: a DLA core; ``gpu``: the GPU, which runs pre/post-processing and any model that
-    lists it."""
+    """``dla``: a DLA core; ``gpu``: the GPU, which runs pre/post-processing (in this release it
+    serves no model itself: a model listing it is refused)."""
     backend: Literal["auto", "emulated", "cudla", "cuda", "cpu"] = "auto"
     """dla: ``cudla`` (libcudla on a Jetson), ``emulated`` (the software DLA core) or ``auto``
     (cudla where libcudla loads, else emulated). gpu: ``cuda``, ``cpu`` or ``auto`` (cuda where
@@ -331,6 +331,16 @@ class DeviceConfig:
         else:
             _check(self.core is None, "core", "only a dla device has a core")
             allowed = _GPU_BACKENDS
+            # The gpu device runs pre/post-processing only: the inference settings would be
+            # accepted and silently ignored, so they are refused.
+            dla_only = {
+                "queue_depth": self.queue_depth != 4, "latency_us": self.latency_us is not None,
+                "mode": self.mode != "numeric", "threads": self.threads != 1,
+                "task_timeout_ms": self.task_timeout_ms != 1000.0, "faults": self.faults.active,
+            }  # fmt: skip
+            for key, given in dla_only.items():
+                _check(not given, key, "applies to dla devices only: the gpu device runs "
+                       "pre/post-processing, not inference, in this release")  # fmt: skip
         _check(self.backend in allowed, "backend",
                f"a {self.kind} device's backend is one of {', '.join(allowed)}, "
                f"got {self.backend!r}")  # fmt: skip
@@ -443,6 +453,7 @@ class Config:
             if d.core is not None:
                 owners[d.core] = _quote(d.name)
         known = {d.name: d for d in self.devices}
+        served_by: dict[str, str] = {}
         for m in self.models:
             where = f"models.{_quote(m.name)}"
             for i, name in enumerate(m.devices):
@@ -450,6 +461,15 @@ class Config:
                 if device is None:
                     raise ConfigError(f"no device {name!r} (devices: {', '.join(known)})",
                                       key=f"{where}.devices[{i}]")  # fmt: skip
+                if device.kind == "gpu":
+                    raise ConfigError(f"{name!r} is a gpu device, which runs pre/post-processing "
+                                      "and no model in this release: list dla devices",
+                                      key=f"{where}.devices[{i}]")  # fmt: skip
+                if name in served_by:
+                    raise ConfigError(f"{name!r} already serves model {served_by[name]!r}: a DLA "
+                                      "core loads one loadable (one model per device)",
+                                      key=f"{where}.devices[{i}]")  # fmt: skip
+                served_by[name] = m.name
                 if device.core is not None and m.loadables.for_core(device.core) is None:
                     raise ConfigError(f"core{device.core} is required: devices.{_quote(name)} "
                                       f"(DLA core {device.core}) serves this model",

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import enum
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,16 @@ if TYPE_CHECKING:
     from dlad.gpu.service import GpuService
 
 log = structlog.get_logger("dlad")
+
+
+class StartupError(RuntimeError):
+    """The daemon could not start serving: a port or socket it must bind is taken or refused.
+    ``key`` names the config setting to change (``frontend.endpoints[0]``, ``metrics.port``)."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
 
 
 class State(enum.Enum):
@@ -93,6 +104,8 @@ class Daemon:
         self.counters = Counters()
         self.bound: list[str] = []
         self.ready = anyio.Event()
+        self.stopped = threading.Event()
+        """Set once :meth:`serve` has returned or raised (wait on it from any thread)."""
         self._stop = anyio.Event()
         self._scheduler: Scheduler[Work] = Scheduler(time.monotonic_ns)
         self._workers: dict[str, DeviceWorker] = {}
@@ -112,12 +125,14 @@ class Daemon:
             load_window_s=m.load_window_s,
         )
         self.metrics_server: MetricsServer | None = None
+        self._metrics_at = f"{m.host}:{m.port if metrics_port is None else metrics_port}"
         if m.enabled:
             port = m.port if metrics_port is None else metrics_port
             self.metrics_server = MetricsServer(self.metrics, m.host, port)
         self._gpu: GpuService | None = None
         self._warming = 0
         self._warm = anyio.Event()
+        self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
         self.limits = protocol.Limits(
             max_message_bytes=f.max_message_bytes,
             max_width=f.max_image_width,
@@ -154,10 +169,21 @@ class Daemon:
         self._socket = sock
         try:
             if self.metrics_server is not None:  # first, so readiness is seen to flip
-                self.metrics_server.start()
+                try:
+                    self.metrics_server.start()
+                except OSError as exc:
+                    why = exc.strerror or str(exc)
+                    raise StartupError(
+                        f"cannot serve metrics on {self._metrics_at}: {why}", key="metrics.port"
+                    ) from None
                 log.info("metrics", url=self.metrics_server.url)
-            for ep in self.endpoints:
-                sock.bind(ep)
+            for i, ep in enumerate(self.endpoints):
+                try:
+                    sock.bind(ep)
+                except zmq.ZMQError as exc:
+                    raise StartupError(
+                        f"cannot bind {ep}: {exc.strerror}", key=f"frontend.endpoints[{i}]"
+                    ) from None
                 last = sock.getsockopt(zmq.LAST_ENDPOINT)
                 self.bound.append(last.decode() if isinstance(last, bytes) else str(last))
             for p in self.plan.placements:  # the devices that get a worker (DLA cores)
@@ -188,6 +214,7 @@ class Daemon:
             sock.close(0)
             ctx.term()
             log.info("stopped", replied=self.counters.replied)
+            self.stopped.set()
 
     async def _start_gpu(self) -> None:
         """Choose the pre/post backend (logged): CUDA kernels where a GPU is configured and
@@ -256,6 +283,7 @@ class Daemon:
             raise
         else:
             self.metrics.device_state(worker.name, "ready")
+            self._healthy[worker.name] = True
         self._warming -= 1
         if self._warming == 0:
             self._warm.set()
@@ -387,6 +415,7 @@ class Daemon:
 
     async def _on_outcome(self, out: Outcome) -> None:
         work = out.work
+        self._track_health(out.device)
         if out.error is not None:
             err = out.error if isinstance(out.error, DladError) else InternalError(str(out.error))
             await self._send_error(work, err, device=out.device)
@@ -415,6 +444,21 @@ class Daemon:
             device_us=timing.device_us, total_us=timing.total_us,
         )  # fmt: skip
         await self._send(work.client, reply)
+
+    def _track_health(self, device: str) -> None:
+        """Keep /health/ready's view of ``device`` equal to STATUS's ``healthy`` after warm-up:
+        ``failed`` while its last tasks all failed, ``ready`` again after a success."""
+        worker = self._workers.get(device)
+        if worker is None or worker.warm != "ok":
+            return  # warming, or warm-up failed: _serve_device set that state
+        healthy, why = worker.health()
+        if self._healthy.get(device) is not healthy:  # only changes reach the metrics and log
+            self._healthy[device] = healthy
+            self.metrics.device_state(device, "ready" if healthy else "failed")
+            if healthy:
+                log.info("device_healthy", device=device)
+            else:
+                log.warning("device_unhealthy", device=device, reason=why)
 
     async def _send_error(self, work: Work, err: DladError, device: str | None = None) -> None:
         self._pending.pop((work.client, work.request_id), None)
@@ -450,9 +494,9 @@ class Daemon:
             devices.append(
                 {
                     "name": name,
-                    "kind": "dla",
+                    "kind": self.config.device(name).kind,
                     "core": worker.core.core,
-                    "healthy": True,
+                    "healthy": worker.health()[0],
                     "busy": snap.in_flight > 0,
                     "in_flight": snap.in_flight,
                     "queue_depth": snap.queue_depth,
@@ -486,7 +530,11 @@ class Daemon:
             "protocol": protocol.PROTOCOL_VERSION,
             "devices": devices,
             "models": models,
-            "queues": {"depth": self._scheduler.queued(), "capacity": capacity, "streams": 0},
+            "queues": {
+                "depth": self._scheduler.queued(),
+                "capacity": capacity,
+                "streams": self._scheduler.streams_waiting(),
+            },
         }
         if load:
             report["load"] = self.metrics.load_report()
@@ -514,4 +562,4 @@ async def run(plan: Plan) -> None:
         tg.cancel_scope.cancel()
 
 
-__all__ = ["Daemon", "Overloaded", "State", "run"]
+__all__ = ["Daemon", "Overloaded", "StartupError", "State", "run"]

@@ -3,10 +3,10 @@ loads, and the cuDLA I/O tensor descriptors it carries.
 
 A TensorRT standalone loadable is opaque; what a program learns from it is what
 ``cudlaModuleGetAttributes`` reports, the I/O tensor descriptors. The emulated loadable carries
-those descriptors, computed by the formulas of ``reference/cudla.md`` §3.3, next to what the
-emulated core needs to compute and to take the chip's time: the PTQ graph, the INT8 scales, the
-per-layer precision, the detection-head geometry and the modelled latency. The byte layout, the
-header schema and the descriptor conventions are in ``docs/loadable.md``.
+those descriptors, computed by the formulas of ``docs/reference/cudla.md`` §3.3, next to what
+the emulated core needs to compute and to take the chip's time: the INT8 emulation graph, the
+scales, the per-layer precision, the detection-head geometry and the modelled latency. The byte
+layout, the header schema and the descriptor conventions are in ``docs/loadable.md``.
 
 Errors raised by :func:`read_loadable` (every message names the file)::
 
@@ -61,7 +61,8 @@ NAME_MAX_BYTES: Final = 80
 """``CUDLA_RUNTIME_TENSOR_DESC_NAME_MAX_LEN``: a tensor name is at most 80 UTF-8 bytes."""
 NUM_STRIDES: Final = 8
 MAX_DIM: Final = 8192
-"""DLA limit on C, H and W of an I/O tensor (cudla.md §3.4); batch is limited to 4096."""
+"""DLA limit on C, H and W of an I/O tensor (docs/reference/cudla.md §3.4); batch is limited to
+4096."""
 MAX_BATCH: Final = 4096
 ROW_ALIGN_BYTES: Final = 64
 """Row pitch alignment of ``DLA_HWC4`` and ``DLA_LINEAR`` on Orin (32 on Xavier)."""
@@ -158,7 +159,8 @@ _NUMPY: Final = {
     DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT16: np.int16,
     DataType.INT8: np.int8, DataType.UINT8: np.uint8, DataType.UINT16: np.uint16,
 }  # fmt: skip
-# "I/O Formats on DLA" (cudla.md §3.3): the element types each format takes, default first.
+# "I/O Formats on DLA" (docs/reference/cudla.md §3.3): the element types each format takes,
+# default first.
 _FORMAT_TYPES: Final = {
     TensorFormat.DLA_HWC4: (DataType.INT8, DataType.HALF),
     TensorFormat.CHW16: (DataType.HALF,),

@@ -64,7 +64,7 @@ __all__ = [
     "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame", "FrameLike", "InferReply", "InferRequest",
     "Kind", "Limits", "LoadStatus", "Message", "ModelStatus", "PixelFormat", "QueueStatus",
     "Reply", "Request", "StatusReply", "StatusRequest", "Timing", "decode_reply",
-    "decode_request", "encode", "error_reply",
+    "decode_request", "encode", "endpoint_error", "error_reply",
 ]  # fmt: skip
 
 PROTOCOL_VERSION: Final = 1
@@ -115,6 +115,28 @@ class Kind(enum.IntEnum):
     @property
     def is_reply(self) -> bool:
         return bool(self & _REPLY_BIT)
+
+
+TRANSPORTS: Final = ("tcp", "ipc", "inproc")
+"""The ZeroMQ transports the protocol runs over (``docs/protocol.md`` §1)."""
+
+
+def endpoint_error(endpoint: object) -> str | None:
+    """Why ``endpoint`` cannot name a daemon to connect to, or None when it can (its address
+    is then ZeroMQ's to judge): it is not a string, or it lacks a ``tcp://``, ``ipc://`` or
+    ``inproc://`` scheme. The message suggests the fix (``tcp://`` for a bare ``host:port``)."""
+    if not isinstance(endpoint, str) or not endpoint:
+        return f"an endpoint is a non-empty string, got {endpoint!r}"
+    scheme, sep, address = endpoint.partition("://")
+    if not sep:
+        hint = f"; did you mean 'tcp://{endpoint}'?" if ":" in endpoint else ""
+        schemes = "tcp://host:port, ipc://path, inproc://name"
+        return f"endpoint {endpoint!r} has no scheme ({schemes}){hint}"
+    if scheme not in TRANSPORTS:
+        return f"endpoint {endpoint!r}: unknown transport {scheme!r} (tcp, ipc or inproc)"
+    if not address:
+        return f"endpoint {endpoint!r} has no address after {scheme}://"
+    return None
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -449,7 +471,7 @@ class DeviceStatus(TypedDict):
     name: str  # "dla0", "dla1", "gpu"
     kind: Literal["dla", "gpu", "cpu"]
     core: int | None  # DLA core index; None for other kinds
-    healthy: bool  # False after a sticky device error
+    healthy: bool  # False while warming up, after a failed warm-up, or 3+ failed tasks in a row
     busy: bool  # a task is executing now
     in_flight: int  # submitted, not yet completed
     queue_depth: int  # waiting for this device

@@ -126,7 +126,7 @@ class Scheduler(Generic[P]):
         """Queue ``job`` on the device with the earliest estimated completion.
 
         Returns the jobs it superseded (queued frames of the same stream), which the caller
-        answers as cancelled.
+        answers as cancelled. A refused job supersedes nothing: the stream's queued frame stays.
 
         Raises:
             NotFound: no device holds ``job.model``.
@@ -139,18 +139,24 @@ class Scheduler(Generic[P]):
         if not candidates:
             raise NotFound(f"no device serves model {job.model!r}", request_id=job.id)
         now = self._clock()
-        superseded: list[Job[P]] = []
-        if job.stream is not None and job.stream in self._streams:
-            old = self._remove(self._streams[job.stream])
-            if old is not None:
-                superseded.append(old)
-        open_ = [d for d in candidates if d.depth < d.capacity]
+        # The stream's queued frame (if any) is superseded only once the new one is sure to be
+        # admitted: a refused new frame leaves the old one queued, to be answered as usual.
+        old = self._jobs.get(self._streams[job.stream]) if job.stream in self._streams else None
+
+        def free(d: _Device) -> int:
+            return d.capacity - d.depth + (old is not None and old.device == d.name)
+
+        open_ = [d for d in candidates if free(d) > 0]
         if not open_:
             raise Overloaded(
                 f"all queues for model {job.model!r} are full "
                 f"({', '.join(f'{d.name} {d.depth}/{d.capacity}' for d in candidates)})",
                 request_id=job.id,
             )
+        superseded: list[Job[P]] = []
+        if old is not None:
+            self._remove(old.id)
+            superseded.append(old)
         best = min(open_, key=lambda d: (self._completion(d, now), d.name))
         job.device = best.name
         job.admitted_ns = now
@@ -233,6 +239,10 @@ class Scheduler(Generic[P]):
         if device is None:
             return len(self._jobs)
         return self._devices[device].depth
+
+    def streams_waiting(self) -> int:
+        """Camera streams with a frame queued (each holds at most one: latest frame wins)."""
+        return len(self._streams)
 
     def in_flight(self, device: str) -> int:
         return len(self._devices[device].running)

@@ -1,4 +1,5 @@
-"""Device workers: one per (device, model) placement, each owning one emulated DLA core handle.
+"""Device workers: one per (device, model) placement, each owning one DLA core handle (an emulated
+core or a cuDLA one, ``dlad.devices.factory.open_core``).
 
 A worker runs ``slots`` identical loops (default 2) on the event loop. Each slot owns one set of
 I/O buffers and one fence, so while the core executes one slot's task, another slot pre- or
@@ -6,8 +7,8 @@ post-processes — the core's own "hardware" thread serialises execution, as a D
 
 1. take the next job from the scheduler (expired jobs skipped there are answered
    DEADLINE_EXCEEDED and never run);
-2. pre-process on a worker thread: letterbox → quantise to ``DLA_HWC4`` int8 straight into the
-   slot's input buffer;
+2. pre-process on a worker thread: letterbox → quantise to ``DLA_HWC4`` int8 (one array) →
+   copy into the slot's input buffer;
 3. submit the task with a signal fence and wait for the fence *without blocking the loop*: the
    core's thread calls back, and the callback hops onto the loop with a thread-safe call;
 4. read the task's status (a failed task still signals its fence; its sticky error is read and
@@ -85,15 +86,21 @@ class Outcome:
     end_ns: int = 0
 
 
+UNHEALTHY_AFTER = 3
+"""Consecutive failed tasks after which a device reports itself unhealthy (until one succeeds)."""
+
+
 @dataclass
 class DeviceStats:
     completed: int = 0
     failed: int = 0
     busy_ns: int = 0
+    consecutive_failures: int = 0
+    last_failure: str = ""
 
 
 class DeviceWorker:
-    """One emulated DLA core serving one model (see the module docstring).
+    """One DLA core (emulated or cuDLA) serving one model (see the module docstring).
 
     Args:
         name: the device's name (``dla0``).
@@ -136,6 +143,8 @@ class DeviceWorker:
         self.pre_post = pre_post
         self.limiter = limiter
         self.stats = DeviceStats()
+        self.warm: Literal["pending", "ok", "failed"] = "pending"
+        self.warm_error = ""
         self.gpu = gpu if pre_post else None
         self._wake = anyio.Event()
         self.core, self.module = open_core(
@@ -177,16 +186,44 @@ class DeviceWorker:
         """A job was queued for this device (called on the loop)."""
         self._wake.set()
 
+    def health(self) -> tuple[bool, str]:
+        """Whether the device serves well, and why not: its warm-up has not run or failed, or
+        its last :data:`UNHEALTHY_AFTER` tasks or more all failed (a success clears that)."""
+        if self.warm == "pending":
+            return False, "warming up"
+        if self.warm == "failed":
+            return False, f"warm-up failed: {self.warm_error}"
+        n = self.stats.consecutive_failures
+        if n >= UNHEALTHY_AFTER:
+            return False, f"{n} consecutive tasks failed; last: {self.stats.last_failure}"
+        return True, "ok"
+
+    def _failed(self, error: DeviceFailed) -> DeviceFailed:
+        self.stats.failed += 1
+        self.stats.consecutive_failures += 1
+        self.stats.last_failure = error.message
+        return error
+
+    def _succeeded(self) -> None:
+        self.stats.completed += 1
+        self.stats.consecutive_failures = 0
+
     async def warm_up(self) -> float:
         """Run one task on the first slot's (zeroed) buffers before serving, so the first
         request does not pay for the core's lazy set-up (readiness waits for this).
 
         Returns its device time in µs. Raises DeviceFailed when the task fails.
         """
-        handle = await self._submit(self._slots[0])
+        try:
+            handle = await self._submit(self._slots[0])
+        except DlaError as exc:
+            self.warm, self.warm_error = "failed", str(exc)
+            raise DeviceFailed(f"{self.name}: warm-up task could not be submitted: {exc}") from exc
         if handle.status is not CudlaStatus.SUCCESS:
             sticky = self.core.last_error()
+            self.warm, self.warm_error = "failed", f"task status {sticky.name}"
             raise DeviceFailed(f"{self.name}: warm-up task failed ({sticky.name})")
+        self.warm = "ok"
         return float(handle.timing.actual_us) if handle.timing is not None else 0.0
 
     async def run(self, on_outcome: Callable[[Outcome], Awaitable[None]]) -> None:
@@ -242,8 +279,7 @@ class DeviceWorker:
         try:
             handle = await self._submit(slot)
         except DlaError as exc:
-            out.error = DeviceFailed(f"{self.name}: {exc}")
-            self.stats.failed += 1
+            out.error = self._failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
         if not self._settle(out, handle):
             return out
@@ -255,7 +291,7 @@ class DeviceWorker:
         else:
             out.detections = np.zeros((0, 6), np.float32)
         out.post_us = (time.monotonic_ns() - t2) / 1e3
-        self.stats.completed += 1
+        self._succeeded()
         return out
 
     async def _execute_gpu(self, job: Job[Work], slot: dict[str, Any]) -> Outcome:
@@ -269,8 +305,7 @@ class DeviceWorker:
                 self._enqueue_gpu, work, slot, gpu, limiter=self.limiter
             )
         except DlaError as exc:
-            out.error = DeviceFailed(f"{self.name}: {exc}")
-            self.stats.failed += 1
+            out.error = self._failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
         # Waits for the whole chain (pre, DLA, post) on a thread of its own, not the limiter's.
         (result,) = await anyio.to_thread.run_sync(gpu.pipeline.synchronize)
@@ -288,7 +323,7 @@ class DeviceWorker:
             )
         else:
             out.detections = result.detections
-        self.stats.completed += 1
+        self._succeeded()
         return out
 
     def _settle(self, out: Outcome, handle: Any) -> bool:
@@ -304,10 +339,11 @@ class DeviceWorker:
         if status is CudlaStatus.SUCCESS:
             return True
         sticky = self.core.last_error()
-        out.error = DeviceFailed(
-            f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"
+        out.error = self._failed(
+            DeviceFailed(
+                f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"
+            )
         )
-        self.stats.failed += 1
         return False
 
     def _enqueue_gpu(self, work: Work, slot: dict[str, Any], gpu: GpuSlot) -> tuple[Any, Letterbox]:

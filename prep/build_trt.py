@@ -50,7 +50,8 @@ Device = Literal["dla", "gpu"]
 Quantization = Literal["implicit", "explicit"]
 Int8Scales = Literal["calibrator", "dynamic_range"]
 
-# trtexec's format words -> TensorFormat member names (NvInferRuntimeBase.h; cudla.md §3.3).
+# trtexec's format words -> TensorFormat member names (NvInferRuntimeBase.h;
+# docs/reference/cudla.md §3.3).
 _FORMAT_ENUM = {
     "dla_hwc4": "DLA_HWC4",
     "dla_linear": "DLA_LINEAR",

@@ -96,13 +96,16 @@ CONF, IOU, MAX_DET = 0.25, 0.45, 300
 
 def expected_detections(workdir: Path, out: Path, variant: str, files: list[str]) -> dict[str, Any]:
     """Detections of the bundled images by the QAT fake-quant model (torch) and by the emulated
-    INT8 core (the bundled dla0 loadable), both through dlad's numpy pre/post-processing."""
+    INT8 core (the bundled dla0 loadable), both through dlad's numpy pre/post-processing, and
+    ``heads_sha256``: the digest of the core's output bytes on the images in name order
+    (``dlad.models.digest.heads_sha256``)."""
     import numpy as np
     from PIL import Image
 
     from dlad.imaging.post import postprocess
     from dlad.imaging.pre import letterbox
     from dlad.loadable import read_loadable
+    from dlad.models.digest import heads_sha256
     from prep.qat import load_qat
     from prep.validate import emulated_heads, torch_heads
 
@@ -134,6 +137,11 @@ def expected_detections(workdir: Path, out: Path, variant: str, files: list[str]
             )
             per_model[tag] = [[round(float(v), 3) for v in row] for row in dets]
         result["images"][Path(name).name] = per_model
+    # The core's integers themselves: equal on every host (dlad/devices/int8_layout.py).
+    names = sorted(Path(name).name for name in files)
+    result["heads_sha256"] = heads_sha256(
+        out / f"{variant}.dla0.emu", [out / "images" / n for n in names]
+    )
     return result
 
 

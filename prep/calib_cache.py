@@ -1,7 +1,7 @@
 """TensorRT INT8 calibration cache (text) and the ``trtexec --layerPrecisions`` argument.
 
 A calibration cache is how a PTQ build receives the scales that QAT learned (see
-``reference/cudla.md`` §0 item 4 and §2.2). Its format::
+``docs/reference/cudla.md`` §0 item 4 and §2.2). Its format::
 
     TRT-8600-EntropyCalibration2
     images: 3c00f9f4

@@ -8,7 +8,8 @@ changed (``--force`` runs it anyway).
 ``prep translate --onnx FILE`` and ``prep build --onnx FILE`` also work on files made elsewhere
 (e.g. a QAT ONNX from NVIDIA's sample).
 
-Exit status: 0 success, 1 a stage failed, 2 bad arguments or settings.
+Exit status: 0 success, 1 a stage failed, 2 bad arguments or settings, or a package of the
+``[prep]`` extra that the command needs is not installed (the message says how to install it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import tomllib
 
 from prep import profile_cmd
+from prep.extras import missing_extra_message
 
 STAGES = ("data", "cache", "train", "qat", "export", "translate", "build", "validate")
 
@@ -156,6 +158,17 @@ def _log_progress(name: str) -> Callable[[int, int, dict[str, float]], None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ModuleNotFoundError as e:  # a package of the [prep] extra, named with the fix
+        message = missing_extra_message(e.name, f"prep {args.command}")
+        if message is None:
+            raise
+        print(f"prep: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "profile":
         return profile_cmd.run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -1,6 +1,6 @@
 """Quantization-aware training with NVIDIA ModelOpt, following the cuDLA YOLOv5 sample's recipe.
 
-Recipe (reference/cudla.md §1):
+Recipe (docs/reference/cudla.md §1):
 
 1. BatchNorm is folded into the convolutions *before* quantizers go in (QAT trains fused convs).
 2. Q/DQ on the inputs of every Conv, of the SPPF MaxPool and of the residual Adds; weights

@@ -1,6 +1,6 @@
 """Q/DQ -> PTQ translator: a QAT ONNX model with QuantizeLinear/DequantizeLinear pairs becomes a
 plain FP32 ONNX model plus the per-tensor INT8 scales a TensorRT DLA build consumes (DLA takes
-no Q/DQ network, so QAT's scales travel as a calibration cache; ``reference/cudla.md`` §2).
+no Q/DQ network, so QAT's scales travel as a calibration cache; ``docs/reference/cudla.md`` §2).
 
 1. **Normalise.** Shape inference; ``Constant`` nodes and ``Cast``/``Identity`` of constants
    (the legacy torch exporter's zero points) become initializers; ``Identity`` and
@@ -626,7 +626,18 @@ def translate(
     ops |= {"Concat"} if infer_concat_scales else set()
     ops |= {"Mul"} if infer_mul_scales else set()
 
-    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        path = os.fspath(model)
+        with open(path, "rb") as f:  # OSError for a file that cannot be read
+            data = f.read()
+        try:
+            proto = onnx.load_from_string(data)
+        except Exception as exc:  # protobuf's DecodeError has no stable import path
+            raise TranslationError(f"{path} is not an ONNX model: {exc}") from exc
+        if not proto.graph.node:
+            raise TranslationError(f"{path} is not an ONNX model: it has no graph nodes")
     try:
         proto = onnx.shape_inference.infer_shapes(proto)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:

@@ -1,6 +1,7 @@
 """``dlad-bench``: load-test a running dlad daemon (see the package docstring for the modes).
 
-Exit status: 0 done; 1 the daemon did not answer (or refused the run); 2 bad arguments.
+Exit status: 0 done; 1 the daemon did not answer, refused the run, or stopped answering during
+it (the levels measured until then are still reported and written); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.text import Text
 from dlad.errors import DladError
 from dlad_bench import plots
 from dlad_bench.inputs import Frame, load_frames
-from dlad_bench.measure import Measurement
+from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement
 from dlad_bench.report import print_table, write_csv, write_json
 from dlad_bench.runner import Level, Load, Settings, run_level
 from dlad_bench.schedule import ARRIVALS
@@ -113,6 +114,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="close windows after this many completed requests instead",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="measure each level for this long (windows of --window-s, no early stop on "
+        "stability) instead of until stable",
     )
     p.add_argument("--stability-pct", type=float, default=10.0)
     p.add_argument("--stability-windows", type=int, default=3)
@@ -207,12 +216,16 @@ async def _bench(
             )
             return 1
         progress = _Progress(err, args.quiet, len(loads))
+        gone = ""
         try:
             for i, load in enumerate(loads):
                 progress.level(i, load)
                 level = await run_level(c, load, settings, frames, on_window=progress.window)
                 levels.append(level)
                 r = level.result
+                gone = await _daemon_gone(c, r, args.connect_timeout_s)
+                if gone:
+                    break
                 if r.late_fraction > 0.01:
                     err.print(
                         f"[yellow]warning[/]: {load.label}: {100 * r.late_fraction:.1f}% of "
@@ -225,6 +238,12 @@ async def _bench(
             progress.close()
     results = [lv.result for lv in levels]
     print_table(results, out)
+    if gone:
+        err.print(
+            f"[red]dlad-bench: the daemon stopped answering during {levels[-1].load.label}[/]: "
+            f"{gone}; {len(loads) - len(levels)} level(s) not run. The table above covers the "
+            "levels run until then."
+        )
     meta = {
         "endpoints": endpoints,
         "daemon": status["name"],
@@ -244,7 +263,27 @@ async def _bench(
         write_json(args.json, results, meta)
     if args.plots is not None:
         _plots(args, levels)
-    return 0
+    return 1 if gone else 0
+
+
+async def _daemon_gone(client: AsyncClient, r: LevelResult, timeout_s: float) -> str:
+    """Why the daemon seems to have stopped answering during a level ("" if it still answers).
+
+    Asked only when the level had requests that got no reply at all or no OK reply: then one
+    STATUS must come back within ``timeout_s``."""
+    unanswered = r.status_counts.get(CLIENT_TIMEOUT, 0)
+    if r.requests and not unanswered and r.status_counts.get("OK", 0):
+        return ""
+    try:
+        await client.status(timeout_s=timeout_s)
+    except ClientTimeout:
+        return (
+            f"{unanswered} of {r.requests} measured requests got no reply, and STATUS got none "
+            f"within {timeout_s:g} s"
+        )
+    except DladError:
+        return ""  # it answers (with an error): alive
+    return ""
 
 
 def _plots(args: argparse.Namespace, levels: list[Level]) -> None:
@@ -289,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_trials=args.max_trials,
             late_tolerance_ms=args.late_tolerance_ms,
             seed=args.seed,
+            duration_s=args.duration,
         )
         settings.check()
         if args.deadline_ms is not None and args.deadline_ms < 1:

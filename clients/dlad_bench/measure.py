@@ -113,10 +113,16 @@ def is_stable(windows: Sequence[WindowStats], pct: float, n: int = 3) -> bool:
 class Measurement:
     """The stopping rule of one level: feed it each closed window; :meth:`add` says when to stop.
 
+    ``fixed``: a fixed-duration level (``dlad-bench --duration``): it runs all ``max_trials``
+    windows whatever their spread, its results cover them all, and :attr:`stable` still says
+    whether the last ``windows`` of them agree.
+
     Raises ValueError unless ``1 <= windows <= max_trials`` and ``pct > 0``.
     """
 
-    def __init__(self, *, pct: float = 10.0, windows: int = 3, max_trials: int = 10) -> None:
+    def __init__(
+        self, *, pct: float = 10.0, windows: int = 3, max_trials: int = 10, fixed: bool = False
+    ) -> None:
         if not (pct > 0 and 1 <= windows <= max_trials):
             raise ValueError(
                 f"need stability_pct > 0 and 1 <= stability_windows ({windows}) <= max_trials "
@@ -125,6 +131,7 @@ class Measurement:
         self.pct = pct
         self.windows_needed = windows
         self.max_trials = max_trials
+        self.fixed = fixed
         self.windows: list[WindowStats] = []
         self.stable = False
 
@@ -132,12 +139,12 @@ class Measurement:
         """Record a window; True when the level should stop (stable, or out of trials)."""
         self.windows.append(window)
         self.stable = is_stable(self.windows, self.pct, self.windows_needed)
-        return self.stable or len(self.windows) >= self.max_trials
+        return (self.stable and not self.fixed) or len(self.windows) >= self.max_trials
 
     @property
     def measured(self) -> tuple[float, float]:
-        """The span the results cover: the last ``windows`` windows."""
-        last = self.windows[-self.windows_needed :]
+        """The span the results cover: the last ``windows`` windows (all of them if fixed)."""
+        last = self.windows if self.fixed else self.windows[-self.windows_needed :]
         return (last[0].start, last[-1].end) if last else (0.0, 0.0)
 
 

@@ -113,15 +113,21 @@ def print_table(results: Sequence[LevelResult], console: Console) -> None:
     """The results as a table: load, rates, shed, client latency percentiles, the daemon's
     split of the mean (queue / pre / device / post) and the client-side rest, device shares."""
     table = Table(title="dlad-bench", header_style="bold", box=None, pad_edge=False)
-    for col in ("load", "offered/s", "sent/s", "ok/s", "good/s", "shed %", "p50", "p90", "p99",
-                "p99.9", "max", "queue", "pre", "device", "post", "client", "devices",
-                "late %", "stable"):  # fmt: skip
+    # One column per failure status any level saw (% of its requests), beside "shed": a
+    # DEVICE_FAILED or CLIENT_TIMEOUT is not load shedding and must not hide in it.
+    failures = sorted({k for r in results for k, n in r.status_counts.items() if n and k != "OK"})
+    for col in ("load", "offered/s", "sent/s", "ok/s", "good/s", "shed %",
+                *(f"{k} %" for k in failures), "p50", "p90", "p99", "p99.9", "max", "queue",
+                "pre", "device", "post", "client", "devices", "late %", "stable"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("load", "devices") else "right")
     for r in results:
         lat, dm = r.latency_ms, r.daemon_ms
+        shares = [_f(100 * r.status_counts.get(k, 0) / r.requests if r.requests else math.nan)
+                  for k in failures]  # fmt: skip
         table.add_row(
             f"{r.mode} {r.level:g}", _f(r.offered_rps), _f(r.sent_rps), _f(r.throughput_rps),
-            _f(r.goodput_rps), _f(100 * r.shed_fraction), _f(lat["p50"], 2), _f(lat["p90"], 2),
+            _f(r.goodput_rps), _f(100 * r.shed_fraction), *shares, _f(lat["p50"], 2),
+            _f(lat["p90"], 2),
             _f(lat["p99"], 2), _f(lat["p99_9"], 2), _f(lat["max"], 2), _f(dm["queue"], 2),
             _f(dm["pre"], 2), _f(dm["device"], 2), _f(dm["post"], 2),
             _f(r.client_overhead_ms, 2),

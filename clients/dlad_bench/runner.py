@@ -88,12 +88,31 @@ class Settings:
     max_trials: int = 10
     late_tolerance_ms: float = 2.0
     seed: int = 0
+    duration_s: float | None = None  # measure each level this long (ceil(d / window_s) windows)
+
+    @property
+    def trials(self) -> int:
+        """Windows a level runs at most: ``max_trials``, or as many as ``duration_s`` spans."""
+        if self.duration_s is None:
+            return self.max_trials
+        return max(1, math.ceil(self.duration_s / self.window_s - 1e-9))
+
+    def measurement(self) -> Measurement:
+        """A fresh stopping rule for one level (raises ValueError for inconsistent settings)."""
+        fixed = self.duration_s is not None
+        windows = min(self.stability_windows, self.trials) if fixed else self.stability_windows
+        return Measurement(
+            pct=self.stability_pct, windows=windows, max_trials=self.trials, fixed=fixed
+        )
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range."""
-        Measurement(
-            pct=self.stability_pct, windows=self.stability_windows, max_trials=self.max_trials
-        )
+        if self.duration_s is not None:
+            if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+                raise ValueError(f"duration_s must be > 0, got {self.duration_s!r}")
+            if self.window_count is not None:
+                raise ValueError("duration_s needs time windows, not window_count")
+        self.measurement()
         for name in ("timeout_s", "window_s", "late_tolerance_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -211,15 +230,13 @@ class _Run:
     def _horizon(self) -> float:
         s = self.settings
         if s.window_count is None:
-            return s.warmup_s + s.max_trials * s.window_s + 1.0
-        return s.warmup_s + s.max_trials * _MAX_COUNT_WINDOW_S
+            return s.warmup_s + s.trials * s.window_s + 1.0
+        return s.warmup_s + s.trials * _MAX_COUNT_WINDOW_S
 
     async def run(self, on_window: OnWindow | None) -> Measurement:
         s = self.settings
         load = self.load
-        measurement = Measurement(
-            pct=s.stability_pct, windows=s.stability_windows, max_trials=s.max_trials
-        )
+        measurement = s.measurement()
         async with anyio.create_task_group() as tg:
             self.t0 = anyio.current_time()
             if load.mode == "concurrency":

@@ -44,6 +44,7 @@ from dlad_client._core import (
     _check_settings,
     _check_timeout,
     _configure,
+    _encode,
     _endpoints,
     _infer_request,
     _log,
@@ -375,7 +376,7 @@ class AsyncClient:
             with anyio.CancelScope(deadline=until):
                 if self._socket is None:  # unreachable once open; narrows the type
                     raise ClientClosed("the client is closed")
-                await self._socket.send_multipart(encode(message), copy=False)
+                await self._socket.send_multipart(_encode(message), copy=False)
                 sent = True
         except BaseException:
             self._abandon(call, Cancelled(f"request {call.id} withdrawn", request_id=call.id))

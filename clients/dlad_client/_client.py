@@ -41,6 +41,7 @@ from dlad_client._core import (
     _check_settings,
     _check_timeout,
     _configure,
+    _encode,
     _endpoints,
     _infer_request,
     _log,
@@ -367,7 +368,7 @@ class Client:
                 f"request {message.id} was not sent",
                 request_id=message.id,
             )
-        frames = encode(message)
+        frames = _encode(message)
         while True:
             try:
                 self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

@@ -33,17 +33,22 @@ import zmq
 from dlad.errors import InternalError, ProtocolError, Status, error_for
 from dlad.protocol import (
     CHANNELS,
+    DEFAULT_LIMITS,
     CancelReply,
     DaemonStatus,
     ErrorReply,
+    Frame,
     FrameLike,
     InferReply,
     InferRequest,
     Kind,
     PixelFormat,
+    Request,
     StatusReply,
     Timing,
     decode_reply,
+    encode,
+    endpoint_error,
 )
 
 __all__ = ["ClientClosed", "ClientTimeout", "Result"]
@@ -136,12 +141,34 @@ def _check_timeout(value: object, name: str) -> float:
 
 
 def _endpoints(endpoints: str | Sequence[str]) -> tuple[str, ...]:
-    """One endpoint or several as a tuple; raises ValueError if empty or not strings."""
+    """One endpoint or several as a tuple; raises ValueError if empty, not strings, or an
+    endpoint without a ``tcp://``/``ipc://``/``inproc://`` scheme (the message says which)."""
     items: tuple[object, ...] = (endpoints,) if isinstance(endpoints, str) else tuple(endpoints)
     out = tuple(e for e in items if isinstance(e, str) and e)
     if not out or len(out) != len(items):
         raise ValueError(f"endpoints must be one or more endpoint strings, got {endpoints!r}")
+    for endpoint in out:
+        problem = endpoint_error(endpoint)
+        if problem is not None:
+            raise ValueError(problem)
     return out
+
+
+def _encode(message: Request) -> list[Frame]:
+    """The message's frames; raises the daemon's ``BadRequest`` at once for one over the
+    protocol's message limit (``DEFAULT_LIMITS.max_message_bytes``, the daemon's default): a
+    daemon refuses it, and one twice the limit never even reaches its decoder, so sending it
+    would only wait for the timeout."""
+    frames = encode(message)
+    total = sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames)
+    limit = DEFAULT_LIMITS.max_message_bytes
+    if total > limit:
+        raise error_for(
+            Status.BAD_REQUEST,
+            f"frames: message of {total} bytes is over the limit of {limit}",
+            request_id=message.id,
+        )
+    return frames
 
 
 def _configure(

@@ -1,8 +1,8 @@
 """The device interface: what dlad asks of a DLA core, shaped by cuDLA standalone mode.
 
 Every DLA backend (the emulated core in :mod:`dlad.devices.emulated`, the ctypes cuDLA + NvSci
-binding of a later issue) implements these :class:`typing.Protocol` s, and the scheduler is
-written against them only. The life of a core, and the cuDLA call behind each step
+binding in :mod:`dlad.devices.cudla`) implements these :class:`typing.Protocol` s, and the
+scheduler is written against them only. The life of a core, and the cuDLA call behind each step
 (``docs/devices.md`` has the full table)::
 
     open core N                    cudlaCreateDevice(N, CUDLA_STANDALONE)   (the constructor)
@@ -75,7 +75,7 @@ MAX_SIGNAL_EVENTS: Final = 1
 
 
 class CudlaStatus(enum.IntEnum):
-    """``cudlaStatus``, with cuDLA's values (``reference/cudla.md`` §4.3)."""
+    """``cudlaStatus``, with cuDLA's values (``docs/reference/cudla.md`` §4.3)."""
 
     SUCCESS = 0
     ERROR_INVALID_PARAM = 1

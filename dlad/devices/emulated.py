@@ -422,7 +422,7 @@ class EmulatedDlaCore:
             for d in loadable.outputs
         ]
         try:
-            return Int8Engine(
+            engine = Int8Engine(
                 loadable.sections["graph"],
                 input_scale=loadable.input_scale,
                 input_shape=(inp.c, inp.h, inp.w),
@@ -431,6 +431,12 @@ class EmulatedDlaCore:
             )
         except Int8EngineError as exc:
             raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, str(exc)) from exc
+        k = engine.kernel
+        _log.info(
+            "int8_kernel_path", core=f"dla{self._core}", operands=k.operands, exact=k.exact,
+            runtime=k.runtime, cpu=k.cpu, reason=k.reason,
+        )  # fmt: skip
+        return engine
 
     # ------------------------------------------------------------------ resources
 

@@ -10,7 +10,14 @@ this module:
   int8 tensor (zero point 0) is value for value the same as uint8 with zero point 128, and
   onnxruntime's CPU INT8 kernels are several times faster with uint8 activations;
 * outputs ``uint8 [1, C, H, W]`` (int8 heads, again ``q + 128``) or ``float16 [1, C, H, W]``
-  (fp16 heads), in the order of the output specs.
+  (fp16 heads), in the order of the output specs;
+* INT8 weights as int8 at zero point 0 behind ``DequantizeLinear``.
+
+**The same integers on every host.** onnxruntime's uint8 x int8 kernels saturate on x86 CPUs
+without VNNI, so the engine runs on the operands :mod:`dlad.devices.int8_layout` finds exact on
+this host (probed once per process): the graph as it is (``u8s8``) where that is exact, else with
+its weights re-encoded as uint8 at zero point 128 (``u8u8``, exact everywhere, slower). Both give
+the exact int32 sums a DLA computes; :attr:`Int8Engine.kernel` says which one runs.
 
 :class:`Int8Engine` turns DLA bytes into that input and its outputs back into DLA bytes:
 
@@ -18,7 +25,7 @@ this module:
   ``W_padded >= W``; the padding channel and row padding are ignored), exactly what
   ``dlad.imaging.pre.quantize_hwc4`` produces;
 * outputs ``CHW32`` int8 ``[ceil(C/32)][H][W][32]`` or ``CHW16`` fp16 ``[ceil(C/16)][H][W][16]``,
-  padding channels zero (``reference/cudla.md`` §3.3), byte-identical to
+  padding channels zero (``docs/reference/cudla.md`` §3.3), byte-identical to
   ``dlad.imaging.post.pack_chw32`` / ``pack_chw16`` of the logical heads.
 
 onnxruntime is imported when an engine is constructed, never at module import.
@@ -34,6 +41,13 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from dlad.devices.int8_layout import (
+    KernelPath,
+    NoExactKernelError,
+    OperandsChoice,
+    open_session,
+    select_kernel_path,
+)
 from dlad.imaging.pre import hwc4_layout
 
 __all__ = [
@@ -198,10 +212,14 @@ class Int8Engine:
         input_shape: ``(C, H, W)`` of the logical input; ``C`` in {1, 3, 4}.
         outputs: one :class:`OutputSpec` (or equal 6-tuple) per graph output, in order.
         threads: onnxruntime intra-op threads (>= 1).
+        operands: ``"auto"`` (the exact, fastest operands of this host, see
+            :mod:`dlad.devices.int8_layout`), or ``"u8s8"`` / ``"u8u8"`` to force one (for
+            benchmarks and tests; a forced ``u8s8`` is not exact on every host).
 
     Raises:
-        EngineConfigError: a bad argument, model bytes onnxruntime cannot load, or a graph
-            whose input or outputs disagree with ``input_shape`` / ``outputs``.
+        EngineConfigError: a bad argument, model bytes onnxruntime cannot load, a graph whose
+            input or outputs disagree with ``input_shape`` / ``outputs``, or a host on which
+            no operands are exact.
 
     :meth:`run` is thread-safe; calls are serialised, one task at a time, as on a DLA core.
     """
@@ -214,6 +232,7 @@ class Int8Engine:
         input_shape: tuple[int, int, int],
         outputs: Sequence[OutputSpec | tuple[Any, ...]],
         threads: int = 1,
+        operands: OperandsChoice = "auto",
     ) -> None:
         model = _check_model_bytes(model_bytes)
         if not _positive_float(input_scale):
@@ -231,27 +250,21 @@ class Int8Engine:
         self.input_shape = (c, h, w)
         self.outputs = specs
         self.threads = int(threads)
-        self._session = self._open(model)
+        self.kernel: KernelPath
+        self._session = self._open(model, operands)
         self._output_names = [s.name for s in specs]
         # The one input buffer, reused by every run under the lock (1.3 MB at 672x672).
         self._input = np.empty((1, c, h, w), dtype=np.uint8)
         self._feed = {self.input_name: self._input}
         self._lock = threading.Lock()
 
-    def _open(self, model: bytes) -> Any:
-        import onnxruntime as ort  # noqa: PLC0415 (lazy: the daemon starts without it)
-
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = self.threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.log_severity_level = 3
-        # Idle worker threads would otherwise spin between frames, taking CPU from the
-        # daemon's other threads (pre/post-processing, the other emulated core).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    def _open(self, model: bytes, operands: OperandsChoice) -> Any:
         try:
-            session = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+            self.kernel = select_kernel_path(operands)
+        except (ValueError, NoExactKernelError) as exc:
+            raise EngineConfigError(str(exc)) from exc
+        try:
+            session = open_session(model, threads=self.threads, kernel=self.kernel)
         except Exception as exc:  # onnxruntime's errors share no base class but Exception
             raise EngineConfigError(f"onnxruntime cannot load the engine graph: {exc}") from exc
         inputs = session.get_inputs()

@@ -2,7 +2,7 @@
 
 On an Orin the GPU and the DLA meet at NvSciSync objects: the GPU signals the fence a DLA task
 waits on, the DLA signals the fence a CUDA stream waits on, and no CPU thread sits in between
-(``reference/cudla.md`` §4.7 recipe A). Emulated, the meeting point is a 32-bit word of pinned,
+(``docs/reference/cudla.md`` §4.7 recipe A). Emulated, the meeting point is a 32-bit word of pinned,
 device-mapped host memory, which is what an NvSciSync *deterministic semaphore* is:
 
 * DLA → GPU: a :class:`MappedFence` publishes every value it reaches into its word; a stream

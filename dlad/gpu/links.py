@@ -5,7 +5,7 @@ DLA input is written) or waits on it (``done``: the DLA output is written). Two 
 
 * :class:`MappedFenceLink` (emulated cores): a :class:`~dlad.gpu.fences.MappedFence`, written
   with ``cuStreamWriteValue32`` and waited on with ``cuStreamWaitValue32``;
-* :class:`CudlaFenceLink` (cudla cores, ``reference/cudla.md`` §4.7 recipe A): an NvSciSync
+* :class:`CudlaFenceLink` (cudla cores, ``docs/reference/cudla.md`` §4.7 recipe A): an NvSciSync
   object imported into CUDA as an external semaphore; the stream signals it with
   ``cudaSignalExternalSemaphoresAsync`` and waits on a task's EOF fence with
   ``cudaWaitExternalSemaphoresAsync``.

@@ -4,13 +4,13 @@ A *head* is one detection level as the model emits it (no Detect-layer decode in
 a ``[na * (5 + nc), H, W]`` array of raw logits where channel ``a * (5 + nc) + k`` holds, for
 anchor ``a``, ``k = 0..3``: ``tx, ty, tw, th``; ``k = 4``: objectness; ``k >= 5``: class logits.
 
-The DLA writes heads as ``CHW16`` fp16 or ``CHW32`` int8 (``reference/cudla.md`` §3.3);
+The DLA writes heads as ``CHW16`` fp16 or ``CHW32`` int8 (``docs/reference/cudla.md`` §3.3);
 :func:`unpack_chw16` / :func:`unpack_chw32_int8` turn those into heads. :func:`postprocess` runs
 decode → NMS → back-projection and is what the daemon's CPU path calls.
 
-Unlike NVIDIA's sample (cudla.md §5.3), NMS is always applied, results are capped at ``max_det``,
-and candidate order, tie-breaking and thresholds (``>`` for confidence, ``>=`` for IoU) are
-specified. Malformed input raises :class:`ValueError`.
+Unlike NVIDIA's sample (docs/reference/cudla.md §5.3), NMS is always applied, results are capped
+at ``max_det``, and candidate order, tie-breaking and thresholds (``>`` for confidence, ``>=``
+for IoU) are specified. Malformed input raises :class:`ValueError`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ This module is the numpy reference the daemon runs on CPU-only hosts and the ora
 kernels are tested against, so every arithmetic step is specified precisely enough to be
 reproduced bit for bit on a GPU (see :func:`letterbox` and :func:`quantize_hwc4`).
 
-Two deliberate differences from NVIDIA's cuDLA YOLOv5 sample (``reference/cudla.md`` §5.1):
+Two deliberate differences from NVIDIA's cuDLA YOLOv5 sample (``docs/reference/cudla.md`` §5.1):
 
 * quantisation rounds to nearest with ties away from zero (what the DLA does), where the sample
   truncates;
@@ -41,7 +41,8 @@ __all__ = [
 PixelFormat = Literal["RGB", "BGR", "GRAY"]
 
 HWC4_ROW_ALIGN_BYTES = 64
-"""Row pitch alignment of ``DLA_HWC4`` tensors on Orin (32 on Xavier), cudla.md §3.3."""
+"""Row pitch alignment of ``DLA_HWC4`` tensors on Orin (32 on Xavier); docs/reference/cudla.md
+§3.3."""
 
 _U8 = npt.NDArray[np.uint8]
 _I8 = npt.NDArray[np.int8]

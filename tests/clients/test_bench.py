@@ -1,7 +1,11 @@
 """dlad-bench against a real daemon (two emulated DLA cores in timing mode): each load mode sends
 the schedule it should (checked on the records of what was actually sent), camera frames carry
 their stream and deadline, the stability logic ends levels, the CSV/JSON schemas are stable, the
-plots are written and open, and an unreachable daemon is a clear error with exit status 1."""
+plots are written and open, and an unreachable daemon is a clear error with exit status 1.
+
+Every assertion here holds on a machine of any speed and load: they check what was sent, in
+what order and how many, never how fast (how punctually sends leave and what rates come out is
+``bench/capacity_study.py``'s job, BENCHMARKS §5)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dlad_bench.runner import Level, Load, Settings, run_level
 from dlad_bench.schedule import arrival_times
 from dlad_client import AsyncClient
 from tests.clients.test_bench_schedule import exponential_ks, ks_critical
+from tests.dlad.test_daemon import running
 from tests.dlad.test_metrics import serving
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,10 +59,15 @@ def test_closed_loop_keeps_exactly_n_in_flight(daemon: Daemon) -> None:
     level = run(daemon.bound[0], Load("concurrency", 3))
     done = [r for r in level.records if not math.isnan(r.done)]
     assert all(math.isnan(r.scheduled) for r in level.records)
-    probes = np.linspace(0.5, max(r.done for r in done) - 0.1, 200)
+    probes = sorted({r.sent for r in level.records})
     in_flight = [sum(1 for r in level.records if r.sent <= t < r.done) for t in probes]
     assert max(in_flight) == 3  # never more than N ...
-    assert np.median(in_flight) == 3  # ... and N nearly always
+    # ... and a new request goes out only when one came back: the k-th send (k >= N, counted
+    # from 0) follows at least k - N + 1 replies.
+    sends = sorted(r.sent for r in level.records)
+    dones = sorted(r.done for r in done)
+    for k, t in enumerate(sends[3:], start=3):
+        assert np.searchsorted(dones, t, side="right") >= k - 3 + 1
     r = level.result
     assert r.status_counts["OK"] == r.requests > 0
     assert set(r.device_share) == {"dla0", "dla1"}
@@ -73,25 +83,23 @@ def test_open_loop_poisson_sends_the_schedule(daemon: Daemon) -> None:
     horizon = settings.warmup_s + settings.max_trials * settings.window_s + 1.0
     expected = arrival_times(rate, horizon, arrivals="poisson", seed=11)
     np.testing.assert_array_equal(due, expected[: due.size])  # the precomputed schedule
-    # what actually left the client: at the rate, with exponential gaps
-    times = np.array([r.sent for r in sent])
-    gaps = np.diff(times)
-    assert times.size / (times[-1] - times[0]) == pytest.approx(rate, rel=0.15)
-    assert exponential_ks(gaps, rate) < ks_critical(gaps.size)
-    assert np.median(times - due) < 2e-3  # sends leave on time
+    # the schedule's gaps are exponential at the rate; every request left on or after its time
+    assert exponential_ks(np.diff(due), rate) < ks_critical(due.size - 1)
+    assert all(r.sent >= r.scheduled for r in sent)
     r = level.result
-    assert r.sent_rps == pytest.approx(rate, rel=0.25)
-    assert r.throughput_rps == pytest.approx(r.sent_rps, rel=0.25)  # under capacity: all OK
     assert r.offered_rps == rate
+    assert 0 < r.requests <= len(sent)  # the measured windows' requests (after warm-up)
+    assert sum(r.status_counts.values()) == r.requests  # every one has an outcome
 
 
 def test_open_loop_constant_rate(daemon: Daemon) -> None:
     settings = Settings(warmup_s=0.3, window_s=0.5, stability_pct=50.0, max_trials=3)
     level = run(daemon.bound[0], Load("rate", 200.0, "constant"), settings)
-    times = np.sort([r.sent for r in level.records])
-    gaps = np.diff(times)
-    assert np.median(gaps) == pytest.approx(1 / 200.0, rel=0.1)
-    assert np.percentile(gaps, 90) < 2.5 / 200.0  # no clumping beyond scheduling jitter
+    due = np.sort([r.scheduled for r in level.records])
+    np.testing.assert_allclose(np.diff(due), 1 / 200.0, rtol=1e-9)  # one every 5 ms
+    assert all(r.sent >= r.scheduled for r in level.records)
+    sends = sorted(level.records, key=lambda r: r.sent)  # sent in schedule order
+    assert [r.scheduled for r in sends] == sorted(r.scheduled for r in sends)
 
 
 def test_camera_streams_carry_stream_and_deadline_and_get_shed(tmp_path: Path) -> None:
@@ -107,22 +115,25 @@ def test_camera_streams_carry_stream_and_deadline_and_get_shed(tmp_path: Path) -
         np.testing.assert_allclose(np.diff(due), 1 / 50.0, atol=1e-9)
     r = level.result
     assert r.offered_rps == 200.0
-    assert r.throughput_rps < 120.0  # the devices' capacity, not the offered load
+    # Two cores at 20 ms a frame serve at most 100 frames/s, however loaded the machine: the
+    # rest of what 4 cameras at 50 fps send is shed. A newer frame of a stream supersedes a
+    # queued one (CANCELLED); stale frames miss their deadline (DEADLINE_EXCEEDED).
+    assert r.throughput_rps <= 100.0 * 1.1
     shed = Counter(x.status for x in recs if x.status not in ("", "OK"))
-    # a newer frame of a stream supersedes a queued one; stale frames miss their deadline
     assert shed["CANCELLED"] + shed["DEADLINE_EXCEEDED"] > 0
-    assert r.shed_fraction > 0.2
+    assert r.shed_fraction > 0
     assert r.goodput_rps <= r.throughput_rps
 
 
 def test_levels_stop_when_stable_or_after_max_trials(daemon: Daemon) -> None:
+    # Any two windows agree within 10^6 %: stable as soon as the rule allows (3 windows).
     steady = run(
         daemon.bound[0],
         Load("concurrency", 2),
-        Settings(warmup_s=0.3, window_s=0.4, stability_pct=40.0, max_trials=8),
+        Settings(warmup_s=0.3, window_s=0.4, stability_pct=1e6, max_trials=8),
     )
     assert steady.result.stable
-    assert 3 <= steady.result.windows < 8
+    assert steady.result.windows == 3
     never = run(
         daemon.bound[0],
         Load("concurrency", 2),
@@ -181,7 +192,9 @@ def test_csv_json_schemas_and_plots(daemon: Daemon, tmp_path: Path) -> None:
         assert set(level["daemon_ms"]) == {
             "queue", "pre", "device", "post", "total", "queue_p99", "total_p99"}  # fmt: skip
         assert level["latency_ms"]["p99"] >= level["latency_ms"]["p50"] > 0
-        assert level["daemon_ms"]["device"] == pytest.approx(2.0, rel=0.5)  # the 2 ms model
+        # A timing-mode core never finishes a task before its modelled 2 ms (it sleeps out
+        # the rest); how much longer it takes depends on the machine's load, so no upper bound.
+        assert level["daemon_ms"]["device"] >= 2.0 * (1 - 1e-6)
         assert set(level["window_stats"][0]) == {
             "index", "start_s", "end_s", "completed", "throughput_rps", "latency_ms"}  # fmt: skip
     written = [
@@ -251,3 +264,64 @@ def test_parse_range() -> None:
     assert parse_range("100:300:100") == [100.0, 200.0, 300.0]
     assert parse_range("2:4") == [2.0, 3.0, 4.0]
     assert parse_range("0.5:1.0:0.25") == [0.5, 0.75, 1.0]
+
+
+# ------------------------------------------------------------------ dlad-bench says what happened
+def _bench_args(endpoint: str, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--endpoint", endpoint, "--input", "random:32x32", "--warmup-s", "0.1", "--window-s",
+        "0.3", "--stability-pct", "50", "--max-trials", "3", "--timeout-s", "2",
+        "--connect-timeout-s", "2", "--json", str(tmp_path / "o.json"), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def test_failure_statuses_get_their_own_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DEVICE_FAILED is not load shedding: it has its own column, not a hidden 0 in "shed"."""
+    with running(tmp_path, latency=500.0, depth=64, error_rate=0.3) as (_, endpoint):
+        assert main(_bench_args(endpoint, tmp_path, "--concurrency", "2")) == 0
+    out = capsys.readouterr().out
+    assert "DEVICE_FAILED %" in out
+    (level,) = json.loads((tmp_path / "o.json").read_text())["levels"]
+    assert level["status_counts"]["DEVICE_FAILED"] > 0
+    assert level["shed_fraction"] == 0.0  # nothing was shed: the failures are elsewhere
+
+
+def test_a_daemon_that_dies_mid_run_is_reported_and_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with running(tmp_path, latency=2000.0) as (daemon, endpoint):
+        real = run_level
+        levels_run = 0
+
+        async def then_stop(*args: Any, **kwargs: Any) -> Level:
+            nonlocal levels_run
+            level = await real(*args, **kwargs)
+            levels_run += 1
+            if levels_run == 1:  # the daemon goes away between the first level and the second
+                daemon.stop_threadsafe()
+                assert await anyio.to_thread.run_sync(daemon.stopped.wait, 30.0)
+            return level
+
+        monkeypatch.setattr("dlad_bench.cli.run_level", then_stop)
+        code = main(_bench_args(endpoint, tmp_path, "--concurrency", "1:3:1"))
+    assert code == 1
+    captured = capsys.readouterr()
+    assert "stopped answering during concurrency 2" in captured.err
+    assert "1 level(s) not run" in captured.err
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert [lv["level"] for lv in doc["levels"]] == [1.0, 2.0]  # what was measured is kept
+    assert doc["levels"][0]["status_counts"]["OK"] > 0
+
+
+def test_duration_runs_each_level_for_that_long(daemon: Daemon, tmp_path: Path) -> None:
+    # Stable after one window by these settings, yet --duration 0.9 s runs three of 0.3 s.
+    args = _bench_args(daemon.bound[0], tmp_path, "--concurrency", "2", "--duration", "0.9")
+    args[args.index("--stability-pct") + 1] = "1e6"
+    assert main([*args, "--stability-windows", "1"]) == 0
+    (level,) = json.loads((tmp_path / "o.json").read_text())["levels"]
+    assert level["windows"] == 3
+    assert level["measured_s"] >= 0.9 * (1 - 1e-6)  # results cover all three windows
+    with pytest.raises(SystemExit):
+        main([*args, "--duration", "0"])

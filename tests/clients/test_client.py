@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -38,6 +39,7 @@ from dlad.protocol import (
     encode,
 )
 from dlad_client import (
+    AsyncClient,
     BadRequest,
     Cancelled,
     Client,
@@ -464,3 +466,33 @@ def test_a_dropped_handle_gives_its_slot_back_at_its_deadline(
     kinds = [type(r) for r in daemon.requests]
     assert kinds == [StatusRequest, InferRequest, CancelRequest, InferRequest]
     assert daemon.requests[2].id == dropped
+
+
+# ------------------------------------------------------------------ errors at once, not timeouts
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:5555", "localhost:5555", "udp://h:1", "tcp://"])
+def test_an_endpoint_without_a_usable_scheme_is_refused(endpoint: str) -> None:
+    with pytest.raises(ValueError, match=r"scheme|transport|no address") as info:
+        Client(endpoint)
+    if endpoint.endswith(":5555"):
+        assert f"tcp://{endpoint}" in str(info.value)  # the fix, spelled out
+    with pytest.raises(ValueError, match=r"scheme|transport|no address"):
+        AsyncClient(["tcp://127.0.0.1:5555", endpoint])
+
+
+def test_an_oversized_frame_is_the_daemons_bad_request_at_once() -> None:
+    """Over the protocol's 64 MiB a daemon refuses the message (beyond twice that it never
+    reaches the decoder): the SDK raises that BadRequest before sending, with no daemon at all
+    and a timeout far longer than the test's."""
+    image = np.zeros((8192, 8192, 1), np.uint8)  # 64 MiB of pixels + the header: over
+    with (
+        Client("ipc:///nonexistent/dlad.sock", timeout_s=3600) as client,
+        pytest.raises(errors.BadRequest, match="over the limit of 67108864"),
+    ):
+        client.detect(image)
+
+    async def go() -> None:
+        async with AsyncClient("ipc:///nonexistent/dlad.sock", timeout_s=3600) as client:
+            with pytest.raises(errors.BadRequest, match="over the limit"):
+                await client.detect(image)
+
+    anyio.run(go)

@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+import dataclasses
+import os
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import zmq
 
+from dlad import protocol
 from dlad.cli import main
+from dlad.errors import Status
 
 
 def test_version_and_help_import_nothing_heavy() -> None:
@@ -35,3 +44,132 @@ def test_config_errors_exit_2_naming_key_and_file(
 def test_status_of_an_absent_daemon_is_a_clear_failure(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--endpoint", "tcp://127.0.0.1:9", "--timeout", "0.2"]) == 1
     assert "no reply" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------- clear errors, exit codes
+ROOT = Path(__file__).resolve().parents[2]
+DLAD = [sys.executable, "-c", "import sys; from dlad.cli import main; sys.exit(main())"]
+
+
+def test_endpoint_without_a_scheme_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["status", "--endpoint", "127.0.0.1:5555"],
+                 ["status", "--watch", "1", "--endpoint", "localhost:5555"]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "has no scheme" in err
+        assert "tcp://" in err
+        assert "Traceback" not in err
+
+
+def test_config_may_follow_the_subcommand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[devices.dla0]\nkind = 'dla'\ncore = 2\n")
+    assert main(["status", "--config", str(bad)]) == 2  # read: the error names it
+    assert "bad.toml" in capsys.readouterr().err
+    shipped = str(ROOT / "etc" / "dlad.toml")
+    assert main(["status", "--config", shipped, "--endpoint", "tcp://127.0.0.1:9", "--timeout",
+                 "0.2"]) == 1  # fmt: skip
+    assert "no reply" in capsys.readouterr().err
+
+
+@contextmanager
+def answering(reply: protocol.Reply) -> Iterator[str]:
+    """A ROUTER on a free port that answers every message with ``reply`` (a stand-in daemon)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                frames = sock.recv_multipart()
+                request = protocol.decode_request(frames[1:])
+                answer = dataclasses.replace(reply, id=request.id)
+                sock.send_multipart([frames[0], *protocol.encode(answer)])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join(10)
+        sock.close(0)
+        ctx.term()
+
+
+def test_status_exits_1_when_the_daemon_answers_an_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    reply = protocol.StatusReply(0, Status.INTERNAL, message="the report could not be built")
+    with answering(reply) as endpoint:
+        assert main(["status", "--endpoint", endpoint]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # not "null"
+    assert "INTERNAL: the report could not be built" in captured.err
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    """``dlad status ... | head``: the reader is gone before anything is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [*DLAD, "status", "--platform"], stdout=write_end, stderr=subprocess.PIPE,
+            timeout=120, check=False, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0
+    assert proc.stderr == b""
+
+
+def _port_in_use() -> tuple[socket.socket, int]:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held, held.getsockname()[1]
+
+
+DAEMON_CFG = """
+[frontend]
+endpoints = ["tcp://127.0.0.1:{port}"]
+[metrics]
+enabled = true
+port = {metrics_port}
+[devices.dla0]
+kind = "dla"
+core = 0
+mode = "timing"
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+@pytest.mark.parametrize("taken", ["frontend", "metrics"])
+def test_a_port_in_use_names_the_port_and_the_key(tmp_path: Path, taken: str) -> None:
+    held, port = _port_in_use()
+    free, free_port = _port_in_use()
+    free.close()  # a port nothing listens on (for the other of the two)
+    ports = (port, free_port) if taken == "frontend" else (free_port, port)
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(DAEMON_CFG.format(port=ports[0], metrics_port=ports[1]))
+    try:
+        proc = subprocess.run(
+            [*DLAD, "--config", str(cfg)], capture_output=True, text=True, timeout=100,
+            check=False, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        held.close()
+    assert proc.returncode == 1
+    key = "frontend.endpoints[0]" if taken == "frontend" else "metrics.port"
+    assert f"dlad: {cfg}: {key}: " in proc.stderr
+    assert str(port) in proc.stderr
+    assert "in use" in proc.stderr
+    assert "Traceback" not in proc.stderr

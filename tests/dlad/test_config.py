@@ -255,7 +255,8 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ('kind = "gpu"\n', 'kind = "gpu"\ncore = 1\n', "devices.gpu.core", "only a dla"),
         ('kind = "gpu"\nbackend = "auto"', 'kind = "gpu"\nbackend = "cudla"',
          "devices.gpu.backend", "auto, cuda, cpu"),
-        ("queue_depth = 8", "queue_depth = 0", "devices.gpu.queue_depth", ">= 1, got 0"),
+        ('kind = "gpu"\n', 'kind = "gpu"\nqueue_depth = 0\n', "devices.gpu.queue_depth",
+         "dla devices only"),
         ("core = 0\nqueue_depth = 4", "core = 0\nqueue_depth = -3", "devices.dla0.queue_depth",
          ">= 1"),
         ("sndhwm = 128", "sndhwm = 0", "frontend.sndhwm", ">= 1, got 0"),
@@ -424,14 +425,40 @@ def test_ipc_path_too_long_once_resolved(tmp_path: Path) -> None:
     assert "107 bytes" in err.reason
 
 
-def test_gpu_serving_a_model_uses_a_configured_loadable() -> None:
+def test_a_model_on_the_gpu_is_refused_naming_the_key() -> None:
+    """The gpu device runs pre/post-processing only in this release: a model placed on it would
+    load and answer NOT_FOUND to every INFER, so the config says so at once."""
     data = copy.deepcopy(SHIPPED_DATA)
-    data["models"]["demo"]["devices"] = ["gpu", "dla1"]
-    del data["models"]["demo"]["loadables"]["core0"]
-    plan = parse_config(data, source=SHIPPED).plan()
-    gpu, dla1 = plan.placements
-    assert (gpu.device, gpu.loadable.dla_core, dla1.device) == ("gpu", 1, "dla1")
-    assert gpu.path == dla1.path == DEMO / "fp16_heads.dla1.emu"
+    data["models"]["demo"]["devices"] = ["dla1", "gpu"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "models.demo.devices[1]"
+    assert "gpu device" in info.value.reason
+    assert "pre/post-processing" in info.value.reason
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("queue_depth", 8), ("latency_us", 500.0), ("mode", "timing"), ("threads", 2),
+     ("task_timeout_ms", 50.0), ("faults", {"error_rate": 0.1})],
+)  # fmt: skip
+def test_inference_settings_on_the_gpu_are_refused(setting: str, value: Any) -> None:
+    data = copy.deepcopy(SHIPPED_DATA)
+    data["devices"]["gpu"][setting] = value
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == f"devices.gpu.{setting}"
+    assert "dla devices only" in info.value.reason
+
+
+def test_two_models_on_one_device_are_refused() -> None:
+    data = copy.deepcopy(SHIPPED_DATA)
+    data["models"]["other"] = copy.deepcopy(data["models"]["demo"])
+    data["models"]["other"]["devices"] = ["dla1"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "models.other.devices[0]"
+    assert "already serves model 'demo'" in info.value.reason
 
 
 def test_in_memory_config_errors_name_only_the_key() -> None:

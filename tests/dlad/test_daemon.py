@@ -3,10 +3,12 @@ deadlines, cancel, bad input and drain — every request answered exactly once."
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -302,3 +304,108 @@ def test_each_bad_input_is_bad_request(shared_daemon: str, frames: list[bytes], 
         assert field in reply.message, reply.message  # the message names what was wrong
         sock.send_multipart(protocol.encode(protocol.InferRequest(6, "demo", IMAGE)), copy=False)
         assert recv(sock).status == Status.OK
+
+
+# ----------------------------------------------------------------------- STATUS tells the truth
+ONE_CORE = """
+[daemon]
+drain_timeout_s = 5.0
+default_deadline_ms = 20000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[metrics]
+enabled = false
+[devices.dla0]
+kind = "dla"
+core = 0
+queue_depth = 8
+mode = "timing"
+latency_us = {latency}
+task_timeout_ms = 10000.0
+{faults}
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+def _status(sock: zmq.Socket, request_id: int) -> dict[str, Any]:
+    sock.send_multipart(protocol.encode(protocol.StatusRequest(request_id)))
+    reply = recv(sock)
+    assert isinstance(reply, protocol.StatusReply)
+    assert reply.report is not None
+    return dict(reply.report)
+
+
+def _one_core(tmp_path: Path, latency: float, faults: str = "") -> Daemon:
+    cfg = tmp_path / "one.toml"
+    cfg.write_text(ONE_CORE.format(latency=latency, faults=faults))
+    return Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+
+
+def _seed_ok_then_fail3_then_ok() -> int:
+    """A fault seed whose draws (one per task, fail below 0.5) pass the warm-up task, fail the
+    next three and pass the fifth."""
+    want = [False, True, True, True, False]
+    for seed in range(10_000):
+        rng = random.Random(seed)
+        if [rng.random() < 0.5 for _ in want] == want:
+            return seed
+    raise AssertionError("no such seed below 10000")
+
+
+def test_status_health_follows_consecutive_failures(tmp_path: Path) -> None:
+    seed = _seed_ok_then_fail3_then_ok()
+    faults = f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}"
+    daemon = _one_core(tmp_path, 500.0, faults)
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        (dev,) = _status(sock, 1)["devices"]
+        assert (dev["healthy"], dev["kind"]) == (True, "dla")
+        statuses = []
+        for i in range(3):  # one at a time: tasks 1, 2, 3 of the core fail
+            sock.send_multipart(protocol.encode(protocol.InferRequest(10 + i, "demo", IMAGE)))
+            statuses.append(recv(sock).status)
+            if i < 2:
+                assert _status(sock, 20 + i)["devices"][0]["healthy"] is True
+        assert statuses == [Status.DEVICE_FAILED] * 3
+        (dev,) = _status(sock, 30)["devices"]
+        assert dev["healthy"] is False
+        assert dev["failed"] == 3
+        assert "3 consecutive tasks failed" in daemon._workers["dla0"].health()[1]
+        ready, detail = daemon.metrics.ready()  # /health/ready says the same
+        assert not ready
+        assert detail["devices"]["dla0"] == "failed"
+        sock.send_multipart(protocol.encode(protocol.InferRequest(40, "demo", IMAGE)))
+        assert recv(sock).status == Status.OK  # the fifth task passes: healthy again
+        assert _status(sock, 41)["devices"][0]["healthy"] is True
+        assert daemon.metrics.ready()[0]
+
+
+def test_status_reports_a_failed_warm_up(tmp_path: Path) -> None:
+    daemon = _one_core(tmp_path, 500.0, "[devices.dla0.faults]\nerror_rate = 1.0")
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        (dev,) = _status(sock, 1)["devices"]
+        assert dev["healthy"] is False
+        assert daemon._workers["dla0"].health()[1].startswith("warm-up failed")
+        assert daemon.metrics.ready()[1]["devices"]["dla0"] == "failed"
+
+
+def test_status_counts_the_streams_waiting(tmp_path: Path) -> None:
+    daemon = _one_core(tmp_path, 1_000_000.0)  # 1 s a task: what is queued stays queued
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        for i in range(2):  # one per slot: both slots busy for a second
+            sock.send_multipart(protocol.encode(protocol.InferRequest(i, "demo", IMAGE)))
+        report = _status(sock, 9)
+        while report["devices"][0]["in_flight"] < 2:  # the slots take them on the loop
+            report = _status(sock, 9)
+        for i, stream in enumerate(["a", "b", "a", "c"]):  # "a"'s second frame replaces its first
+            request = protocol.InferRequest(10 + i, "demo", IMAGE, stream=stream)
+            sock.send_multipart(protocol.encode(request))
+        superseded = recv(sock)
+        assert (superseded.id, superseded.status) == (10, Status.CANCELLED)
+        report = _status(sock, 20)
+        assert report["queues"]["streams"] == 3
+        assert report["queues"]["depth"] == 3
+        replies = [recv(sock) for _ in range(5)]
+    assert sorted(int(r.id or 0) for r in replies) == [0, 1, 11, 12, 13]

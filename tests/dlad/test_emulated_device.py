@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -150,7 +151,15 @@ def _conforms(
 
 def test_numeric_round_trip_equals_the_engine(open_core: OpenCore, demo: Loadable) -> None:
     core = open_core(0, mode="numeric")
-    module = core.load(DEMO0)
+    with structlog.testing.capture_logs() as logs:
+        module = core.load(DEMO0)
+    # The load names the INT8 kernel path this host runs (operands, runtime, CPU, why).
+    (path,) = [e for e in logs if e["event"] == "int8_kernel_path"]
+    assert module.engine is not None
+    assert path["operands"] == module.engine.kernel.operands
+    assert path["core"] == "dla0"
+    assert path["exact"] is True
+    assert path["runtime"].startswith("onnxruntime ")
     assert module.inputs == demo.inputs
     assert module.outputs == demo.outputs
     ins, outs = bind(core, module)
@@ -677,7 +686,7 @@ def test_close_after_the_last_task_and_as_context_manager(open_core: OpenCore) -
 
 
 def test_statuses_are_cudlas() -> None:
-    # Values and C names of reference/cudla.md §4.3.
+    # Values and C names of docs/reference/cudla.md §4.3.
     expected = {
         "cudlaSuccess": 0, "cudlaErrorInvalidParam": 1, "cudlaErrorOutOfResources": 2,
         "cudlaErrorCreationFailed": 3, "cudlaErrorInvalidAddress": 4, "cudlaErrorOs": 5,

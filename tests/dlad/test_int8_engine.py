@@ -92,14 +92,17 @@ def yolo_like() -> tuple[EngineGraph, Int8Engine]:
     c_out=st.sampled_from([1, 3, 16, 31, 32, 33, 64, 70]),
     heads=st.sampled_from(["int8", "fp16"]),
     seed=st.integers(0, 2**32 - 1),
+    operands=st.sampled_from(["auto", "u8u8"]),
 )
 def test_hwc4_in_chw_out_bytes(
-    c: int, h: int, w: int, extra_px: int, c_out: int, heads: Any, seed: int
+    c: int, h: int, w: int, extra_px: int, c_out: int, heads: Any, seed: int, operands: str
 ) -> None:
     """Any row pitch, garbage in the padding channel and row padding (ignored); outputs
-    byte-identical to ``pack_chw32`` / ``pack_chw16`` of their logical heads, padding zero."""
+    byte-identical to ``pack_chw32`` / ``pack_chw16`` of their logical heads, padding zero;
+    on the host's operands and on the re-encoded uint8 weights alike."""
     g = copy_graph(c, h, w, c_out, heads)
-    eng = make_engine(g)
+    eng = make_engine(g, operands=operands)
+    assert eng.kernel.exact
     rng = np.random.default_rng(seed)
     hwc4 = rng.integers(-128, 128, (h, w + extra_px, hwc4_channels(c))).astype(np.int8)
     (out,) = eng.run(hwc4)
@@ -246,13 +249,21 @@ def test_bad_construction() -> None:
         ({"outputs": [spec._replace(dtype="fp16")]}, "takes no scale"),
         ({"outputs": [(*spec[:4], "int4", 0.1)]}, "dtype must be"),
         ({"outputs": [("s8", 3)]}, r"\(name, C, H, W, dtype, scale\)"),
+        ({"operands": "s8s8"}, "operands must be"),
     ]
     for kwargs, message in cases:
         with pytest.raises(EngineConfigError, match=message):
             make_engine(g, **kwargs)
     for data in (b"", b"not an onnx model"):
-        with pytest.raises(EngineConfigError, match=r"model_bytes|cannot load"):
-            Int8Engine(data, input_scale=SCALE, input_shape=(3, 5, 20), outputs=[spec])
+        for operands in ("auto", "u8u8"):
+            with pytest.raises(EngineConfigError, match=r"model_bytes|cannot load"):
+                Int8Engine(
+                    data,
+                    input_scale=SCALE,
+                    input_shape=(3, 5, 20),
+                    outputs=[spec],
+                    operands=operands,
+                )
 
 
 def test_signed_activation_graph_is_refused() -> None:

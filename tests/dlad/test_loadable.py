@@ -1,5 +1,5 @@
-"""Emulated DLA loadable: descriptor formulas against cudla.md §3.3, the container's round trip,
-and one typed error for every way a file can be wrong."""
+"""Emulated DLA loadable: descriptor formulas against docs/reference/cudla.md §3.3, the container's
+round trip, and one typed error for every way a file can be wrong."""
 
 from __future__ import annotations
 
@@ -56,21 +56,21 @@ def _pad_until(x: int, ok: Callable[[int], bool]) -> int:
 
 
 def ref_hwc4(c: int, h: int, w: int, elem: int, n: int = 1) -> tuple[int, int, int]:
-    """cudla.md §3.3: C' = {1, 4, 4} for C = {1, 3, 4}; rows padded so the pitch is a multiple of
-    64 bytes on Orin. Returns (padded width, row pitch, size)."""
+    """docs/reference/cudla.md §3.3: C' = {1, 4, 4} for C = {1, 3, 4}; rows padded so the pitch
+    is a multiple of 64 bytes on Orin. Returns (padded width, row pitch, size)."""
     cp = {1: 1, 3: 4, 4: 4}[c]
     wp = _pad_until(w, lambda x: (x * cp * elem) % 64 == 0)
     return wp, wp * cp * elem, n * h * wp * cp * elem
 
 
 def ref_chw(c: int, h: int, w: int, vec: int, elem: int, n: int = 1) -> int:
-    """cudla.md §3.3: [N][ceil(C/V)][H][W][V], C padded to the next multiple of V."""
+    """docs/reference/cudla.md §3.3: [N][ceil(C/V)][H][W][V], C padded to the next multiple of V."""
     groups = _pad_until(1, lambda g: g * vec >= c)
     return n * groups * h * w * vec * elem
 
 
 def ref_linear(c: int, h: int, w: int, elem: int, n: int = 1) -> tuple[int, int]:
-    """cudla.md §3.3: [N][C][H][roundUp(W, 64 / elem)]. Returns (row pitch, size)."""
+    """docs/reference/cudla.md §3.3: [N][C][H][roundUp(W, 64 / elem)]. Returns (row pitch, size)."""
     wp = _pad_until(w, lambda x: (x * elem) % 64 == 0)
     return wp * elem, n * c * h * wp * elem
 

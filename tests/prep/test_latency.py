@@ -39,7 +39,7 @@ from prep.latency import (
 
 HEADS = ("/model.24/m.0/Conv", "/model.24/m.1/Conv", "/model.24/m.2/Conv")
 LAST_C3 = ("/model.23/cv3/conv/Conv", "/model.23/cv3/act/Sigmoid", "/model.23/cv3/act/Mul")
-# Published YOLOv5s 672x672, one DLA at 1.33 GHz (reference/cudla.md §6, seed article table 1).
+# Published YOLOv5s 672x672, one DLA at 1.33 GHz (docs/reference/cudla.md §6, seed article table 1).
 PUBLISHED_INT8_HEADS_MS = (2.4, 1000 / 410)
 PUBLISHED_FP16_HEADS_MS = (3.82, 1000 / 255)
 PUBLISHED_BATCH_MS = {1: 3.82, 2: 7.68, 4: 15.17}

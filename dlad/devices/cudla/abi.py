@@ -1,6 +1,6 @@
 """The C ABI of cuDLA (``libcudla``) and of the NvSciBuf / NvSciSync calls dlad uses, in ctypes.
 
-Every declaration follows ``reference/cudla.md`` §4.2-4.6 (cudla.h v1.2.1 plus the newer calls
+Every declaration follows ``docs/reference/cudla.md`` §4.2-4.6 (cudla.h v1.2.1 plus the newer calls
 of the cuDLA API documentation, nvscibuf.h / nvscisync.h); ``tests/dlad/cudla/test_abi.py`` pins
 each struct's size and field offsets and each enum's values to those documents. Note that
 ``cudlaTask`` puts its output tensors *before* its inputs.
@@ -402,7 +402,8 @@ OPTIONAL_SYMBOLS: Final = frozenset({
     "cudlaGetVersion", "cudlaDeviceGetCount", "cudlaSetTaskTimeoutInMs",
     "NvSciSyncFenceExtractFence", "NvSciSyncFenceUpdateFence",
 })  # fmt: skip
-"""Symbols only newer releases export (cudla.md §4.1; JetPack 5.1.2 lacks the two fence calls)."""
+"""Symbols only newer releases export (docs/reference/cudla.md §4.1; JetPack 5.1.2 lacks the two
+fence calls)."""
 
 LIBRARY_NAMES: Final = {
     "cudla": ("libcudla.so.1", "libcudla.so"),

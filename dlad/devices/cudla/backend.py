@@ -9,7 +9,7 @@ core N, with its own NvSciBuf / NvSciSync modules and CPU wait context:
 * ``alloc_buffer`` allocates a CPU-mapped NvSciBuf raw buffer of the descriptor's size and
   imports it with ``cudlaImportExternalMemory`` (its address must be 32-byte aligned);
 * ``create_fence`` reconciles and allocates an NvSciSync object (recipe B of
-  ``reference/cudla.md`` §4.7): ``signaller="dla"`` (the default) is signalled by this core's
+  ``docs/reference/cudla.md`` §4.7): ``signaller="dla"`` (the default) is signalled by this core's
   tasks and waited on by the CPU and by DLA tasks; ``signaller="cpu"`` is signalled by the CPU
   (``NvSciSyncObjSignal``) and waited on by DLA tasks; ``signaller="gpu"`` (recipe A) is
   signalled by a CUDA stream (``cudaSignalExternalSemaphoresAsync``, through

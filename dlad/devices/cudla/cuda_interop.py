@@ -1,6 +1,6 @@
 """The GPU side of cuDLA standalone mode: NvSciSync objects and NvSciBuf buffers imported into
 CUDA through cuda-python's runtime, so a CUDA stream waits on a DLA task's EOF fence and the GPU
-pre/post-processing kernels read and write the DLA's buffers (recipe A, ``reference/cudla.md``
+pre/post-processing kernels read and write the DLA's buffers (recipe A, ``docs/reference/cudla.md``
 §4.6-4.7).
 
 Every function takes the runtime module as ``rt`` (default: ``cuda.bindings.runtime``, imported

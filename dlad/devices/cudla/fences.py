@@ -2,7 +2,7 @@
 (implements ``SyncObject`` of :mod:`dlad.devices.base`).
 
 This module owns a fence's NvSciSync object (reconciled and allocated for its signaller, recipes
-A and B of ``reference/cudla.md`` §4.7, and primed with its fence id and raw counter base), its
+A and B of ``docs/reference/cudla.md`` §4.7, and primed with its fence id and raw counter base), its
 value and promises, the ``NvSciSyncFence`` snapshots handed to DLA tasks and CUDA streams (kept
 until their value is reached), CPU signalling (``NvSciSyncObjSignal``), GPU signalling and waits
 (:meth:`CudlaFence_.signal_from_gpu`, :meth:`CudlaFence_.wait_from_gpu`), CPU waits and
@@ -172,7 +172,7 @@ class CudlaFence_(FenceCore):
         extra_waiter: Callable[[int], None] | None,
     ) -> None:
         """Reconcile and allocate the NvSciSync object for this fence's signaller (recipe A for
-        ``"gpu"``, B otherwise; ``reference/cudla.md`` §4.7), its waiters' lists deterministic
+        ``"gpu"``, B otherwise; ``docs/reference/cudla.md`` §4.7), its waiters' lists deterministic
         when :attr:`deterministic` is set. Raises DlaError naming the call that failed
         (``ERROR_UNSUPPORTED_OPERATION`` for a CUDA signaller without ``gpu_signaller`` or with
         deterministic semaphores); the caller frees what was allocated."""

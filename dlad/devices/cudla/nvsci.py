@@ -3,7 +3,7 @@ objects and fences, with every failure a :class:`~dlad.devices.base.DlaError` na
 
 A :class:`NvSciSession` owns one NvSciBuf module, one NvSciSync module and one CPU wait context
 (one per DLA core in dlad). Handles are plain ints (addresses); the caller frees what it
-allocates, in the order of ``reference/cudla.md`` §4.7 step 8.
+allocates, in the order of ``docs/reference/cudla.md`` §4.7 step 8.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ class NvSciSession:
         self, size: int, *, align: int, gpu_uuid: bytes | None = None
     ) -> BufferAllocation:
         """A CPU-accessible, read-write NvSciBuf raw buffer of ``size`` bytes (recipe B of
-        cudla.md §4.7 with ``RawBuffer`` type; ``gpu_uuid`` adds ``GpuId`` for CUDA import)."""
+        docs/reference/cudla.md §4.7 with ``RawBuffer`` type; ``gpu_uuid`` adds ``GpuId`` for
+        CUDA import)."""
         libs = self.libs
         out = BufferAllocation(size=size)
         try:

@@ -1,4 +1,4 @@
-"""The ctypes ABI pinned to reference/cudla.md §4.2-4.6: struct sizes and field offsets (LP64),
+"""The ctypes ABI pinned to docs/reference/cudla.md §4.2-4.6: struct sizes and field offsets (LP64),
 enum values, library lookup and the probing of symbols only newer releases export."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dlad.devices.base import CudlaStatus, DlaError
 from dlad.devices.cudla import abi
 from dlad.devices.cudla.abi import CudlaLibraryError, load_libraries
 
-LAYOUTS = {  # struct: (size, {field: offset}) from cudla.md §4.4 and §4.6
+LAYOUTS = {  # struct: (size, {field: offset}) from docs/reference/cudla.md §4.4 and §4.6
     abi.ModuleTensorDescriptor: (168, {
         "name": 0, "size": 88, "n": 96, "c": 104, "h": 112, "w": 120, "dataFormat": 128,
         "dataType": 129, "dataCategory": 130, "pixelFormat": 131, "pixelMapping": 132,

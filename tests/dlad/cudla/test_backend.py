@@ -5,6 +5,7 @@ INT8 engine running behind the fake through its task callback."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -245,13 +246,24 @@ def test_cudla_shape_rules(fake: FakeLib, cores: list[CudlaDlaCore]) -> None:
     assert info.value.status is CudlaStatus.ERROR_UNSUPPORTED_OPERATION
     with pytest.raises(DlaError, match="only DLA fences of its core"):
         dla1.submit(Task(m1, in1, out1, signal=[(a, 1)]))
-    dla0.submit(Task(m0, in0, out0, signal=[(a, 1)]))
+    # dla0's task is held by a CPU gate, so `a` is certainly not reached when dla1's task is
+    # submitted (a wait on a fence already reached needs no import, and would race dla0).
+    gate = dla0.create_fence(signaller="cpu")
+    dla0.submit(Task(m0, in0, out0, wait=[(gate, 1)], signal=[(a, 1)]))
     b = dla1.create_fence()
     dla1.submit(Task(m1, in1, out1, wait=[(a, 1)], signal=[(b, 1)]))  # imports a into dla1
+    gate.signal(1)
+    assert a.wait(1, WAIT_S)
     assert b.wait(1, WAIT_S)
-    assert (
-        fake.call_names().count("cudlaImportExternalSemaphore") == 5
-    )  # 2 completion + a, b + a on dla1
+    # Each (core, semaphore) pair imported exactly once: the two completion fences, the gate,
+    # a and b on their own cores, a on dla1 (by the submit that waits on it, not the refused one).
+    imports = Counter(
+        c.rsplit(" flags=", 1)[0]
+        for c in fake.calls()
+        if c.startswith("cudlaImportExternalSemaphore ")
+    )
+    assert len(imports) == 6, imports
+    assert set(imports.values()) == {1}, imports
 
 
 def test_async_error_from_the_fake_is_reported_by_status(

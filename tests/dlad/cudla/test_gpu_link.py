@@ -1,4 +1,4 @@
-"""The GPU side of a cudla worker slot (recipe A of reference/cudla.md §4.7), against the fake
+"""The GPU side of a cudla worker slot (recipe A of docs/reference/cudla.md §4.7), against the fake
 cuDLA/NvSci library and a stand-in of cuda-python's runtime.
 
 The stand-in records every runtime call and plays the CUDA stream on the fake's NvSci objects:

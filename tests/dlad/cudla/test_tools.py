@@ -70,6 +70,10 @@ def test_status_platform(on_fake: FakeLib, capsys: pytest.CaptureFixture[str]) -
     report = json.loads(capsys.readouterr().out)
     assert report["available"] is True
     assert report["device_count"] == 2
+    int8 = report["emulated_int8"]  # the emulated core's kernel path, named for people
+    assert int8["exact"] is True
+    assert int8["operands"] in ("u8s8", "u8u8")
+    assert int8["operands"] in int8["summary"]
 
 
 def test_selftest_exercises_every_call(on_fake: FakeLib, loadables: dict[int, str]) -> None:

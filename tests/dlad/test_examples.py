@@ -1,0 +1,79 @@
+"""``examples/detect.py`` end to end: the bundled image's detections equal the recorded ones, and
+every way it can go wrong is one line on stderr with its exit status, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dlad.config import load_config
+from dlad.daemon import Daemon
+from tests.dlad.serving import serve_in_thread
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+DETECT = ROOT / "examples" / "detect.py"
+CONFIG = """
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[devices.dla0]
+kind = "dla"
+core = 0
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+def detect(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DETECT), *args], capture_output=True, text=True, timeout=100,
+        check=False, cwd=ROOT,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A numeric-mode daemon (the real INT8 core) serving the bundled model."""
+    cfg = tmp_path_factory.mktemp("detect") / "dlad.toml"
+    cfg.write_text(CONFIG)
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep:
+        yield ep
+
+
+def test_the_bundled_image_gives_the_recorded_detections(endpoint: str) -> None:
+    proc = detect("--endpoint", endpoint)
+    assert proc.returncode == 0, proc.stderr
+    assert "the two lists are the same" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_an_unknown_model_is_the_daemons_not_found(endpoint: str) -> None:
+    proc = detect("--endpoint", endpoint, "--model", "nope")
+    assert proc.returncode == 1
+    assert "NOT_FOUND" in proc.stderr
+    assert "'nope'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["/nonexistent/cat.jpg"], 2, "no such file"),
+        ([str(ROOT / "README.md")], 2, "not an image"),
+        (["--endpoint", "localhost:5555"], 2, "did you mean 'tcp://localhost:5555'"),
+        (["--endpoint", "ipc:///nonexistent/dlad.sock", "--timeout", "0.3"], 1, "no dlad answered"),
+    ],
+)
+def test_errors_are_one_line_and_an_exit_status(args: list[str], code: int, message: str) -> None:
+    proc = detect(*args)
+    assert proc.returncode == code
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
