@@ -32,6 +32,7 @@ import zmq.asyncio
 import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
+from dlad.devices.base import DlaError
 from dlad.devices.emulated import FaultConfig
 from dlad.devices.factory import cudla_loadable_for
 from dlad.errors import (
@@ -56,8 +57,9 @@ log = structlog.get_logger("dlad")
 
 
 class StartupError(RuntimeError):
-    """The daemon could not start serving: a port or socket it must bind is taken or refused.
-    ``key`` names the config setting to change (``frontend.endpoints[0]``, ``metrics.port``)."""
+    """The daemon could not start serving: a port or socket it must bind is taken or refused,
+    or a device cannot open its core or load its loadable. ``key`` names the config setting
+    to look at (``frontend.endpoints[0]``, ``metrics.port``, ``devices.dla0``)."""
 
     def __init__(self, message: str, *, key: str) -> None:
         super().__init__(f"{key}: {message}")
@@ -245,23 +247,28 @@ class Daemon:
                     hang_rate=dev.faults.hang_rate,
                     seed=dev.faults.seed,
                 )
-            worker = DeviceWorker(
-                dev.name,
-                int(dev.core or 0),
-                str(placement.path),
-                placement.loadable,
-                self._scheduler,
-                mode=dev.mode,
-                latency_us=placement.latency_us,
-                threads=dev.threads,
-                faults=faults,
-                task_timeout_ms=dev.task_timeout_ms,
-                limiter=limiter,
-                pre_post=self.pre_post,
-                gpu=self._gpu,
-                backend=dev.backend,
-                cudla_loadable=cudla_loadable_for(self.plan, placement),
-            )
+            try:
+                worker = DeviceWorker(
+                    dev.name,
+                    int(dev.core or 0),
+                    str(placement.path),
+                    placement.loadable,
+                    self._scheduler,
+                    mode=dev.mode,
+                    latency_us=placement.latency_us,
+                    threads=dev.threads,
+                    faults=faults,
+                    task_timeout_ms=dev.task_timeout_ms,
+                    limiter=limiter,
+                    pre_post=self.pre_post,
+                    gpu=self._gpu,
+                    backend=dev.backend,
+                    cudla_loadable=cudla_loadable_for(self.plan, placement),
+                )
+            except DlaError as exc:  # the core cannot open or load (e.g. no exact INT8 kernel)
+                raise StartupError(
+                    f"cannot open or load {placement.path}: {exc}", key=f"devices.{dev.name}"
+                ) from None
             self._scheduler.add_device(
                 dev.name,
                 [placement.model],

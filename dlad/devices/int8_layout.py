@@ -53,6 +53,8 @@ OperandsChoice = Literal["auto", "u8s8", "u8u8"]
 OPERANDS: Final[tuple[Operands, ...]] = ("u8s8", "u8u8")
 _WEIGHTED: Final = frozenset({"Conv", "MatMul", "Gemm"})
 """Ops whose input 1 is a weight: an int8 DequantizeLinear feeding one is re-encoded."""
+_PROBE_IR_VERSION: Final = 8
+"""ONNX IR version of the probe graphs (opset 13): what every onnxruntime >= 1.10 reads."""
 _PROBE_EXACT: Final = 100
 """Every probe's scales put the exact sum at this output value (no rounding tie near it)."""
 
@@ -214,6 +216,7 @@ def _probe_models() -> list[tuple[str, bytes, dict[str, np.ndarray]]]:
             inits,
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = _PROBE_IR_VERSION  # not the installed onnx's newest: ORT may be older
         models.append((name, model.SerializeToString(), {"x": np.full(x_shape, 255, np.uint8)}))
     return models
 
@@ -229,8 +232,14 @@ def _probe(operands: Operands) -> tuple[str, ...]:
     wrong = []
     for name, model, feed in _probe_models():
         data = weights_to_uint8(model) if operands == "u8u8" else model
-        session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
-        (y,) = session.run(None, feed)
+        try:
+            session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+            (y,) = session.run(None, feed)
+        except Exception as exc:  # onnxruntime's errors share no base class but Exception
+            raise NoExactKernelError(
+                f"onnxruntime {ort.__version__} cannot run the INT8 kernel probe {name!r} "
+                f"({operands}): {exc}"
+            ) from exc
         if not np.all(y == _PROBE_EXACT + 128):
             wrong.append(name)
     return tuple(wrong)
@@ -261,7 +270,8 @@ def select_kernel_path(choice: OperandsChoice = "auto") -> KernelPath:
 
     Raises:
         ValueError: ``choice`` is none of the three.
-        NoExactKernelError: ``"auto"`` on a host where neither layout is exact.
+        NoExactKernelError: ``"auto"`` on a host where neither layout is exact, or an
+            onnxruntime that cannot run the probes.
         ImportError: onnxruntime or onnx is not installed.
     """
     import onnxruntime as ort  # noqa: PLC0415

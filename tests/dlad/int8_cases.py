@@ -73,9 +73,9 @@ def _qdq(
         [helper.make_tensor_value_info("y", TensorProto.UINT8, None)],
         inits,
     )
-    return bytes(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
-    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8  # what older onnxruntime releases read too
+    return bytes(model.SerializeToString())
 
 
 def _data(rng: np.random.Generator, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> Any:

@@ -173,3 +173,26 @@ def test_a_port_in_use_names_the_port_and_the_key(tmp_path: Path, taken: str) ->
     assert str(port) in proc.stderr
     assert "in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_core_that_cannot_load_names_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A numeric core on a host where no INT8 operands are exact cannot load its loadable: the
+    daemon does not start, and says which device and why, with no traceback."""
+    from dlad.devices import int8_layout
+
+    def no_exact(choice: str = "auto") -> int8_layout.KernelPath:
+        raise int8_layout.NoExactKernelError("neither operand layout is exact here (test)")
+
+    monkeypatch.setattr("dlad.devices.int8_engine.select_kernel_path", no_exact)
+    free, port = _port_in_use()
+    free.close()
+    cfg = tmp_path / "dlad.toml"
+    text = DAEMON_CFG.format(port=port, metrics_port=port).replace('mode = "timing"\n', "")
+    cfg.write_text(text.replace("enabled = true", "enabled = false"))
+    assert main(["--config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"dlad: {cfg}: devices.dla0: cannot open or load" in err
+    assert "neither operand layout is exact here" in err
+    assert "Traceback" not in err

@@ -142,3 +142,22 @@ def test_old_layout_fails_on_an_avx2_cpu_without_vnni() -> None:
     assert all(v == 0 for v in report["mismatches"]["auto"].values())
     assert all(v == 0 for v in report["mismatches"]["u8u8"].values())
     assert all(v > 0 for v in report["mismatches"]["u8s8"].values()), report
+
+
+def test_a_probe_onnxruntime_cannot_run_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """E.g. an onnxruntime older than the graph's IR version: an error that names the probe,
+    which the engine turns into its EngineConfigError (and the daemon into a load failure)."""
+    name, model, feed = int8_layout._probe_models()[0]
+    broken = onnx.load_from_string(model)
+    broken.ir_version = 99
+    monkeypatch.setattr(
+        int8_layout, "_probe_models", lambda: [(name, broken.SerializeToString(), feed)]
+    )
+    with pytest.raises(int8_layout.NoExactKernelError, match=f"probe '{name}'"):
+        int8_layout._probe("u8s8")
+
+
+def test_probes_are_readable_by_older_onnxruntime() -> None:
+    for _, model, _ in int8_layout._probe_models():
+        assert onnx.load_from_string(model).ir_version == 8
+    assert all(onnx.load_from_string(c.model).ir_version == 8 for c in CASES)

@@ -217,6 +217,7 @@ def qdq_pair() -> dict[str, Any]:
             [zp_init],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = 8  # readable by older onnxruntime releases too
         sessions[name] = session(model)
     return sessions
 
