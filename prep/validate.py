@@ -119,29 +119,11 @@ def emulated_heads(loadable: Loadable, *, threads: int = 2) -> HeadsFn:
     """The emulated DLA core's path, image by image, as the daemon runs it: quantise the
     letterboxed canvas to ``DLA_HWC4`` int8 with the loadable's input scale, run the INT8 engine,
     unpack the ``CHW32`` int8 / ``CHW16`` fp16 head buffers back to float heads."""
-    from dlad.devices.int8_engine import Int8Engine, OutputSpec
+    from dlad.devices.int8_engine import engine_for_loadable
     from dlad.imaging.pre import quantize_hwc4
-    from dlad.loadable import DataType
 
-    specs = [
-        OutputSpec(
-            d.name,
-            d.c,
-            d.h,
-            d.w,
-            "int8" if d.data_type == DataType.INT8 else "fp16",
-            d.scale if d.data_type == DataType.INT8 else None,
-        )
-        for d in loadable.outputs
-    ]
-    inp = loadable.inputs[0]
-    engine = Int8Engine(
-        loadable.sections["graph"],
-        input_scale=loadable.input_scale,
-        input_shape=(inp.c, inp.h, inp.w),
-        outputs=specs,
-        threads=threads,
-    )
+    engine = engine_for_loadable(loadable, threads=threads)
+    specs = engine.outputs
 
     def run(images: np.ndarray) -> list[np.ndarray]:
         per_level: list[list[np.ndarray]] = [[] for _ in specs]

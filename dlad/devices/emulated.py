@@ -53,7 +53,7 @@ from dlad.devices.base import (
     is_int_in,
     run_fence_callback,
 )
-from dlad.devices.int8_engine import Int8Engine, Int8EngineError, OutputSpec
+from dlad.devices.int8_engine import Int8Engine, Int8EngineError, engine_for_loadable
 from dlad.loadable import (
     DataType,
     Loadable,
@@ -415,20 +415,8 @@ class EmulatedDlaCore:
         if any(unsupported.values()):
             why = ", ".join(what for what, bad in unsupported.items() if bad)
             raise DlaError(CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call, f"numeric mode: {why}")
-        specs = [
-            OutputSpec(d.name, d.c, d.h, d.w, "int8", d.scale)
-            if d.data_type == DataType.INT8
-            else OutputSpec(d.name, d.c, d.h, d.w, "fp16", None)
-            for d in loadable.outputs
-        ]
         try:
-            engine = Int8Engine(
-                loadable.sections["graph"],
-                input_scale=loadable.input_scale,
-                input_shape=(inp.c, inp.h, inp.w),
-                outputs=specs,
-                threads=self._threads,
-            )
+            engine = engine_for_loadable(loadable, threads=self._threads)
         except Int8EngineError as exc:
             raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, str(exc)) from exc
         k = engine.kernel

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +50,9 @@ from dlad.devices.int8_layout import (
 )
 from dlad.imaging.pre import hwc4_layout
 
+if TYPE_CHECKING:
+    from dlad.loadable import Loadable
+
 __all__ = [
     "EngineConfigError",
     "EngineInputError",
@@ -57,6 +60,7 @@ __all__ = [
     "Int8Engine",
     "Int8EngineError",
     "OutputSpec",
+    "engine_for_loadable",
     "hwc4_channels",
 ]
 
@@ -362,3 +366,28 @@ class Int8Engine:
             else:
                 _pack_into(result[0], dst, spec.lanes, offset=False)
         return dsts
+
+
+def engine_for_loadable(
+    loadable: Loadable, *, threads: int = 1, operands: OperandsChoice = "auto"
+) -> Int8Engine:
+    """The engine of an emulated loadable: its ``graph`` section, input scale and shape, and one
+    :class:`OutputSpec` per output descriptor (``CHW32`` int8 with its scale, else ``CHW16``
+    fp16). Raises what :class:`Int8Engine` raises."""
+    from dlad.loadable import DataType  # noqa: PLC0415 (the engine needs no loadable otherwise)
+
+    specs = [
+        OutputSpec(d.name, d.c, d.h, d.w, "int8", d.scale)
+        if d.data_type == DataType.INT8
+        else OutputSpec(d.name, d.c, d.h, d.w, "fp16", None)
+        for d in loadable.outputs
+    ]
+    inp = loadable.inputs[0]
+    return Int8Engine(
+        loadable.sections["graph"],
+        input_scale=loadable.input_scale,
+        input_shape=(inp.c, inp.h, inp.w),
+        outputs=specs,
+        threads=threads,
+        operands=operands,
+    )

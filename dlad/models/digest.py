@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dlad.devices.int8_engine import Int8Engine, OutputSpec
+from dlad.devices.int8_engine import engine_for_loadable
 from dlad.devices.int8_layout import OperandsChoice
 from dlad.imaging.pre import letterbox, quantize_hwc4
-from dlad.loadable import DataType, read_loadable
+from dlad.loadable import read_loadable
 
 __all__ = ["heads_sha256"]
 
@@ -29,20 +29,7 @@ def heads_sha256(
     that cannot be built, PIL's errors for a file that is not an image.
     """
     loadable = read_loadable(loadable_path)
-    specs = [
-        OutputSpec(d.name, d.c, d.h, d.w, "int8", d.scale)
-        if d.data_type == DataType.INT8
-        else OutputSpec(d.name, d.c, d.h, d.w, "fp16", None)
-        for d in loadable.outputs
-    ]
-    inp = loadable.inputs[0]
-    engine = Int8Engine(
-        loadable.sections["graph"],
-        input_scale=loadable.input_scale,
-        input_shape=(inp.c, inp.h, inp.w),
-        outputs=specs,
-        operands=operands,
-    )
+    engine = engine_for_loadable(loadable, operands=operands)
     digest = hashlib.sha256()
     for path in images:
         rgb = np.asarray(Image.open(path).convert("RGB"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlad.devices.int8_engine import Int8Engine, OutputSpec
+from dlad.devices.int8_engine import engine_for_loadable
 from dlad.devices.int8_layout import OperandsChoice, u8s8_is_exact
 from dlad.imaging.post import postprocess, unpack_head
 from dlad.imaging.pre import letterbox, quantize_hwc4
@@ -23,14 +23,8 @@ EXPECTED = json.loads((DEMO / "expected_detections.json").read_text())
 
 
 def _detect(loadable: Loadable, rgb: np.ndarray) -> np.ndarray:
-    specs = [OutputSpec(d.name, d.c, d.h, d.w, "fp16", None) for d in loadable.outputs]
-    inp = loadable.inputs[0]
-    engine = Int8Engine(
-        loadable.sections["graph"],
-        input_scale=loadable.input_scale,
-        input_shape=(inp.c, inp.h, inp.w),
-        outputs=specs,
-    )
+    engine = engine_for_loadable(loadable)
+    specs = engine.outputs
     canvas, geometry = letterbox(rgb, loadable.image_size[0])
     buffers = engine.run(quantize_hwc4(canvas, loadable.input_scale))
     heads = [
