@@ -11,7 +11,9 @@ from dlad.loadable import DataType, LoadableCoreError, TensorFormat, read_loadab
 from prep.cli import main
 from prep.emulated_build import HEAD_VARIANTS, LAST_C3_NODES
 
-pytestmark = pytest.mark.slow
+# The smoke chain (train, QAT, export, translate, build) runs once in the fixture; on two loaded
+# cores it can take minutes, so the hang guard is generous (it is not a timing assertion).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
