@@ -37,10 +37,10 @@ ties of ``x / s``. INT8 activations use uint8 with zero point 128 instead of int
 0 (``activation_dtype="uint8"``, the default): ``q_u8 = q_s8 + 128`` for every value, saturation
 included, because 128 is an integer, and onnxruntime's x86 INT8 kernels are fast only for uint8
 activations (int8 activations are not fused and run slower than fp32; ``"int8"`` builds that
-TensorRT-style graph for comparison). One caveat of onnxruntime's uint8 x int8 kernels: on x86
-CPUs without VNNI they sum pairs of products in int16 (``vpmaddubsw``), which can saturate, so
-there rare accumulators may differ from the exact integer result (onnxruntime's quantization
-guide; VNNI CPUs such as this project's machines accumulate in int32 and are exact).
+TensorRT-style graph for comparison). Weights stay int8 at zero point 0, as TensorRT stores them;
+onnxruntime's uint8 x int8 kernels saturate on x86 CPUs without VNNI (``vpmaddubsw`` adds pairs
+of products in int16), so the engine re-encodes them as uint8 at zero point 128 on such hosts,
+which is exact everywhere (``dlad/devices/int8_layout.py``; the integers are the same either way).
 
 No onnxruntime is needed to build a graph; :func:`optimized_op_counts` uses it to show which
 kernels a graph actually runs on.
