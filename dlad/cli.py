@@ -144,7 +144,7 @@ def _endpoint_or_exit(endpoint: str) -> str | None:
 def _startup_error(exc: BaseException) -> BaseException | None:
     """The daemon's StartupError inside ``exc`` (the task groups wrap it), if that is what
     stopped it."""
-    from dlad.daemon import StartupError
+    from dlad.errors import StartupError
 
     if isinstance(exc, StartupError):
         return exc

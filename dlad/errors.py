@@ -25,6 +25,9 @@ offending field and whatever request id and kind it could still read, so the dae
 its ``BAD_REQUEST`` reply. On the wire it is plain ``BAD_REQUEST``; :func:`error_for` never
 returns it.
 
+:class:`StartupError` stands outside the hierarchy: it is no wire status but the daemon's own
+failure to start (a port taken, a core that cannot load), which ``dlad`` reports in one line.
+
 Only the standard library is imported.
 """
 
@@ -35,8 +38,8 @@ from typing import ClassVar, Final
 
 __all__ = [
     "STATUS_CLASSES", "BadRequest", "Cancelled", "DeadlineExceeded", "DeviceFailed", "DladError",
-    "InternalError", "NotFound", "Overloaded", "ProtocolError", "ShuttingDown", "Status",
-    "error_for",
+    "InternalError", "NotFound", "Overloaded", "ProtocolError", "ShuttingDown", "StartupError",
+    "Status", "error_for",
 ]  # fmt: skip
 
 
@@ -174,3 +177,14 @@ def error_for(status: Status | int, message: str, *, request_id: int | None = No
     except (ValueError, KeyError):
         raise ValueError(f"no error class for status {status!r}") from None
     return cls(message, request_id=request_id)
+
+
+class StartupError(RuntimeError):
+    """The daemon could not start serving (not a wire status): a port or socket it must bind is
+    taken or refused, or a device cannot open its core or load its loadable. ``key`` names the
+    config setting to look at (``frontend.endpoints[0]``, ``metrics.port``, ``devices.dla0``)."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message

@@ -372,7 +372,7 @@ def test_status_health_follows_consecutive_failures(tmp_path: Path) -> None:
         (dev,) = _status(sock, 30)["devices"]
         assert dev["healthy"] is False
         assert dev["failed"] == 3
-        assert "3 consecutive tasks failed" in daemon._workers["dla0"].health()[1]
+        assert "3 consecutive tasks failed" in daemon.executors["dla0"].health()[1]
         ready, detail = daemon.metrics.ready()  # /health/ready says the same
         assert not ready
         assert detail["devices"]["dla0"] == "failed"
@@ -387,7 +387,7 @@ def test_status_reports_a_failed_warm_up(tmp_path: Path) -> None:
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:
         (dev,) = _status(sock, 1)["devices"]
         assert dev["healthy"] is False
-        assert daemon._workers["dla0"].health()[1].startswith("warm-up failed")
+        assert daemon.executors["dla0"].health()[1].startswith("warm-up failed")
         assert daemon.metrics.ready()[1]["devices"]["dla0"] == "failed"
 
 

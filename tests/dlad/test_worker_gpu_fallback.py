@@ -1,4 +1,4 @@
-"""A worker whose core cannot be fenced to the GPU pre/post-processes on the CPU instead."""
+"""A DLA executor whose core cannot be fenced to the GPU pre/post-processes on the CPU instead."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import anyio
 import numpy as np
 
 from dlad.devices.base import CudlaStatus, DlaError
+from dlad.executors.base import Request
+from dlad.executors.dla import DlaExecutor
 from dlad.loadable import read_loadable
 from dlad.models import DEMO
 from dlad.scheduler import Scheduler
-from dlad.worker import DeviceWorker, Work
 
 
 class _RefusingGpu:
@@ -32,15 +33,16 @@ class _RefusingGpu:
         raise DlaError(CudlaStatus.ERROR_UNSUPPORTED_OPERATION, "cudlaImportExternalSemaphore")
 
 
-def test_worker_falls_back_to_cpu_pre_post() -> None:
+def test_executor_falls_back_to_cpu_pre_post() -> None:
     path = DEMO / "fp16_heads.dla0.emu"
     gpu = _RefusingGpu()
-    worker = DeviceWorker(
+    worker = DlaExecutor(
         "dla0",
         0,
-        str(path),
-        read_loadable(path, expect_core=0),
-        Scheduler(time.monotonic_ns),
+        model="demo",
+        loadable_path=str(path),
+        loadable=read_loadable(path, expect_core=0),
+        scheduler=Scheduler(time.monotonic_ns),
         mode="timing",
         latency_us=100.0,
         threads=1,
@@ -50,11 +52,11 @@ def test_worker_falls_back_to_cpu_pre_post() -> None:
         gpu=gpu,  # type: ignore[arg-type]
     )
     try:
-        assert gpu.asked == 1  # the first slot asked, the worker gave up on the GPU
+        assert gpu.asked == 1  # the first slot asked, the executor gave up on the GPU
         assert worker.gpu is None
-        assert all("gpu" not in slot for slot in worker._slots)
-        work = Work(b"c", 1, np.zeros((48, 64, 3), np.uint8), "RGB", 0.25, 0.45, 300, 0)
-        geometry = worker._pre(work, worker._slots[0]["inputs"][0])
+        assert all(slot.gpu is None for slot in worker.slots)
+        work = Request(np.zeros((48, 64, 3), np.uint8), "RGB", 0.25, 0.45, 300, 0, "demo")
+        geometry = worker._pre(work, worker.slots[0].inputs[0])
         assert (geometry.src_w, geometry.src_h) == (64, 48)
     finally:
-        worker.core.close(force=True)
+        worker.close()

@@ -1,8 +1,8 @@
-"""Device workers: one per (device, model) placement, each owning one DLA core handle (an emulated
-core or a cuDLA one, ``dlad.devices.factory.open_core``).
+"""The DLA executor: one per DLA core, owning its core handle (an emulated core or a cuDLA one,
+``dlad.devices.factory.open_core``), serving one model at batch 1, back to back.
 
-A worker runs ``slots`` identical loops (default 2) on the event loop. Each slot owns one set of
-I/O buffers and one fence, so while the core executes one slot's task, another slot pre- or
+It runs ``slots`` identical loops (default 2) on the event loop. Each :class:`Slot` owns one set
+of I/O buffers and one fence, so while the core executes one slot's task, another slot pre- or
 post-processes — the core's own "hardware" thread serialises execution, as a DLA does. Per job:
 
 1. take the next job from the scheduler (expired jobs skipped there are answered
@@ -12,9 +12,9 @@ post-processes — the core's own "hardware" thread serialises execution, as a D
 3. submit the task with a signal fence and wait for the fence *without blocking the loop*: the
    core's thread calls back, and the callback hops onto the loop with a thread-safe call;
 4. read the task's status (a failed task still signals its fence; its sticky error is read and
-   the request answered DEVICE_FAILED);
+   the job's outcome is DEVICE_FAILED);
 5. post-process on a worker thread: unpack ``CHW16``/``CHW32`` heads → decode → NMS → boxes in
-   the original image's pixels; reply.
+   the original image's pixels; report the outcome, keyed by the job's id.
 
 The event loop only moves small objects; image math runs on threads, numerics on the core.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,6 +42,7 @@ from dlad.devices.base import CudlaStatus, DlaError, Task
 from dlad.devices.emulated import FaultConfig
 from dlad.devices.factory import open_core
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
+from dlad.executors.base import Executor, OnOutcome, Outcome, Request
 from dlad.imaging.post import postprocess, unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
@@ -52,62 +52,33 @@ from dlad.scheduler import Job, Scheduler
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService, GpuSlot
 
-log = structlog.get_logger("dlad.worker")
+__all__ = ["DlaExecutor", "Slot"]
+
+log = structlog.get_logger("dlad.executors.dla")
 
 
-@dataclass
-class Work:
-    """What the frontend hands the scheduler for one INFER (the :class:`Job` payload)."""
+@dataclass(eq=False)
+class Slot:
+    """One set of the core's I/O buffers and the fence its tasks signal; ``gpu`` is its CUDA
+    side (pre/post kernels fenced to the task) where the GPU does pre/post-processing."""
 
-    client: bytes
-    request_id: int
-    image: np.ndarray
-    pixel_format: str
-    conf: float
-    iou: float
-    max_det: int
-    received_ns: int
-    model: str = ""  # the request's model (metrics labels)
+    inputs: list[Any]
+    outputs: list[Any]
+    fence: Any
+    gpu: GpuSlot | None = None
 
 
-@dataclass
-class Outcome:
-    """The result of one job, as the frontend encodes it."""
-
-    work: Work
-    device: str
-    detections: np.ndarray | None = None
-    error: Exception | None = None
-    queue_us: float = 0.0
-    pre_us: float = 0.0
-    device_us: float = 0.0
-    post_us: float = 0.0
-    start_ns: int = 0
-    end_ns: int = 0
-
-
-UNHEALTHY_AFTER = 3
-"""Consecutive failed tasks after which a device reports itself unhealthy (until one succeeds)."""
-
-
-@dataclass
-class DeviceStats:
-    completed: int = 0
-    failed: int = 0
-    busy_ns: int = 0
-    consecutive_failures: int = 0
-    last_failure: str = ""
-
-
-class DeviceWorker:
+class DlaExecutor(Executor):
     """One DLA core (emulated or cuDLA) serving one model (see the module docstring).
 
     Args:
         name: the device's name (``dla0``).
         core: the DLA core index.
+        model: the model it serves.
         loadable_path: the loadable built for ``core``.
         loadable: its parsed header (anchors, strides, scales).
-        scheduler: the daemon's scheduler (loop-owned).
+        scheduler: the daemon's scheduler (loop-owned), which it pulls its jobs from.
+        capacity: its queue bound in the scheduler.
         mode, latency_us, threads, faults, task_timeout_ms: the emulated core's settings.
         backend, cudla_loadable: ``emulated``, ``cudla`` or ``auto`` and the TensorRT loadable
             a cudla core runs (:func:`dlad.devices.factory.open_core`).
@@ -117,14 +88,18 @@ class DeviceWorker:
         gpu: run pre/post-processing as CUDA kernels fenced to the DLA tasks (None: numpy).
     """
 
+    kind = "dla"
+
     def __init__(
         self,
         name: str,
         core: int,
+        *,
+        model: str,
         loadable_path: str,
         loadable: Loadable,
-        scheduler: Scheduler[Work],
-        *,
+        scheduler: Scheduler[Request],
+        capacity: int = 4,
         mode: Literal["numeric", "timing"],
         latency_us: float | None,
         threads: int,
@@ -137,17 +112,19 @@ class DeviceWorker:
         backend: str = "emulated",
         cudla_loadable: str | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(
+            name,
+            core=core,
+            models=frozenset([model]),
+            capacity=capacity,
+            service_us=latency_us if latency_us is not None else loadable.latency_us,
+        )
         self.loadable = loadable
         self.scheduler = scheduler
         self.pre_post = pre_post
         self.limiter = limiter
-        self.stats = DeviceStats()
-        self.warm: Literal["pending", "ok", "failed"] = "pending"
-        self.warm_error = ""
         self.gpu = gpu if pre_post else None
-        self._wake = anyio.Event()
-        self.core, self.module = open_core(
+        self.dla, self.module = open_core(
             backend,
             core,
             loadable_path,
@@ -160,20 +137,20 @@ class DeviceWorker:
             allocator=None if self.gpu is None else self.gpu.host_array,
             cudla_options=None if self.gpu is None else self.gpu.cudla_options(),
         )
-        self.core.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
-        self._slots = [self._make_slot() for _ in range(slots)]
+        self.dla.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
+        self.slots = [self._make_slot() for _ in range(slots)]
         self._anchors = np.asarray(loadable.anchors_px, np.float32)
 
-    def _make_slot(self) -> dict[str, Any]:
-        slot: dict[str, Any] = {
-            "inputs": [self.core.alloc_buffer(d) for d in self.module.inputs],
-            "outputs": [self.core.alloc_buffer(d) for d in self.module.outputs],
-            "fence": self.core.create_fence(),
-        }
+    def _make_slot(self) -> Slot:
+        slot = Slot(
+            inputs=[self.dla.alloc_buffer(d) for d in self.module.inputs],
+            outputs=[self.dla.alloc_buffer(d) for d in self.module.outputs],
+            fence=self.dla.create_fence(),
+        )
         if self.gpu is not None:  # mapped words (emulated) or NvSci imports (cudla)
             try:
-                slot["gpu"] = self.gpu.slot_for(
-                    self.core, self.loadable, slot["inputs"], slot["outputs"], max_det=MAX_DET
+                slot.gpu = self.gpu.slot_for(
+                    self.dla, self.loadable, slot.inputs, slot.outputs, max_det=MAX_DET
                 )
             except DlaError as exc:
                 # e.g. a cudla core in deterministic-semaphore mode, which cannot take a
@@ -182,31 +159,8 @@ class DeviceWorker:
                 self.gpu = None
         return slot
 
-    def wake(self) -> None:
-        """A job was queued for this device (called on the loop)."""
-        self._wake.set()
-
-    def health(self) -> tuple[bool, str]:
-        """Whether the device serves well, and why not: its warm-up has not run or failed, or
-        its last :data:`UNHEALTHY_AFTER` tasks or more all failed (a success clears that)."""
-        if self.warm == "pending":
-            return False, "warming up"
-        if self.warm == "failed":
-            return False, f"warm-up failed: {self.warm_error}"
-        n = self.stats.consecutive_failures
-        if n >= UNHEALTHY_AFTER:
-            return False, f"{n} consecutive tasks failed; last: {self.stats.last_failure}"
-        return True, "ok"
-
-    def _failed(self, error: DeviceFailed) -> DeviceFailed:
-        self.stats.failed += 1
-        self.stats.consecutive_failures += 1
-        self.stats.last_failure = error.message
-        return error
-
-    def _succeeded(self) -> None:
-        self.stats.completed += 1
-        self.stats.consecutive_failures = 0
+    def close(self) -> None:
+        self.dla.close(force=True)
 
     async def warm_up(self) -> float:
         """Run one task on the first slot's (zeroed) buffers before serving, so the first
@@ -215,97 +169,90 @@ class DeviceWorker:
         Returns its device time in µs. Raises DeviceFailed when the task fails.
         """
         try:
-            handle = await self._submit(self._slots[0])
+            handle = await self._submit(self.slots[0])
         except DlaError as exc:
             self.warm, self.warm_error = "failed", str(exc)
             raise DeviceFailed(f"{self.name}: warm-up task could not be submitted: {exc}") from exc
         if handle.status is not CudlaStatus.SUCCESS:
-            sticky = self.core.last_error()
+            sticky = self.dla.last_error()
             self.warm, self.warm_error = "failed", f"task status {sticky.name}"
             raise DeviceFailed(f"{self.name}: warm-up task failed ({sticky.name})")
         self.warm = "ok"
         return float(handle.timing.actual_us) if handle.timing is not None else 0.0
 
-    async def run(self, on_outcome: Callable[[Outcome], Awaitable[None]]) -> None:
+    async def run(self, on_outcome: OnOutcome) -> None:
         """Serve jobs until cancelled; the core is closed on the way out."""
         try:
             async with anyio.create_task_group() as tg:
-                for slot in self._slots:
+                for slot in self.slots:
                     tg.start_soon(self._slot_loop, slot, on_outcome)
         finally:
-            self.core.close(force=True)
+            self.close()
 
-    async def _slot_loop(
-        self, slot: dict[str, Any], on_outcome: Callable[[Outcome], Awaitable[None]]
-    ) -> None:
+    async def _slot_loop(self, slot: Slot, on_outcome: OnOutcome) -> None:
         while True:
             job, expired = self.scheduler.next_job(self.name)
             for stale in expired:
                 await on_outcome(self._expired(stale))
             if job is None:
-                if self._wake.is_set():
-                    self._wake = anyio.Event()
-                await self._wake.wait()
+                await self.wait_for_work()
                 continue
             try:
                 outcome = await self._execute(job, slot)
             except Exception as exc:  # a bug must cost one request an INTERNAL, not the daemon
                 log.exception("job_failed", device=self.name)
-                outcome = Outcome(job.payload, self.name, error=InternalError(repr(exc)))
+                outcome = Outcome(job.id, self.name, error=InternalError(repr(exc)))
             self.scheduler.finished(
                 self.name, job, outcome.device_us if outcome.error is None else None
             )
             await on_outcome(outcome)
 
-    def _expired(self, job: Job[Work]) -> Outcome:
-        return Outcome(
-            job.payload, self.name, error=DeadlineExceeded("deadline passed while queued")
-        )
+    def _expired(self, job: Job[Request]) -> Outcome:
+        return Outcome(job.id, self.name, error=DeadlineExceeded("deadline passed while queued"))
 
-    async def _execute(self, job: Job[Work], slot: dict[str, Any]) -> Outcome:
-        if "gpu" in slot:
-            return await self._execute_gpu(job, slot)
+    async def _execute(self, job: Job[Request], slot: Slot) -> Outcome:
+        if slot.gpu is not None:
+            return await self._execute_gpu(job, slot, slot.gpu)
         work = job.payload
-        out = Outcome(work, self.name)
+        out = Outcome(job.id, self.name)
         t0 = time.monotonic_ns()
         out.queue_us = (t0 - work.received_ns) / 1e3
         geometry: Letterbox | None = None
         if self.pre_post:
             geometry = await anyio.to_thread.run_sync(
-                self._pre, work, slot["inputs"][0], limiter=self.limiter
+                self._pre, work, slot.inputs[0], limiter=self.limiter
             )
         t1 = time.monotonic_ns()
         out.pre_us = (t1 - t0) / 1e3
         try:
             handle = await self._submit(slot)
         except DlaError as exc:
-            out.error = self._failed(DeviceFailed(f"{self.name}: {exc}"))
+            out.error = self.failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
         if not self._settle(out, handle):
             return out
         t2 = time.monotonic_ns()
         if self.pre_post and geometry is not None:
             out.detections = await anyio.to_thread.run_sync(
-                self._post, work, slot["outputs"], geometry, limiter=self.limiter
+                self._post, work, slot.outputs, geometry, limiter=self.limiter
             )
         else:
             out.detections = np.zeros((0, 6), np.float32)
         out.post_us = (time.monotonic_ns() - t2) / 1e3
-        self._succeeded()
+        self.succeeded()
         return out
 
-    async def _execute_gpu(self, job: Job[Work], slot: dict[str, Any]) -> Outcome:
+    async def _execute_gpu(self, job: Job[Request], slot: Slot, gpu: GpuSlot) -> Outcome:
         work = job.payload
-        out = Outcome(work, self.name)
+        out = Outcome(job.id, self.name)
         t0 = time.monotonic_ns()
         out.queue_us = (t0 - work.received_ns) / 1e3
-        gpu: GpuSlot = slot["gpu"]
         try:
             handle, geometry = await anyio.to_thread.run_sync(
                 self._enqueue_gpu, work, slot, gpu, limiter=self.limiter
             )
         except DlaError as exc:
-            out.error = self._failed(DeviceFailed(f"{self.name}: {exc}"))
+            out.error = self.failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
         # Waits for the whole chain (pre, DLA, post) on a thread of its own, not the limiter's.
         (result,) = await anyio.to_thread.run_sync(gpu.pipeline.synchronize)
@@ -319,11 +266,11 @@ class DeviceWorker:
         if result.overflow:  # more candidates than the GPU stores: the reference decides
             log.warning("gpu_candidates_overflow", device=self.name, found=result.found)
             out.detections = await anyio.to_thread.run_sync(
-                self._post, work, slot["outputs"], geometry, limiter=self.limiter
+                self._post, work, slot.outputs, geometry, limiter=self.limiter
             )
         else:
             out.detections = result.detections
-        self._succeeded()
+        self.succeeded()
         return out
 
     def _settle(self, out: Outcome, handle: Any) -> bool:
@@ -338,15 +285,15 @@ class DeviceWorker:
         status = handle.status
         if status is CudlaStatus.SUCCESS:
             return True
-        sticky = self.core.last_error()
-        out.error = self._failed(
+        sticky = self.dla.last_error()
+        out.error = self.failed(
             DeviceFailed(
                 f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"
             )
         )
         return False
 
-    def _enqueue_gpu(self, work: Work, slot: dict[str, Any], gpu: GpuSlot) -> tuple[Any, Letterbox]:
+    def _enqueue_gpu(self, work: Request, slot: Slot, gpu: GpuSlot) -> tuple[Any, Letterbox]:
         """Queue the frame's whole chain; returns the DLA task's handle and the geometry."""
         image = np.ascontiguousarray(work.image)
         h, w = image.shape[0], image.shape[1]
@@ -363,7 +310,7 @@ class DeviceWorker:
             input_scale=self.loadable.input_scale if int8 else None,
         )
         # GPU signals ready → task (waits ready, signals done) → stream waits done
-        handle = gpu.chain_task(self.core, self.module, slot["inputs"], slot["outputs"])
+        handle = gpu.chain_task(self.dla, self.module, slot.inputs, slot.outputs)
         pipe.post(
             gpu.head_ptrs,
             [geometry],
@@ -373,8 +320,8 @@ class DeviceWorker:
         )
         return handle, geometry
 
-    async def _submit(self, slot: dict[str, Any]) -> Any:
-        fence = slot["fence"]
+    async def _submit(self, slot: Slot) -> Any:
+        fence = slot.fence
         target = fence.value + 1
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -382,19 +329,14 @@ class DeviceWorker:
         def on_reached() -> None:  # the core's thread (or this one, if already reached)
             loop.call_soon_threadsafe(done.set)
 
-        handle = self.core.submit(
-            Task(
-                self.module,
-                tuple(slot["inputs"]),
-                tuple(slot["outputs"]),
-                signal=((fence, target),),
-            )
+        handle = self.dla.submit(
+            Task(self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),))
         )
         fence.on_reached(target, on_reached)
         await done.wait()
         return handle
 
-    def _pre(self, work: Work, buffer: Any) -> Letterbox:
+    def _pre(self, work: Request, buffer: Any) -> Letterbox:
         rgb = to_rgb(work.image, work.pixel_format)  # type: ignore[arg-type]
         size = self.loadable.image_size
         canvas, geometry = letterbox(rgb, (size[0], size[1]))
@@ -402,7 +344,7 @@ class DeviceWorker:
         np.copyto(buffer.raw, q.reshape(-1).view(np.uint8))
         return geometry
 
-    def _post(self, work: Work, outputs: list[Any], geometry: Letterbox) -> np.ndarray:
+    def _post(self, work: Request, outputs: list[Any], geometry: Letterbox) -> np.ndarray:
         heads = [
             unpack_head(buf.array, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None)
             for d, buf in zip(self.module.outputs, outputs, strict=True)

@@ -1,0 +1,326 @@
+"""The frontend: the daemon's only contact with clients.
+
+It owns the ROUTER socket: it decodes every message (a malformed one costs its sender one typed
+reply and the daemon nothing), admits INFERs into the scheduler as jobs, answers CANCEL and
+STATUS, and turns every outcome into exactly one reply. It alone knows who asked: a job carries
+only a :class:`~dlad.executors.base.Request`; the frontend keeps, per job id, the client's
+routing id and request id, and executors report back by job id.
+
+The event loop only moves small objects here: the image stays in the received ZeroMQ frame (a
+zero-copy numpy view) until an executor's worker thread reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+import zmq
+import zmq.asyncio
+
+from dlad import protocol
+from dlad.config import Config
+from dlad.errors import (
+    BadRequest,
+    Cancelled,
+    DeadlineExceeded,
+    DladError,
+    InternalError,
+    NotFound,
+    ShuttingDown,
+    StartupError,
+    Status,
+)
+from dlad.executors.base import Executor, Outcome, Request
+from dlad.metrics import Metrics
+from dlad.scheduler import Job, Scheduler
+
+__all__ = ["Counters", "Frontend"]
+
+log = structlog.get_logger("dlad")
+
+
+@dataclass
+class Counters:
+    received: int = 0
+    replied: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Asker:
+    """Who is waiting for a job's reply."""
+
+    client: bytes
+    request_id: int
+    model: str
+    received_ns: int
+
+
+class Frontend:
+    """Sockets and replies for one daemon (see the module docstring).
+
+    Args:
+        config: the daemon's config (frontend limits, deadlines, model defaults).
+        scheduler: where INFERs are admitted.
+        executors: by device name (woken when a job is queued for them).
+        metrics: replies are counted there.
+        status: builds the STATUS report (``load``: include recent load).
+        accepting: whether INFERs are still accepted (False once draining starts).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        scheduler: Scheduler[Request],
+        executors: Mapping[str, Executor],
+        metrics: Metrics,
+        *,
+        status: Callable[[bool], dict[str, Any]],
+        accepting: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.executors = executors
+        self.metrics = metrics
+        self._status = status
+        self._accepting = accepting
+        self.counters = Counters()
+        f = config.frontend
+        self.limits = protocol.Limits(
+            max_message_bytes=f.max_message_bytes,
+            max_width=f.max_image_width,
+            max_height=f.max_image_height,
+            max_image_pixels=f.max_image_width * f.max_image_height,
+        )
+        self.bound: list[str] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._next_job = 0
+        self._askers: dict[int, _Asker] = {}  # job id -> who asked
+        self._jobs: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
+        self._idle = anyio.Event()
+        self._expiry_wake = anyio.Event()
+
+    # ------------------------------------------------------------------ socket
+    def open(self, endpoints: Sequence[str]) -> None:
+        """Create the ROUTER socket and bind it to ``endpoints`` (their bound addresses land in
+        :attr:`bound`). Raises StartupError naming ``frontend.endpoints[i]`` for one that cannot
+        be bound."""
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        self._ctx, self._socket = ctx, sock
+        f = self.config.frontend
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, f.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, f.rcvhwm)
+        # A hard memory guard at twice the limit (ZeroMQ drops such a peer without a word);
+        # between the limit and the guard the decoder answers BAD_REQUEST, naming the size.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * f.max_message_bytes)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped
+        for i, ep in enumerate(endpoints):
+            try:
+                sock.bind(ep)
+            except zmq.ZMQError as exc:
+                raise StartupError(
+                    f"cannot bind {ep}: {exc.strerror}", key=f"frontend.endpoints[{i}]"
+                ) from None
+            last = sock.getsockopt(zmq.LAST_ENDPOINT)
+            self.bound.append(last.decode() if isinstance(last, bytes) else str(last))
+
+    def close(self) -> None:
+        """Close the socket and its context (idempotent)."""
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    @property
+    def pending(self) -> int:
+        """Jobs admitted and not yet answered."""
+        return len(self._askers)
+
+    # ------------------------------------------------------------------ requests
+    async def receive_loop(self) -> None:
+        """Read and handle messages until cancelled."""
+        assert self._socket is not None  # opened before the loop starts
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            await self._handle(list(frames))
+
+    async def _handle(self, frames: list[Any]) -> None:
+        client = bytes(frames[0].buffer)
+        self.counters.received += 1
+        try:
+            request = protocol.decode_request(frames[1:], self.limits)
+        except DladError as exc:
+            log.bind(client=client.hex(), request_id=exc.request_id).info(
+                "bad_request", reason=exc.message
+            )
+            self.metrics.observe_reply("", None, exc.status)
+            await self._send(client, protocol.error_reply(exc))
+            return
+        try:
+            if isinstance(request, protocol.InferRequest):
+                await self._infer(client, request)
+            elif isinstance(request, protocol.CancelRequest):
+                await self._cancel(client, request)
+            else:
+                reply = protocol.StatusReply(
+                    request.id,
+                    Status.OK,
+                    report=self._status(request.load),  # type: ignore[arg-type]
+                )
+                await self._send(client, reply)
+        except DladError as exc:
+            if isinstance(request, protocol.InferRequest):  # refused at admission
+                self.metrics.observe_reply(request.model, None, exc.status)
+            await self._send(
+                client,
+                protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind)),
+            )
+
+    async def _infer(self, client: bytes, req: protocol.InferRequest) -> None:
+        if not self._accepting():
+            raise ShuttingDown("the daemon is shutting down")
+        key = (client, req.id)
+        if key in self._jobs:
+            raise BadRequest(f"request id {req.id} is already in flight on this connection")
+        model = next((m for m in self.config.models if m.name == req.model), None)
+        now = time.monotonic_ns()
+        d = self.config.daemon
+        budget_ms = min(float(req.deadline_ms or d.default_deadline_ms), d.max_deadline_ms)
+        work = Request(
+            image=req.image,
+            pixel_format=req.format,
+            conf=req.conf if req.conf is not None else (model.conf_threshold if model else 0.25),
+            iou=req.iou if req.iou is not None else (model.iou_threshold if model else 0.45),
+            max_det=req.max_det or (min(model.max_det, protocol.MAX_DET) if model else 300),
+            received_ns=now,
+            model=req.model,
+        )
+        job = Job(
+            self._next_job,
+            req.model,
+            now + int(budget_ms * 1e6),
+            work,
+            priority=req.priority,
+            stream=req.stream,
+        )
+        self._next_job += 1
+        superseded = self.scheduler.admit(job)  # NotFound / Overloaded answer at once
+        self._askers[job.id] = _Asker(client, req.id, req.model, now)
+        self._jobs[key] = job.id
+        self._expiry_wake.set()
+        for old in superseded:
+            await self.answer(old.id, Cancelled("superseded by a newer frame of its stream"))
+        self.executors[job.device].wake()
+
+    async def _cancel(self, client: bytes, req: protocol.CancelRequest) -> None:
+        job_id = self._jobs.get((client, req.id))
+        if job_id is None:
+            raise NotFound(f"request {req.id} is not queued")
+        job = self.scheduler.cancel(job_id)  # NotFound if it is already running
+        await self.answer(job.id, Cancelled("cancelled by the client"))
+        await self._send(client, protocol.CancelReply(req.id, Status.OK))
+
+    async def expiry_loop(self) -> None:
+        """Answer queued jobs whose deadline passed, at their deadline (a timer, not a poll):
+        sleep until the earliest queued deadline, or until a new job may have an earlier one."""
+        while True:
+            for job in self.scheduler.expire():
+                await self.answer(job.id, DeadlineExceeded("deadline passed while queued"))
+            self._expiry_wake = anyio.Event()
+            nearest = self.scheduler.earliest_deadline()
+            if nearest is None:
+                await self._expiry_wake.wait()
+                continue
+            with anyio.move_on_after(max(nearest - time.monotonic_ns(), 0) / 1e9):
+                await self._expiry_wake.wait()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Answer every queued job SHUTTING_DOWN, then wait (at most ``timeout_s``) for the jobs
+        on a device to be answered."""
+        for job in self.scheduler.drain():
+            await self.answer(job.id, ShuttingDown("the daemon is shutting down"))
+        with anyio.move_on_after(timeout_s):
+            while self._askers:  # jobs on a device: each reply wakes this
+                self._idle = anyio.Event()
+                await self._idle.wait()
+
+    # ------------------------------------------------------------------ replies
+    def _take(self, job_id: int) -> _Asker | None:
+        asker = self._askers.pop(job_id, None)
+        if asker is not None:
+            self._jobs.pop((asker.client, asker.request_id), None)
+        return asker
+
+    async def on_outcome(self, out: Outcome) -> None:
+        """Reply to the client that asked for ``out``'s job (an executor's result)."""
+        if out.error is not None:
+            err = out.error if isinstance(out.error, DladError) else InternalError(str(out.error))
+            await self.answer(out.job_id, err, device=out.device)
+            return
+        asker = self._take(out.job_id)
+        if asker is None:  # already answered (cannot happen: each job leaves once)
+            log.error("outcome_without_asker", job_id=out.job_id, device=out.device)
+            return
+        total = (time.monotonic_ns() - asker.received_ns) / 1e3
+        timing = protocol.Timing(
+            queue_us=int(out.queue_us),
+            pre_us=int(out.pre_us),
+            device_us=int(out.device_us),
+            post_us=int(out.post_us),
+            total_us=int(total),
+            start_ns=out.start_ns or None,
+            end_ns=out.end_ns or None,
+        )
+        dets = out.detections if out.detections is not None else np.zeros((0, 6), np.float32)
+        reply = protocol.InferReply(
+            asker.request_id,
+            Status.OK,
+            device=out.device,
+            timing=timing,
+            detections=np.ascontiguousarray(dets[: protocol.MAX_DET], np.float32),
+        )
+        self.metrics.observe_reply(
+            asker.model, out.device, Status.OK, queue_us=timing.queue_us,
+            device_us=timing.device_us, total_us=timing.total_us,
+        )  # fmt: skip
+        await self._send(asker.client, reply)
+
+    async def answer(self, job_id: int, err: DladError, device: str | None = None) -> None:
+        """Reply to job ``job_id``'s client with ``err`` (logged with the request's context)."""
+        asker = self._take(job_id)
+        if asker is None:
+            log.error("error_without_asker", job_id=job_id, status=err.status.name)
+            return
+        log.bind(request_id=asker.request_id, client=asker.client.hex(), device=device).info(
+            "request_failed", status=err.status.name, reason=err.message
+        )
+        total = int((time.monotonic_ns() - asker.received_ns) / 1e3)
+        self.metrics.observe_reply(asker.model, device, err.status, total_us=total)
+        reply = protocol.InferReply(
+            asker.request_id,
+            err.status,
+            message=err.message[: protocol.MAX_MESSAGE_CHARS] or err.status.name,
+            device=device,
+            timing=protocol.Timing(total_us=total),
+        )
+        await self._send(asker.client, reply)
+
+    async def _send(self, client: bytes, message: Any) -> None:
+        assert self._socket is not None  # opened before any request is read
+        if not self._askers:
+            self._idle.set()
+        status = getattr(message, "status", Status.OK)
+        self.counters.replied += 1
+        self.counters.by_status[status.name] = self.counters.by_status.get(status.name, 0) + 1
+        await self._socket.send_multipart([client, *protocol.encode(message)], copy=False)
