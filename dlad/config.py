@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
 
+from dlad.imaging.decoders import UnknownDecoderError, decoder_for
 from dlad.loadable import Loadable, LoadableError, read_loadable
 from dlad.models import MODELS_DIR
 
@@ -562,11 +563,16 @@ def _resolve(text: str, base: Path) -> Path:
 
 def _read(path: Path, core: int | None) -> Loadable:
     try:
-        return read_loadable(path, expect_core=core)
+        loadable = read_loadable(path, expect_core=core)
     except LoadableError as exc:  # names the file, and both cores for LoadableCoreError
         raise ConfigError(str(exc)) from exc
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        decoder_for(loadable.decoder)
+    except UnknownDecoderError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return loadable
 
 
 _SAME_NETWORK: Final = (
@@ -580,6 +586,7 @@ _SAME_NETWORK: Final = (
     "anchors_px",
     "strides",
     "image_size",
+    "decoder",
 )
 """What the loadables of one model must agree on, whichever core they are built for."""
 

@@ -42,17 +42,20 @@ from typing import Any, Final, Literal, TypeAlias, TypeVar
 import numpy as np
 
 __all__ = [
-    "FORMAT_VERSION", "MAGIC", "READABLE_VERSIONS", "DataCategory", "DataFormat", "DataType",
+    "DEFAULT_DECODER", "FORMAT_VERSION", "MAGIC", "READABLE_VERSIONS", "DataCategory",
+    "DataFormat", "DataType",
     "Loadable", "LoadableCoreError", "LoadableCorruptError", "LoadableError",
     "LoadableVersionError", "PixelFormat", "PixelMapping", "TensorDescriptor", "TensorFormat",
     "check_descriptor", "chw_vectorized", "descriptor_for", "dla_linear", "hwc4_input",
     "loadable_bytes", "read_loadable", "write_loadable",
 ]  # fmt: skip
 
-FORMAT_VERSION: Final = 1
-"""The container version this module writes."""
-READABLE_VERSIONS: Final = (1,)
-"""The container versions :func:`read_loadable` accepts."""
+FORMAT_VERSION: Final = 2
+"""The container version this module writes (2 added the header's ``decoder``)."""
+READABLE_VERSIONS: Final = (1, 2)
+"""The container versions :func:`read_loadable` accepts (a version 1 file decodes as ``yolov5``)."""
+DEFAULT_DECODER: Final = "yolov5"
+"""The decoder of version 1 files, which do not name one."""
 MAGIC: Final = b"DLADEMU\0"
 FORMAT_NAME: Final = "dlad-emulated-loadable"
 SECTION_ALIGN: Final = 64
@@ -438,6 +441,7 @@ JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, J
 Heads: TypeAlias = Literal["int8", "fp16"]
 _HEADS: Final[dict[str, Heads]] = {"int8": "int8", "fp16": "fp16"}
 _SECTION_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+_DECODER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def _json_object(value: object, what: str) -> Mapping[str, JSONValue]:
@@ -502,6 +506,7 @@ class Loadable:
     latency_us: float
     sections: Mapping[str, bytes]
     fp16_nodes: tuple[str, ...] = ()
+    decoder: str = DEFAULT_DECODER
     latency_layers: Mapping[str, JSONValue] = field(default_factory=dict)
     provenance: Mapping[str, JSONValue] = field(default_factory=dict)
     created: str = field(default_factory=_utc_now)
@@ -520,6 +525,9 @@ class Loadable:
         put("input_scale", _number(self.input_scale, "input_scale"))
         put("latency_us", _number(self.latency_us, "latency_us", allow_zero=True))
         put("fp16_nodes", tuple(_text(s, "fp16 node") for s in self.fp16_nodes))
+        decoder: object = self.decoder
+        if not isinstance(decoder, str) or not _DECODER_NAME.fullmatch(decoder):
+            raise ValueError(f"decoder must match {_DECODER_NAME.pattern}, got {decoder!r:.80}")
         put("class_names", tuple(_text(s, "class name") for s in self.class_names))
         put("latency_layers", _json_object(self.latency_layers, "latency_layers"))
         put("provenance", _json_object(self.provenance, "provenance"))
@@ -661,6 +669,7 @@ def write_loadable(path: str | os.PathLike[str], loadable: Loadable) -> Path:
 _HEADER_KEYS: Final = frozenset(
     {f.name for f in fields(Loadable)} | {"format", "version", "data_size"}
 )
+_HEADER_KEYS_BY_VERSION: Final = {1: _HEADER_KEYS - {"decoder"}, 2: _HEADER_KEYS}
 
 
 def _get(h: dict[str, Any], key: str, kind: type[_T]) -> _T:
@@ -727,10 +736,11 @@ def _decode(data: bytes, src: str) -> Loadable:
             f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild: prep build --target emulated)"
         )
     h = json.loads(data[_PREAMBLE.size : header_end].decode("utf-8"))
-    if not isinstance(h, dict) or set(h) != _HEADER_KEYS:
+    want = _HEADER_KEYS_BY_VERSION[version]
+    if not isinstance(h, dict) or set(h) != want:
         keys = set(h) if isinstance(h, dict) else set()
-        raise ValueError(f"header fields differ: missing {sorted(_HEADER_KEYS - keys)}, "
-                         f"unknown {sorted(keys - _HEADER_KEYS)}")  # fmt: skip
+        raise ValueError(f"header fields differ: missing {sorted(want - keys)}, "
+                         f"unknown {sorted(keys - want)}")  # fmt: skip
     if h["format"] != FORMAT_NAME or _get(h, "version", int) != version:
         raise ValueError(f"header says format {h['format']!r:.80} version {h['version']!r}")
     if any(data[header_end : _round_up(header_end, SECTION_ALIGN)]):
@@ -759,6 +769,7 @@ def _decode(data: bytes, src: str) -> Loadable:
         latency_us=_number(h["latency_us"], "latency_us", allow_zero=True),
         sections=_sections(h, data, _round_up(header_end, SECTION_ALIGN)),
         fp16_nodes=tuple(_get(h, "fp16_nodes", list)),
+        decoder=_get(h, "decoder", str) if version >= 2 else DEFAULT_DECODER,
         latency_layers=_get(h, "latency_layers", dict),
         provenance=_get(h, "provenance", dict),
         created=_get(h, "created", str),

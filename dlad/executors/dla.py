@@ -13,8 +13,9 @@ post-processes — the core's own "hardware" thread serialises execution, as a D
    core's thread calls back, and the callback hops onto the loop with a thread-safe call;
 4. read the task's status (a failed task still signals its fence; its sticky error is read and
    the job's outcome is DEVICE_FAILED);
-5. post-process on a worker thread: unpack ``CHW16``/``CHW32`` heads → decode → NMS → boxes in
-   the original image's pixels; report the outcome, keyed by the job's id.
+5. post-process on a worker thread with the decoder the loadable names
+   (``dlad.imaging.decoders``; YOLOv5: unpack ``CHW16``/``CHW32`` heads → decode → NMS → boxes in
+   the original image's pixels); report the outcome, keyed by the job's id.
 
 The event loop only moves small objects; image math runs on threads, numerics on the core.
 
@@ -43,7 +44,8 @@ from dlad.devices.emulated import FaultConfig
 from dlad.devices.factory import open_core
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
 from dlad.executors.base import Executor, OnOutcome, Outcome, Request
-from dlad.imaging.post import postprocess, unpack_head
+from dlad.imaging.decoders import decoder_for
+from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
 from dlad.protocol import MAX_DET
@@ -123,7 +125,11 @@ class DlaExecutor(Executor):
         self.scheduler = scheduler
         self.pre_post = pre_post
         self.limiter = limiter
+        self.decoder = decoder_for(loadable.decoder)  # the config checked the name
         self.gpu = gpu if pre_post else None
+        if self.gpu is not None and not self.decoder.cuda:
+            log.warning("gpu_post_unavailable", device=name, decoder=self.decoder.name)
+            self.gpu = None  # no CUDA kernels for this model family: pre/post on the CPU
         self.dla, self.module = open_core(
             backend,
             core,
@@ -139,7 +145,6 @@ class DlaExecutor(Executor):
         )
         self.dla.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
         self.slots = [self._make_slot() for _ in range(slots)]
-        self._anchors = np.asarray(loadable.anchors_px, np.float32)
 
     def _make_slot(self) -> Slot:
         slot = Slot(
@@ -349,12 +354,6 @@ class DlaExecutor(Executor):
             unpack_head(buf.array, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None)
             for d, buf in zip(self.module.outputs, outputs, strict=True)
         ]
-        return postprocess(
-            heads,
-            self._anchors,
-            self.loadable.strides,
-            geometry,
-            conf_threshold=work.conf,
-            iou_threshold=work.iou,
-            max_det=work.max_det,
+        return self.decoder.postprocess(
+            heads, self.loadable, geometry, conf=work.conf, iou=work.iou, max_det=work.max_det
         )

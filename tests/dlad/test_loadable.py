@@ -44,6 +44,7 @@ from dlad.loadable import (
     read_loadable,
     write_loadable,
 )
+from dlad.models import DEMO
 
 # ----------------------------------------------------------------- independent formula references
 
@@ -320,9 +321,10 @@ def test_small_file_layout_matches_the_documentation() -> None:
     blob = loadable_bytes(_small())
     header, data = _split(blob)
     assert blob[:8] == b"DLADEMU\0"
-    assert struct.unpack_from("<I", blob, 8)[0] == 1
+    assert struct.unpack_from("<I", blob, 8)[0] == 2
     assert header["format"] == "dlad-emulated-loadable"
-    assert header["version"] == 1
+    assert header["version"] == 2
+    assert header["decoder"] == "yolov5"
     assert _frame(json.dumps(header, sort_keys=True, separators=(",", ":")).encode(), data) == blob
     graph, latency = header["sections"]
     assert (graph["name"], graph["offset"], graph["size"]) == ("graph", 0, 200)
@@ -444,14 +446,38 @@ def test_bad_magic(tmp_path: Path) -> None:
         read_loadable(path)
 
 
-@pytest.mark.parametrize("version", [0, 2, 2**32 - 1])
+@pytest.mark.parametrize("version", [0, 3, 2**32 - 1])
 def test_other_versions(tmp_path: Path, version: int) -> None:
     header, data = _split(loadable_bytes(_small()))
     header["version"] = version
     path = tmp_path / "future.loadable"
     path.write_bytes(_frame(header, data, version=version))
-    with pytest.raises(LoadableVersionError, match=rf"{path}.*version {version}.*reads version 1"):
+    with pytest.raises(
+        LoadableVersionError, match=rf"{path}.*version {version}.*reads version 1, 2"
+    ):
         read_loadable(path)
+
+
+def test_version_1_files_decode_as_yolov5(tmp_path: Path) -> None:
+    """Version 1 had no ``decoder`` (every loadable was YOLOv5); it must not carry one."""
+    header, data = _split(loadable_bytes(_small()))
+    header["version"] = 1
+    del header["decoder"]
+    v1 = read_loadable(_frame(header, data, version=1))
+    assert v1.decoder == "yolov5"
+    assert dataclasses.replace(v1, created=_small().created) == _small()
+    header["decoder"] = "yolov5"
+    with pytest.raises(LoadableCorruptError, match=r"unknown \['decoder'\]"):
+        read_loadable(_frame(header, data, version=1))
+    # the bundled demo model is a version 1 file
+    assert read_loadable(DEMO / "fp16_heads.dla0.emu").decoder == "yolov5"
+
+
+def test_decoder_names_are_checked() -> None:
+    assert _small(decoder="yolov8").decoder == "yolov8"
+    for bad in ("", "YOLO", "9x", "a" * 40, 5):
+        with pytest.raises(ValueError, match="decoder"):
+            _small(decoder=bad)
 
 
 def test_core_mismatch(tmp_path: Path) -> None:
@@ -495,7 +521,7 @@ def _mutate_io(key: str, value: object) -> Callable[[dict[str, Any]], None]:
         (_mutate("dla_core", True), "dla_core"),
         (_mutate("dla_core", 2), "dla_core"),
         (_mutate("format", "onnx"), "format"),
-        (_mutate("version", 2), "version"),
+        (_mutate("version", 1), "version"),
         (_mutate("heads", "int4"), "heads"),
         (_mutate("input_scale", -1.0), "input_scale"),
         (_mutate("class_names", ["a"]), "class names"),
@@ -535,7 +561,7 @@ def test_section_bytes_and_padding_are_checked_under_a_valid_crc() -> None:
     with pytest.raises(LoadableCorruptError, match="padding before section 'latency'"):
         read_loadable(_frame(header, data[:210] + b"\x01" + data[211:]))
     text = json.dumps(header).encode()
-    head = MAGIC + struct.pack("<II", 1, len(text)) + text
+    head = MAGIC + struct.pack("<II", 2, len(text)) + text
     body = head + b"\x01" * (-len(head) % 64) + data
     with pytest.raises(LoadableCorruptError, match="padding after the header"):
         read_loadable(body + struct.pack("<I", zlib.crc32(body)))
