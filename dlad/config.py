@@ -301,19 +301,29 @@ class DeviceConfig:
     name: str = field(metadata=_KEY)
     """The table's key (``dla0``); how logs, replies and ``[models]`` name the device."""
     kind: Literal["dla", "gpu"]
-    """``dla``: a DLA core; ``gpu``: the GPU, which runs pre/post-processing (in this release it
-    serves no model itself: a model listing it is refused)."""
+    """``dla``: a DLA core; ``gpu``: the GPU, which runs pre/post-processing and serves, in
+    batches, any model that lists it."""
     backend: Literal["auto", "emulated", "cudla", "cuda", "cpu"] = "auto"
     """dla: ``cudla`` (libcudla on a Jetson), ``emulated`` (the software DLA core) or ``auto``
     (cudla where libcudla loads, else emulated). gpu: ``cuda``, ``cpu`` or ``auto`` (cuda where
     present, else cpu)."""
     core: int | None = None
     """The DLA core index, 0 or 1, each used once; required for a dla, absent for the gpu."""
+    engine: Literal["emulated"] | None = None
+    """gpu only: what runs the models listed on it. ``emulated`` (the default): the emulated Orin
+    GPU (the model's INT8 graph, taking the published Orin GPU batch curve's time)."""
     queue_depth: int = 4
     """Jobs waiting for this device at most (>= 1); beyond it requests get OVERLOADED."""
+    max_batch: int | None = None
+    """gpu only: the largest batch of one model it runs (1-64; default 8). A DLA runs batch 1."""
+    max_queue_delay_us: float = 0.0
+    """gpu only: how long a partial batch may wait for more jobs, counted from its first job's
+    arrival (>= 0; 0: take what is queued). A wait never lasts past the point where a full batch
+    could still meet the earliest deadline in it."""
     latency_us: float | None = None
     """Emulated service time of one task in microseconds (> 0); unset: the loadable's modelled
-    latency. Also the scheduler's first service-time estimate."""
+    latency (gpu: its batch-1 time; unset, the published batch curve scaled to the model).
+    Also the scheduler's first service-time estimate."""
     mode: Literal["numeric", "timing"] = "numeric"
     """Emulated only. ``numeric``: compute real outputs (INT8 engine); ``timing``: take the
     service time and write outputs of the right formats and sizes without computing them."""
@@ -324,24 +334,38 @@ class DeviceConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection (emulated devices only)."""
 
+    @property
+    def batch_limit(self) -> int:
+        """The largest batch this device runs: ``max_batch`` (gpu default 8), 1 for a DLA."""
+        if self.kind == "dla":
+            return 1
+        return 8 if self.max_batch is None else self.max_batch
+
     def __post_init__(self) -> None:
         if self.kind == "dla":
             _check(self.core is not None, "core", "required for a dla device (0 or 1)")
             _check(self.core in (0, 1), "core", f"must be 0 or 1, got {self.core}")
             allowed = _DLA_BACKENDS
+            for key, given in {
+                "engine": self.engine is not None,
+                "max_batch": self.max_batch not in (None, 1),
+                "max_queue_delay_us": self.max_queue_delay_us != 0.0,
+            }.items():
+                _check(not given, key, "applies to the gpu device only (a DLA runs batch 1)")
         else:
             _check(self.core is None, "core", "only a dla device has a core")
             allowed = _GPU_BACKENDS
-            # The gpu device runs pre/post-processing only: the inference settings would be
-            # accepted and silently ignored, so they are refused.
-            dla_only = {
-                "queue_depth": self.queue_depth != 4, "latency_us": self.latency_us is not None,
-                "mode": self.mode != "numeric", "threads": self.threads != 1,
-                "task_timeout_ms": self.task_timeout_ms != 1000.0, "faults": self.faults.active,
-            }  # fmt: skip
-            for key, given in dla_only.items():
-                _check(not given, key, "applies to dla devices only: the gpu device runs "
-                       "pre/post-processing, not inference, in this release")  # fmt: skip
+            # Settings the emulated GPU does not use would be accepted and silently ignored.
+            unused = {"task_timeout_ms": self.task_timeout_ms != 1000.0,
+                      "faults": self.faults.active}  # fmt: skip
+            for key, given in unused.items():
+                _check(not given, key, "applies to dla devices only (the emulated GPU has no "
+                       "task timeout or fault injection)")  # fmt: skip
+            if self.max_batch is not None:
+                _check(1 <= self.max_batch <= 64, "max_batch",
+                       f"must be 1 to 64, got {self.max_batch}")  # fmt: skip
+            _check(self.max_queue_delay_us >= 0, "max_queue_delay_us",
+                   f"must be >= 0, got {self.max_queue_delay_us:g}")  # fmt: skip
         _check(self.backend in allowed, "backend",
                f"a {self.kind} device's backend is one of {', '.join(allowed)}, "
                f"got {self.backend!r}")  # fmt: skip
@@ -350,9 +374,10 @@ class DeviceConfig:
             _positive(self.latency_us, "latency_us")
         _at_least_one(self.threads, "threads")
         _positive(self.task_timeout_ms, "task_timeout_ms")
-        if self.backend in ("cudla", "cuda"):
+        if self.backend == "cudla":
             # Real hardware takes its own time and has its own faults: asking to emulate
-            # either on it is a config mistake, not something to ignore quietly.
+            # either on it is a config mistake, not something to ignore quietly. (A gpu's
+            # backend is its pre/post-processing; its engine is emulated, so it may be timed.)
             emulation = {"mode": self.mode == "timing", "latency_us": self.latency_us is not None,
                          "faults": self.faults.active}  # fmt: skip
             for key, emulated in emulation.items():
@@ -461,10 +486,6 @@ class Config:
                 device = known.get(name)
                 if device is None:
                     raise ConfigError(f"no device {name!r} (devices: {', '.join(known)})",
-                                      key=f"{where}.devices[{i}]")  # fmt: skip
-                if device.kind == "gpu":
-                    raise ConfigError(f"{name!r} is a gpu device, which runs pre/post-processing "
-                                      "and no model in this release: list dla devices",
                                       key=f"{where}.devices[{i}]")  # fmt: skip
                 if name in served_by:
                     raise ConfigError(f"{name!r} already serves model {served_by[name]!r}: a DLA "

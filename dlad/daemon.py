@@ -148,9 +148,8 @@ class Daemon:
                     ) from None
                 log.info("metrics", url=self.metrics_server.url)
             self.frontend.open(self.endpoints)
-            for p in self.plan.placements:  # the devices that get an executor (DLA cores)
-                if self.config.device(p.device).kind == "dla":
-                    self.metrics.device_state(p.device, "loading")
+            for p in self.plan.placements:  # the devices that get an executor
+                self.metrics.device_state(p.device, "loading")
             await self._start_gpu()
             try:
                 self.executors.update(

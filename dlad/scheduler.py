@@ -1,35 +1,42 @@
-"""Admission, queues, deadlines, priorities, per-stream freshness and placement.
+"""Admission, queues, deadlines, priorities, per-stream freshness, placement and batches.
 
 The scheduler is a plain, synchronous object owned by the event loop (one owner: it is never
-touched from a device thread). Device workers ask it for their next job; the frontend admits
-requests into it. It never blocks and never grows without bound:
+touched from a device thread). Executors ask it for their next job, or their next batch; the
+frontend admits requests into it. It never blocks and never grows without bound:
 
 - **Admission** places a job on one device's bounded queue, or refuses it at once with
   :class:`~dlad.errors.Overloaded` (every queue that could take it is full) — "full" is an
   answer, never growth.
 - **Placement** is by earliest estimated completion over the devices that hold the job's model:
-  ``now + backlog(device) + service(device)``, where a device's service time is learned online
-  (an exponentially weighted mean of measured device times, seeded from the loadable's modelled
-  latency) and its backlog is the estimated work queued and in flight. A faster or idler device
-  therefore gets more of the load, and two equal DLA cores share it evenly.
+  ``now + in flight(device) + work(queued + this job)``. A device's service time is a function of
+  the batch size, seeded at registration (a DLA: its modelled latency at batch 1; a GPU: a batch
+  curve) and learned online from completions (an exponentially weighted mean per batch size;
+  sizes never seen are interpolated). The queued work of a batching device counts its queue in
+  batches of its ``max_batch``. A faster, idler or better-batching device therefore gets more of
+  the load, and two equal DLA cores share it evenly.
 - **Order** within a device queue: higher priority first, then earlier deadline, then arrival.
+- **Batches** (:meth:`next_batch`): up to ``max_batch`` jobs of one model, in queue order. A
+  partial batch waits for more jobs at most ``max_queue_delay_us`` after its first job was
+  admitted, and never past the point where a full batch could still finish by the earliest
+  deadline in it; until then the executor is told when to come back.
 - **Deadlines** are checked when a job is dispatched: a job whose deadline has passed is never
   executed; it comes back as expired (the daemon answers DEADLINE_EXCEEDED). Expired jobs are
   also swept from the queues by :meth:`Scheduler.expire`, so they do not hold queue slots.
-- **Streams**: a new frame of a camera stream supersedes the stream's frames still queued
-  ("latest frame wins"); the superseded ones come back as cancelled.
+- **Streams**: a new frame of a camera stream supersedes the stream's frame still queued
+  ("latest frame wins"); the superseded one comes back as cancelled.
 - **Cancel** removes a queued job (a job already on a device runs to completion).
 
 Every admitted job leaves the scheduler exactly once, through exactly one of: dispatch
-(:meth:`next_job`), expiry, cancellation (explicit or superseded), or :meth:`drain`. The
-property tests in ``tests/dlad/test_scheduler.py`` check this and the bounds.
+(:meth:`next_job` / :meth:`next_batch`), expiry, cancellation (explicit or superseded), or
+:meth:`drain`. The property tests in ``tests/dlad/test_scheduler.py`` check this and the bounds.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -57,19 +64,64 @@ class Job(Generic[P]):
     _seq: int = 0
 
 
+@dataclass(frozen=True)
+class Batch(Generic[P]):
+    """What :meth:`Scheduler.next_batch` hands an executor.
+
+    ``jobs``: run these now, as one batch (empty: nothing to run yet). ``expired``: jobs whose
+    deadline passed while queued, to be answered as such. ``wait_until_ns``: when ``jobs`` is
+    empty but a partial batch is waiting to fill, the monotonic time to ask again (a new job
+    for the device may make it sooner); None when nothing is queued.
+    """
+
+    jobs: list[Job[P]]
+    expired: list[Job[P]]
+    wait_until_ns: int | None = None
+
+
+@dataclass
+class _Curve:
+    """Service time (ns) by batch size: seeded, then learned per size; others interpolated."""
+
+    known: dict[int, float]
+    alpha: float
+
+    def __call__(self, size: int) -> float:
+        if size in self.known:
+            return self.known[size]
+        sizes = sorted(self.known)
+        i = bisect.bisect_left(sizes, size)
+        if i == 0:  # below every known size: proportional to the smallest
+            return self.known[sizes[0]] * size / sizes[0]
+        if i == len(sizes):  # above: the largest's per-image cost
+            return self.known[sizes[-1]] * size / sizes[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        t = (size - lo) / (hi - lo)
+        return self.known[lo] + t * (self.known[hi] - self.known[lo])
+
+    def learn(self, size: int, measured_ns: float) -> None:
+        old = self(size)
+        self.known[size] = old + self.alpha * (measured_ns - old)
+
+
 @dataclass
 class _Device:
     name: str
     models: frozenset[str]
     capacity: int
-    service_ns: float
+    max_batch: int
+    curve: _Curve
     # (-priority, deadline, arrival sequence, job id); entries of removed jobs are skipped
     # lazily and compacted away when they outnumber the live ones.
     heap: list[tuple[int, int, int, int]] = field(default_factory=list)
     depth: int = 0
-    queued_work_ns: int = 0
-    running: dict[int, tuple[int, int]] = field(default_factory=dict)  # job id -> (start, est)
+    running: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id -> start, est, task
     completed: int = 0
+
+    def work_ns(self, jobs: int) -> float:
+        """The estimated time to serve ``jobs`` queued jobs in batches of ``max_batch``."""
+        full, rest = divmod(jobs, self.max_batch)
+        return full * self.curve(self.max_batch) + (self.curve(rest) if rest else 0.0)
 
 
 @dataclass(frozen=True)
@@ -80,16 +132,16 @@ class DeviceSnapshot:
     queue_depth: int
     capacity: int
     in_flight: int
-    service_time_us: float
+    service_time_us: float  # at batch 1
     completed: int
 
 
 class Scheduler(Generic[P]):
-    """Bounded per-device queues with deadline-aware, priority-ordered dispatch.
+    """Bounded per-device queues with deadline-aware, priority-ordered dispatch and batches.
 
     Args:
         clock: monotonic nanoseconds.
-        alpha: weight of a new measurement in the service-time estimate (0 < alpha <= 1).
+        alpha: weight of a new measurement in the service-time estimates (0 < alpha <= 1).
     """
 
     def __init__(self, clock: Clock, *, alpha: float = 0.2) -> None:
@@ -101,21 +153,41 @@ class Scheduler(Generic[P]):
         self._jobs: dict[int, Job[P]] = {}  # queued only
         self._streams: dict[str, int] = {}  # stream -> queued job id
         self._seq = itertools.count()
+        self._tasks = itertools.count()
 
     # ------------------------------------------------------------------------ configuration
     def add_device(
-        self, name: str, models: Iterable[str], *, capacity: int, service_us: float
+        self,
+        name: str,
+        models: Iterable[str],
+        *,
+        capacity: int,
+        service_us: float,
+        max_batch: int = 1,
+        batch_service_us: Mapping[int, float] | None = None,
     ) -> None:
-        """Register a device that serves ``models`` with a queue of ``capacity`` jobs.
+        """Register a device that serves ``models`` with a queue of ``capacity`` jobs, taking
+        batches of up to ``max_batch``; ``service_us`` is its first estimate at batch 1 and
+        ``batch_service_us`` (batch size -> µs) at other sizes.
 
         Raises:
-            ValueError: a duplicate name, a capacity below 1 or a non-positive service time.
+            ValueError: a duplicate name, a capacity or max_batch below 1, or a non-positive
+                service time.
         """
         if name in self._devices:
             raise ValueError(f"device {name!r} registered twice")
-        if capacity < 1 or not service_us > 0:
-            raise ValueError(f"{name}: capacity must be >= 1 and service_us > 0")
-        self._devices[name] = _Device(name, frozenset(models), capacity, service_us * 1e3)
+        curve = {
+            1: float(service_us),
+            **{int(b): float(t) for b, t in (batch_service_us or {}).items()},
+        }
+        if capacity < 1 or max_batch < 1 or not all(t > 0 for t in curve.values()):
+            raise ValueError(f"{name}: capacity and max_batch must be >= 1, service times > 0")
+        if not all(b >= 1 for b in curve):
+            raise ValueError(f"{name}: batch sizes must be >= 1")
+        known = {b: t * 1e3 for b, t in curve.items()}
+        self._devices[name] = _Device(
+            name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha)
+        )
 
     @property
     def models(self) -> frozenset[str]:
@@ -160,19 +232,21 @@ class Scheduler(Generic[P]):
         best = min(open_, key=lambda d: (self._completion(d, now), d.name))
         job.device = best.name
         job.admitted_ns = now
-        job.estimate_ns = int(best.service_ns)
+        job.estimate_ns = int(best.curve(1))
         job._seq = next(self._seq)
         heapq.heappush(best.heap, (-job.priority, job.deadline_ns, job._seq, job.id))
         best.depth += 1
-        best.queued_work_ns += job.estimate_ns
         self._jobs[job.id] = job
         if job.stream is not None:
             self._streams[job.stream] = job.id
         return superseded
 
     def _completion(self, d: _Device, now: int) -> float:
-        remaining = sum(max(start + est - now, 0) for start, est in d.running.values())
-        return remaining + d.queued_work_ns + d.service_ns
+        """When a job admitted to ``d`` now would finish: what is in flight, then the queue and
+        this job in batches."""
+        tasks = {task: start + est for start, est, task in d.running.values()}
+        remaining = sum(max(end - now, 0) for end in tasks.values())
+        return remaining + d.work_ns(d.depth + 1)
 
     # ------------------------------------------------------------------------ dispatch
     def next_job(self, device: str) -> tuple[Job[P] | None, list[Job[P]]]:
@@ -180,29 +254,67 @@ class Scheduler(Generic[P]):
 
         A returned job counts as in flight on ``device`` until :meth:`finished`.
         """
+        batch = self.next_batch(device, max_batch=1)
+        return (batch.jobs[0] if batch.jobs else None), batch.expired
+
+    def next_batch(
+        self, device: str, *, max_batch: int | None = None, max_queue_delay_us: float = 0.0
+    ) -> Batch[P]:
+        """The next batch for ``device`` (see :class:`Batch` and the module docstring).
+
+        ``max_batch`` defaults to the device's. Jobs returned count as in flight on ``device``
+        until :meth:`finished`. Raises KeyError for an unknown device, ValueError for
+        ``max_batch`` below 1 or a negative delay.
+        """
         d = self._devices[device]
+        size = d.max_batch if max_batch is None else max_batch
+        if size < 1 or max_queue_delay_us < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue_delay_us >= 0")
         now = self._clock()
         expired: list[Job[P]] = []
-        while d.heap:
-            _, deadline, seq, job_id = heapq.heappop(d.heap)
+        live: list[Job[P]] = []
+        for _, deadline, seq, job_id in sorted(d.heap):
             job = self._jobs.get(job_id)
             if job is None or job._seq != seq:
                 continue  # removed while queued
-            self._take(job)
             if deadline <= now:
+                self._take(job)
                 expired.append(job)
-                continue
-            d.running[job.id] = (now, job.estimate_ns)
-            return job, expired
-        return None, expired
+            else:
+                live.append(job)
+        d.heap = [(-j.priority, j.deadline_ns, j._seq, j.id) for j in live]  # sorted: a heap
+        if not live:
+            return Batch([], expired, None)
+        head = live[0]
+        chosen = [j for j in live if j.model == head.model][:size]
+        if len(chosen) < size:
+            full_ns = d.curve(size)
+            latest = min(head.admitted_ns + int(max_queue_delay_us * 1e3),
+                         *(int(j.deadline_ns - full_ns) for j in chosen))  # fmt: skip
+            if now < latest:
+                return Batch([], expired, latest)
+        task = next(self._tasks)
+        est = int(d.curve(len(chosen)))
+        for job in chosen:
+            self._take(job)
+            d.running[job.id] = (now, est, task)
+        taken = {j.id for j in chosen}
+        d.heap = [e for e in d.heap if e[3] not in taken]
+        return Batch(chosen, expired, None)
 
     def finished(self, device: str, job: Job[P], device_us: float | None) -> None:
         """``job`` left ``device``; ``device_us`` (None on failure) updates the estimate."""
+        self.finished_batch(device, [job], device_us)
+
+    def finished_batch(self, device: str, jobs: Sequence[Job[P]], device_us: float | None) -> None:
+        """A batch left ``device``; ``device_us`` (its device time, None on failure) updates the
+        estimate at its size."""
         d = self._devices[device]
-        d.running.pop(job.id, None)
-        if device_us is not None and device_us > 0:
-            d.service_ns += self._alpha * (device_us * 1e3 - d.service_ns)
-            d.completed += 1
+        for job in jobs:
+            d.running.pop(job.id, None)
+        if device_us is not None and device_us > 0 and jobs:
+            d.curve.learn(len(jobs), device_us * 1e3)
+            d.completed += len(jobs)
 
     def expire(self) -> list[Job[P]]:
         """Remove and return every queued job whose deadline has passed."""
@@ -247,10 +359,14 @@ class Scheduler(Generic[P]):
     def in_flight(self, device: str) -> int:
         return len(self._devices[device].running)
 
+    def service_us(self, device: str, batch: int = 1) -> float:
+        """The current service-time estimate of ``device`` at batch size ``batch``."""
+        return self._devices[device].curve(batch) / 1e3
+
     def snapshot(self) -> Sequence[DeviceSnapshot]:
         return [
             DeviceSnapshot(
-                d.name, d.depth, d.capacity, len(d.running), d.service_ns / 1e3, d.completed
+                d.name, d.depth, d.capacity, len(d.running), d.curve(1) / 1e3, d.completed
             )
             for d in self._devices.values()
         ]
@@ -270,7 +386,6 @@ class Scheduler(Generic[P]):
         """Account for ``job`` leaving its queue (its heap entry, if any, goes stale)."""
         d = self._devices[job.device]
         d.depth -= 1
-        d.queued_work_ns -= job.estimate_ns
         del self._jobs[job.id]
         if job.stream is not None and self._streams.get(job.stream) == job.id:
             del self._streams[job.stream]

@@ -2,10 +2,10 @@
 
 For each placement on a DLA device: its fault settings become the emulated core's
 :class:`~dlad.devices.emulated.FaultConfig`, its cuDLA loadable is looked up, the GPU service (if
-pre/post-processing runs on CUDA) is wired into its slots, and the executor is registered with the
-scheduler with its queue bound and first service-time estimate. The gpu device runs
-pre/post-processing only in this release (``dlad.config`` refuses a model placed on it), so it
-gets no executor.
+pre/post-processing runs on CUDA) is wired into its slots. For a placement on the gpu device: its
+engine (the emulated Orin GPU) is built from the model's loadable with its batch curve. Every
+executor is registered with the scheduler with its queue bound, batch size and first
+service-time estimates.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from dlad.config import Plan
+from dlad.config import Placement, Plan
 from dlad.devices.base import DlaError
 from dlad.devices.emulated import FaultConfig
+from dlad.devices.emulated_gpu import EmulatedGpu
 from dlad.devices.factory import cudla_loadable_for
+from dlad.devices.int8_engine import Int8EngineError
 from dlad.executors.base import Executor, Request
 from dlad.executors.dla import DlaExecutor
+from dlad.executors.gpu import GpuExecutor
 from dlad.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -46,7 +49,8 @@ def build_executors(
     pre_post: bool,
     gpu: GpuService | None,
 ) -> dict[str, Executor]:
-    """One executor per DLA placement, registered with ``scheduler``, by device name.
+    """One executor per placement (a DLA core's or the GPU's), registered with ``scheduler``, by
+    device name.
 
     Raises ExecutorBuildError naming the device whose core or loadable fails (the executors
     built before it are closed first).
@@ -55,7 +59,10 @@ def build_executors(
     try:
         for placement in plan.placements:
             dev = plan.config.device(placement.device)
-            if dev.kind != "dla":
+            if dev.kind == "gpu":
+                gpu_executor = _gpu_executor(plan, placement, scheduler, limiter, pre_post)
+                _register(scheduler, gpu_executor, gpu_executor.batch_service_us)
+                built[gpu_executor.name] = gpu_executor
                 continue
             faults = None
             if dev.faults.active:
@@ -88,15 +95,58 @@ def build_executors(
                 raise ExecutorBuildError(
                     f"cannot open or load {placement.path}: {exc}", key=f"devices.{dev.name}"
                 ) from None
-            scheduler.add_device(
-                executor.name,
-                executor.models,
-                capacity=executor.capacity,
-                service_us=executor.service_us,
-            )
+            _register(scheduler, executor, None)
             built[executor.name] = executor
     except BaseException:
         for done in built.values():
             done.close()
         raise
     return built
+
+
+def _register(
+    scheduler: Scheduler[Request], executor: Executor, curve: dict[int, float] | None
+) -> None:
+    scheduler.add_device(
+        executor.name,
+        executor.models,
+        capacity=executor.capacity,
+        service_us=executor.service_us,
+        max_batch=executor.max_batch,
+        batch_service_us=curve,
+    )
+
+
+def _gpu_executor(
+    plan: Plan,
+    placement: Placement,
+    scheduler: Scheduler[Request],
+    limiter: anyio.CapacityLimiter,
+    pre_post: bool,
+) -> GpuExecutor:
+    dev = plan.config.device(placement.device)
+    max_batch = dev.batch_limit
+    try:
+        engine = EmulatedGpu(
+            placement.loadable,
+            mode=dev.mode,
+            max_batch=max_batch,
+            batch1_us=dev.latency_us,
+            threads=dev.threads,
+        )
+    except (Int8EngineError, ValueError) as exc:
+        raise ExecutorBuildError(
+            f"cannot build the emulated GPU for {placement.path}: {exc}", key=f"devices.{dev.name}"
+        ) from None
+    return GpuExecutor(
+        dev.name,
+        model=placement.model,
+        loadable=placement.loadable,
+        engine=engine,
+        scheduler=scheduler,
+        capacity=dev.queue_depth,
+        max_batch=max_batch,
+        max_queue_delay_us=dev.max_queue_delay_us,
+        limiter=limiter,
+        pre_post=pre_post,
+    )

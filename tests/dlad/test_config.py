@@ -88,20 +88,22 @@ def test_shipped_config_loads_and_plans() -> None:
         ("gpu", "gpu", None),
     ]
     assert config.frontend.endpoints == ("tcp://127.0.0.1:5555",)
-    assert config.model("demo").devices == ("dla0", "dla1")
+    assert config.model("demo").devices == ("dla0", "dla1", "gpu")
     plan = config.plan()
     assert plan.config is config
     assert plan.base_dir == SHIPPED.parent
     assert plan.endpoints == config.frontend.endpoints
-    assert [(p.model, p.device) for p in plan.placements] == [("demo", "dla0"), ("demo", "dla1")]
-    for p, core in zip(plan.placements, (0, 1), strict=True):
+    assert [(p.model, p.device) for p in plan.placements] == [
+        ("demo", "dla0"), ("demo", "dla1"), ("demo", "gpu")]  # fmt: skip
+    for p, core in zip(plan.placements, (0, 1, 0), strict=True):  # the gpu takes core 0's
         assert p.path == DEMO / f"fp16_heads.dla{core}.emu"
         assert p.path.is_absolute()
         assert p.loadable == read_loadable(p.path, expect_core=core)
         assert p.latency_us == p.loadable.latency_us > 0  # no override in the shipped file
-    assert plan.for_device("dla1") == plan.placements[1:]
+    assert plan.for_device("dla1") == plan.placements[1:2]
     assert plan.for_model("demo") == plan.placements
-    assert plan.for_device("gpu") == plan.for_model("nope") == ()
+    assert plan.for_device("gpu") == plan.placements[2:]
+    assert plan.for_model("nope") == ()
 
 
 def test_config_is_frozen_and_planning_leaves_it_unchanged() -> None:
@@ -195,7 +197,7 @@ def test_unknown_key_in_a_subtable_and_a_quoted_key(tmp_path: Path) -> None:
         ('kind = "gpu"', 'kind = "tpu"', "devices.gpu.kind", "one of"),
         ("max_det = 300", "max_det = 1979-05-27", "models.demo.max_det", "integer"),
         ("drain_timeout_s = 10.0", "drain_timeout_s = nan", "daemon.drain_timeout_s", "finite"),
-        ('devices = ["dla0", "dla1"]', 'devices = "dla0"', "models.demo.devices", "array"),
+        ('devices = ["dla0", "dla1", "gpu"]', 'devices = "dla0"', "models.demo.devices", "array"),
     ],
 )  # fmt: skip
 def test_wrong_type(tmp_path: Path, old: str, new: str, key: str, reason: str) -> None:
@@ -233,7 +235,7 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
 
 
 def test_required_key_missing(tmp_path: Path) -> None:
-    text = replace_once(SHIPPED_TEXT, 'devices = ["dla0", "dla1"]\n', "")
+    text = replace_once(SHIPPED_TEXT, 'devices = ["dla0", "dla1", "gpu"]\n', "")
     err = expect_error(write(tmp_path, text), "models.demo.devices")
     assert err.reason == "required key missing"
     text = replace_once(SHIPPED_TEXT, 'kind = "gpu"\n', "")
@@ -255,8 +257,10 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ('kind = "gpu"\n', 'kind = "gpu"\ncore = 1\n', "devices.gpu.core", "only a dla"),
         ('kind = "gpu"\nbackend = "auto"', 'kind = "gpu"\nbackend = "cudla"',
          "devices.gpu.backend", "auto, cuda, cpu"),
-        ('kind = "gpu"\n', 'kind = "gpu"\nqueue_depth = 0\n', "devices.gpu.queue_depth",
-         "dla devices only"),
+        ("queue_depth = 16", "queue_depth = 0", "devices.gpu.queue_depth", ">= 1, got 0"),
+        ("max_batch = 8", "max_batch = 65", "devices.gpu.max_batch", "1 to 64"),
+        ("max_queue_delay_us = 0.0", "max_queue_delay_us = -1.0",
+         "devices.gpu.max_queue_delay_us", ">= 0"),
         ("core = 0\nqueue_depth = 4", "core = 0\nqueue_depth = -3", "devices.dla0.queue_depth",
          ">= 1"),
         ("sndhwm = 128", "sndhwm = 0", "frontend.sndhwm", ">= 1, got 0"),
@@ -278,9 +282,10 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ("drain_timeout_s = 10.0", "drain_timeout_s = 0", "daemon.drain_timeout_s", "> 0"),
         ('name = "dlad"', 'name = " "', "daemon.name", "non-empty"),
         ("port = 9464", "port = 0", "metrics.port", "1-65535"),
-        ('["dla0", "dla1"]', '["dla0", "dla7"]', "models.demo.devices[1]", "no device 'dla7'"),
-        ('["dla0", "dla1"]', '["dla0", "dla0"]', "models.demo.devices[1]", "twice"),
-        ('["dla0", "dla1"]', "[]", "models.demo.devices", "at least one"),
+        ('["dla0", "dla1", "gpu"]', '["dla0", "dla7"]', "models.demo.devices[1]",
+         "no device 'dla7'"),
+        ('["dla0", "dla1", "gpu"]', '["dla0", "dla0"]', "models.demo.devices[1]", "twice"),
+        ('["dla0", "dla1", "gpu"]', "[]", "models.demo.devices", "at least one"),
         ("conf_threshold = 0.25", "conf_threshold = 1.0", "models.demo.conf_threshold", "[0, 1)"),
         ("iou_threshold = 0.45", "iou_threshold = 0", "models.demo.iou_threshold", "(0, 1]"),
         ("max_det = 300", "max_det = 0", "models.demo.max_det", ">= 1"),
@@ -409,11 +414,13 @@ def test_relative_paths_resolve_against_the_config_file(
     assert [p.path for p in plan.placements] == [
         tmp_path / "conf" / "models" / "m0.emu",
         tmp_path / "conf" / "models" / "m1.emu",
+        tmp_path / "conf" / "models" / "m0.emu",  # the gpu: core 0's
     ]
     assert plan.endpoints == (f"ipc://{tmp_path / 'conf' / 'run' / 'd.sock'}", "ipc://@dlad")
     assert [p.latency_us for p in plan.placements] == [
         250.0,
         plan.placements[1].loadable.latency_us,
+        plan.placements[2].loadable.latency_us,
     ]
 
 
@@ -425,30 +432,40 @@ def test_ipc_path_too_long_once_resolved(tmp_path: Path) -> None:
     assert "107 bytes" in err.reason
 
 
-def test_a_model_on_the_gpu_is_refused_naming_the_key() -> None:
-    """The gpu device runs pre/post-processing only in this release: a model placed on it would
-    load and answer NOT_FOUND to every INFER, so the config says so at once."""
+def test_a_model_on_the_gpu_uses_a_configured_loadable() -> None:
     data = copy.deepcopy(SHIPPED_DATA)
-    data["models"]["demo"]["devices"] = ["dla1", "gpu"]
-    with pytest.raises(ConfigError) as info:
-        parse_config(data)
-    assert info.value.key == "models.demo.devices[1]"
-    assert "gpu device" in info.value.reason
-    assert "pre/post-processing" in info.value.reason
+    data["models"]["demo"]["devices"] = ["gpu", "dla1"]
+    del data["models"]["demo"]["loadables"]["core0"]
+    plan = parse_config(data, source=SHIPPED).plan()
+    gpu, dla1 = plan.placements
+    assert (gpu.device, gpu.loadable.dla_core, dla1.device) == ("gpu", 1, "dla1")
+    assert gpu.path == dla1.path == DEMO / "fp16_heads.dla1.emu"
+    assert plan.config.device("gpu").batch_limit == 8  # the gpu's default batch
+    assert plan.config.device("dla1").batch_limit == 1
 
 
 @pytest.mark.parametrize(
-    ("setting", "value"),
-    [("queue_depth", 8), ("latency_us", 500.0), ("mode", "timing"), ("threads", 2),
-     ("task_timeout_ms", 50.0), ("faults", {"error_rate": 0.1})],
-)  # fmt: skip
-def test_inference_settings_on_the_gpu_are_refused(setting: str, value: Any) -> None:
+    ("setting", "value"), [("task_timeout_ms", 50.0), ("faults", {"error_rate": 0.1})]
+)
+def test_settings_the_emulated_gpu_does_not_use_are_refused(setting: str, value: Any) -> None:
     data = copy.deepcopy(SHIPPED_DATA)
     data["devices"]["gpu"][setting] = value
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert info.value.key == f"devices.gpu.{setting}"
     assert "dla devices only" in info.value.reason
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("engine", "emulated"), ("max_batch", 4), ("max_queue_delay_us", 5.0)]
+)
+def test_batching_settings_on_a_dla_are_refused(setting: str, value: Any) -> None:
+    data = copy.deepcopy(SHIPPED_DATA)
+    data["devices"]["dla0"][setting] = value
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == f"devices.dla0.{setting}"
+    assert "gpu device only" in info.value.reason
 
 
 def test_two_models_on_one_device_are_refused() -> None:

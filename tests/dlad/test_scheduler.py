@@ -202,3 +202,157 @@ def test_latest_frame_wins_and_unknown_model() -> None:
         s.admit(Job(3, "other", 10**12, None))
     with pytest.raises(NotFound):
         s.cancel(99)
+
+
+# ------------------------------------------------------------------------------------- batches
+_batch_admit = st.tuples(
+    st.just("admit"),
+    st.integers(0, 2),
+    st.integers(1, 20_000_000),
+    st.sampled_from([None, None, None, "a", "b"]),
+    st.sampled_from(["m", "n", "n"]),
+)
+batch_ops = st.lists(
+    st.one_of(
+        _batch_admit,
+        _batch_admit,  # admits twice as often as anything else, so batches fill
+        st.tuples(st.just("next"), st.sampled_from(["dla0", "gpu"])),
+        st.tuples(st.just("finish"), st.integers(0, 50)),
+        st.tuples(st.just("tick"), st.integers(0, 4_000_000)),
+        st.tuples(st.just("cancel"), st.integers(0, 60)),
+        st.tuples(st.just("expire")),
+    ),
+    min_size=30,
+    max_size=150,
+)
+GPU_BATCH, GPU_DELAY_US = 4, 2_000.0
+
+
+@settings(max_examples=400, deadline=None)
+@given(batch_ops)
+def test_batches_keep_every_bound_and_never_wait_past_a_deadline(program: list[tuple]) -> None:
+    """A DLA (batch 1, model m) beside a batching GPU (up to 4 jobs, 2 ms queue delay, models m
+    and n): every admitted job leaves exactly once; a batch is 1..4 jobs of one model, none past
+    its deadline; a partial batch waits no longer than the delay after its first job arrived and
+    than the latest start at which a full batch still meets the earliest deadline in it; and
+    once that time has come (no new job since), the batch is dispatched."""
+    clock = FakeClock()
+    s: Scheduler[None] = Scheduler(clock)
+    s.add_device("dla0", ["m"], capacity=3, service_us=1000.0)
+    s.add_device(
+        "gpu", ["m", "n"], capacity=6, service_us=500.0, max_batch=GPU_BATCH,
+        batch_service_us={2: 800.0, 4: 1300.0},
+    )  # fmt: skip
+    exits: Counter[int] = Counter()
+    admitted: dict[int, Job[None]] = {}
+    running: list[tuple[str, list[Job[None]]]] = []
+    waiting: dict[str, int] = {}  # device -> the wait it was told, while nothing was admitted
+    next_id = 0
+
+    def leave(job: Job[None]) -> None:
+        exits[job.id] += 1
+
+    def queued_on(device: str) -> list[Job[None]]:
+        gone = set(exits)
+        jobs = [j for j in admitted.values() if j.device == device and j.id not in gone]
+        return sorted(jobs, key=lambda j: (-j.priority, j.deadline_ns, j._seq))
+
+    for op in program:
+        kind = op[0]
+        if kind == "admit":
+            _, prio, budget, stream, model = op
+            job: Job[None] = Job(
+                next_id, model, clock.now + budget, None, priority=prio, stream=stream
+            )
+            next_id += 1
+            with contextlib.suppress(Overloaded):
+                for old in s.admit(job):
+                    leave(old)
+                admitted[job.id] = job
+                waiting.clear()
+        elif kind == "next":
+            device = op[1]
+            limit, delay = (GPU_BATCH, GPU_DELAY_US) if device == "gpu" else (1, 0.0)
+            before = queued_on(device)
+            batch = s.next_batch(device, max_queue_delay_us=delay)
+            for e in batch.expired:
+                assert e.deadline_ns <= clock.now
+                leave(e)
+            live = [j for j in before if j.deadline_ns > clock.now]
+            if batch.jobs:
+                assert 1 <= len(batch.jobs) <= limit
+                assert len({j.model for j in batch.jobs}) == 1
+                assert all(j.deadline_ns > clock.now for j in batch.jobs)
+                assert all(j.device == device for j in batch.jobs)
+                assert batch.jobs[0] is live[0]  # the queue's head leads the batch
+                for j in batch.jobs:
+                    leave(j)
+                running.append((device, batch.jobs))
+                waiting.pop(device, None)
+            elif batch.wait_until_ns is not None:
+                assert device == "gpu"
+                head = live[0]
+                same = [j for j in live if j.model == head.model][:limit]
+                assert len(same) < limit  # only a partial batch waits
+                full = s.service_us(device, limit) * 1e3
+                assert clock.now < batch.wait_until_ns
+                assert batch.wait_until_ns <= head.admitted_ns + GPU_DELAY_US * 1e3
+                assert all(batch.wait_until_ns <= j.deadline_ns - full for j in same)
+                if device in waiting:  # asked again after its wait came, nothing new: must go
+                    assert clock.now < waiting[device]
+                waiting[device] = batch.wait_until_ns
+            else:
+                assert not live
+        elif kind == "finish" and running:
+            device, jobs = running.pop(op[1] % len(running))
+            s.finished_batch(device, jobs, 400.0 * len(jobs))
+        elif kind == "tick":
+            clock.now += op[1]
+        elif kind == "cancel":
+            with contextlib.suppress(NotFound):
+                leave(s.cancel(op[1]))
+        elif kind == "expire":
+            for e in s.expire():
+                assert e.deadline_ns <= clock.now
+                leave(e)
+        assert s.queued("dla0") <= 3
+        assert s.queued("gpu") <= 6
+    for job in s.drain():
+        leave(job)
+    assert set(exits) == set(admitted)
+    assert all(n == 1 for n in exits.values())
+
+
+def test_a_partial_batch_waits_then_goes_and_a_full_one_goes_at_once() -> None:
+    clock = FakeClock()
+    s: Scheduler[None] = Scheduler(clock)
+    s.add_device("gpu", ["m"], capacity=8, service_us=500.0, max_batch=4,
+                 batch_service_us={4: 1200.0})  # fmt: skip
+    s.admit(Job(1, "m", 10**12, None))
+    batch = s.next_batch("gpu", max_queue_delay_us=2000.0)
+    assert (batch.jobs, batch.wait_until_ns) == ([], 2_000_000)  # 2 ms after job 1 arrived
+    clock.now = 1_000_000
+    for i in range(2, 5):
+        s.admit(Job(i, "m", 10**12, None))
+    batch = s.next_batch("gpu", max_queue_delay_us=2000.0)  # full: no waiting
+    assert [j.id for j in batch.jobs] == [1, 2, 3, 4]
+    s.admit(Job(5, "m", clock.now + 1_500_000, None))  # 1.5 ms left, a full batch takes 1.2
+    batch = s.next_batch("gpu", max_queue_delay_us=2000.0)
+    assert batch.wait_until_ns == clock.now + 300_000  # the deadline, not the 2 ms, decides
+    clock.now += 300_000
+    assert [j.id for j in s.next_batch("gpu", max_queue_delay_us=2000.0).jobs] == [5]
+
+
+def test_service_curve_is_learned_per_batch_size_and_interpolated() -> None:
+    clock = FakeClock()
+    s: Scheduler[None] = Scheduler(clock, alpha=1.0)
+    s.add_device("gpu", ["m"], capacity=8, service_us=1000.0, max_batch=8,
+                 batch_service_us={8: 4000.0})  # fmt: skip
+    assert s.service_us("gpu", 4) == pytest.approx(1000.0 + 3 / 7 * 3000.0)
+    assert s.service_us("gpu", 16) == pytest.approx(8000.0)  # the largest's per-image cost
+    for i in range(4):
+        s.admit(Job(i, "m", 10**12, None))
+    batch = s.next_batch("gpu", max_batch=4)
+    s.finished_batch("gpu", batch.jobs, 2000.0)
+    assert s.service_us("gpu", 4) == pytest.approx(2000.0)
+    assert s.service_us("gpu", 1) == pytest.approx(1000.0)  # other sizes keep theirs
