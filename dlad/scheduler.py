@@ -33,13 +33,13 @@ Every admitted job leaves the scheduler exactly once, through exactly one of: di
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from dlad.curves import interpolate
 from dlad.errors import NotFound, Overloaded
 
 P = TypeVar("P")
@@ -87,17 +87,7 @@ class _Curve:
     alpha: float
 
     def __call__(self, size: int) -> float:
-        if size in self.known:
-            return self.known[size]
-        sizes = sorted(self.known)
-        i = bisect.bisect_left(sizes, size)
-        if i == 0:  # below every known size: proportional to the smallest
-            return self.known[sizes[0]] * size / sizes[0]
-        if i == len(sizes):  # above: the largest's per-image cost
-            return self.known[sizes[-1]] * size / sizes[-1]
-        lo, hi = sizes[i - 1], sizes[i]
-        t = (size - lo) / (hi - lo)
-        return self.known[lo] + t * (self.known[hi] - self.known[lo])
+        return interpolate(self.known, size)
 
     def learn(self, size: int, measured_ns: float) -> None:
         old = self(size)
@@ -272,6 +262,19 @@ class Scheduler(Generic[P]):
             raise ValueError("max_batch must be >= 1 and max_queue_delay_us >= 0")
         now = self._clock()
         expired: list[Job[P]] = []
+        if size == 1:  # the DLAs' hot path: pop the head, no batch to assemble
+            while d.heap:
+                _, deadline, seq, job_id = heapq.heappop(d.heap)
+                job = self._jobs.get(job_id)
+                if job is None or job._seq != seq:
+                    continue  # removed while queued
+                self._take(job)
+                if deadline <= now:
+                    expired.append(job)
+                    continue
+                d.running[job.id] = (now, int(d.curve(1)), next(self._tasks))
+                return Batch([job], expired, None)
+            return Batch([], expired, None)
         live: list[Job[P]] = []
         for _, deadline, seq, job_id in sorted(d.heap):
             job = self._jobs.get(job_id)

@@ -20,7 +20,6 @@ interpolated. ``docs/latency.md`` says what this assumes.
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 import zlib
@@ -31,6 +30,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import numpy.typing as npt
 
+from dlad.curves import interpolate
 from dlad.devices.int8_engine import Int8Engine, engine_for_loadable
 from dlad.imaging.post import unpack_head
 from dlad.loadable import DataType, Loadable
@@ -64,19 +64,7 @@ def batch_curve_us(
         scale = batch1_us / (ORIN_GPU_YOLOV5S_MS[1] * 1e3)
     else:
         scale = loadable.latency_us / (ORIN_DLA_YOLOV5S_MS * 1e3)
-    sizes = sorted(ORIN_GPU_YOLOV5S_MS)
-
-    def published_ms(b: int) -> float:
-        if b in ORIN_GPU_YOLOV5S_MS:
-            return ORIN_GPU_YOLOV5S_MS[b]
-        i = bisect.bisect_left(sizes, b)
-        if i == len(sizes):
-            return ORIN_GPU_YOLOV5S_MS[sizes[-1]] * b / sizes[-1]
-        lo, hi = sizes[i - 1], sizes[i]
-        t = (b - lo) / (hi - lo)
-        return ORIN_GPU_YOLOV5S_MS[lo] + t * (ORIN_GPU_YOLOV5S_MS[hi] - ORIN_GPU_YOLOV5S_MS[lo])
-
-    return {b: published_ms(b) * 1e3 * scale for b in range(1, max_batch + 1)}
+    return {b: interpolate(ORIN_GPU_YOLOV5S_MS, b) * 1e3 * scale for b in range(1, max_batch + 1)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -49,9 +49,7 @@ from dlad.devices.int8_layout import (
     select_kernel_path,
 )
 from dlad.imaging.pre import hwc4_layout
-
-if TYPE_CHECKING:
-    from dlad.loadable import Loadable
+from dlad.loadable import DataType, Loadable
 
 __all__ = [
     "EngineConfigError",
@@ -374,8 +372,6 @@ def engine_for_loadable(
     """The engine of an emulated loadable: its ``graph`` section, input scale and shape, and one
     :class:`OutputSpec` per output descriptor (``CHW32`` int8 with its scale, else ``CHW16``
     fp16). Raises what :class:`Int8Engine` raises."""
-    from dlad.loadable import DataType  # noqa: PLC0415 (the engine needs no loadable otherwise)
-
     specs = [
         OutputSpec(d.name, d.c, d.h, d.w, "int8", d.scale)
         if d.data_type == DataType.INT8

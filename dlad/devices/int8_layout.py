@@ -249,9 +249,13 @@ _probe_lock = threading.Lock()
 
 
 @cache
+def _probe_once(operands: Operands) -> tuple[str, ...]:
+    return _probe(operands)
+
+
 def _probe_cached(operands: Operands) -> tuple[str, ...]:
-    with _probe_lock:  # two cores loading at once probe once
-        return _probe(operands)
+    with _probe_lock:  # two cores loading at once: the second waits for the first's result
+        return _probe_once(operands)
 
 
 def u8s8_is_exact() -> bool:

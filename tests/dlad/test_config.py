@@ -445,27 +445,26 @@ def test_a_model_on_the_gpu_uses_a_configured_loadable() -> None:
 
 
 @pytest.mark.parametrize(
-    ("setting", "value"), [("task_timeout_ms", 50.0), ("faults", {"error_rate": 0.1})]
+    ("device", "setting", "value", "reason"),
+    [
+        # settings the emulated GPU does not use
+        ("gpu", "task_timeout_ms", 50.0, "dla devices only"),
+        ("gpu", "faults", {"error_rate": 0.1}, "dla devices only"),
+        # batching settings on a DLA, which runs batch 1
+        ("dla0", "engine", "emulated", "gpu device only"),
+        ("dla0", "max_batch", 4, "gpu device only"),
+        ("dla0", "max_queue_delay_us", 5.0, "gpu device only"),
+    ],
 )
-def test_settings_the_emulated_gpu_does_not_use_are_refused(setting: str, value: Any) -> None:
+def test_settings_of_the_other_device_kind_are_refused(
+    device: str, setting: str, value: Any, reason: str
+) -> None:
     data = copy.deepcopy(SHIPPED_DATA)
-    data["devices"]["gpu"][setting] = value
+    data["devices"][device][setting] = value
     with pytest.raises(ConfigError) as info:
         parse_config(data)
-    assert info.value.key == f"devices.gpu.{setting}"
-    assert "dla devices only" in info.value.reason
-
-
-@pytest.mark.parametrize(
-    ("setting", "value"), [("engine", "emulated"), ("max_batch", 4), ("max_queue_delay_us", 5.0)]
-)
-def test_batching_settings_on_a_dla_are_refused(setting: str, value: Any) -> None:
-    data = copy.deepcopy(SHIPPED_DATA)
-    data["devices"]["dla0"][setting] = value
-    with pytest.raises(ConfigError) as info:
-        parse_config(data)
-    assert info.value.key == f"devices.dla0.{setting}"
-    assert "gpu device only" in info.value.reason
+    assert info.value.key == f"devices.{device}.{setting}"
+    assert reason in info.value.reason
 
 
 def test_two_models_on_one_device_are_refused() -> None:

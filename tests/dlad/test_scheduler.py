@@ -31,15 +31,22 @@ def make(
     return s, clock
 
 
+def _admit_op(
+    budget_ns: int, streams: list[str | None], models: list[str]
+) -> st.SearchStrategy[tuple]:
+    """("admit", priority, deadline budget, stream, model)."""
+    return st.tuples(
+        st.just("admit"),
+        st.integers(0, 3),
+        st.integers(1, budget_ns),
+        st.sampled_from(streams),
+        st.sampled_from(models),
+    )
+
+
 ops = st.lists(
     st.one_of(
-        st.tuples(
-            st.just("admit"),
-            st.integers(0, 3),
-            st.integers(1, 5_000_000),
-            st.sampled_from([None, "a", "b"]),
-            st.sampled_from(["m", "n"]),
-        ),
+        _admit_op(5_000_000, [None, "a", "b"], ["m", "n"]),
         st.tuples(st.just("next"), st.sampled_from(["dla0", "dla1"])),
         st.tuples(st.just("finish"), st.integers(0, 50)),
         st.tuples(st.just("tick"), st.integers(0, 3_000_000)),
@@ -205,13 +212,7 @@ def test_latest_frame_wins_and_unknown_model() -> None:
 
 
 # ------------------------------------------------------------------------------------- batches
-_batch_admit = st.tuples(
-    st.just("admit"),
-    st.integers(0, 2),
-    st.integers(1, 20_000_000),
-    st.sampled_from([None, None, None, "a", "b"]),
-    st.sampled_from(["m", "n", "n"]),
-)
+_batch_admit = _admit_op(20_000_000, [None, None, None, "a", "b"], ["m", "n", "n"])
 batch_ops = st.lists(
     st.one_of(
         _batch_admit,
