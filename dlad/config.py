@@ -42,7 +42,8 @@ else:  # pragma: no cover - the daemon's Python on JetPack 6 is 3.10
 __all__ = [
     "BUNDLED_PREFIX", "Config", "ConfigError", "DaemonConfig", "DeviceConfig", "FaultConfig",
     "FrontendConfig", "LoadablesConfig", "LoggingConfig", "MetricsConfig", "ModelConfig",
-    "Placement", "Plan", "PrePostConfig", "endpoint_problem", "load_config", "parse_config",
+    "Placement", "Plan", "PrePostConfig", "SchedulerConfig", "SocConfig", "endpoint_problem",
+    "load_config", "parse_config",
 ]  # fmt: skip
 
 MAX_DET = 1000
@@ -290,6 +291,36 @@ class FaultConfig:
         return self.error_rate > 0 or self.hang_rate > 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    """``[scheduler]``: where each request runs among the devices that serve its model."""
+
+    policy: Literal["latency", "throughput", "static"] = "latency"
+    """``latency``: the device estimated to finish this frame first (at low load the GPU at
+    batch 1 beats a DLA; NVIDIA's SingleStream configurations). ``throughput``: the DLA cores
+    first, the GPU takes what they cannot finish by the deadline and batches it (NVIDIA's
+    Offline configurations: the efficient engines first, every engine filled at load).
+    ``static``: each camera stream is pinned, at its first frame, to one device in proportion to
+    the devices' speeds, as DeepStream pins sources (a baseline: it cannot follow skewed
+    streams); frames without a stream are placed as ``latency``. Every policy estimates
+    completion the same way (``dlad/scheduler.py``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SocConfig:
+    """``[soc]``: the emulated Orin as a whole."""
+
+    dram_contention: float = 1.0
+    """How much the emulated engines slow each other when they run at once (the DRAM they
+    share; ``dlad/devices/dram.py``), in [0, 10]. 1: as measured on AGX Orin for a DRAM-bound
+    conv2d (the GPU 1.77x slower beside both DLAs, a DLA 1.17x); 0: never (NVIDIA's MLPerf
+    ResNet-50, with native INT8 formats, shows no loss). Real engines contend for real."""
+
+    def __post_init__(self) -> None:
+        value = self.dram_contention
+        _check(0 <= value <= 10, "dram_contention", f"must be in [0, 10], got {value!r}")
+
+
 _DLA_BACKENDS: Final = ("auto", "emulated", "cudla")
 _GPU_BACKENDS: Final = ("auto", "cuda", "cpu")
 
@@ -460,6 +491,10 @@ class Config:
     """``[metrics]``."""
     pre_post: PrePostConfig = field(default_factory=PrePostConfig)
     """``[pre_post]``."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """``[scheduler]``."""
+    soc: SocConfig = field(default_factory=SocConfig)
+    """``[soc]``."""
     devices: tuple[DeviceConfig, ...]
     """``[devices.<name>]``, in file order (at least one)."""
     models: tuple[ModelConfig, ...]

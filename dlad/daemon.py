@@ -78,7 +78,9 @@ class Daemon:
         """Set once :meth:`serve` has returned or raised (wait on it from any thread)."""
         self.executors: dict[str, Executor] = {}
         self._stop = anyio.Event()
-        self._scheduler: Scheduler[Request] = Scheduler(time.monotonic_ns)
+        self._scheduler: Scheduler[Request] = Scheduler(
+            time.monotonic_ns, policy=self.config.scheduler.policy
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         m = self.config.metrics
         self.metrics = Metrics(

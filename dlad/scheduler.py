@@ -7,13 +7,19 @@ frontend admits requests into it. It never blocks and never grows without bound:
 - **Admission** places a job on one device's bounded queue, or refuses it at once with
   :class:`~dlad.errors.Overloaded` (every queue that could take it is full) — "full" is an
   answer, never growth.
-- **Placement** is by earliest estimated completion over the devices that hold the job's model:
-  ``now + in flight(device) + work(queued + this job)``. A device's service time is a function of
-  the batch size, seeded at registration (a DLA: its modelled latency at batch 1; a GPU: a batch
-  curve) and learned online from completions (an exponentially weighted mean per batch size;
-  sizes never seen are interpolated). The queued work of a batching device counts its queue in
-  batches of its ``max_batch``. A faster, idler or better-batching device therefore gets more of
-  the load, and two equal DLA cores share it evenly.
+- **Placement** estimates, for each device that holds the job's model, when the job would
+  finish there: ``now + in flight(device) + work(queued + this job)``. The policy then picks:
+  ``latency``, the earliest; ``throughput``, the lowest *tier* (the DLA cores before the GPU)
+  among the devices estimated to finish by the job's deadline, earliest first, and the earliest
+  overall when none would; ``static``, a stream's frames all go to the device the stream was
+  pinned to at its first frame (the device with the fewest pinned streams per unit of speed; a
+  full queue there is OVERLOADED, it does not spill), other frames as ``latency``.
+- **Service time.** A device's service time is a function of the batch size, seeded at
+  registration (a DLA: its modelled latency at batch 1; a GPU: a batch curve) and learned online
+  from completions (an exponentially weighted mean per batch size; sizes never seen are
+  interpolated). The queued work of a batching device counts its queue in batches of its
+  ``max_batch``. A faster, idler or better-batching device therefore gets more of the load, and two
+  equal DLA cores share it evenly.
 - **Order** within a device queue: higher priority first, then earlier deadline, then arrival.
 - **Batches** (:meth:`next_batch`): up to ``max_batch`` jobs of one model, in queue order. A
   partial batch waits for more jobs at most ``max_queue_delay_us`` after its first job was
@@ -35,9 +41,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Final, Generic, Literal, TypeVar
 
 from dlad.curves import interpolate
 from dlad.errors import NotFound, Overloaded
@@ -45,6 +52,11 @@ from dlad.errors import NotFound, Overloaded
 P = TypeVar("P")
 Clock = Callable[[], int]
 """Monotonic nanoseconds (``time.monotonic_ns`` in the daemon; a virtual clock in tests)."""
+Policy = Literal["throughput", "latency", "static"]
+"""How a job's device is chosen (the module docstring; ``[scheduler] policy``)."""
+POLICIES: Final[tuple[Policy, ...]] = ("throughput", "latency", "static")
+MAX_PINNED_STREAMS: Final = 4096
+"""``static`` remembers this many streams' devices, forgetting the least recently seen."""
 
 
 @dataclass(eq=False)
@@ -101,6 +113,8 @@ class _Device:
     capacity: int
     max_batch: int
     curve: _Curve
+    tier: int = 0
+    pinned: int = 0  # streams pinned to it (policy static)
     # (-priority, deadline, arrival sequence, job id); entries of removed jobs are skipped
     # lazily and compacted away when they outnumber the live ones.
     heap: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -132,13 +146,18 @@ class Scheduler(Generic[P]):
     Args:
         clock: monotonic nanoseconds.
         alpha: weight of a new measurement in the service-time estimates (0 < alpha <= 1).
+        policy: how a job's device is chosen (the module docstring).
     """
 
-    def __init__(self, clock: Clock, *, alpha: float = 0.2) -> None:
+    def __init__(self, clock: Clock, *, alpha: float = 0.2, policy: Policy = "latency") -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self._clock = clock
         self._alpha = alpha
+        self.policy: Policy = policy
+        self._pins: OrderedDict[str, str] = OrderedDict()  # stream -> device (policy static)
         self._devices: dict[str, _Device] = {}
         self._jobs: dict[int, Job[P]] = {}  # queued only
         self._streams: dict[str, int] = {}  # stream -> queued job id
@@ -155,10 +174,12 @@ class Scheduler(Generic[P]):
         service_us: float,
         max_batch: int = 1,
         batch_service_us: Mapping[int, float] | None = None,
+        tier: int = 0,
     ) -> None:
         """Register a device that serves ``models`` with a queue of ``capacity`` jobs, taking
         batches of up to ``max_batch``; ``service_us`` is its first estimate at batch 1 and
-        ``batch_service_us`` (batch size -> µs) at other sizes.
+        ``batch_service_us`` (batch size -> µs) at other sizes. The ``throughput`` policy
+        prefers lower ``tier`` s (the daemon: 0 for a DLA core, 1 for the GPU).
 
         Raises:
             ValueError: a duplicate name, a capacity or max_batch below 1, or a non-positive
@@ -176,7 +197,7 @@ class Scheduler(Generic[P]):
             raise ValueError(f"{name}: batch sizes must be >= 1")
         known = {b: t * 1e3 for b, t in curve.items()}
         self._devices[name] = _Device(
-            name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha)
+            name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha), tier
         )
 
     @property
@@ -200,6 +221,8 @@ class Scheduler(Generic[P]):
         candidates = [d for d in self._devices.values() if job.model in d.models]
         if not candidates:
             raise NotFound(f"no device serves model {job.model!r}", request_id=job.id)
+        if self.policy == "static" and job.stream is not None:
+            candidates = [self._pinned(job.stream, candidates)]
         now = self._clock()
         # The stream's queued frame (if any) is superseded only once the new one is sure to be
         # admitted: a refused new frame leaves the old one queued, to be answered as usual.
@@ -219,7 +242,7 @@ class Scheduler(Generic[P]):
         if old is not None:
             self._remove(old.id)
             superseded.append(old)
-        best = min(open_, key=lambda d: (self._completion(d, now), d.name))
+        best = self._choose(job, open_, now)
         job.device = best.name
         job.admitted_ns = now
         job.estimate_ns = int(best.curve(1))
@@ -230,6 +253,42 @@ class Scheduler(Generic[P]):
         if job.stream is not None:
             self._streams[job.stream] = job.id
         return superseded
+
+    def pinned(self, stream: str) -> str | None:
+        """The device ``stream`` is pinned to (policy ``static``), or None."""
+        return self._pins.get(stream)
+
+    def _choose(self, job: Job[P], open_: Sequence[_Device], now: int) -> _Device:
+        ends = {d.name: self._completion(d, now) for d in open_}
+        if self.policy == "throughput":
+            return min(
+                open_,
+                key=lambda d: (now + ends[d.name] > job.deadline_ns, d.tier, ends[d.name], d.name),
+            )
+        return min(open_, key=lambda d: (ends[d.name], d.name))
+
+    def _pinned(self, stream: str, candidates: Sequence[_Device]) -> _Device:
+        """The device ``stream`` is pinned to (pinned now if new, or if its device no longer
+        serves the model): the fewest pinned streams per unit of speed (batches/s at its
+        ``max_batch``)."""
+        name = self._pins.get(stream)
+        if name is not None and any(d.name == name for d in candidates):
+            self._pins.move_to_end(stream)
+            return self._devices[name]
+
+        def load(d: _Device) -> float:
+            return (d.pinned + 1) * d.curve(d.max_batch) / d.max_batch
+
+        chosen = min(candidates, key=lambda d: (load(d), d.name))
+        if name is not None:
+            self._devices[name].pinned -= 1
+        self._pins[stream] = chosen.name
+        self._pins.move_to_end(stream)
+        chosen.pinned += 1
+        while len(self._pins) > MAX_PINNED_STREAMS:
+            _, forgotten = self._pins.popitem(last=False)
+            self._devices[forgotten].pinned -= 1
+        return chosen
 
     def _completion(self, d: _Device, now: int) -> float:
         """When a job admitted to ``d`` now would finish: what is in flight, then the queue and

@@ -53,6 +53,7 @@ from dlad.devices.base import (
     is_int_in,
     run_fence_callback,
 )
+from dlad.devices.dram import SharedDram, Transfer
 from dlad.devices.int8_engine import Int8Engine, Int8EngineError, engine_for_loadable
 from dlad.loadable import (
     DataType,
@@ -273,6 +274,9 @@ class EmulatedDlaCore:
         allocator: returns ``n`` zeroed, page-aligned bytes (a uint8 array) for each buffer;
             None: numpy memory. The daemon passes pinned, GPU-mapped memory when the GPU does
             pre/post-processing, as an Orin's NvSciBuf buffers are shared with its GPU.
+        dram: the DRAM this core shares with the emulated Orin's other engines (its tasks
+            take longer while they run: ``dlad/devices/dram.py``), or None (alone). It must
+            run on ``clock``.
 
     Raises ValueError for a bad mode, latency, thread count, queue depth or faults.
     """
@@ -288,6 +292,7 @@ class EmulatedDlaCore:
         clock: Callable[[], int] = time.monotonic_ns,
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         allocator: Callable[[int], npt.NDArray[np.uint8]] | None = None,
+        dram: SharedDram | None = None,
     ) -> None:
         if not is_int_in(core, 0, 2):
             raise DlaError(CudlaStatus.ERROR_INVALID_DEVICE, "cudlaCreateDevice", f"core {core!r}")
@@ -310,6 +315,7 @@ class EmulatedDlaCore:
         self._clock = clock
         self._queue_depth = queue_depth
         self.allocator = allocator
+        self._dram = dram
         self._cv = threading.Condition(threading.Lock())
         # Guarded by _cv (single reads elsewhere are fine under the GIL):
         self._queue: collections.deque[EmulatedTaskHandle] = collections.deque()
@@ -542,6 +548,8 @@ class EmulatedDlaCore:
             self._stopping = True
             self._abort = force
             self._cv.notify_all()
+        if force and self._dram is not None:
+            self._dram.wake()  # a task waiting out its DRAM-shared time sees the abort
         self._thread.join()
         with self._cv:
             left = list(self._queue)
@@ -611,23 +619,44 @@ class EmulatedDlaCore:
         if outcome == "done" and fault == "hang":
             outcome = self._wait_until(lambda: False, deadline)
         elif outcome == "done":
-            if fault == "error":
-                status = self._faults.error_status if self._faults else CudlaStatus.ERROR_UNKNOWN
-            else:
-                status = self._compute(module, task)
-                compute_ns = self._clock() - start
-            end = start + round(modelled * _NS_PER_US)
-            # Sleep out the modelled latency; a computation longer than it sets the time.
-            if self._wait_until(lambda: False, min(end, deadline)) == "aborted":
-                outcome = "aborted"
-            elif end > deadline or self._clock() > deadline:
-                outcome = "expired"
+            # The modelled latency is the task's work alone; sharing the DRAM stretches it.
+            dram = self._dram
+            transfer = None if dram is None else dram.begin("dla", modelled * 1e3)
+            try:
+                if fault == "error":
+                    status = (
+                        self._faults.error_status if self._faults else CudlaStatus.ERROR_UNKNOWN
+                    )
+                else:
+                    status = self._compute(module, task)
+                    compute_ns = self._clock() - start
+                # Wait out the modelled time; a computation longer than it sets the time.
+                outcome = self._wait_work(start, modelled, deadline, dram, transfer)
+            finally:
+                if dram is not None and transfer is not None:
+                    dram.finish(transfer)
         if outcome == "expired":
             status = CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
         elif outcome == "aborted":
             status = ABORTED_STATUS
         timing = TaskTiming(handle.submit_ns, start, self._clock(), modelled, compute_ns / 1e3)
         self._finish(handle, status, timing)
+
+    def _wait_work(
+        self,
+        start: int,
+        modelled_us: float,
+        deadline: int,
+        dram: SharedDram | None,
+        transfer: Transfer | None,
+    ) -> _Outcome:
+        if dram is None or transfer is None:
+            end = start + round(modelled_us * _NS_PER_US)
+            if self._wait_until(lambda: False, min(end, deadline)) == "aborted":
+                return "aborted"
+            return "expired" if end > deadline or self._clock() > deadline else "done"
+        waited = dram.wait(transfer, deadline, stop=lambda: self._abort)
+        return "aborted" if waited == "stopped" else waited
 
     def _compute(self, module: EmulatedModule, task: Task) -> CudlaStatus:
         # submit checked that every buffer is an EmulatedBuffer of this core.

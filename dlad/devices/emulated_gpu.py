@@ -8,7 +8,8 @@ it is the third engine of the emulated Orin. A batch
    integers as the DLA cores: ``dlad/devices/int8_engine.py``), heads unpacked to the logical
    ``[C, H, W]`` layout a GPU engine writes; ``mode="timing"``: no math, fixed, valid heads;
 2. takes the modelled time of its size in total (it sleeps what the computation left, or takes
-   the computation's own time if that is longer), one batch at a time, as one GPU engine does.
+   the computation's own time if that is longer), one batch at a time, as one GPU engine does;
+   with a :class:`~dlad.devices.dram.SharedDram`, that time stretches while DLA tasks run.
 
 **The batch curve** (:data:`ORIN_GPU_YOLOV5S_MS`) is ``trtexec``'s median GPU compute time of
 YOLOv5s at 672x672, INT8, on DRIVE Orin (NVIDIA's cuDLA-samples README;
@@ -31,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dlad.curves import interpolate
+from dlad.devices.dram import SharedDram
 from dlad.devices.int8_engine import Int8Engine, engine_for_loadable
 from dlad.imaging.post import unpack_head
 from dlad.loadable import DataType, Loadable
@@ -89,6 +91,9 @@ class EmulatedGpu:
         max_batch: the largest batch :meth:`run` takes (>= 1).
         batch1_us: the batch-1 service time to scale the curve to (None: from the loadable).
         threads: onnxruntime intra-op threads of the numeric engine.
+        dram: the DRAM it shares with the emulated Orin's DLA cores (a batch takes longer while
+            they run: ``dlad/devices/dram.py``), or None (alone). It must run on
+            ``time.monotonic_ns``.
 
     Raises ValueError for a bad argument, and the INT8 engine's errors for a graph it cannot
     build. :meth:`run` is thread-safe: batches run one at a time.
@@ -102,6 +107,7 @@ class EmulatedGpu:
         max_batch: int = 8,
         batch1_us: float | None = None,
         threads: int = 1,
+        dram: SharedDram | None = None,
     ) -> None:
         if mode not in ("numeric", "timing"):
             raise ValueError(f"mode must be 'numeric' or 'timing', got {mode!r}")
@@ -117,6 +123,7 @@ class EmulatedGpu:
             engine_for_loadable(loadable, threads=threads) if mode == "numeric" else None
         )
         self._patterns = [_pattern_head(d) for d in loadable.outputs] if mode == "timing" else []
+        self.dram = dram
         self._lock = threading.Lock()
 
     def run(
@@ -133,15 +140,25 @@ class EmulatedGpu:
         modelled = self.curve_us[len(frames)]
         with self._lock:  # one engine: batches queue behind each other
             start = time.monotonic_ns()
-            if self._engine is not None:
-                heads = [self._heads(self._engine.run(f)) for f in frames]
-                compute_us: float | None = (time.monotonic_ns() - start) / 1e3
-            else:
-                heads = [list(self._patterns) for _ in frames]
-                compute_us = None
-            left = modelled * 1e3 - (time.monotonic_ns() - start)
-            if left > 0:
-                time.sleep(left / 1e9)
+            dram = self.dram
+            # The curve's time is the batch's work alone; sharing the DRAM stretches it.
+            transfer = None if dram is None else dram.begin("gpu", modelled * 1e3)
+            try:
+                if self._engine is not None:
+                    heads = [self._heads(self._engine.run(f)) for f in frames]
+                    compute_us: float | None = (time.monotonic_ns() - start) / 1e3
+                else:
+                    heads = [list(self._patterns) for _ in frames]
+                    compute_us = None
+                if dram is not None and transfer is not None:
+                    dram.wait(transfer)
+                else:
+                    left = modelled * 1e3 - (time.monotonic_ns() - start)
+                    if left > 0:
+                        time.sleep(left / 1e9)
+            finally:
+                if dram is not None and transfer is not None:
+                    dram.finish(transfer)
             end = time.monotonic_ns()
         timing = GpuBatchTiming(len(frames), modelled, compute_us, (end - start) / 1e3, start, end)
         return heads, timing

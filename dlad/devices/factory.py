@@ -17,6 +17,7 @@ import numpy.typing as npt
 import structlog
 
 from dlad.devices.base import CudlaStatus, DlaCore, DlaError, Module
+from dlad.devices.dram import SharedDram
 from dlad.devices.emulated import EmulatedDlaCore, FaultConfig
 from dlad.loadable import Loadable, TensorDescriptor
 
@@ -72,13 +73,14 @@ def open_core(
     latency_us: float | None = None,
     threads: int = 1,
     faults: FaultConfig | None = None,
+    dram: SharedDram | None = None,
     allocator: Callable[[int], npt.NDArray[np.uint8]] | None = None,
     cudla_options: dict[str, Any] | None = None,
 ) -> tuple[DlaCore, Module]:
     """Open DLA ``core`` on ``backend`` and load its loadable; returns the core and module.
 
-    ``emulated``: :class:`EmulatedDlaCore` with ``mode``, ``latency_us``, ``threads``, ``faults``
-    and ``allocator``, loading ``loadable_path``. ``cudla``:
+    ``emulated``: :class:`EmulatedDlaCore` with ``mode``, ``latency_us``, ``threads``, ``faults``,
+    ``dram`` and ``allocator``, loading ``loadable_path``. ``cudla``:
     :class:`~dlad.devices.cudla.backend.CudlaDlaCore` (``cudla_options`` are its keyword
     arguments) loading ``cudla_loadable`` with the INT8 scales of ``loadable``. Raises
     DlaError (a cudla core is closed again if its loadable does not match ``loadable``) and
@@ -87,7 +89,7 @@ def open_core(
     chosen = resolve_backend(backend, cudla_loadable)
     if chosen == "emulated":
         emu = EmulatedDlaCore(
-            core, mode=mode, latency_us=latency_us, threads=threads, faults=faults,
+            core, mode=mode, latency_us=latency_us, threads=threads, faults=faults, dram=dram,
             allocator=allocator,
         )  # fmt: skip
         try:

@@ -40,6 +40,7 @@ import numpy as np
 import structlog
 
 from dlad.devices.base import CudlaStatus, DlaError, Task
+from dlad.devices.dram import SharedDram
 from dlad.devices.emulated import FaultConfig
 from dlad.devices.factory import open_core
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
@@ -81,7 +82,8 @@ class DlaExecutor(Executor):
         loadable: its parsed header (anchors, strides, scales).
         scheduler: the daemon's scheduler (loop-owned), which it pulls its jobs from.
         capacity: its queue bound in the scheduler.
-        mode, latency_us, threads, faults, task_timeout_ms: the emulated core's settings.
+        mode, latency_us, threads, faults, task_timeout_ms, dram: the emulated core's settings
+            (``dram``: the DRAM it shares with the emulated Orin's other engines, or None).
         backend, cudla_loadable: ``emulated``, ``cudla`` or ``auto`` and the TensorRT loadable
             a cudla core runs (:func:`dlad.devices.factory.open_core`).
         pre_post: run pre/post-processing (off: the benchmark's "daemon path only" mode, where
@@ -113,6 +115,7 @@ class DlaExecutor(Executor):
         gpu: GpuService | None = None,
         backend: str = "emulated",
         cudla_loadable: str | None = None,
+        dram: SharedDram | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -140,6 +143,7 @@ class DlaExecutor(Executor):
             latency_us=latency_us,
             threads=threads,
             faults=faults,
+            dram=dram,
             allocator=None if self.gpu is None else self.gpu.host_array,
             cudla_options=None if self.gpu is None else self.gpu.cudla_options(),
         )

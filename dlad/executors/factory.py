@@ -4,8 +4,10 @@ For each placement on a DLA device: its fault settings become the emulated core'
 :class:`~dlad.devices.emulated.FaultConfig`, its cuDLA loadable is looked up, the GPU service (if
 pre/post-processing runs on CUDA) is wired into its slots. For a placement on the gpu device: its
 engine (the emulated Orin GPU) is built from the model's loadable with its batch curve. Every
-executor is registered with the scheduler with its queue bound, batch size and first
-service-time estimates.
+executor is registered with the scheduler with its queue bound, batch size, first service-time
+estimates and tier (a DLA core 0, the GPU 1: the ``throughput`` policy fills the DLA cores
+first). The emulated engines share one :class:`~dlad.devices.dram.SharedDram` (``[soc]
+dram_contention``), so running at once slows them as the Orin's shared DRAM does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import anyio
 
 from dlad.config import Placement, Plan
 from dlad.devices.base import DlaError
+from dlad.devices.dram import SharedDram
 from dlad.devices.emulated import FaultConfig
 from dlad.devices.emulated_gpu import EmulatedGpu
 from dlad.devices.factory import cudla_loadable_for
@@ -56,12 +59,15 @@ def build_executors(
     built before it are closed first).
     """
     built: dict[str, Executor] = {}
+    dram = SharedDram(plan.config.soc.dram_contention)  # what the emulated engines share
     try:
         for placement in plan.placements:
             dev = plan.config.device(placement.device)
             if dev.kind == "gpu":
-                gpu_executor = _gpu_executor(plan, placement, scheduler, limiter, pre_post)
-                _register(scheduler, gpu_executor, gpu_executor.batch_service_us)
+                gpu_executor = _gpu_executor(
+                    plan, placement, scheduler, limiter, pre_post, dram=dram
+                )
+                _register(scheduler, gpu_executor, gpu_executor.batch_service_us, tier=1)
                 built[gpu_executor.name] = gpu_executor
                 continue
             faults = None
@@ -90,12 +96,13 @@ def build_executors(
                     gpu=gpu,
                     backend=dev.backend,
                     cudla_loadable=cudla_loadable_for(plan, placement),
+                    dram=dram,
                 )
             except DlaError as exc:  # the core cannot open or load (e.g. no exact INT8 kernel)
                 raise ExecutorBuildError(
                     f"cannot open or load {placement.path}: {exc}", key=f"devices.{dev.name}"
                 ) from None
-            _register(scheduler, executor, None)
+            _register(scheduler, executor, None, tier=0)
             built[executor.name] = executor
     except BaseException:
         for done in built.values():
@@ -105,7 +112,7 @@ def build_executors(
 
 
 def _register(
-    scheduler: Scheduler[Request], executor: Executor, curve: dict[int, float] | None
+    scheduler: Scheduler[Request], executor: Executor, curve: dict[int, float] | None, *, tier: int
 ) -> None:
     scheduler.add_device(
         executor.name,
@@ -114,6 +121,7 @@ def _register(
         service_us=executor.service_us,
         max_batch=executor.max_batch,
         batch_service_us=curve,
+        tier=tier,
     )
 
 
@@ -123,6 +131,8 @@ def _gpu_executor(
     scheduler: Scheduler[Request],
     limiter: anyio.CapacityLimiter,
     pre_post: bool,
+    *,
+    dram: SharedDram,
 ) -> GpuExecutor:
     dev = plan.config.device(placement.device)
     max_batch = dev.batch_limit
@@ -133,6 +143,7 @@ def _gpu_executor(
             max_batch=max_batch,
             batch1_us=dev.latency_us,
             threads=dev.threads,
+            dram=dram,
         )
     except (Int8EngineError, ValueError) as exc:
         raise ExecutorBuildError(

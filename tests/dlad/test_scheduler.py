@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlad.errors import NotFound, Overloaded
-from dlad.scheduler import Job, Scheduler
+from dlad.scheduler import POLICIES, Job, Policy, Scheduler
 
 
 class FakeClock:
@@ -58,17 +58,17 @@ ops = st.lists(
 
 
 @settings(max_examples=400, deadline=None)
-@given(ops, st.integers(1, 4), st.integers(1, 4))
+@given(ops, st.integers(1, 4), st.integers(1, 4), st.sampled_from(POLICIES))
 def test_every_job_leaves_once_bounds_and_deadlines(
-    program: list[tuple], cap0: int, cap1: int
+    program: list[tuple], cap0: int, cap1: int, policy: Policy
 ) -> None:
     """Two devices, two models (``m`` on both, ``n`` on dla1 only), camera streams shared by
     both models, full queues, cancels, expiry and drain. ``pending`` plays the daemon's map of
     requests awaiting a reply: every admitted job leaves the scheduler exactly once (dispatch,
     expiry, cancel, supersede or drain), a refused job takes nothing with it, and after the
-    running jobs finish and the queues drain nothing is left pending."""
+    running jobs finish and the queues drain nothing is left pending. Under every policy."""
     clock = FakeClock()
-    s: Scheduler[None] = Scheduler(clock)
+    s: Scheduler[None] = Scheduler(clock, policy=policy)
     s.add_device("dla0", ["m"], capacity=cap0, service_us=1000.0)
     s.add_device("dla1", ["m", "n"], capacity=cap1, service_us=1000.0)
     caps = {"dla0": cap0, "dla1": cap1}
@@ -99,6 +99,8 @@ def test_every_job_leaves_once_bounds_and_deadlines(
                 pending.add(job.id)
             except Overloaded:
                 serving = ["dla0", "dla1"] if model == "m" else ["dla1"]
+                if policy == "static" and stream is not None:
+                    serving = [str(s.pinned(stream))]  # a static split never spills
                 assert all(s.queued(d) == caps[d] for d in serving)
                 assert s.queued() == before  # nothing superseded, nothing lost
         elif kind == "next":
@@ -230,15 +232,17 @@ GPU_BATCH, GPU_DELAY_US = 4, 2_000.0
 
 
 @settings(max_examples=400, deadline=None)
-@given(batch_ops)
-def test_batches_keep_every_bound_and_never_wait_past_a_deadline(program: list[tuple]) -> None:
+@given(batch_ops, st.sampled_from(POLICIES))
+def test_batches_keep_every_bound_and_never_wait_past_a_deadline(
+    program: list[tuple], policy: Policy
+) -> None:
     """A DLA (batch 1, model m) beside a batching GPU (up to 4 jobs, 2 ms queue delay, models m
     and n): every admitted job leaves exactly once; a batch is 1..4 jobs of one model, none past
     its deadline; a partial batch waits no longer than the delay after its first job arrived and
     than the latest start at which a full batch still meets the earliest deadline in it; and
-    once that time has come (no new job since), the batch is dispatched."""
+    once that time has come (no new job since), the batch is dispatched. Under every policy."""
     clock = FakeClock()
-    s: Scheduler[None] = Scheduler(clock)
+    s: Scheduler[None] = Scheduler(clock, policy=policy)
     s.add_device("dla0", ["m"], capacity=3, service_us=1000.0)
     s.add_device(
         "gpu", ["m", "n"], capacity=6, service_us=500.0, max_batch=GPU_BATCH,
@@ -357,3 +361,65 @@ def test_service_curve_is_learned_per_batch_size_and_interpolated() -> None:
     s.finished_batch("gpu", batch.jobs, 2000.0)
     assert s.service_us("gpu", 4) == pytest.approx(2000.0)
     assert s.service_us("gpu", 1) == pytest.approx(1000.0)  # other sizes keep theirs
+
+
+def _orin(policy: Policy, clock: FakeClock, capacity: int = 8) -> Scheduler[None]:
+    """YOLOv5s-672 on an Orin: two DLA cores at 3.82 ms, the GPU at the published curve."""
+    s: Scheduler[None] = Scheduler(clock, policy=policy)
+    for dla in ("dla0", "dla1"):
+        s.add_device(dla, ["m"], capacity=capacity, service_us=3820.0)
+    s.add_device(
+        "gpu", ["m"], capacity=capacity, service_us=1820.0, max_batch=8,
+        batch_service_us={2: 2910.0, 4: 4990.0, 8: 9190.0}, tier=1,
+    )  # fmt: skip
+    return s
+
+
+def test_latency_policy_puts_a_lone_frame_on_the_gpu_and_throughput_on_a_dla() -> None:
+    clock = FakeClock()
+    fast = _orin("latency", clock)
+    fast.admit(Job(1, "m", 33_000_000, None))
+    assert fast.queued("gpu") == 1  # 1.82 ms at batch 1 beats a DLA's 3.82
+    efficient = _orin("throughput", clock)
+    efficient.admit(Job(1, "m", 33_000_000, None))
+    assert efficient.queued("gpu") == 0  # the DLA meets the deadline, so the DLA
+    efficient.admit(Job(2, "m", 33_000_000, None))
+    assert (efficient.queued("dla0"), efficient.queued("dla1")) == (1, 1)
+
+
+def test_throughput_policy_sends_to_the_gpu_what_the_dlas_cannot_finish_in_time() -> None:
+    clock = FakeClock()
+    s = _orin("throughput", clock)
+    s.admit(Job(1, "m", 5_000_000, None))  # a DLA finishes it at 3.82 ms: in time
+    s.admit(Job(2, "m", 5_000_000, None))
+    assert s.queued("gpu") == 0
+    s.admit(Job(3, "m", 5_000_000, None))  # behind a DLA's queue it would end at 7.64 ms
+    assert s.queued("gpu") == 1
+    s.admit(Job(4, "m", 100_000_000, None))  # a relaxed deadline: the DLAs again
+    assert s.queued("gpu") == 1
+
+
+def test_static_policy_pins_streams_by_speed_and_never_spills() -> None:
+    clock = FakeClock()
+    s = _orin("static", clock, capacity=1)
+    pins = {}
+    for i in range(10):
+        s.admit(Job(i, "m", 33_000_000, None, stream=f"cam{i}"))
+        pins[f"cam{i}"] = s.pinned(f"cam{i}")
+        s.drain()
+    # The GPU at batch 8 does 870 frames/s, a DLA 262: the GPU takes about 62% of the streams.
+    assert Counter(pins.values()) == {"gpu": 6, "dla0": 2, "dla1": 2}
+    gpu_cam = next(c for c, d in pins.items() if d == "gpu")
+    s.admit(Job(100, "m", 33_000_000, None, stream=gpu_cam))
+    with pytest.raises(Overloaded):  # its pinned queue is full; the idle DLAs do not take it
+        s.admit(Job(101, "m", 33_000_000, None, stream=next(
+            c for c, d in pins.items() if d == "gpu" and c != gpu_cam
+        )))  # fmt: skip
+    s.admit(Job(102, "m", 33_000_000, None))  # no stream: placed as the latency policy does
+    assert s.queued("dla0") + s.queued("dla1") == 1
+    assert s.pinned("unseen") is None
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(FakeClock(), policy="fastest")  # type: ignore[arg-type]
