@@ -48,6 +48,8 @@ __all__ = [
 
 MAX_DET = 1000
 """The most detections a reply can carry (equal to ``dlad.protocol.MAX_DET``; tested)."""
+MAX_BATCH = 64
+"""The largest ``max_batch`` (equal to ``dlad.protocol.MAX_BATCH``; tested)."""
 BUNDLED_PREFIX: Final = "bundled:"
 """A loadable path ``bundled:<model>/<file>`` names a file of a model that ships with dlad
 (``dlad/models/<model>/``; ``bundled:demo/...`` is :data:`dlad.models.DEMO`)."""
@@ -393,8 +395,8 @@ class DeviceConfig:
                 _check(not given, key, "applies to dla devices only (the emulated GPU has no "
                        "task timeout or fault injection)")  # fmt: skip
             if self.max_batch is not None:
-                _check(1 <= self.max_batch <= 64, "max_batch",
-                       f"must be 1 to 64, got {self.max_batch}")  # fmt: skip
+                _check(1 <= self.max_batch <= MAX_BATCH, "max_batch",
+                       f"must be 1 to {MAX_BATCH}, got {self.max_batch}")  # fmt: skip
             _check(self.max_queue_delay_us >= 0, "max_queue_delay_us",
                    f"must be >= 0, got {self.max_queue_delay_us:g}")  # fmt: skip
         _check(self.backend in allowed, "backend",

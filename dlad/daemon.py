@@ -257,6 +257,8 @@ class Daemon:
                     snaps[name].capacity,
                     snaps[name].in_flight,
                     executor.stats.busy_ns,
+                    executor.kind,
+                    snaps[name].batches,
                 )
                 for name, executor in self.executors.items()
             )
@@ -285,6 +287,8 @@ class Daemon:
                     "completed": executor.stats.completed,
                     "failed": executor.stats.failed,
                     "service_time_us": float(snap.service_time_us),
+                    "max_batch": snap.max_batch,
+                    "batches": list(snap.batches),
                 }
             )
         models = []

@@ -71,6 +71,10 @@ class DeviceSample:
     in_flight: int
     busy_ns: int
     """Total device execution time so far, ns."""
+    kind: str = ""
+    """``dla`` or ``gpu``."""
+    batches: tuple[int, ...] = ()
+    """``[i]``: batches of ``i + 1`` jobs run so far."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,7 @@ class Metrics:
         # (time, cumulative busy ns) at recent heartbeats.
         self._replies: deque[tuple[float, bool, float, str]] = deque(maxlen=_MAX_SAMPLES)
         self._busy: dict[str, deque[tuple[float, int]]] = {}
+        self._batches_seen: dict[str, tuple[int, ...]] = {}
 
         r = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
@@ -177,6 +182,11 @@ class Metrics:
             "dlad_device_busy_ratio",
             "Fraction of the last load window the device spent executing (0-1).",
             ["device"], registry=r,
+        )  # fmt: skip
+        self._batches = Counter(
+            "dlad_device_batches",
+            "Batches the device ran, by its kind and the batch size (a DLA core: always 1).",
+            ["device", "kind", "size"], registry=r,
         )  # fmt: skip
         self._device_ready = Gauge(
             "dlad_device_ready", "1 when the device is loaded and warm, else 0.", ["device"],
@@ -245,6 +255,12 @@ class Metrics:
             while len(samples) > 2 and samples[1][0] <= horizon:
                 samples.popleft()
             self._busy_ratio.labels(d.name).set(self._busy_ratio_of(samples))
+            seen = self._batches_seen.get(d.name, ())
+            for i, count in enumerate(d.batches):
+                new = count - (seen[i] if i < len(seen) else 0)
+                if new > 0:
+                    self._batches.labels(d.name, d.kind, str(i + 1)).inc(new)
+            self._batches_seen[d.name] = d.batches
         while self._replies and self._replies[0][0] < horizon:
             self._replies.popleft()
 

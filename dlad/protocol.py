@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import zmq
 
 __all__ = [
-    "CHANNELS", "DEFAULT_LIMITS", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
+    "CHANNELS", "DEFAULT_LIMITS", "MAX_BATCH", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
     "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "PRIORITY_MAX", "PRIORITY_MIN", "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest", "DaemonState", "DaemonStatus",
     "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame", "FrameLike", "InferReply", "InferRequest",
@@ -78,6 +78,8 @@ MAX_DEADLINE_MS: Final = 3_600_000
 """Longest ``deadline_ms`` accepted (one hour); anything longer is a client bug."""
 MAX_DET: Final = 1000
 """Most detections a request may ask for (``max_det``) and a reply may carry."""
+MAX_BATCH: Final = 64
+"""The largest batch a device reports (``[devices.*] max_batch`` is at most this)."""
 MAX_IMAGE_SIDE: Final = 65_535
 """Absolute bound on image height and width; :class:`Limits` sets the operational one."""
 MAX_NAME_CHARS: Final = 128
@@ -477,7 +479,9 @@ class DeviceStatus(TypedDict):
     queue_depth: int  # waiting for this device
     completed: int  # since start
     failed: int  # since start
-    service_time_us: float  # current estimate used for placement
+    service_time_us: float  # current estimate used for placement (at batch 1)
+    max_batch: int  # the most jobs it runs at once (1: a DLA core)
+    batches: list[int]  # [i]: batches of i + 1 jobs it ran since start (len == max_batch)
 
 
 class ModelStatus(TypedDict):
@@ -544,6 +548,8 @@ _DEVICE_SPEC: Final[Mapping[str, _Check]] = {
     "completed": _count,
     "failed": _count,
     "service_time_us": lambda v, p: _float(v, p, 0.0, 1e12, lo_open=False, hi_open=False),
+    "max_batch": lambda v, p: _int(v, p, 1, MAX_BATCH),
+    "batches": _list_of(_count, MAX_BATCH),
 }
 _MODEL_SPEC: Final[Mapping[str, _Check]] = {
     "name": _name,

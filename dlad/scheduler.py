@@ -121,6 +121,10 @@ class _Device:
     depth: int = 0
     running: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id -> start, est, task
     completed: int = 0
+    batches: list[int] = field(default_factory=list)  # [i]: batches of i + 1 jobs that ran
+
+    def __post_init__(self) -> None:
+        self.batches = [0] * self.max_batch
 
     def work_ns(self, jobs: int) -> float:
         """The estimated time to serve ``jobs`` queued jobs in batches of ``max_batch``."""
@@ -138,6 +142,8 @@ class DeviceSnapshot:
     in_flight: int
     service_time_us: float  # at batch 1
     completed: int
+    max_batch: int = 1
+    batches: tuple[int, ...] = ()  # [i]: batches of i + 1 jobs that ran (since start)
 
 
 class Scheduler(Generic[P]):
@@ -377,6 +383,7 @@ class Scheduler(Generic[P]):
         if device_us is not None and device_us > 0 and jobs:
             d.curve.learn(len(jobs), device_us * 1e3)
             d.completed += len(jobs)
+            d.batches[min(len(jobs), d.max_batch) - 1] += 1
 
     def expire(self) -> list[Job[P]]:
         """Remove and return every queued job whose deadline has passed."""
@@ -428,7 +435,14 @@ class Scheduler(Generic[P]):
     def snapshot(self) -> Sequence[DeviceSnapshot]:
         return [
             DeviceSnapshot(
-                d.name, d.depth, d.capacity, len(d.running), d.curve(1) / 1e3, d.completed
+                d.name,
+                d.depth,
+                d.capacity,
+                len(d.running),
+                d.curve(1) / 1e3,
+                d.completed,
+                d.max_batch,
+                tuple(d.batches),
             )
             for d in self._devices.values()
         ]

@@ -73,7 +73,7 @@ def render(report: protocol.DaemonStatus, endpoint: str = "") -> Group:
     by_name = {d["name"]: d for d in load["devices"]} if load is not None else {}
     table = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("device", "kind", "health", "busy %", "in flight", "queue", "OK/s", "p99 ms",
-                "completed", "failed"):  # fmt: skip
+                "completed", "failed", "batch"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("device", "kind", "health") else "right")
     for d in report["devices"]:
         dl = by_name.get(d["name"])
@@ -89,8 +89,16 @@ def render(report: protocol.DaemonStatus, endpoint: str = "") -> Group:
             "-" if dl is None else _ms(dl["p99_us"]),
             str(d["completed"]),
             str(d["failed"]),
+            _batch(d),
         )
     return Group(summary, table)
+
+
+def _batch(d: protocol.DeviceStatus) -> str:
+    """``mean/max`` batch size of what the device ran (``-/max`` before its first batch)."""
+    runs = sum(d["batches"])
+    jobs = sum((i + 1) * n for i, n in enumerate(d["batches"]))
+    return f"{jobs / runs:.1f}/{d['max_batch']}" if runs else f"-/{d['max_batch']}"
 
 
 def watch(

@@ -6,15 +6,19 @@ never through the daemon's internals, so it measures what any client would see::
     dlad-bench --concurrency 1:16:3                   closed loop, a concurrency sweep
     dlad-bench --rate 50:250:50 --arrivals poisson    open loop at a mean rate (constant/gamma too)
     dlad-bench --streams 16 --fps 30                  16 cameras, one-frame-period deadlines
+    dlad-bench --streams 24 --fps 30 --fps-skew 0.5   24 cameras, Zipf-skewed rates, mean 30
         [--input demo | random:640x480 | DIR] [--csv r.csv] [--json r.json] [--plots DIR]
 
 Each level runs a warm-up, then measurement windows until the last 3 agree within
 ``--stability-pct`` on throughput and latency (or ``--max-trials`` windows; ``--duration S``
 instead measures each level for S seconds), and reports throughput, goodput, client latency
 percentiles, the daemon's queue/pre/device/post split from the replies' timings, a column per
-failure status, each device's share, and late sends of the generator. A daemon that stops
+failure status, each device's share and mean batch size (replies that share their device
+start and end ran as one batch; the timeline plot labels each batch), and late sends of the
+generator. A daemon that stops
 answering mid-run ends the sweep with exit status 1 after reporting the levels measured.
-``docs/BENCHMARKS.md`` §5 has a capacity study made with it (``bench/capacity_study.sh``).
+``docs/BENCHMARKS.md`` §5 has a capacity study made with it (``bench/capacity_study.py``), §6
+the three engines behind one model (``bench/three_engines.py``).
 
 Modules: :mod:`~dlad_bench.schedule` (open-loop send times), :mod:`~dlad_bench.inputs`
 (frames), :mod:`~dlad_bench.runner` (one level against a daemon), :mod:`~dlad_bench.measure`

@@ -89,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fps", type=float, default=30.0, help="--streams: frames per second each")
     p.add_argument(
+        "--fps-skew", type=float, default=0.0, metavar="Z",
+        help="--streams: camera i at a rate in proportion to 1/(i+1)^Z, mean --fps "
+        "(default 0: all at --fps); each frame's deadline is its camera's period",
+    )  # fmt: skip
+    p.add_argument(
         "--input",
         default="demo",
         help="frames: demo (bundled images), random:WxH, or a directory of images",
@@ -313,9 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             loads = [Load("rate", v, args.arrivals, args.burstiness) for v in values]
         else:
             values = parse_range(args.streams, integer=True)
-            loads = [Load("streams", v, fps=args.fps) for v in values]
+            loads = [Load("streams", v, fps=args.fps, fps_skew=args.fps_skew) for v in values]
         if not (args.fps > 0 and args.burstiness > 0):
             raise ValueError("--fps and --burstiness must be > 0")
+        if not args.fps_skew >= 0:
+            raise ValueError("--fps-skew must be >= 0")
         settings = Settings(
             model=args.model,
             deadline_ms=args.deadline_ms,

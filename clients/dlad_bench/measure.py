@@ -165,6 +165,7 @@ class LevelResult:
     client_overhead_ms: float  # mean of client latency minus the daemon's total_us
     daemon_ms: dict[str, float]  # means of queue, pre, device, post, total; p99 of queue, total
     device_share: dict[str, float]  # fraction of OK replies per device
+    device_batch: dict[str, float]  # mean batch size per device (replies sharing device times)
     late_sends: int  # open loop: sent more than the tolerance after their due time
     late_fraction: float
     max_late_ms: float
@@ -214,6 +215,16 @@ def summarize(
         return float(np.percentile(values, 99)) if values.size else math.nan
 
     devices = Counter(r.device or "" for r in ok)
+    # Frames of one batch report the same device start and end: count the distinct runs (a
+    # reply without device times is a run of its own).
+    runs = Counter(
+        device
+        for device, *_ in {
+            (r.device or "", r.start_ns, r.end_ns) if r.start_ns is not None else (
+                r.device or "", id(r), None)
+            for r in ok
+        }
+    )  # fmt: skip
     scheduled = [r for r in sent if not math.isnan(r.scheduled)]
     lateness = np.array([(r.sent - r.scheduled) * 1e3 for r in scheduled], dtype=np.float64)
     late = int(np.count_nonzero(lateness > late_tolerance_ms))
@@ -239,6 +250,7 @@ def summarize(
             "total_p99": p99(daemon_total),
         },
         device_share={d: n / len(ok) for d, n in sorted(devices.items())},
+        device_batch={d: n / runs[d] for d, n in sorted(devices.items())},
         late_sends=late,
         late_fraction=late / len(scheduled) if scheduled else 0.0,
         max_late_ms=float(lateness.max()) if lateness.size else 0.0,

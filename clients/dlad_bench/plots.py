@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -104,8 +105,9 @@ def timeline_window(
 def plot_timeline(
     records: Sequence[Record], path: Path, *, span_ms: float = 100.0, title: str = ""
 ) -> Path:
-    """A Gantt chart of a ``span_ms`` window: one row per device, one bar per request's device
-    execution (``timing.start_ns``/``end_ns``); the busy fraction of each row in its label."""
+    """A Gantt chart of a ``span_ms`` window: one row per device, one bar per device run
+    (``timing.start_ns``/``end_ns``; the frames of one batch share theirs, and a batch's bar
+    is labelled with its size); the busy fraction of each row in its label."""
     inside, t0 = timeline_window(records, span_ms)
     devices = sorted({d for d, _, _ in inside})
     fig = Figure(figsize=(9, 1.2 + 0.7 * max(len(devices), 1)))
@@ -113,11 +115,16 @@ def plot_timeline(
     end = t0 + span_ms * 1e6
     labels = []
     for row, dev in enumerate(devices):
-        spans = [(a, b) for d, a, b in inside if d == dev]
+        sizes = Counter((a, b) for d, a, b in inside if d == dev)  # one run: one batch
+        spans = sorted(sizes)
         busy = sum(min(b, end) - max(a, t0) for a, b in spans)
         bars = [((a - t0) / 1e6, (b - a) / 1e6) for a, b in spans]
         colors = [f"C{i % 2}" for i in range(len(bars))]  # alternate, so back-to-back tasks show
         ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=colors, edgecolor="white", lw=0.3)
+        for (a, b), (x, width) in zip(spans, bars, strict=True):
+            if sizes[a, b] > 1 and width > span_ms / 60:
+                ax.text(x + width / 2, row, str(sizes[a, b]), ha="center", va="center",
+                        fontsize="x-small", color="white")  # fmt: skip
         labels.append(f"{dev}  {100 * busy / (span_ms * 1e6):.0f}% busy")
     ax.set_yticks(range(len(devices)), labels)
     ax.set_xlim(0, span_ms)

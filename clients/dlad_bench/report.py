@@ -2,7 +2,7 @@
 
 Both files have a fixed schema, tested: the CSV's columns are :data:`CSV_COLUMNS` in that order,
 whatever the daemon's devices (the per-device share is one ``device_share`` column of
-``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/1", "meta": {...}, "levels":
+``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/2", "meta": {...}, "levels":
 [...]}`` where each level has the keys :data:`JSON_LEVEL_KEYS`. Times are milliseconds, rates
 requests per second; a value that does not apply (no OK reply, closed-loop offered rate) is
 empty in the CSV and ``null`` in the JSON.
@@ -24,26 +24,37 @@ from dlad_bench.measure import STATUS_NAMES, LevelResult, as_dict
 
 __all__ = ["CSV_COLUMNS", "JSON_LEVEL_KEYS", "SCHEMA", "print_table", "write_csv", "write_json"]
 
-SCHEMA: Final = "dlad-bench/1"
+SCHEMA: Final = "dlad-bench/2"
+"""2: ``device_batch`` (each device's mean batch size) added."""
 LATENCY_KEYS: Final = ("p50", "p90", "p95", "p99", "p99_9", "max", "mean")
 DAEMON_KEYS: Final = ("queue", "pre", "device", "post", "total", "queue_p99", "total_p99")
 CSV_COLUMNS: Final[tuple[str, ...]] = (
     "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
     *(f"status_{s}" for s in STATUS_NAMES), "shed_fraction",
     *(f"latency_{k}_ms" for k in LATENCY_KEYS), "client_overhead_ms",
-    *(f"daemon_{k}_ms" for k in DAEMON_KEYS), "device_share",
+    *(f"daemon_{k}_ms" for k in DAEMON_KEYS), "device_share", "device_batch",
     "late_sends", "late_fraction", "max_late_ms", "windows", "stable", "measured_s",
 )  # fmt: skip
 JSON_LEVEL_KEYS: Final[tuple[str, ...]] = (
     "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
     "status_counts", "shed_fraction", "latency_ms", "client_overhead_ms", "daemon_ms",
-    "device_share", "late_sends", "late_fraction", "max_late_ms", "windows", "stable",
-    "measured_s", "window_stats",
+    "device_share", "device_batch", "late_sends", "late_fraction", "max_late_ms", "windows",
+    "stable", "measured_s", "window_stats",
 )  # fmt: skip
 
 
 def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def _devices(r: LevelResult) -> str:
+    """``dla0 30% gpu 70% b5.2``: each device's share of the OK replies, and its mean batch
+    where it batched."""
+    parts = []
+    for d, share in r.device_share.items():
+        batch = r.device_batch.get(d, 1.0)
+        parts.append(f"{d} {100 * share:.0f}%" + (f" b{batch:.1f}" if batch > 1.0 else ""))
+    return " ".join(parts)
 
 
 def csv_row(r: LevelResult) -> dict[str, Any]:
@@ -54,6 +65,7 @@ def csv_row(r: LevelResult) -> dict[str, Any]:
         "requests": r.requests, "shed_fraction": r.shed_fraction,
         "client_overhead_ms": r.client_overhead_ms,
         "device_share": " ".join(f"{d}={s:.4f}" for d, s in r.device_share.items()),
+        "device_batch": " ".join(f"{d}={b:.3f}" for d, b in r.device_batch.items()),
         "late_sends": r.late_sends, "late_fraction": r.late_fraction,
         "max_late_ms": r.max_late_ms, "windows": r.windows, "stable": r.stable,
         "measured_s": r.measured_s,
@@ -89,7 +101,8 @@ def json_level(r: LevelResult) -> dict[str, Any]:
         "latency_ms": {k: _num(r.latency_ms[k]) for k in LATENCY_KEYS},
         "client_overhead_ms": _num(r.client_overhead_ms),
         "daemon_ms": {k: _num(r.daemon_ms[k]) for k in DAEMON_KEYS},
-        "device_share": dict(r.device_share), "late_sends": r.late_sends,
+        "device_share": dict(r.device_share), "device_batch": dict(r.device_batch),
+        "late_sends": r.late_sends,
         "late_fraction": r.late_fraction, "max_late_ms": r.max_late_ms, "windows": r.windows,
         "stable": r.stable, "measured_s": r.measured_s,
         "window_stats": [
@@ -131,7 +144,7 @@ def print_table(results: Sequence[LevelResult], console: Console) -> None:
             _f(lat["p99"], 2), _f(lat["p99_9"], 2), _f(lat["max"], 2), _f(dm["queue"], 2),
             _f(dm["pre"], 2), _f(dm["device"], 2), _f(dm["post"], 2),
             _f(r.client_overhead_ms, 2),
-            " ".join(f"{d} {100 * s:.0f}%" for d, s in r.device_share.items()),
+            _devices(r),
             _f(100 * r.late_fraction), "yes" if r.stable else "no",
         )  # fmt: skip
     console.print(table)

@@ -5,9 +5,10 @@ Three load shapes (:class:`Load`):
 * ``concurrency``: closed loop, N requests always in flight (each worker sends its next
   request when the previous one is answered), so the daemon sets the pace;
 * ``rate``: open loop at a mean rate, with constant, Poisson or gamma inter-arrival gaps;
-* ``streams``: open loop of S cameras at F fps each; every frame carries its camera's stream id
-  (``cam<i>``) and a deadline of one frame period, so the daemon's "latest frame wins" and
-  deadline shedding act as they would on real cameras.
+* ``streams``: open loop of S cameras at F fps each (or Zipf-skewed around that mean,
+  ``fps_skew``); every frame carries its camera's stream id (``cam<i>``) and a deadline of one of
+  its camera's frame periods, so the daemon's "latest frame wins" and deadline shedding act as
+  they would on real cameras.
 
 Open-loop send times are computed before the level starts (:mod:`dlad_bench.schedule`); the
 sender only sleeps until each one and sends without waiting for replies, so a slow daemon cannot
@@ -29,7 +30,7 @@ import numpy.typing as npt
 from dlad.errors import DladError
 from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement, Record, summarize
 from dlad_bench.measure import window_stats as _window_stats
-from dlad_bench.schedule import Arrivals, arrival_times, camera_times
+from dlad_bench.schedule import Arrivals, arrival_times, camera_fps, camera_times
 from dlad_client import AsyncClient, AsyncHandle, ClientTimeout, Result
 
 __all__ = ["Level", "Load", "Settings", "run_level"]
@@ -49,6 +50,8 @@ class Load:
     arrivals: Arrivals = "poisson"
     burstiness: float = 1.0
     fps: float = 30.0
+    fps_skew: float = 0.0
+    """streams: camera ``s`` at a rate in proportion to ``(s + 1) ** -fps_skew``, mean ``fps``."""
 
     @property
     def offered_rps(self) -> float:
@@ -65,12 +68,18 @@ class Load:
             return f"concurrency {self.level:g}"
         if self.mode == "rate":
             return f"{self.arrivals} {self.level:g}/s"
-        return f"{self.level:g} streams x {self.fps:g} fps"
+        skew = f" (skew {self.fps_skew:g})" if self.fps_skew else ""
+        return f"{self.level:g} streams x {self.fps:g} fps{skew}"
 
     @property
     def frame_deadline_ms(self) -> int:
-        """One frame period in ms (the deadline of each camera frame)."""
+        """One frame period in ms at the mean ``fps``."""
         return max(1, round(1000.0 / self.fps))
+
+    def stream_deadlines_ms(self) -> list[int]:
+        """Each camera's frame period in ms (the deadline of its frames)."""
+        rates = camera_fps(int(self.level), self.fps, self.fps_skew)
+        return [max(1, round(1000.0 / r)) for r in rates.tolist()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,11 +218,14 @@ class _Run:
         tg: anyio.abc.TaskGroup,
     ) -> None:
         deadline = self._deadline(streams is not None)
+        per_stream = self.load.stream_deadlines_ms() if streams is not None else []
         for i, due in enumerate(times.tolist()):
             delay = due - self.now()
             if delay > 0:
                 await anyio.sleep(delay)
             stream = int(streams[i]) if streams is not None else -1
+            if stream >= 0:
+                deadline = per_stream[stream]
             rec = Record(due, self.now(), stream=stream, deadline_ms=deadline or math.nan)
             self.records.append(rec)
             try:
@@ -250,7 +262,9 @@ class _Run:
                 )  # fmt: skip
                 tg.start_soon(self._open_sender, times, None, tg)
             else:
-                times, ids = camera_times(int(load.level), load.fps, self._horizon(), seed=s.seed)
+                times, ids = camera_times(
+                    int(load.level), load.fps, self._horizon(), seed=s.seed, skew=load.fps_skew
+                )
                 tg.start_soon(self._open_sender, times, ids, tg)
             await anyio.sleep(s.warmup_s)
             start = self.now()

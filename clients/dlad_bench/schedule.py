@@ -7,8 +7,9 @@ time and sends. If the generator itself falls behind, the runner measures it (la
 * :func:`arrival_times`: one request stream at a mean rate, with ``constant`` gaps, ``poisson``
   (exponential gaps), or ``gamma`` gaps whose coefficient of variation is ``burstiness``
   (1 is Poisson; above 1 requests come in bursts, below 1 they are more regular than Poisson).
-* :func:`camera_times`: ``streams`` cameras at ``fps`` each, every camera at its own phase (real
-  cameras are not synchronised), every frame tagged with its camera's index.
+* :func:`camera_times`: ``streams`` cameras at ``fps`` each (or skewed around that mean:
+  :func:`camera_fps`), every camera at its own phase (real cameras are not synchronised), every
+  frame tagged with its camera's index.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Arrivals", "arrival_times", "camera_times"]
+__all__ = ["Arrivals", "arrival_times", "camera_fps", "camera_times"]
 
 Arrivals = Literal["constant", "poisson", "gamma"]
 ARRIVALS: tuple[Arrivals, ...] = ("constant", "poisson", "gamma")
@@ -78,23 +79,38 @@ def arrival_times(
     return out[out < duration_s]
 
 
-def camera_times(
-    streams: int, fps: float, duration_s: float, *, seed: int = 0
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-    """Frame times of ``streams`` cameras at ``fps`` each, merged in time order, and the camera
-    index of each frame. Camera ``s`` sends at ``phase[s] + k / fps`` with its phase drawn
-    uniformly in one frame period.
-
-    Raises ValueError unless ``streams >= 1`` and ``fps`` and ``duration_s`` are > 0.
-    """
+def camera_fps(streams: int, fps: float, skew: float = 0.0) -> npt.NDArray[np.float64]:
+    """Each camera's frame rate: all ``fps`` at ``skew = 0``; else camera ``s`` in proportion to
+    ``(s + 1) ** -skew`` (Zipf), scaled so that the mean stays ``fps`` (the offered load is the
+    same; a few cameras carry much of it). Raises ValueError for ``streams < 1``, ``fps <= 0``
+    or a negative ``skew``."""
     if not streams >= 1:
         raise ValueError(f"streams must be an int >= 1, got {streams!r}")
+    if not (fps > 0 and skew >= 0):
+        raise ValueError(f"fps must be > 0 and skew >= 0, got {fps!r} and {skew!r}")
+    weights = np.arange(1, streams + 1, dtype=np.float64) ** -float(skew)
+    rates: npt.NDArray[np.float64] = fps * weights * streams / weights.sum()
+    return rates
+
+
+def camera_times(
+    streams: int, fps: float, duration_s: float, *, seed: int = 0, skew: float = 0.0
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Frame times of ``streams`` cameras at :func:`camera_fps` rates (``fps`` each without
+    ``skew``), merged in time order, and the camera index of each frame. Camera ``s`` sends at
+    ``phase[s] + k / fps[s]`` with its phase drawn uniformly in one of its frame periods.
+
+    Raises ValueError unless ``streams >= 1``, ``fps`` and ``duration_s`` are > 0 and ``skew``
+    is >= 0.
+    """
     _check(fps, duration_s)
-    period = 1.0 / fps
-    phases = np.random.default_rng(seed).uniform(0.0, period, streams)
-    frames = np.arange(0.0, duration_s, period)
-    times = (phases[:, None] + frames[None, :]).ravel()
-    ids = np.repeat(np.arange(streams, dtype=np.int64), frames.size)
+    periods = 1.0 / camera_fps(streams, fps, skew)
+    phases = np.random.default_rng(seed).uniform(0.0, 1.0, streams) * periods
+    per_camera = [phase + np.arange(0.0, duration_s, period) for phase, period in zip(
+        phases, periods, strict=True
+    )]  # fmt: skip
+    times = np.concatenate(per_camera)
+    ids = np.concatenate([np.full(t.size, s, np.int64) for s, t in enumerate(per_camera)])
     order = np.argsort(times, kind="stable")
     keep = times[order] < duration_s
     return times[order][keep], ids[order][keep]

@@ -4,7 +4,11 @@ It pulls batches from the scheduler (:meth:`dlad.scheduler.Scheduler.next_batch`
 ``max_batch`` jobs of its model, a partial batch waiting at most ``max_queue_delay_us`` and never
 past the point where a full one could still meet its earliest deadline), and runs ``slots``
 loops (default 2) so one batch is pre- or post-processed while another runs on the engine, which
-takes one batch at a time. Per batch:
+takes one batch at a time. A slot forms its batch *just in time*: while another batch is on the
+engine, it waits until that batch is expected to leave, less the time pre-processing takes
+(learned), or until it does leave, whichever is first. A batch formed the moment the previous
+one started would take only what had arrived by then, and under load the engine would run
+small, inefficient batches while frames queue behind them. Per batch:
 
 1. pre-process every frame on worker threads: letterbox → quantise to ``DLA_HWC4`` int8;
 2. run the batch on the engine (a worker thread; the emulated Orin GPU today,
@@ -102,6 +106,10 @@ class GpuExecutor(Executor):
         self.pre_post = pre_post
         self.decoder = decoder_for(loadable.decoder)
         self._slots = slots
+        self._engine_free_ns = 0  # when the batch on the engine is expected to leave it
+        self._engine_idle = anyio.Event()  # set when it does
+        self._engine_idle.set()
+        self._pre_ns = 0.0  # pre-processing time of a batch (EWMA)
         inp = loadable.inputs[0]
         self._blank = quantize_hwc4(
             np.zeros((*loadable.image_size, inp.c), np.uint8), loadable.input_scale
@@ -130,6 +138,10 @@ class GpuExecutor(Executor):
 
     async def _loop(self, on_outcome: OnOutcome) -> None:
         while True:
+            lead_ns = self._engine_free_ns - self._pre_ns - time.monotonic_ns()
+            if lead_ns > 0 and not self._engine_idle.is_set():  # just in time (module docstring)
+                with anyio.move_on_after(lead_ns / 1e9):
+                    await self._engine_idle.wait()
             batch = self.scheduler.next_batch(
                 self.name, max_batch=self.max_batch, max_queue_delay_us=self.max_queue_delay_us
             )
@@ -162,13 +174,19 @@ class GpuExecutor(Executor):
         else:
             prepared = [(self._blank, None) for _ in jobs]
         t1 = time.monotonic_ns()
+        self._pre_ns += 0.2 * ((t1 - t0) - self._pre_ns)
         frames = [frame for frame, _ in prepared]
+        idle = anyio.Event()
+        self._engine_idle = idle
+        self._engine_free_ns = t1 + round(self.scheduler.service_us(self.name, len(jobs)) * 1e3)
         try:
             # The engine takes one batch at a time by itself; its wait is not a pre/post thread's.
             heads, timing = await anyio.to_thread.run_sync(self.engine.run, frames)
         except Exception as exc:  # noqa: BLE001 (any engine error fails this batch, not the loop)
             error = self.failed(DeviceFailed(f"{self.name}: batch of {len(jobs)} failed: {exc}"))
             return [Outcome(j.id, self.name, error=error) for j in jobs], None
+        finally:
+            idle.set()
         t2 = time.monotonic_ns()
         if self.pre_post:
             dets = await anyio.to_thread.run_sync(

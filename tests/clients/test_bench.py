@@ -71,6 +71,7 @@ def test_closed_loop_keeps_exactly_n_in_flight(daemon: Daemon) -> None:
     r = level.result
     assert r.status_counts["OK"] == r.requests > 0
     assert set(r.device_share) == {"dla0", "dla1"}
+    assert r.device_batch == {"dla0": 1.0, "dla1": 1.0}  # a DLA core runs one frame at a time
     assert math.isnan(r.offered_rps)
 
 
@@ -159,14 +160,14 @@ EXPECTED_CSV = [
     "latency_p50_ms", "latency_p90_ms", "latency_p95_ms", "latency_p99_ms", "latency_p99_9_ms",
     "latency_max_ms", "latency_mean_ms", "client_overhead_ms", "daemon_queue_ms",
     "daemon_pre_ms", "daemon_device_ms", "daemon_post_ms", "daemon_total_ms",
-    "daemon_queue_p99_ms", "daemon_total_p99_ms", "device_share", "late_sends",
+    "daemon_queue_p99_ms", "daemon_total_p99_ms", "device_share", "device_batch", "late_sends",
     "late_fraction", "max_late_ms", "windows", "stable", "measured_s",
 ]  # fmt: skip
 EXPECTED_JSON = [
     "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
     "status_counts", "shed_fraction", "latency_ms", "client_overhead_ms", "daemon_ms",
-    "device_share", "late_sends", "late_fraction", "max_late_ms", "windows", "stable",
-    "measured_s", "window_stats",
+    "device_share", "device_batch", "late_sends", "late_fraction", "max_late_ms", "windows",
+    "stable", "measured_s", "window_stats",
 ]  # fmt: skip
 
 
@@ -184,7 +185,7 @@ def test_csv_json_schemas_and_plots(daemon: Daemon, tmp_path: Path) -> None:
     assert rows[0]["device_share"].split()[0].startswith("dla0=")
     write_json(tmp_path / "r.json", results, {"k": 1})
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["schema"] == "dlad-bench/1"
+    assert doc["schema"] == "dlad-bench/2"
     assert doc["meta"] == {"k": 1}
     for level in doc["levels"]:
         assert list(level) == EXPECTED_JSON

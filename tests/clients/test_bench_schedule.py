@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pytest
 
 from dlad_bench.measure import Measurement, WindowStats, is_stable
-from dlad_bench.schedule import arrival_times, camera_times
+from dlad_bench.schedule import arrival_times, camera_fps, camera_times
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -92,9 +92,25 @@ def test_camera_streams_are_periodic_with_their_own_phase() -> None:
     assert all(0 <= p < 1 / 30.0 for p in phases)
 
 
+def test_skewed_cameras_keep_the_mean_rate_and_their_own_periods() -> None:
+    rates = camera_fps(24, 30.0, 1.0)
+    assert rates.mean() == pytest.approx(30.0)
+    assert np.all(np.diff(rates) < 0)  # camera 0 the busiest
+    assert rates[0] / rates[23] == pytest.approx(24.0)  # Zipf: 1 / (s + 1)
+    np.testing.assert_array_equal(camera_fps(5, 30.0, 0.0), np.full(5, 30.0))
+    times, ids = camera_times(24, 30.0, 4.0, seed=2, skew=1.0)
+    assert np.all(np.diff(times) >= 0)
+    for s in (0, 5, 23):
+        mine = times[ids == s]
+        np.testing.assert_allclose(np.diff(mine), 1 / rates[s], atol=1e-9)
+        assert 0 <= mine[0] < 1 / rates[s]
+    assert times.size == pytest.approx(24 * 30 * 4, rel=0.02)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
+        (lambda: camera_fps(3, 30.0, -0.5), "skew"),
         (lambda: arrival_times(0.0, 1.0), "rate"),
         (lambda: arrival_times(10.0, -1.0), "duration_s"),
         (lambda: arrival_times(10.0, 1.0, arrivals="gamma", burstiness=0.0), "burstiness"),
@@ -183,3 +199,28 @@ def test_summary_counts_late_sends_goodput_shed_and_shares() -> None:
     assert shares["dla0"] < shares["dla1"]  # dla0 lost the refused (even) requests
     assert s.latency_ms["max"] == pytest.approx(40.0)
     assert s.client_overhead_ms == pytest.approx(np.mean([r.latency_ms - 8.0 for r in ok]))
+
+
+def test_summary_infers_batch_sizes_from_shared_device_times() -> None:
+    from dlad_bench.measure import Record, summarize
+
+    records = []
+    for i in range(24):
+        r = Record(i * 0.01, i * 0.01, deadline_ms=33.0)
+        r.done, r.status, r.total_us = r.sent + 0.005, "OK", 4000.0
+        if i < 16:  # the GPU ran them in batches of 4, 4, 8: shared start and end stamps
+            r.device = "gpu"
+            batch = 0 if i < 4 else 1 if i < 8 else 2
+            r.start_ns, r.end_ns = 1_000_000 * batch, 1_000_000 * batch + 900_000
+        else:  # DLA replies, one run each (and two without device times)
+            r.device = "dla0"
+            if i < 22:
+                r.start_ns, r.end_ns = 10_000_000 + i, 10_000_100 + i
+        records.append(r)
+    m = Measurement(pct=50, windows=1, max_trials=1)
+    m.add(WindowStats(0, 0.0, 2.0, 0, 1.0, 1.0))
+    s = summarize(
+        records, mode="rate", level=100.0, offered_rps=100.0, measurement=m,
+        late_tolerance_ms=2.0,
+    )  # fmt: skip
+    assert s.device_batch == {"dla0": 1.0, "gpu": pytest.approx(16 / 3)}

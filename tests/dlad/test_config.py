@@ -628,3 +628,4 @@ def test_max_det_bound_is_the_wire_limit() -> None:
     from dlad import config, protocol
 
     assert config.MAX_DET == protocol.MAX_DET
+    assert config.MAX_BATCH == protocol.MAX_BATCH

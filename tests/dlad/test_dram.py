@@ -63,7 +63,7 @@ def saturate(
         running[name] = dram.begin(kind, us * 1e3)
 
 
-ORIN_FORUM = {
+ORIN_FORUM: dict[str, tuple[EngineKind, float]] = {
     "gpu": ("gpu", 1e6 / GPU_ALONE),
     "dla0": ("dla", 1e6 / DLA_ALONE),
     "dla1": ("dla", 1e6 / DLA_ALONE),
@@ -91,7 +91,11 @@ def test_each_engine_alone_runs_at_its_own_rate() -> None:
 def test_no_contention_is_mlperf_resnet50() -> None:
     """NVIDIA's MLPerf ResNet-50 on AGX Orin: GPU 4,500/s, one DLA 600/s, all three configured
     at 6,100/s (measured 6,424): at contention 0 the pool is the isolated sum, 5,700/s."""
-    resnet = {"gpu": ("gpu", 1e6 / 4500), "dla0": ("dla", 1e6 / 600), "dla1": ("dla", 1e6 / 600)}
+    resnet: dict[str, tuple[EngineKind, float]] = {
+        "gpu": ("gpu", 1e6 / 4500),
+        "dla0": ("dla", 1e6 / 600),
+        "dla1": ("dla", 1e6 / 600),
+    }
     rates = saturate(resnet, 0.0, seconds=2)
     assert sum(rates.values()) == pytest.approx(5700, rel=0.01)
     assert sum(rates.values()) <= 6100
@@ -149,15 +153,13 @@ def test_every_task_takes_at_least_its_work(
     running: dict[int, tuple[Transfer, int]] = {}
     worst = 1 + contention * max(ORIN_DRAM_K.values()) * (len(tasks) - 1)
     while pending or running:
-        next_end = min(((dram.end_ns(t), i) for i, (t, _) in running.items()), default=(None, None))
-        if pending and (next_end[0] is None or pending[0][1][2] <= next_end[0]):
+        ends = sorted((dram.end_ns(t), i) for i, (t, _) in running.items())
+        if pending and (not ends or pending[0][1][2] <= ends[0][0]):
             i, (kind, work, start) = pending.pop(0)
             clock.ns = max(clock.ns, start)
             running[i] = (dram.begin(kind, work), clock.ns)
             continue
-        end, i = next_end
-        assert end is not None
-        assert i is not None
+        end, i = ends[0]
         clock.ns = max(clock.ns, end)
         transfer, began = running.pop(i)
         dram.finish(transfer)

@@ -260,6 +260,22 @@ def test_live_follows_the_heartbeat_and_ready_every_device() -> None:
     assert not m.ready()[0]
 
 
+def test_batches_are_counted_by_device_kind_and_size() -> None:
+    clock = FakeClock()
+    m = Metrics("d", "0.1.0", clock=clock)
+    m.tick([DeviceSample("gpu", 0, 16, 0, 0, "gpu", (2, 0, 1)), DeviceSample("dla0", 0, 4, 0, 0,
+            "dla", (5,))])  # fmt: skip
+    clock.now += 0.5
+    m.tick([DeviceSample("gpu", 0, 16, 0, 0, "gpu", (3, 0, 4)), DeviceSample("dla0", 0, 4, 0, 0,
+            "dla", (9,))])  # fmt: skip
+    fams = families(m.exposition().decode())
+    batches = "dlad_device_batches"
+    assert sample_value(fams, batches, "_total", device="gpu", kind="gpu", size="1") == 3
+    assert sample_value(fams, batches, "_total", device="gpu", kind="gpu", size="3") == 4
+    assert sample_value(fams, batches, "_total", device="gpu", size="2") == 0
+    assert sample_value(fams, batches, "_total", device="dla0", kind="dla", size="1") == 9
+
+
 def test_server_routes_and_closes() -> None:
     m = Metrics("d", "0.1.0")
     server = MetricsServer(m, port=0)

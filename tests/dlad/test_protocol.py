@@ -104,7 +104,8 @@ def _device(name: str, kind: str, core: int | None) -> st.SearchStrategy[dict[st
         "name": st.just(name), "kind": st.just(kind), "core": st.just(core),
         "healthy": st.booleans(), "busy": st.booleans(), "in_flight": counts,
         "queue_depth": counts, "completed": counts, "failed": counts,
-        "service_time_us": st.floats(0.0, 1e9),
+        "service_time_us": st.floats(0.0, 1e9), "max_batch": st.just(4),
+        "batches": st.lists(counts, min_size=4, max_size=4),
     })  # fmt: skip
 
 
@@ -473,9 +474,11 @@ def test_status_report_is_strict() -> None:
         "protocol": 1,
         "devices": [{"name": "dla0", "kind": "dla", "core": 0, "healthy": True, "busy": True,
                      "in_flight": 2, "queue_depth": 3, "completed": 10, "failed": 0,
-                     "service_time_us": 1900.5}, {"name": "gpu", "kind": "gpu", "core": None,
+                     "service_time_us": 1900.5, "max_batch": 1, "batches": [10]},
+                    {"name": "gpu", "kind": "gpu", "core": None,
                      "healthy": True, "busy": False, "in_flight": 0, "queue_depth": 0,
-                     "completed": 4, "failed": 1, "service_time_us": 800.0}],
+                     "completed": 4, "failed": 1, "service_time_us": 800.0, "max_batch": 2,
+                     "batches": [2, 1]}],
         "models": [{"name": "demo", "devices": ["dla0", "gpu"], "input_height": 256,
                     "input_width": 256, "classes": 8}],
         "queues": {"depth": 3, "capacity": 64, "streams": 2},

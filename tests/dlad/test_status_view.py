@@ -34,10 +34,13 @@ def test_render_shows_each_device_and_the_load() -> None:
         "devices": [
             {"name": "dla0", "kind": "dla", "core": 0, "healthy": True, "busy": True,
              "in_flight": 2, "queue_depth": 3, "completed": 10, "failed": 0,
-             "service_time_us": 3820.0},
+             "service_time_us": 3820.0, "max_batch": 1, "batches": [10]},
             {"name": "dla1", "kind": "dla", "core": 1, "healthy": False, "busy": False,
              "in_flight": 0, "queue_depth": 0, "completed": 5, "failed": 4,
-             "service_time_us": 3820.0},
+             "service_time_us": 3820.0, "max_batch": 1, "batches": [5]},
+            {"name": "gpu", "kind": "gpu", "core": None, "healthy": True, "busy": True,
+             "in_flight": 8, "queue_depth": 4, "completed": 40, "failed": 0,
+             "service_time_us": 1820.0, "max_batch": 8, "batches": [0, 2, 0, 1, 0, 0, 0, 4]},
         ],
         "load": {"window_s": 10.0, "rate_hz": 130.0, "ok_rate_hz": 125.0, "p50_us": 8000.0,
                  "p99_us": 21500.0, "devices": [
@@ -51,6 +54,9 @@ def test_render_shows_each_device_and_the_load() -> None:
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("dla")}
     assert rows["dla0"][:8] == ["dla0", "dla0", "ok", "87", "2", "3", "125.0", "21.5"]
     assert rows["dla1"][2:4] == ["FAULT", "0"]
+    gpu = next(line.split() for line in text.splitlines() if line.startswith("gpu"))
+    assert gpu[-1] == "5.7/8"  # 40 frames in 7 batches
+    assert rows["dla0"][-1] == "1.0/1"
 
 
 def test_watch_draws_a_running_daemon(tmp_path: Path) -> None:

@@ -1,0 +1,232 @@
+"""Three engines behind one model on the emulated Orin (docs/BENCHMARKS.md §6), in one run.
+
+    python bench/three_engines.py [--out runs/three_engines] [--contention 1.0] [--skew 0.5]
+
+Every daemon is the emulated Orin in timing mode at YOLOv5s-672 costs (a DLA core 3.82 ms a
+frame; the GPU's published INT8 batch curve, 1.82 ms at batch 1 … 9.19 ms at 8, batches up to 8;
+the shared DRAM at ``--contention``), pre/post-processing off so that the engines, not this
+machine's CPU cores, are the bottleneck. ``dlad-bench`` drives each one through the SDK.
+
+1. **Saturated throughput** of {dla0, dla1}, {gpu} and {dla0, dla1, gpu} (closed loop, as many
+   in flight as the engines' queues and slots hold, so that none is refused), each against its
+   contention-aware ideal: every engine busy all the time, the GPU at batch 8, each slowed by
+   the others as ``dlad.devices.dram.saturated_rates`` says.
+2. **The pool against a static split** under 24 cameras averaging 30 fps, Zipf-skewed
+   (``--skew``: camera i at a rate in proportion to 1/(i+1)^skew; 0.5: 85 fps down to 17 fps):
+   goodput (frames answered within their camera's frame period) with the pool (policies
+   ``latency`` and ``throughput``, any engine per frame) and with every camera pinned to one
+   engine at its first frame in proportion to the engines' speeds (policy ``static``, as
+   DeepStream binds sources).
+3. **The latency policy at 20% load** (Poisson, 20% of the three engines' ideal): p50/p99
+   against the ``throughput`` policy (DLA cores first).
+
+Prints markdown tables and writes each dlad-bench CSV/JSON under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from dlad.devices.dram import saturated_rates  # noqa: E402
+from dlad.devices.emulated_gpu import ORIN_GPU_YOLOV5S_MS  # noqa: E402
+
+DLA_US, GPU_BATCH = 3820.0, 8
+HELD = {"dla0": 8 + 2, "dla1": 8 + 2, "gpu": 24 + 2 * GPU_BATCH}
+"""Jobs each engine holds: its queue_depth below, plus its slots' jobs in flight."""
+GPU_US = {b: ms * 1e3 for b, ms in ORIN_GPU_YOLOV5S_MS.items()}
+CONFIG = """
+[daemon]
+default_deadline_ms = 1000.0
+[frontend]
+endpoints = ["{endpoint}"]
+sndhwm = 2000
+rcvhwm = 2000
+[pre_post]
+enabled = false
+[scheduler]
+policy = "{policy}"
+[soc]
+dram_contention = {contention}
+[devices.dla0]
+kind = "dla"
+core = 0
+queue_depth = 8
+mode = "timing"
+latency_us = {dla_us}
+[devices.dla1]
+kind = "dla"
+core = 1
+queue_depth = 8
+mode = "timing"
+latency_us = {dla_us}
+[devices.gpu]
+kind = "gpu"
+queue_depth = 24
+max_batch = {gpu_batch}
+mode = "timing"
+latency_us = {gpu_us}
+[models.demo]
+devices = {devices}
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+"""
+COMMON = ["--input", "random:640x480", "--warmup-s", "1.5", "--window-s", "2",
+          "--stability-pct", "5", "--max-trials", "6", "--quiet"]  # fmt: skip
+
+
+class Daemon:
+    """One dlad process with the emulated Orin above, serving ``devices``."""
+
+    def __init__(self, out: Path, name: str, devices: list[str], policy: str, contention: float):
+        self.tmp = Path(tempfile.mkdtemp(prefix="dlad-3e-"))
+        self.endpoint = f"ipc://{self.tmp}/dlad.sock"
+        cfg = self.tmp / "dlad.toml"
+        cfg.write_text(
+            CONFIG.format(
+                endpoint=self.endpoint,
+                policy=policy,
+                contention=contention,
+                dla_us=DLA_US,
+                gpu_batch=GPU_BATCH,
+                gpu_us=GPU_US[1],
+                devices=str(devices).replace("'", '"'),
+            )
+        )
+        self.log_path = out / f"{name}.daemon.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
+            stdout=self.log,
+            stderr=self.log,
+        )
+        deadline = time.monotonic() + 60
+        while "listening" not in self.log_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"dlad did not start; see {self.log_path}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def bench(endpoint: str, out: Path, name: str, *args: str) -> dict[str, str]:
+    cmd = [
+        sys.executable, "-m", "dlad_bench", "--endpoint", endpoint, *COMMON, *args,
+        "--csv", str(out / f"{name}.csv"), "--json", str(out / f"{name}.json"),
+    ]  # fmt: skip
+    print("$", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, check=True)
+    with (out / f"{name}.csv").open(newline="") as f:
+        return list(csv.DictReader(f))[-1]
+
+
+def run(out: Path, name: str, devices: list[str], policy: str, contention: float,
+        *args: str) -> dict[str, str]:  # fmt: skip
+    daemon = Daemon(out, name, devices, policy, contention)
+    try:
+        return bench(daemon.endpoint, out, name, *args)
+    finally:
+        daemon.close()
+
+
+def ideal(devices: list[str], contention: float) -> float:
+    engines = {
+        d: ("gpu", GPU_US[GPU_BATCH] / GPU_BATCH) if d == "gpu" else ("dla", DLA_US)
+        for d in devices
+    }
+    return sum(saturated_rates(engines, contention).values())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "three_engines")
+    p.add_argument("--contention", type=float, default=1.0)
+    p.add_argument("--skew", type=float, default=0.5)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    c = args.contention
+    load_avg = os.getloadavg()[0]
+    t0 = time.monotonic()
+
+    print("\n## 1. saturated throughput (closed loop)\n")
+    sets = [["dla0", "dla1"], ["gpu"], ["dla0", "dla1", "gpu"]]
+    sat = {}
+    for devices in sets:
+        name = "sat_" + "_".join(devices)
+        held = sum(HELD[d] for d in devices)
+        sat[name] = (
+            devices,
+            run(args.out, name, devices, "latency", c, "--concurrency", f"{held}"),
+        )
+
+    print(f"\n## 2. 24 cameras, mean 30 fps, skew {args.skew:g}\n")
+    streams = {}
+    for policy in ("latency", "throughput", "static"):
+        streams[policy] = run(
+            args.out, f"streams_{policy}", ["dla0", "dla1", "gpu"], policy, c,
+            "--streams", "24", "--fps", "30", "--fps-skew", f"{args.skew:g}",
+        )  # fmt: skip
+
+    low = 0.2 * ideal(["dla0", "dla1", "gpu"], c)
+    print(f"\n## 3. Poisson at 20% of the pool's ideal ({low:.0f}/s)\n")
+    light = {}
+    for policy in ("latency", "throughput"):
+        light[policy] = run(
+            args.out, f"light_{policy}", ["dla0", "dla1", "gpu"], policy, c,
+            "--rate", f"{low:.1f}", "--arrivals", "poisson", "--deadline-ms", "100",
+        )  # fmt: skip
+    wall = time.monotonic() - t0
+
+    def f(row: dict[str, str], key: str) -> float:
+        return float(row[key]) if row.get(key) else float("nan")
+
+    print(f"\nload average before: {load_avg:.2f}; {wall:.0f} s; dram_contention {c:g}\n")
+    print("| engines | throughput/s | contention-aware ideal/s | ratio | p99 ms |")
+    print("|---|---|---|---|---|")
+    for devices, row in sat.values():
+        want = ideal(devices, c)
+        got = f(row, "throughput_rps")
+        print(
+            f"| {{{', '.join(devices)}}} | {got:.1f} | {want:.1f} | {got / want:.3f} "
+            f"| {f(row, 'latency_p99_ms'):.2f} |"
+        )
+    print("\n| policy | offered/s | OK/s | goodput/s | goodput/offered | p99 ms | shed |")
+    print("|---|---|---|---|---|---|---|")
+    for policy, row in streams.items():
+        offered = f(row, "offered_rps")
+        print(
+            f"| {policy} | {offered:.0f} | {f(row, 'throughput_rps'):.1f} "
+            f"| {f(row, 'goodput_rps'):.1f} | {f(row, 'goodput_rps') / offered:.3f} "
+            f"| {f(row, 'latency_p99_ms'):.2f} | {100 * f(row, 'shed_fraction'):.1f}% |"
+        )
+    pool, static = f(streams["latency"], "goodput_rps"), f(streams["static"], "goodput_rps")
+    print(f"\npool / static split goodput: {pool / static:.3f}\n")
+    print("| policy | rate/s | p50 ms | p99 ms |")
+    print("|---|---|---|---|")
+    for policy, row in light.items():
+        print(
+            f"| {policy} | {f(row, 'throughput_rps'):.1f} | {f(row, 'latency_p50_ms'):.2f} "
+            f"| {f(row, 'latency_p99_ms'):.2f} |"
+        )
+    lat, thr = light["latency"], light["throughput"]
+    p50, p99 = (f(lat, k) / f(thr, k) for k in ("latency_p50_ms", "latency_p99_ms"))
+    print(f"\nlatency / throughput policy: p50 {p50:.3f}, p99 {p99:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
