@@ -3,11 +3,7 @@
 #   run(command="bash bench/h200_gpu.sh", carry=[".whl"], timeout_s=600)
 # .whl/ is made here by bench/fetch_h200_wheels.sh (pyzmq, structlog, modelopt & co.).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD:$PWD/clients" PYTHONUNBUFFERED=1 DLAD_CACHE_DIR=/tmp/dlad-cache
-out="${OUT:-/tmp/out}"; mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+source bench/h200_env.sh
 python3 -c "import cuda.bindings, cuda.core; print('cuda-bindings', cuda.bindings.__version__)" || true
 status=0
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then

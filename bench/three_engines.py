@@ -1,6 +1,7 @@
 """Three engines behind one model on the emulated Orin (docs/BENCHMARKS.md §6), in one run.
 
     python bench/three_engines.py [--out runs/three_engines] [--contention 1.0] [--skew 0.5]
+        [--time-scale 1]
 
 Every daemon is the emulated Orin in timing mode at YOLOv5s-672 costs (a DLA core 3.82 ms a
 frame; the GPU's published INT8 batch curve, 1.82 ms at batch 1 … 9.19 ms at 8, batches up to 8;
@@ -88,7 +89,10 @@ COMMON = ["--input", "random:640x480", "--warmup-s", "1.5", "--window-s", "2",
 class Daemon:
     """One dlad process with the emulated Orin above, serving ``devices``."""
 
-    def __init__(self, out: Path, name: str, devices: list[str], policy: str, contention: float):
+    def __init__(
+        self, out: Path, name: str, devices: list[str], policy: str, *, contention: float,
+        scale: float,
+    ) -> None:  # fmt: skip
         self.tmp = Path(tempfile.mkdtemp(prefix="dlad-3e-"))
         self.endpoint = f"ipc://{self.tmp}/dlad.sock"
         cfg = self.tmp / "dlad.toml"
@@ -97,9 +101,9 @@ class Daemon:
                 endpoint=self.endpoint,
                 policy=policy,
                 contention=contention,
-                dla_us=DLA_US,
+                dla_us=DLA_US * scale,
                 gpu_batch=GPU_BATCH,
-                gpu_us=GPU_US[1],
+                gpu_us=GPU_US[1] * scale,
                 devices=str(devices).replace("'", '"'),
             )
         )
@@ -134,18 +138,18 @@ def bench(endpoint: str, out: Path, name: str, *args: str) -> dict[str, str]:
         return list(csv.DictReader(f))[-1]
 
 
-def run(out: Path, name: str, devices: list[str], policy: str, contention: float,
-        *args: str) -> dict[str, str]:  # fmt: skip
-    daemon = Daemon(out, name, devices, policy, contention)
+def run(out: Path, name: str, devices: list[str], policy: str, args: argparse.Namespace,
+        *bench_args: str) -> dict[str, str]:  # fmt: skip
+    daemon = Daemon(out, name, devices, policy, contention=args.contention, scale=args.time_scale)
     try:
-        return bench(daemon.endpoint, out, name, *args)
+        return bench(daemon.endpoint, out, name, *bench_args)
     finally:
         daemon.close()
 
 
-def ideal(devices: list[str], contention: float) -> float:
+def ideal(devices: list[str], contention: float, scale: float = 1.0) -> float:
     engines = {
-        d: ("gpu", GPU_US[GPU_BATCH] / GPU_BATCH) if d == "gpu" else ("dla", DLA_US)
+        d: ("gpu", GPU_US[GPU_BATCH] / GPU_BATCH * scale) if d == "gpu" else ("dla", DLA_US * scale)
         for d in devices
     }
     return sum(saturated_rates(engines, contention).values())
@@ -156,7 +160,13 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "three_engines")
     p.add_argument("--contention", type=float, default=1.0)
     p.add_argument("--skew", type=float, default=0.5)
+    p.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="every engine time x S, camera rates and the Poisson rate / S, deadlines x S "
+        "(S > 1: the host's own per-request cost matters less; the ratios are scale-free)",
+    )  # fmt: skip
     args = p.parse_args()
+    scale = args.time_scale
     args.out.mkdir(parents=True, exist_ok=True)
     c = args.contention
     load_avg = os.getloadavg()[0]
@@ -170,35 +180,39 @@ def main() -> int:
         held = sum(HELD[d] for d in devices)
         sat[name] = (
             devices,
-            run(args.out, name, devices, "latency", c, "--concurrency", f"{held}"),
+            run(args.out, name, devices, "latency", args, "--concurrency", f"{held}"),
         )
 
-    print(f"\n## 2. 24 cameras, mean 30 fps, skew {args.skew:g}\n")
+    fps = 30 / scale
+    print(f"\n## 2. 24 cameras, mean {fps:g} fps, skew {args.skew:g}\n")
     streams = {}
     for policy in ("latency", "throughput", "static"):
         streams[policy] = run(
-            args.out, f"streams_{policy}", ["dla0", "dla1", "gpu"], policy, c,
-            "--streams", "24", "--fps", "30", "--fps-skew", f"{args.skew:g}",
+            args.out, f"streams_{policy}", ["dla0", "dla1", "gpu"], policy, args,
+            "--streams", "24", "--fps", f"{fps:g}", "--fps-skew", f"{args.skew:g}",
         )  # fmt: skip
 
-    low = 0.2 * ideal(["dla0", "dla1", "gpu"], c)
+    low = 0.2 * ideal(["dla0", "dla1", "gpu"], c, scale)
     print(f"\n## 3. Poisson at 20% of the pool's ideal ({low:.0f}/s)\n")
     light = {}
     for policy in ("latency", "throughput"):
         light[policy] = run(
-            args.out, f"light_{policy}", ["dla0", "dla1", "gpu"], policy, c,
-            "--rate", f"{low:.1f}", "--arrivals", "poisson", "--deadline-ms", "100",
+            args.out, f"light_{policy}", ["dla0", "dla1", "gpu"], policy, args,
+            "--rate", f"{low:.1f}", "--arrivals", "poisson", "--deadline-ms", f"{100 * scale:g}",
         )  # fmt: skip
     wall = time.monotonic() - t0
 
     def f(row: dict[str, str], key: str) -> float:
         return float(row[key]) if row.get(key) else float("nan")
 
-    print(f"\nload average before: {load_avg:.2f}; {wall:.0f} s; dram_contention {c:g}\n")
+    print(
+        f"\nload average before: {load_avg:.2f}; {wall:.0f} s; dram_contention {c:g}; "
+        f"time scale {scale:g}\n"
+    )
     print("| engines | throughput/s | contention-aware ideal/s | ratio | p99 ms |")
     print("|---|---|---|---|---|")
     for devices, row in sat.values():
-        want = ideal(devices, c)
+        want = ideal(devices, c, scale)
         got = f(row, "throughput_rps")
         print(
             f"| {{{', '.join(devices)}}} | {got:.1f} | {want:.1f} | {got / want:.3f} "

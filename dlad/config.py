@@ -342,9 +342,12 @@ class DeviceConfig:
     present, else cpu)."""
     core: int | None = None
     """The DLA core index, 0 or 1, each used once; required for a dla, absent for the gpu."""
-    engine: Literal["emulated"] | None = None
+    engine: Literal["emulated", "torch", "tensorrt"] | None = None
     """gpu only: what runs the models listed on it. ``emulated`` (the default): the emulated Orin
-    GPU (the model's INT8 graph, taking the published Orin GPU batch curve's time)."""
+    GPU (the model's INT8 graph, taking the published Orin GPU batch curve's time). ``torch``: the
+    model's ``torch.export`` program on a CUDA GPU, one CUDA graph per batch size (a dGPU host
+    without TensorRT; needs torch; ``[models.<name>.loadables] torch``). ``tensorrt``: the
+    model's TensorRT GPU engine (a Jetson; ``[models.<name>.loadables] tensorrt``)."""
     queue_depth: int = 4
     """Jobs waiting for this device at most (>= 1); beyond it requests get OVERLOADED."""
     max_batch: int | None = None
@@ -399,6 +402,16 @@ class DeviceConfig:
                        f"must be 1 to {MAX_BATCH}, got {self.max_batch}")  # fmt: skip
             _check(self.max_queue_delay_us >= 0, "max_queue_delay_us",
                    f"must be >= 0, got {self.max_queue_delay_us:g}")  # fmt: skip
+            if self.engine in ("torch", "tensorrt"):
+                # A real engine takes its own time: emulation settings on it are a mistake.
+                emulation = {
+                    "mode": self.mode == "timing",
+                    "latency_us": self.latency_us is not None,
+                    "threads": self.threads != 1,
+                }
+                for key, given in emulation.items():  # fmt: skip
+                    _check(not given, key, f"applies to the emulated engine only, not "
+                           f"engine = {self.engine!r}")  # fmt: skip
         _check(self.backend in allowed, "backend",
                f"a {self.kind} device's backend is one of {', '.join(allowed)}, "
                f"got {self.backend!r}")  # fmt: skip
@@ -431,10 +444,16 @@ class LoadablesConfig:
     0``): what a cudla device runs; ``core0`` still gives the model's metadata."""
     cudla_core1: str | None = None
     """The TensorRT DLA standalone loadable built for core 1."""
+    torch: str | None = None
+    """The ``torch.export`` program (``.pt2``, ``prep torch-export``) that a gpu device whose
+    engine is torch runs; rebuilt from the same integers as the ``.emu``."""
+    tensorrt: str | None = None
+    """The TensorRT GPU engine (``prep build --target gpu``) that a gpu device whose engine is
+    tensorrt runs."""
 
     def __post_init__(self) -> None:
         _check(self.core0 is not None or self.core1 is not None, "", "needs core0 or core1")
-        for key in ("core0", "core1", "cudla_core0", "cudla_core1"):
+        for key in ("core0", "core1", "cudla_core0", "cudla_core1", "torch", "tensorrt"):
             value = getattr(self, key)
             _check(value is None or bool(value.strip()), key, "must be a non-empty path")
 
@@ -533,6 +552,10 @@ class Config:
                     raise ConfigError(f"core{device.core} is required: devices.{_quote(name)} "
                                       f"(DLA core {device.core}) serves this model",
                                       key=f"{where}.loadables")  # fmt: skip
+                engine = device.engine or "emulated"
+                if engine != "emulated" and getattr(m.loadables, engine) is None:
+                    raise ConfigError(f"{engine} is required: devices.{_quote(name)} runs the "
+                                      f"{engine} engine", key=f"{where}.loadables")  # fmt: skip
                 cudla = device.backend == "cudla" and device.core is not None
                 if cudla and m.loadables.cudla_for_core(int(device.core or 0)) is None:
                     raise ConfigError(f"cudla_core{device.core} is required: devices."

@@ -29,6 +29,7 @@ import structlog
 import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
+from dlad.devices.dram import ORIN_DRAM_K
 from dlad.errors import DladError, Overloaded, StartupError
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.executors.factory import ExecutorBuildError, build_executors
@@ -78,8 +79,11 @@ class Daemon:
         """Set once :meth:`serve` has returned or raised (wait on it from any thread)."""
         self.executors: dict[str, Executor] = {}
         self._stop = anyio.Event()
+        contention = self.config.soc.dram_contention
         self._scheduler: Scheduler[Request] = Scheduler(
-            time.monotonic_ns, policy=self.config.scheduler.policy
+            time.monotonic_ns,
+            policy=self.config.scheduler.policy,
+            interference={k: v * contention for k, v in ORIN_DRAM_K.items()},
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         m = self.config.metrics

@@ -7,12 +7,15 @@ frontend admits requests into it. It never blocks and never grows without bound:
 - **Admission** places a job on one device's bounded queue, or refuses it at once with
   :class:`~dlad.errors.Overloaded` (every queue that could take it is full) — "full" is an
   answer, never growth.
-- **Placement** estimates, for each device that holds the job's model, when the job would
-  finish there: ``now + in flight(device) + work(queued + this job)``. The policy then picks:
-  ``latency``, the earliest; ``throughput``, the lowest *tier* (the DLA cores before the GPU)
-  among the devices estimated to finish by the job's deadline, earliest first, and the earliest
-  overall when none would; ``static``, a stream's frames all go to the device the stream was
-  pinned to at its first frame (the device with the fewest pinned streams per unit of speed; a
+- **Placement** estimates, for each device that holds the job's model, when the job would finish
+  there: ``now + in flight(device) + work(queued + this job)``. The policy then picks:
+  ``latency``, the earliest — or, where the devices slow each other (``interference``: the Orin's
+  shared DRAM), among those that meet the job's deadline, the one where the job's completion plus
+  the delay it inflicts on the jobs of the other devices is least, so a busy GPU is not slowed by
+  DLA work it could have done itself; ``throughput``, the lowest *tier* (the DLA cores before the
+  GPU) among the devices estimated to finish by the job's deadline, earliest first, and the
+  earliest overall when none would; ``static``, a stream's frames all go to the device the stream
+  was pinned to at its first frame (the device with the fewest pinned streams per unit of speed; a
   full queue there is OVERLOADED, it does not spill), other frames as ``latency``.
 - **Service time.** A device's service time is a function of the batch size, seeded at
   registration (a DLA: its modelled latency at batch 1; a GPU: a batch curve) and learned online
@@ -114,6 +117,7 @@ class _Device:
     max_batch: int
     curve: _Curve
     tier: int = 0
+    kind: str = ""
     pinned: int = 0  # streams pinned to it (policy static)
     # (-priority, deadline, arrival sequence, job id); entries of removed jobs are skipped
     # lazily and compacted away when they outnumber the live ones.
@@ -128,6 +132,8 @@ class _Device:
 
     def work_ns(self, jobs: int) -> float:
         """The estimated time to serve ``jobs`` queued jobs in batches of ``max_batch``."""
+        if jobs <= 0:
+            return 0.0
         full, rest = divmod(jobs, self.max_batch)
         return full * self.curve(self.max_batch) + (self.curve(rest) if rest else 0.0)
 
@@ -153,9 +159,20 @@ class Scheduler(Generic[P]):
         clock: monotonic nanoseconds.
         alpha: weight of a new measurement in the service-time estimates (0 < alpha <= 1).
         policy: how a job's device is chosen (the module docstring).
+        interference: ``(victim kind, aggressor kind) -> k``: while a device of the aggressor's
+            kind runs, one of the victim's runs ``k`` slower (the SoC's shared DRAM; the daemon
+            passes ``dlad.devices.dram``'s coefficients times ``[soc] dram_contention``). The
+            ``latency`` policy then weighs what a job delays on the other devices.
     """
 
-    def __init__(self, clock: Clock, *, alpha: float = 0.2, policy: Policy = "latency") -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        alpha: float = 0.2,
+        policy: Policy = "latency",
+        interference: Mapping[tuple[str, str], float] | None = None,
+    ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if policy not in POLICIES:
@@ -163,6 +180,7 @@ class Scheduler(Generic[P]):
         self._clock = clock
         self._alpha = alpha
         self.policy: Policy = policy
+        self._interference = {k: v for k, v in (interference or {}).items() if v > 0}
         self._pins: OrderedDict[str, str] = OrderedDict()  # stream -> device (policy static)
         self._devices: dict[str, _Device] = {}
         self._jobs: dict[int, Job[P]] = {}  # queued only
@@ -181,11 +199,13 @@ class Scheduler(Generic[P]):
         max_batch: int = 1,
         batch_service_us: Mapping[int, float] | None = None,
         tier: int = 0,
+        kind: str = "",
     ) -> None:
         """Register a device that serves ``models`` with a queue of ``capacity`` jobs, taking
         batches of up to ``max_batch``; ``service_us`` is its first estimate at batch 1 and
         ``batch_service_us`` (batch size -> µs) at other sizes. The ``throughput`` policy
-        prefers lower ``tier`` s (the daemon: 0 for a DLA core, 1 for the GPU).
+        prefers lower ``tier`` s (the daemon: 0 for a DLA core, 1 for the GPU); ``kind``
+        (``dla``, ``gpu``) keys the ``interference`` coefficients.
 
         Raises:
             ValueError: a duplicate name, a capacity or max_batch below 1, or a non-positive
@@ -203,7 +223,7 @@ class Scheduler(Generic[P]):
             raise ValueError(f"{name}: batch sizes must be >= 1")
         known = {b: t * 1e3 for b, t in curve.items()}
         self._devices[name] = _Device(
-            name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha), tier
+            name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha), tier, kind
         )
 
     @property
@@ -271,7 +291,26 @@ class Scheduler(Generic[P]):
                 open_,
                 key=lambda d: (now + ends[d.name] > job.deadline_ns, d.tier, ends[d.name], d.name),
             )
-        return min(open_, key=lambda d: (ends[d.name], d.name))
+        if not self._interference:
+            return min(open_, key=lambda d: (ends[d.name], d.name))
+        cost = {d.name: ends[d.name] + self._induced_ns(d, now) for d in open_}
+        return min(
+            open_, key=lambda d: (now + ends[d.name] > job.deadline_ns, cost[d.name], d.name)
+        )
+
+    def _induced_ns(self, d: _Device, now: int) -> float:
+        """How much a job placed on ``d`` delays the jobs of the other devices, summed: while
+        ``d`` runs the extra time the job costs it, each other device with work outstanding runs
+        ``interference[its kind, d's kind]`` slower, which pushes back every job it holds
+        (first order: the overlap times the coefficient, per job held)."""
+        extra = d.work_ns(d.depth + 1) - d.work_ns(d.depth)
+        total = 0.0
+        for e in self._devices.values():
+            k = self._interference.get((e.kind, d.kind), 0.0) if e is not d else 0.0
+            held = e.depth + len(e.running)
+            if k > 0 and held:
+                total += held * k * min(extra, self._completion(e, now, extra_jobs=0))
+        return total
 
     def _pinned(self, stream: str, candidates: Sequence[_Device]) -> _Device:
         """The device ``stream`` is pinned to (pinned now if new, or if its device no longer
@@ -296,12 +335,13 @@ class Scheduler(Generic[P]):
             self._devices[forgotten].pinned -= 1
         return chosen
 
-    def _completion(self, d: _Device, now: int) -> float:
-        """When a job admitted to ``d`` now would finish: what is in flight, then the queue and
-        this job in batches."""
+    def _completion(self, d: _Device, now: int, extra_jobs: int = 1) -> float:
+        """How long from ``now`` until a job admitted to ``d`` would finish (``extra_jobs=0``:
+        until ``d``'s current work is done): what is in flight, then the queue and this job in
+        batches."""
         tasks = {task: start + est for start, est, task in d.running.values()}
         remaining = sum(max(end - now, 0) for end in tasks.values())
-        return remaining + d.work_ns(d.depth + 1)
+        return remaining + d.work_ns(d.depth + extra_jobs)
 
     # ------------------------------------------------------------------------ dispatch
     def next_job(self, device: str) -> tuple[Job[P] | None, list[Job[P]]]:

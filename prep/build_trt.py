@@ -1,10 +1,19 @@
-"""Build DLA standalone loadables (and, for comparison, GPU engines) with TensorRT.
+"""Build DLA standalone loadables and the GPU engine dlad serves with TensorRT.
 
 Input: the Q/DQ translator's PTQ ONNX (no Q/DQ nodes), its TensorRT calibration cache and its
 ``fp16_nodes`` list. Output: the bytes ``builder.build_serialized_network`` returns, which for
 ``EngineCapability.DLA_STANDALONE`` is a cuDLA loadable (only cuDLA can run it, never a TRT
 runtime). One loadable is compiled per DLA core. See docs/build.md for the TensorRT versions and
 the equivalent trtexec command line (:func:`trtexec_command`).
+
+``device="gpu"`` builds the GPU engine ``dlad.devices.tensorrt_gpu.TensorRtGpu`` serves, from the
+same ONNX, cache and FP16 layers: INT8 with those layers in FP16, input ``images`` FP16 linear
+NCHW (the daemon dequantises its int8 frames into it; FP16 holds every ``q * scale`` closely
+enough that the first INT8 layer requantises it to the same ``q``), FP16 linear outputs (the raw
+head convs ``[B, C, H, W]``), and one optimisation profile for batches ``1..max_batch`` (min 1,
+opt = max = ``max_batch``). The translator's ONNX fixes batch 1, so its batch dim is made dynamic
+first (:func:`with_dynamic_batch`). Beside the engine goes a JSON sidecar (its format is
+``dlad.devices.tensorrt_gpu``'s; :func:`gpu_engine_metadata`).
 
 ``tensorrt`` is imported inside :func:`build_dla_loadable`, so this module imports anywhere. No
 ``trt.Runtime`` is ever created: without a GPU it segfaults on first use.
@@ -22,11 +31,13 @@ Two TensorRT generations are handled explicitly (``DlaBuildSpec.quantization``):
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
@@ -55,11 +66,14 @@ Int8Scales = Literal["calibrator", "dynamic_range"]
 _FORMAT_ENUM = {
     "dla_hwc4": "DLA_HWC4",
     "dla_linear": "DLA_LINEAR",
+    "chw": "LINEAR",
     "chw16": "CHW16",
     "chw32": "CHW32",
 }
 _OUTPUT_FORMAT: dict[str, str] = {"fp16": "fp16:chw16", "int8": "int8:chw32"}
+_GPU_IO_FORMAT = "fp16:chw"  # trtexec's word for FP16 TensorFormat.LINEAR
 _DLA_MAX_BATCH = 4096
+_GPU_MAX_BATCH = 64
 _DLA_MAX_DIM = 8192
 _ORIN_SRAM_BYTES = 1 << 20  # 1 MiB of managed SRAM per Orin DLA core (TRT MemoryPoolType docs)
 _MIB = 1 << 20
@@ -82,8 +96,10 @@ class DlaBuildSpec:
     the profile is min = opt = max); a dynamic leading dim without an entry becomes ``batch``.
     ``dla_sram_mib`` defaults to 1 MiB, the whole SRAM of an Orin DLA core, as in NVIDIA's DLA
     model recipes (``--memPoolSize=dlaSRAM:1``); TensorRT requires a power of two >= 4 KiB.
-    ``device="gpu"`` builds an ordinary GPU engine from the same inputs, for comparison (I/O stays
-    as in the ONNX; the DLA-only fields are ignored).
+    ``device="gpu"`` builds the GPU engine dlad serves (module docstring): FP16 linear I/O, a
+    profile for batches 1..``max_batch`` (1..64); the DLA-only fields (``dla_core``,
+    ``input_format``, ``output_precision``, ``dla_sram_mib``) are ignored and ``batch`` must stay
+    1 (the DLA's static batch). ``max_batch`` is ignored for DLA builds.
     """
 
     onnx_path: Path
@@ -99,6 +115,7 @@ class DlaBuildSpec:
     batch: int = 1
     dla_sram_mib: float = 1.0
     workspace_mib: int | None = None
+    max_batch: int = 8
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -123,6 +140,15 @@ class DlaBuildSpec:
             raise DlaSpecError("fp16_layers lists a layer twice")
         if not 1 <= self.batch <= _DLA_MAX_BATCH:
             raise DlaSpecError(f"batch={self.batch}; DLA allows 1..{_DLA_MAX_BATCH}")
+        if type(self.max_batch) is not int or not 1 <= self.max_batch <= _GPU_MAX_BATCH:
+            raise DlaSpecError(
+                f"max_batch={self.max_batch!r}; the GPU engine's profile takes 1..{_GPU_MAX_BATCH}"
+            )
+        if self.device == "gpu" and self.batch != 1:
+            raise DlaSpecError(
+                f"batch={self.batch} is the DLA's static batch; the GPU engine takes batches"
+                " 1..max_batch"
+            )
         for name, dims in self.input_shapes.items():
             if not dims or any(type(d) is not int or d < 1 for d in cast("tuple[object]", dims)):
                 raise DlaSpecError(f"input_shapes[{name!r}]={dims}; dims must be positive ints")
@@ -157,8 +183,14 @@ class DlaBuildSpec:
 
     @property
     def output_format(self) -> str:
-        """trtexec-style ``precision:format`` of every output: fp16 -> CHW16, int8 -> CHW32."""
-        return _OUTPUT_FORMAT[self.output_precision]
+        """trtexec-style ``precision:format`` of every output: on DLA fp16 -> CHW16, int8 ->
+        CHW32; on the GPU ``fp16:chw`` (linear)."""
+        return _GPU_IO_FORMAT if self.device == "gpu" else _OUTPUT_FORMAT[self.output_precision]
+
+    @property
+    def io_input_format(self) -> str:
+        """trtexec-style ``precision:format`` of every input (``fp16:chw`` on the GPU)."""
+        return _GPU_IO_FORMAT if self.device == "gpu" else self.input_format
 
 
 @dataclass(frozen=True)
@@ -182,11 +214,16 @@ class BuildReport:
     scales_unused: tuple[str, ...]
     elapsed_s: float
     warnings: tuple[str, ...]
+    max_batch: int | None = None
+    """The GPU engine's largest batch (None for a DLA loadable)."""
+    metadata_path: Path | None = None
+    """The GPU engine's JSON sidecar (None for a DLA loadable)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (paths as strings, tuples as lists)."""
         out = asdict(self)
         out["out_path"] = str(self.out_path)
+        out["metadata_path"] = None if self.metadata_path is None else str(self.metadata_path)
         return json.loads(json.dumps(out))
 
 
@@ -257,25 +294,38 @@ def resolve_input_shapes(
 ) -> tuple[dict[str, tuple[int, ...]], bool]:
     """Static build shape of every network input, and whether the network had dynamic dims.
 
-    ``declared`` dims are -1 where dynamic. Raises :class:`DlaSpecError` when a dynamic dim has
-    no value, a given shape contradicts the model, or a name in ``spec.input_shapes`` is unknown.
+    ``declared`` dims are -1 where dynamic. For a GPU engine the shape is the profile's largest:
+    its batch is ``spec.max_batch``, and the batch dim must be dynamic (:func:`with_dynamic_batch`).
+    Raises :class:`DlaSpecError` when a dynamic dim has no value, a given shape contradicts the
+    model, or a name in ``spec.input_shapes`` is unknown.
     """
     names = {name for name, _ in declared}
     if unknown := sorted(set(spec.input_shapes) - names):
         raise DlaSpecError(f"input_shapes names {unknown} are not network inputs {sorted(names)}")
     resolved: dict[str, tuple[int, ...]] = {}
     dynamic = False
+    gpu = spec.device == "gpu"
+    batch = spec.max_batch if gpu else spec.batch
     for name, dims in declared:
         dynamic = dynamic or any(d < 0 for d in dims)
+        if gpu and (not dims or dims[0] >= 0):
+            raise DlaSpecError(
+                f"input {name!r} {dims} has a fixed batch; the GPU engine's profile needs a"
+                " dynamic one (with_dynamic_batch / write_dynamic_batch_onnx make it so)"
+            )
         given = spec.input_shapes.get(name)
         if given is not None:
             if len(given) != len(dims) or any(
                 0 <= d != g for d, g in zip(dims, given, strict=True)
             ):
                 raise DlaSpecError(f"input_shapes[{name!r}]={given} contradicts the model's {dims}")
+            if gpu and given[0] != batch:
+                raise DlaSpecError(
+                    f"input_shapes[{name!r}]={given}: the GPU engine's batch is max_batch={batch}"
+                )
             shape = given
         else:
-            shape = tuple(spec.batch if i == 0 and d < 0 else d for i, d in enumerate(dims))
+            shape = tuple(batch if i == 0 and d < 0 else d for i, d in enumerate(dims))
             if missing := [i for i, d in enumerate(shape) if d < 0]:
                 raise DlaSpecError(
                     f"input {name!r} {dims} has dynamic dims {missing}; DLA has no dynamic dims,"
@@ -293,6 +343,54 @@ def resolve_input_shapes(
     return resolved, dynamic
 
 
+def profile_shapes(
+    shapes: Mapping[str, tuple[int, ...]], dynamic: bool, spec: DlaBuildSpec
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None:
+    """The optimisation profile ``{input: (min, opt, max)}`` for ``shapes`` (as
+    :func:`resolve_input_shapes` gives them), or None where none is needed: the GPU engine's is
+    batch 1 .. ``max_batch`` with opt = max; a DLA network with dynamic dims gets min = opt = max
+    (DLA is static); a static DLA network needs none."""
+    if spec.device == "gpu":
+        return {name: ((1, *s[1:]), s, s) for name, s in shapes.items()}
+    return {name: (s, s, s) for name, s in shapes.items()} if dynamic else None
+
+
+def with_dynamic_batch(onnx_bytes: bytes, dim_name: str = "batch") -> tuple[bytes, bool]:
+    """``onnx_bytes`` with the leading dim of every graph input and output made the symbolic
+    ``dim_name`` where it was a number, and the stale intermediate shapes (``value_info``, inferred
+    at that number) dropped; and whether anything changed (if not, the bytes are returned as
+    they were). External-data references are kept as they are. A graph that bakes the batch into
+    a constant (a Reshape to ``[1, ...]``) still fails later, in TensorRT's build, with its error.
+    Raises :class:`DlaSpecError` for bytes that are not an ONNX model."""
+    import onnx
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped,unused-ignore]
+
+    try:
+        model = onnx.load_from_string(onnx_bytes)
+    except (DecodeError, ValueError) as exc:
+        raise DlaSpecError(f"not an ONNX model ({exc})") from exc
+    weights = {t.name for t in model.graph.initializer}
+    changed = False
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if value.name not in weights and dims and dims[0].HasField("dim_value"):
+            dims[0].dim_param = dim_name  # dim_value and dim_param are a oneof: this clears it
+            changed = True
+    if not changed:
+        return onnx_bytes, False
+    del model.graph.value_info[:]
+    return model.SerializeToString(), True
+
+
+def write_dynamic_batch_onnx(src: Path, dst: Path) -> Path:
+    """Write :func:`with_dynamic_batch` of ``src`` to ``dst`` (atomically; a copy where nothing
+    changes), for trtexec, which cannot make a fixed batch dynamic. Returns ``dst``. Raises
+    :class:`DlaSpecError` for an unreadable or non-ONNX ``src``."""
+    data, _ = with_dynamic_batch(_read_file(Path(src), "ONNX model"))
+    _write_atomic(Path(dst), data)
+    return Path(dst)
+
+
 def tensorrt_available() -> str | None:
     """TensorRT's version if ``import tensorrt`` works here, else None. Never builds or runs."""
     try:
@@ -308,14 +406,18 @@ def trtexec_command(spec: DlaBuildSpec, out_path: Path, *, trtexec: str = "trtex
 
     Reads only the ONNX's declared inputs/outputs (for shape flags and per-output formats).
     ``"implicit"`` gives TensorRT 8.6-10.7 syntax; ``"explicit"`` gives 11.x syntax (no precision
-    flags). Raises :class:`DlaSpecError` if the ONNX has dynamic dims that cannot be resolved.
+    flags). For a GPU engine the ONNX's batch must already be dynamic (trtexec cannot change a
+    fixed one; :func:`write_dynamic_batch_onnx` writes such a copy). Raises :class:`DlaSpecError`
+    if the ONNX has dynamic dims that cannot be resolved, or a fixed batch for a GPU engine.
     """
     inputs, outputs = _onnx_io(spec.onnx_path)
     cmd = [trtexec, f"--onnx={spec.onnx_path}", f"--saveEngine={out_path}"]
     shapes, dynamic = resolve_input_shapes(inputs, spec)
-    if dynamic:
-        text = ",".join(f"{n}:{'x'.join(map(str, s))}" for n, s in shapes.items())
-        cmd += [f"--minShapes={text}", f"--optShapes={text}", f"--maxShapes={text}"]
+    profile = profile_shapes(shapes, dynamic, spec)
+    if profile is not None:
+        for flag, which in (("min", 0), ("opt", 1), ("max", 2)):
+            text = ",".join(f"{n}:{'x'.join(map(str, p[which]))}" for n, p in profile.items())
+            cmd.append(f"--{flag}Shapes={text}")
     if spec.quantization == "implicit":
         if spec.calibration_cache is not None:
             cmd += ["--int8", "--fp16", f"--calib={spec.calibration_cache}"]
@@ -335,6 +437,9 @@ def trtexec_command(spec: DlaBuildSpec, out_path: Path, *, trtexec: str = "trtex
         cmd.append("--outputIOFormats=" + ",".join([spec.output_format] * len(outputs)))
         sram = spec.dla_sram_bytes
         pools.append(f"dlaSRAM:{sram // _MIB}" if sram % _MIB == 0 else f"dlaSRAM:{sram // 1024}K")
+    else:
+        cmd.append("--inputIOFormats=" + ",".join([spec.io_input_format] * len(inputs)))
+        cmd.append("--outputIOFormats=" + ",".join([spec.output_format] * len(outputs)))
     if pools:
         cmd.append("--memPoolSize=" + ",".join(pools))
     return cmd
@@ -355,20 +460,28 @@ def build_dla_loadable(
     :class:`DlaSpecError` for bad inputs and :class:`DlaBuildError` when TensorRT is missing or
     unsupported, there is no CUDA device or no DLA, the ONNX does not parse, the precision
     requests cannot be met, or the builder fails (with TensorRT's own error messages).
-    ``out_path`` is written atomically and only on success.
+    ``out_path`` is written atomically and only on success; for a GPU engine its JSON sidecar
+    (``dlad.devices.tensorrt_gpu.engine_metadata_path``) is written after it, and a previous one
+    is removed first.
     """
     started = time.perf_counter()
+    gpu = spec.device == "gpu"
     onnx_bytes = _read_file(spec.onnx_path, "ONNX model")
+    network_bytes, rebatched = with_dynamic_batch(onnx_bytes) if gpu else (onnx_bytes, False)
     cache = read_calibration_cache(spec.calibration_cache) if spec.calibration_cache else None
-    trt = trt_module if trt_module is not None else _import_tensorrt()
+    trt = trt_module if trt_module is not None else _import_tensorrt(spec.device)
     version_text = str(getattr(trt, "__version__", ""))
     s = _Session(trt, spec, parse_trt_version(version_text))
     s.check_version()
     if (cuda_device_count or _cuda_device_count)() == 0:
-        raise DlaBuildError("no CUDA device: TensorRT builds need a Jetson Orin (GPU + DLA)")
-    s.parse(onnx_bytes)
+        need = "the GPU it will run on" if gpu else "a Jetson Orin (GPU + DLA)"
+        raise DlaBuildError(f"no CUDA device: this TensorRT build needs {need}")
+    if rebatched:
+        s.notes.append(f"{spec.onnx_path.name} fixes the batch; its batch dim was made dynamic")
+    s.parse(network_bytes)
     shapes, dynamic = resolve_input_shapes([(t.name, tuple(t.shape)) for t in s.inputs], spec)
-    flags = s.configure(shapes if dynamic else None)
+    profile = profile_shapes(shapes, dynamic, spec)
+    flags = s.configure(profile)
     io_formats = s.configure_io(shapes)
     s.apply_fp16_layers()
     batch = max((v[0] for v in shapes.values() if v), default=1)
@@ -378,17 +491,79 @@ def build_dla_loadable(
         errors = [m for sev, m in s.logger.messages if sev <= int(trt.ILogger.Severity.ERROR)]
         raise DlaBuildError("TensorRT build failed:\n  " + "\n  ".join(errors or ["(no message)"]))
     data = bytes(memoryview(blob))
-    _write_atomic(Path(out_path), data)
+    out_path = Path(out_path)
+    meta_path = None
+    if gpu:
+        from dlad.devices.tensorrt_gpu import engine_metadata_path
+
+        meta_path = engine_metadata_path(out_path)
+        meta_path.unlink(missing_ok=True)  # never a sidecar that describes another engine
+    _write_atomic(out_path, data)
+    if meta_path is not None and profile is not None:
+        meta = gpu_engine_metadata(
+            engine=data, engine_name=out_path.name, trt_version=version_text,
+            max_batch=spec.max_batch, profile=profile,
+            outputs={t.name: tuple(t.shape) for t in s.outputs},
+            precision={"quantization": spec.quantization, "int8_mode": int8_mode,
+                       "builder_flags": list(flags), "fp16_layers": list(spec.fp16_layers)},
+            onnx_name=spec.onnx_path.name, onnx_sha256=hashlib.sha256(onnx_bytes).hexdigest(),
+        )  # fmt: skip
+        _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
     warning = int(trt.ILogger.Severity.WARNING)
     return BuildReport(
         trt_version=version_text, device=spec.device,
-        dla_core=spec.dla_core if spec.device == "dla" else None, quantization=spec.quantization,
-        out_path=Path(out_path), loadable_bytes=len(data), onnx_bytes=len(onnx_bytes),
+        dla_core=None if gpu else spec.dla_core, quantization=spec.quantization,
+        out_path=out_path, loadable_bytes=len(data), onnx_bytes=len(onnx_bytes),
         num_layers=int(s.network.num_layers), input_shapes=shapes, io_formats=io_formats,
         fp16_layers=spec.fp16_layers, builder_flags=flags, int8_mode=int8_mode,
         scales_applied=applied, scales_unused=unused, elapsed_s=time.perf_counter() - started,
         warnings=(*s.notes, *(m for sev, m in s.logger.messages if sev == warning)),
+        max_batch=spec.max_batch if gpu else None, metadata_path=meta_path,
     )  # fmt: skip
+
+
+def gpu_engine_metadata(
+    *,
+    engine: bytes,
+    engine_name: str,
+    trt_version: str,
+    max_batch: int,
+    profile: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
+    outputs: Mapping[str, tuple[int, ...]],
+    precision: Mapping[str, Any],
+    onnx_name: str,
+    onnx_sha256: str,
+) -> dict[str, Any]:
+    """The JSON sidecar of a GPU engine (format version 1 of ``dlad.devices.tensorrt_gpu``):
+    the engine's name, sha256 and size, the TensorRT version, ``max_batch``, each input with its
+    shape (batch -1), type, format and ``profile``, each output's shape, type and format (every
+    I/O is ``HALF``/``LINEAR``), the precision settings and the source ONNX."""
+    from dlad.devices.tensorrt_gpu import METADATA_FORMAT, METADATA_VERSION
+
+    def io(shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"shape": [-1, *shape[1:]], "dtype": "HALF", "format": "LINEAR"}
+
+    return {
+        "format": METADATA_FORMAT,
+        "version": METADATA_VERSION,
+        "engine": engine_name,
+        "engine_sha256": hashlib.sha256(engine).hexdigest(),
+        "engine_bytes": len(engine),
+        "tensorrt_version": trt_version,
+        "max_batch": max_batch,
+        "inputs": [
+            {
+                "name": name,
+                **io(high),
+                "profile": {"min": list(low), "opt": list(opt), "max": list(high)},
+            }
+            for name, (low, opt, high) in profile.items()
+        ],
+        "outputs": [{"name": name, **io(shape)} for name, shape in outputs.items()],
+        "precision": dict(precision),
+        "onnx": {"name": onnx_name, "sha256": onnx_sha256},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 @dataclass
@@ -444,8 +619,11 @@ class _Session:
         self.outputs = [self.network.get_output(i) for i in range(self.network.num_outputs)]
         self.config = self.builder.create_builder_config()
 
-    def configure(self, profile_shapes: dict[str, tuple[int, ...]] | None) -> tuple[str, ...]:
-        """Device, flags, memory pools and the static profile; returns the names of flags set."""
+    def configure(
+        self, profile: Mapping[str, tuple[tuple[int, ...], ...]] | None
+    ) -> tuple[str, ...]:
+        """Device, flags, memory pools and the profile (:func:`profile_shapes`); returns the
+        names of the flags set."""
         trt, spec, config = self.trt, self.spec, self.config
         names: list[str] = []
         if spec.device == "dla":
@@ -466,23 +644,26 @@ class _Session:
             config.set_flag(getattr(trt.BuilderFlag, name))
         if spec.workspace_mib is not None:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_mib * _MIB)
-        if profile_shapes is not None:
-            profile = self.builder.create_optimization_profile()
-            for name, shape in profile_shapes.items():
-                profile.set_shape(name, shape, shape, shape)  # min = opt = max: DLA is static
-            config.add_optimization_profile(profile)
-            if spec.calibration_cache is not None:
-                config.set_calibration_profile(profile)
+        if profile is not None:
+            built = self.builder.create_optimization_profile()
+            for name, (low, opt, high) in profile.items():
+                built.set_shape(name, low, opt, high)  # DLA: min = opt = max (DLA is static)
+            config.add_optimization_profile(built)
+            if spec.calibration_cache is not None and not self.strongly_typed:
+                # Calibration with dynamic shapes runs at the profile's opt shape; the cache
+                # calibrator feeds no batches, but TensorRT needs the profile named.
+                config.set_calibration_profile(built)
         return tuple(names)
 
     def configure_io(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
-        """I/O types and allowed formats (DLA); returns tensor name -> ``type:format``."""
+        """I/O types and allowed formats; returns tensor name -> ``type:format`` (trtexec's
+        words: DLA as configured; the GPU engine ``fp16:chw``, FP16 linear, throughout)."""
         trt, spec = self.trt, self.spec
-        if spec.device != "dla":
-            return {t.name: "onnx" for t in self.inputs + self.outputs}
         chosen: dict[str, str] = {}
         problems: list[str] = []
-        for tensors, text in ((self.inputs, spec.input_format), (self.outputs, spec.output_format)):
+        for tensors, text in (
+            (self.inputs, spec.io_input_format), (self.outputs, spec.output_format),
+        ):  # fmt: skip
             precision, fmt = text.split(":")
             dtype = trt.int8 if precision == "int8" else trt.float16
             for t in tensors:
@@ -499,7 +680,8 @@ class _Session:
                 chosen[t.name] = text
         if problems:
             raise DlaBuildError(
-                "I/O cannot take the requested DLA formats:\n  " + "\n  ".join(problems)
+                f"I/O cannot take the requested {spec.device.upper()} formats:\n  "
+                + "\n  ".join(problems)
             )
         return chosen
 
@@ -602,13 +784,18 @@ def _parser_error_text(error: Any) -> str:
     return f"{where}: {error.desc()}"
 
 
-def _import_tensorrt() -> Any:
+def _import_tensorrt(device: Device = "dla") -> Any:
     try:
         import tensorrt
     except (ImportError, OSError) as exc:
+        what = (
+            "the GPU engine is built on the device that runs it (an engine is bound to its"
+            " TensorRT release and GPU): on the Jetson"
+            if device == "gpu"
+            else "DLA loadables are built on a Jetson Orin"
+        )
         raise DlaBuildError(
-            f"TensorRT is not importable here ({exc}); DLA loadables are built on a Jetson Orin,"
-            " where JetPack installs TensorRT"
+            f"TensorRT is not importable here ({exc}); {what}, where JetPack installs TensorRT"
         ) from exc
     return tensorrt
 
@@ -628,7 +815,7 @@ def _cuda_device_count() -> int | None:
 
 def _onnx_io(path: Path) -> tuple[list[tuple[str, tuple[int, ...]]], list[str]]:
     import onnx
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped,unused-ignore]
 
     try:
         model = onnx.load(str(path), load_external_data=False)

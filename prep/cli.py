@@ -6,7 +6,9 @@ overrides, writes a manifest beside its outputs and is skipped when nothing it d
 changed (``--force`` runs it anyway).
 
 ``prep translate --onnx FILE`` and ``prep build --onnx FILE`` also work on files made elsewhere
-(e.g. a QAT ONNX from NVIDIA's sample).
+(e.g. a QAT ONNX from NVIDIA's sample). ``prep torch-export --loadable X.emu --out X.pt2`` writes
+the torch GPU engine's program from an emulated loadable (``prep.torch_export``); it takes no
+work directory or preset.
 
 Exit status: 0 success, 1 a stage failed, 2 bad arguments or settings, or a package of the
 ``[prep]`` extra that the command needs is not installed (the message says how to install it).
@@ -71,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         "qat": "fold BN, quantize (ModelOpt), calibrate, QAT fine-tune",
         "export": "ONNX export of the FP32 and QAT models (raw heads s8/s16/s32)",
         "translate": "Q/DQ ONNX -> PTQ ONNX + scales JSON + TensorRT calibration cache",
-        "build": "TensorRT DLA standalone loadables (needs TensorRT and a Jetson Orin)",
+        "build": "emulated loadables; TensorRT DLA loadables / GPU engine (need TensorRT)",
         "validate": "COCO mAP of FP32 and QAT (fake-quant) on the held-out images",
     }
     for stage in STAGES:
@@ -81,18 +83,29 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--out", type=Path, help="output directory for --onnx")
             sp.add_argument("--trt-version", type=int, default=None, help="cache header version")
         if stage == "build":
-            sp.add_argument("--onnx", type=Path, help="build this PTQ ONNX instead")
+            sp.add_argument(
+                "--onnx", type=Path, help="build this PTQ ONNX instead (one target: dla or gpu)"
+            )
             sp.add_argument("--calib", type=Path, help="calibration cache for --onnx")
+            sp.add_argument(
+                "--precision-config", type=Path,
+                help="the translator's *_precision_config.json for --onnx (its fp16_nodes run"
+                " in FP16)",
+            )  # fmt: skip
             sp.add_argument(
                 "--core", type=int, choices=(0, 1), default=None,
                 help="DLA core to build for (default: build.cores; 0 with --onnx)",
             )  # fmt: skip
             sp.add_argument(
-                "--target", action="append", choices=("emulated", "dla"),
-                help="build only these (repeatable): emulated loadables and/or TensorRT DLA"
-                " standalone loadables (default: build.targets)",
+                "--target", action="append", choices=("emulated", "dla", "gpu"),
+                help="build only these (repeatable): emulated loadables, TensorRT DLA standalone"
+                " loadables, the TensorRT GPU engine (default: build.targets)",
             )  # fmt: skip
-            sp.add_argument("--out", type=Path, help="loadable path for --onnx")
+            sp.add_argument(
+                "--max-batch", type=int, default=None,
+                help="the GPU engine's largest batch, 1..64 (default: build.max_batch)",
+            )  # fmt: skip
+            sp.add_argument("--out", type=Path, help="loadable or engine path for --onnx")
     profile_cmd.add_parser(sub)
     bp = sub.add_parser(
         "bundle",
@@ -101,6 +114,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     bp.add_argument("--out", type=Path, default=Path("dlad/models/demo"), help="bundle directory")
     bp.add_argument("--variant", default="fp16_heads", help="head variant to bundle")
+    tp = sub.add_parser(
+        "torch-export",
+        help="the torch GPU engine's .pt2 from an emulated loadable (same integers as the DLA)",
+    )
+    tp.add_argument("--loadable", type=Path, required=True, help="the emulated loadable (.emu)")
+    tp.add_argument("--out", type=Path, help="the program to write (default: the loadable's .pt2)")
+    tp.add_argument(
+        "--max-batch", type=int, default=16, help="largest batch the program takes (default 16)"
+    )
     sub.add_parser("all", parents=[common], help="run every stage in order (skips current ones)")
     sub.add_parser("config", parents=[common], help="print the effective settings")
     return p
@@ -171,13 +193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "profile":
         return profile_cmd.run(args)
+    if args.command == "torch-export":
+        return _torch_export(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from prep.pipeline import Chain, ConfigError, dump_config, load_config, resolve_preset
 
     try:
         overrides = _parse_set(args.set)
+        if args.command == "build" and args.max_batch is not None:
+            overrides["build.max_batch"] = args.max_batch  # checked with the settings
         if args.command == "build" and args.onnx is None:
-            if args.target:  # prep build --target dla --core N
+            if args.target:  # prep build --target dla --core N, prep build --target gpu
                 overrides["build.targets"] = list(dict.fromkeys(args.target))
             if args.core is not None:
                 overrides["build.cores"] = [args.core]
@@ -192,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "translate" and args.onnx is not None:
             return _translate_file(args, cfg.translate.trt_version)
         if args.command == "build" and args.onnx is not None:
-            return _build_file(args)
+            return _build_file(args, cfg.build.max_batch)
         if args.command == "bundle":
             from prep.bundle import bundle
 
@@ -228,15 +254,50 @@ def _translate_file(args: argparse.Namespace, default_version: int) -> int:
     return 0
 
 
-def _build_file(args: argparse.Namespace) -> int:
-    from prep.build_trt import DlaBuildSpec, build_dla_loadable
+def _build_file(args: argparse.Namespace, max_batch: int) -> int:
+    """``prep build --onnx FILE``: one TensorRT target, ``dla`` (the default; ``--core``) or
+    ``gpu`` (``--max-batch``). Exit 2 for another target or several; the build's own errors
+    propagate to :func:`_run` (exit 1), as the DLA build's always have."""
+    from prep.build_trt import DlaBuildSpec, build_dla_loadable, load_fp16_layers
 
-    core = 0 if args.core is None else args.core
-    out = args.out or args.onnx.with_suffix(f".dla{core}.loadable")
-    report = build_dla_loadable(
-        DlaBuildSpec(onnx_path=args.onnx, calibration_cache=args.calib, dla_core=core), out
-    )
+    targets = list(dict.fromkeys(args.target or ["dla"]))
+    if targets not in (["dla"], ["gpu"]):
+        print(
+            f"prep: build --onnx builds one TensorRT target, dla or gpu; got {targets}",
+            file=sys.stderr,
+        )
+        return 2
+    fp16 = load_fp16_layers(args.precision_config) if args.precision_config else ()
+    common: dict[str, Any] = {
+        "onnx_path": args.onnx, "calibration_cache": args.calib, "fp16_layers": fp16,
+    }  # fmt: skip
+    if targets == ["gpu"]:
+        out = args.out or args.onnx.with_suffix(".gpu.engine")
+        spec = DlaBuildSpec(device="gpu", max_batch=max_batch, **common)
+    else:
+        core = 0 if args.core is None else args.core
+        out = args.out or args.onnx.with_suffix(f".dla{core}.loadable")
+        spec = DlaBuildSpec(dla_core=core, **common)
+    report = build_dla_loadable(spec, out)
     print(report)
+    return 0
+
+
+def _torch_export(args: argparse.Namespace) -> int:
+    """Exit 0 written; 2 an unreadable, invalid or unrebuildable loadable or a bad argument;
+    1 torch.export failed."""
+    from prep.torch_export import TorchExportFailure, export_torch
+
+    out = args.out or args.loadable.with_suffix(".pt2")
+    try:
+        path = export_torch(args.loadable, out, max_batch=args.max_batch)
+    except (OSError, ValueError) as e:  # LoadableError and TorchExportError are ValueErrors
+        print(f"prep torch-export: {e}", file=sys.stderr)
+        return 2
+    except TorchExportFailure as e:
+        print(f"prep torch-export: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
     return 0
 
 

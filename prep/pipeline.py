@@ -9,7 +9,8 @@
       qat/qat.pt               BN-folded, quantized, calibrated, QAT-fine-tuned model
       export/{fp32,qat}.onnx   raw heads s8/s16/s32; qat.onnx carries Q/DQ
       translate/               PTQ ONNX, *_precision_config.json, calibration cache, layer arg
-      build/                   TensorRT DLA loadables where TensorRT and a DLA exist
+      build/                   emulated loadables; TensorRT DLA loadables where TensorRT and a
+                               DLA exist; the TensorRT GPU engine (target gpu) where TensorRT is
       validate/                mAP of FP32 and QAT (fake-quant) on the held-out images
 
 Settings come from a TOML preset (``prep/presets/*.toml``) that maps one-to-one onto
@@ -76,13 +77,30 @@ class TranslateConfig:
     infer_mul_scales: bool = True
 
 
+BuildTarget = typing.Literal["emulated", "dla", "gpu"]
+GPU_MAX_BATCH = 64
+"""The largest ``build.max_batch`` (the GPU engine's profile; prep.build_trt's bound)."""
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     cores: tuple[int, ...] = (0, 1)
     output_precision: str = "fp16"  # TensorRT build: "fp16" -> CHW16 heads, "int8" -> CHW32
-    targets: tuple[str, ...] = ("emulated", "dla")
+    targets: tuple[BuildTarget, ...] = ("emulated", "dla")
     """``emulated``: dlad's emulated loadables (all head variants, every core); ``dla``:
-    TensorRT DLA standalone loadables, where TensorRT and an Orin exist (else skipped)."""
+    TensorRT DLA standalone loadables, where TensorRT and an Orin exist (else skipped); ``gpu``:
+    the TensorRT GPU engine dlad's ``tensorrt`` GPU device serves (``model.gpu.engine`` and its
+    JSON sidecar), where TensorRT exists (else skipped, like ``dla``). Not in the default: the
+    engine is built on the device that runs it."""
+    max_batch: int = 8
+    """The GPU engine's largest batch (its profile is 1..max_batch; 1..64)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_batch <= GPU_MAX_BATCH:
+            raise ConfigError(
+                f"build.max_batch: {self.max_batch} is not in 1..{GPU_MAX_BATCH} (the GPU"
+                " engine's optimisation profile)"
+            )
 
 
 @dataclass(frozen=True)

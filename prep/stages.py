@@ -271,8 +271,9 @@ def _model_info(chain: Chain) -> Any:
 
 
 def run_build(chain: Chain, record: StageRecord) -> Result:
-    """Emulated loadables (every head variant, every core) and, where TensorRT and a DLA exist,
-    TensorRT DLA standalone loadables; elsewhere the trtexec commands a user with an Orin runs."""
+    """Emulated loadables (every head variant, every core) and, where TensorRT exists, TensorRT
+    DLA standalone loadables (target ``dla``) and the TensorRT GPU engine (target ``gpu``);
+    elsewhere the trtexec commands a user with an Orin runs."""
     b = chain.cfg.build
     outputs: dict[str, Path] = {}
     metrics: dict[str, Any] = {}
@@ -295,7 +296,7 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
             }
             for v in HEAD_VARIANTS
         }
-    if "dla" in b.targets:
+    if "dla" in b.targets or "gpu" in b.targets:
         trt_outputs, trt_metrics = _build_trt(chain, record)
         outputs.update(trt_outputs)
         metrics.update(trt_metrics)
@@ -308,47 +309,65 @@ def _manifest_fingerprint(chain: Chain, stage: str) -> str:
 
 
 def _build_trt(chain: Chain, record: StageRecord) -> Result:
+    """The TensorRT targets: ``model.dla<N>.loadable`` per core (``dla``) and
+    ``model.gpu.engine`` with its sidecar (``gpu``; built from ``model_gpu.onnx``, the
+    translator's ONNX with a dynamic batch, which the trtexec command reads too). The trtexec
+    commands always go to ``trtexec_commands.json``; without TensorRT nothing is built (a
+    warning, and ``skipped`` in the metrics)."""
     from prep.build_trt import (
         DlaBuildSpec,
         build_dla_loadable,
         load_fp16_layers,
         tensorrt_available,
         trtexec_command,
+        write_dynamic_batch_onnx,
     )
 
     tdir = chain.dir("translate")
     b = chain.cfg.build
     fp16 = load_fp16_layers(tdir / "model_precision_config.json")
-    specs = {
-        core: DlaBuildSpec(
-            onnx_path=tdir / "model_noqdq.onnx",
-            calibration_cache=tdir / "model_precision_config_calib.cache",
-            fp16_layers=fp16,
-            dla_core=core,
-            output_precision=b.output_precision,  # type: ignore[arg-type]
+    common: dict[str, Any] = {
+        "calibration_cache": tdir / "model_precision_config_calib.cache",
+        "fp16_layers": fp16,
+    }
+    jobs: dict[str, tuple[DlaBuildSpec, Path]] = {}
+    outputs: dict[str, Path] = {}
+    if "dla" in b.targets:
+        for core in b.cores:
+            spec = DlaBuildSpec(
+                onnx_path=tdir / "model_noqdq.onnx",
+                dla_core=core,
+                output_precision=b.output_precision,  # type: ignore[arg-type]
+                **common,
+            )
+            jobs[f"dla{core}"] = (spec, record.out_dir / f"model.dla{core}.loadable")
+    if "gpu" in b.targets:
+        gpu_onnx = write_dynamic_batch_onnx(
+            tdir / "model_noqdq.onnx", record.out_dir / "model_gpu.onnx"
         )
-        for core in b.cores
-    }
-    commands = {
-        f"dla{core}": trtexec_command(spec, record.out_dir / f"model.dla{core}.loadable")
-        for core, spec in specs.items()
-    }
+        outputs["gpu_onnx"] = gpu_onnx
+        spec = DlaBuildSpec(onnx_path=gpu_onnx, device="gpu", max_batch=b.max_batch, **common)
+        jobs["gpu"] = (spec, record.out_dir / "model.gpu.engine")
+    commands = {key: trtexec_command(spec, out) for key, (spec, out) in jobs.items()}
     cmd_path = record.out_dir / "trtexec_commands.json"
     cmd_path.write_text(json.dumps(commands, indent=2) + "\n")
-    outputs: dict[str, Path] = {"trtexec_commands": cmd_path}
+    outputs["trtexec_commands"] = cmd_path
     version = tensorrt_available()
     if version is None:
         log.warning(
-            "build: TensorRT is not installed here; DLA loadables need a Jetson Orin "
-            "(the trtexec commands are in %s)",
+            "build: TensorRT is not installed here; not built: %s. DLA loadables need a Jetson "
+            "Orin, and the GPU engine is built on the device that runs it (the trtexec commands "
+            "are in %s)",
+            ", ".join(jobs),
             cmd_path,
         )
         return outputs, {"tensorrt": None, "built": [], "skipped": "TensorRT not installed"}
     built = []
-    for core, spec in specs.items():
-        out = record.out_dir / f"model.dla{core}.loadable"
+    for key, (spec, out) in jobs.items():
         report = build_dla_loadable(spec, out)
-        outputs[f"dla{core}"] = out
+        outputs[key] = out
+        if report.metadata_path is not None:
+            outputs[f"{key}_metadata"] = report.metadata_path
         built.append(report.to_dict())
     return outputs, {"tensorrt": version, "built": built}
 

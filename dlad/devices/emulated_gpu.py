@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from dlad.curves import interpolate
 from dlad.devices.dram import SharedDram
+from dlad.devices.gpu_frames import check_batch, frame_shape
 from dlad.devices.int8_engine import Int8Engine, engine_for_loadable
 from dlad.imaging.post import unpack_head
 from dlad.loadable import DataType, Loadable
@@ -124,6 +125,7 @@ class EmulatedGpu:
         )
         self._patterns = [_pattern_head(d) for d in loadable.outputs] if mode == "timing" else []
         self.dram = dram
+        self._frame_shape = frame_shape(loadable)
         self._lock = threading.Lock()
 
     def run(
@@ -132,11 +134,10 @@ class EmulatedGpu:
         """Run one batch of ``DLA_HWC4`` int8 frames (``quantize_hwc4``'s output); returns, per
         frame, its logical heads (float32 ``[C, H, W]`` each), and the batch's timing.
 
-        Raises ValueError for an empty batch or one over ``max_batch``, and the INT8 engine's
-        errors for a frame of the wrong shape.
+        Raises ValueError for an empty batch, one over ``max_batch`` or a frame that is not an
+        int8 array of the loadable's ``DLA_HWC4`` input shape.
         """
-        if not 1 <= len(frames) <= self.max_batch:
-            raise ValueError(f"a batch holds 1..{self.max_batch} frames, got {len(frames)}")
+        check_batch(frames, self.max_batch, self._frame_shape)
         modelled = self.curve_us[len(frames)]
         with self._lock:  # one engine: batches queue behind each other
             start = time.monotonic_ns()

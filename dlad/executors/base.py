@@ -87,6 +87,14 @@ class ExecutorStats:
     last_failure: str = ""
 
 
+def pipeline_us(pre_us: float, device_us: float, post_us: float, slots: int) -> float:
+    """What one task (or batch) costs an executor's throughput, for the scheduler to learn:
+    ``slots`` loops each pre-process, run (one at a time on the engine) and post-process, so
+    the engine is the bottleneck, or, when pre/post-processing takes longer, the loops are:
+    ``max(device, (pre + device + post) / slots)``."""
+    return max(device_us, (pre_us + device_us + post_us) / max(slots, 1))
+
+
 class Executor(abc.ABC):
     """One engine serving one or more models for the scheduler.
 

@@ -44,7 +44,7 @@ from dlad.devices.dram import SharedDram
 from dlad.devices.emulated import FaultConfig
 from dlad.devices.factory import open_core
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
-from dlad.executors.base import Executor, OnOutcome, Outcome, Request
+from dlad.executors.base import Executor, OnOutcome, Outcome, Request, pipeline_us
 from dlad.imaging.decoders import decoder_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
@@ -211,10 +211,18 @@ class DlaExecutor(Executor):
             except Exception as exc:  # a bug must cost one request an INTERNAL, not the daemon
                 log.exception("job_failed", device=self.name)
                 outcome = Outcome(job.id, self.name, error=InternalError(repr(exc)))
-            self.scheduler.finished(
-                self.name, job, outcome.device_us if outcome.error is None else None
-            )
+            self.scheduler.finished(self.name, job, self._cost_us(outcome, slot))
             await on_outcome(outcome)
+
+    def _cost_us(self, outcome: Outcome, slot: Slot) -> float | None:
+        """What the scheduler learns from ``outcome`` (None: a failure teaches nothing). On the
+        CPU path the slots' pre/post-processing can be the bottleneck (:func:`pipeline_us`); on
+        the GPU chain ``pre_us`` includes waiting for the core, so the task time is the cost."""
+        if outcome.error is not None:
+            return None
+        if slot.gpu is not None:
+            return outcome.device_us
+        return pipeline_us(outcome.pre_us, outcome.device_us, outcome.post_us, len(self.slots))
 
     def _expired(self, job: Job[Request]) -> Outcome:
         return Outcome(job.id, self.name, error=DeadlineExceeded("deadline passed while queued"))

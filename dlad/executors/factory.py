@@ -3,7 +3,9 @@
 For each placement on a DLA device: its fault settings become the emulated core's
 :class:`~dlad.devices.emulated.FaultConfig`, its cuDLA loadable is looked up, the GPU service (if
 pre/post-processing runs on CUDA) is wired into its slots. For a placement on the gpu device: its
-engine (the emulated Orin GPU) is built from the model's loadable with its batch curve. Every
+engine, by ``engine``: the emulated Orin GPU (from the model's loadable, with its batch curve),
+the torch program (``TorchGpu``, a CUDA GPU) or the TensorRT engine (``TensorRtGpu``, a Jetson),
+the last two imported only when configured and measuring their own batch curve at start. Every
 executor is registered with the scheduler with its queue bound, batch size, first service-time
 estimates and tier (a DLA core 0, the GPU 1: the ``throughput`` policy fills the DLA cores
 first). The emulated engines share one :class:`~dlad.devices.dram.SharedDram` (``[soc]
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from dlad.config import Placement, Plan
+from dlad.config import Placement, Plan, _resolve
 from dlad.devices.base import DlaError
 from dlad.devices.dram import SharedDram
 from dlad.devices.emulated import FaultConfig
@@ -25,7 +27,7 @@ from dlad.devices.factory import cudla_loadable_for
 from dlad.devices.int8_engine import Int8EngineError
 from dlad.executors.base import Executor, Request
 from dlad.executors.dla import DlaExecutor
-from dlad.executors.gpu import GpuExecutor
+from dlad.executors.gpu import GpuEngine, GpuExecutor
 from dlad.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -65,9 +67,14 @@ def build_executors(
             dev = plan.config.device(placement.device)
             if dev.kind == "gpu":
                 gpu_executor = _gpu_executor(
-                    plan, placement, scheduler, limiter, pre_post, dram=dram
+                    plan, placement, scheduler, limiter, pre_post, dram=dram, gpu=gpu
                 )
-                _register(scheduler, gpu_executor, gpu_executor.batch_service_us, tier=1)
+                # A torch engine is a discrete GPU: it shares no DRAM with the DLA cores.
+                on_soc = (dev.engine or "emulated") != "torch"
+                _register(
+                    scheduler, gpu_executor, gpu_executor.batch_service_us, tier=1,
+                    kind="gpu" if on_soc else "",
+                )  # fmt: skip
                 built[gpu_executor.name] = gpu_executor
                 continue
             faults = None
@@ -102,7 +109,7 @@ def build_executors(
                 raise ExecutorBuildError(
                     f"cannot open or load {placement.path}: {exc}", key=f"devices.{dev.name}"
                 ) from None
-            _register(scheduler, executor, None, tier=0)
+            _register(scheduler, executor, None, tier=0, kind="dla")
             built[executor.name] = executor
     except BaseException:
         for done in built.values():
@@ -112,8 +119,14 @@ def build_executors(
 
 
 def _register(
-    scheduler: Scheduler[Request], executor: Executor, curve: dict[int, float] | None, *, tier: int
+    scheduler: Scheduler[Request],
+    executor: Executor,
+    curve: dict[int, float] | None,
+    *,
+    tier: int,
+    kind: str,
 ) -> None:
+    """Register ``executor``; ``kind`` keys the DRAM interference coefficients ("": none)."""
     scheduler.add_device(
         executor.name,
         executor.models,
@@ -122,6 +135,7 @@ def _register(
         max_batch=executor.max_batch,
         batch_service_us=curve,
         tier=tier,
+        kind=kind,
     )
 
 
@@ -133,21 +147,36 @@ def _gpu_executor(
     pre_post: bool,
     *,
     dram: SharedDram,
+    gpu: GpuService | None,
 ) -> GpuExecutor:
     dev = plan.config.device(placement.device)
     max_batch = dev.batch_limit
+    kind = dev.engine or "emulated"
+    engine: GpuEngine
     try:
-        engine = EmulatedGpu(
-            placement.loadable,
-            mode=dev.mode,
-            max_batch=max_batch,
-            batch1_us=dev.latency_us,
-            threads=dev.threads,
-            dram=dram,
-        )
-    except (Int8EngineError, ValueError) as exc:
+        if kind == "emulated":
+            engine = EmulatedGpu(
+                placement.loadable,
+                mode=dev.mode,
+                max_batch=max_batch,
+                batch1_us=dev.latency_us,
+                threads=dev.threads,
+                dram=dram,
+            )
+        else:
+            artifact = _artifact(plan, placement, kind)
+            if kind == "torch":
+                from dlad.devices.torch_gpu import TorchGpu  # noqa: PLC0415 (torch: lazy)
+
+                engine = TorchGpu(placement.loadable, artifact, max_batch=max_batch)
+            else:
+                from dlad.devices.tensorrt_gpu import TensorRtGpu  # noqa: PLC0415 (lazy)
+
+                engine = TensorRtGpu(placement.loadable, artifact, max_batch=max_batch)
+    except (Int8EngineError, ValueError) as exc:  # TorchGpuError, TensorRtGpuError too
         raise ExecutorBuildError(
-            f"cannot build the emulated GPU for {placement.path}: {exc}", key=f"devices.{dev.name}"
+            f"cannot build the {kind} GPU engine for model {placement.model!r}: {exc}",
+            key=f"devices.{dev.name}",
         ) from None
     return GpuExecutor(
         dev.name,
@@ -160,4 +189,12 @@ def _gpu_executor(
         max_queue_delay_us=dev.max_queue_delay_us,
         limiter=limiter,
         pre_post=pre_post,
+        gpu=gpu,  # its pre/post kernels, where the engine keeps batches on that GPU
     )
+
+
+def _artifact(plan: Plan, placement: Placement, kind: str) -> str:
+    """The absolute path of the model's ``torch`` or ``tensorrt`` GPU artifact (the config
+    checked that it is set)."""
+    text = getattr(plan.config.model(placement.model).loadables, kind)
+    return str(_resolve(str(text), plan.base_dir))

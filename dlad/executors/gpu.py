@@ -14,16 +14,48 @@ small, inefficient batches while frames queue behind them. Per batch:
 2. run the batch on the engine (a worker thread; the emulated Orin GPU today,
    ``dlad/devices/emulated_gpu.py``): one head set per frame, and the batch's time;
 3. post-process every frame with the decoder its loadable names; one outcome per job, keyed by
-   job id, all with the batch's device time; the scheduler learns the batch size's service time.
+   job id, all with the batch's device time; the scheduler learns the batch size's service time:
+   the engine's time, or the slots' when pre/post-processing is the bottleneck
+   (:func:`~dlad.executors.base.pipeline_us`).
+
+A batch's frames are pre- and post-processed in parallel, each on a thread of the limiter the
+executors share (``[pre_post] threads``).
+
+**On the GPU** (the daemon has a ``GpuService``: ``[pre_post] backend`` cuda, or auto with CUDA
+present, and the engine offers device-side I/O: ``TorchGpu`` on CUDA), a batch never leaves the
+device between pre- and post-processing (:class:`CudaBatches`). Each slot owns a batch-sized
+``GpuPipeline`` (its stream) and a device copy of its batch's heads; per batch one worker thread
+queues, holding the executor's device lock so that one batch at a time writes the engine's input::
+
+    pipeline stream: wait until the engine's last batch has read its input
+        → per frame: upload → pre kernel (letterbox + quantise into the engine's input, frame b)
+        → event pre_done
+    engine stream:   wait pre_done → the batch's CUDA graph (the program, then its heads as
+        fp16 CHW16) → copy the batch's heads to the slot's copy → event done
+    pipeline stream: wait done → decode + NMS for the batch → copy results → event
+
+and a second thread sleeps on the last event (the DLA chain's shape, ``dlad/executors/dla.py``).
+One ``post`` covers the batch when every frame asks the same ``conf``/``iou``/``max_det``; else
+each frame is posted on its own (at its offset in the heads), one after the other. A frame whose
+candidates overflow the GPU's store gets the numpy reference on its heads, copied back. The slot
+copies its heads so that the next batch may run on the engine while this one is post-processed.
+``pre_us`` is then batch start to engine start and ``post_us`` engine end to results, as the host
+saw them (the engine's span placed on the host clock through CUDA events: its end is the moment
+the results were seen, less the GPU time from engine end to result copy); ``device_us`` the
+engine's GPU time. Every batch size's kernels and graphs run once at warm-up (CUDA's lazy
+loading would otherwise stall the first batch of each size). The emulated engine (no device I/O)
+and hosts without CUDA take the numpy path above.
 
 A batch that fails fails each of its jobs with DEVICE_FAILED and counts as one failed task.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import numpy as np
@@ -32,15 +64,39 @@ import structlog
 
 from dlad.devices.emulated_gpu import GpuBatchTiming
 from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
-from dlad.executors.base import Executor, OnOutcome, Outcome, Request
+from dlad.executors.base import Executor, OnOutcome, Outcome, Request, pipeline_us
+from dlad.gpu.driver import CudaError, DeviceBuffer, _check, _driver
+from dlad.gpu.prepost import GpuPipeline, HeadSpec, PostResult
 from dlad.imaging.decoders import decoder_for
-from dlad.imaging.pre import Letterbox, letterbox, quantize_hwc4, to_rgb
+from dlad.imaging.post import unpack_head
+from dlad.imaging.pre import (
+    Letterbox,
+    hwc4_layout,
+    letterbox,
+    letterbox_geometry,
+    quantize_hwc4,
+    to_rgb,
+)
 from dlad.loadable import Loadable
+from dlad.protocol import MAX_DET
 from dlad.scheduler import Job, Scheduler
 
-__all__ = ["GpuEngine", "GpuExecutor"]
+if TYPE_CHECKING:
+    from dlad.gpu.service import GpuService
+
+__all__ = [
+    "CudaBatchResult",
+    "CudaBatches",
+    "DeviceBatch",
+    "DeviceIoEngine",
+    "GpuEngine",
+    "GpuExecutor",
+    "QueuedBatch",
+    "device_io_engine",
+]
 
 log = structlog.get_logger("dlad.executors.gpu")
+_T = TypeVar("_T")
 
 
 class GpuEngine(Protocol):
@@ -52,6 +108,326 @@ class GpuEngine(Protocol):
     def run(
         self, frames: Sequence[npt.NDArray[np.int8]]
     ) -> tuple[list[list[npt.NDArray[np.float32]]], GpuBatchTiming]: ...
+
+
+class DeviceBatch(Protocol):
+    """A batch queued with :meth:`DeviceIoEngine.run_device`."""
+
+    size: int
+
+    def timing(self, end_ns: int | None = None) -> GpuBatchTiming:
+        """Its GPU times once done (waits), the span ending at ``end_ns`` on the host clock."""
+        ...
+
+
+class DeviceIoEngine(GpuEngine, Protocol):
+    """A :class:`GpuEngine` whose batches can stay on the GPU (``TorchGpu`` on CUDA; see its
+    module docstring for the contract of each member)."""
+
+    device: str
+
+    @property
+    def device_io(self) -> bool: ...
+    @property
+    def frame_bytes(self) -> int: ...
+    @property
+    def head_image_bytes(self) -> tuple[int, ...]: ...
+    @property
+    def input_ptr(self) -> int: ...
+    @property
+    def head_ptrs(self) -> tuple[int, ...]: ...
+
+    def wait_input_free(self, stream: Any) -> None: ...
+
+    def run_device(
+        self, n: int, *, after: Any, done: Any, heads_to: Sequence[int] | None = None
+    ) -> DeviceBatch: ...
+
+
+def device_io_engine(engine: GpuEngine) -> DeviceIoEngine | None:
+    """``engine`` as a :class:`DeviceIoEngine` when it offers device-side I/O now, else None."""
+    if getattr(engine, "device_io", False) is True:
+        return engine  # type: ignore[return-value]  # checked just above, structurally
+    return None
+
+
+@dataclass(eq=False)
+class _CudaSlot:
+    """One executor slot's CUDA side: its pipeline (stream), the device copy of its batch's
+    ``CHW16`` heads, and its events."""
+
+    pipeline: GpuPipeline
+    heads: list[DeviceBuffer]
+    pre_done: Any  # its frames are in the engine's input
+    engine_done: Any  # (timing) the engine has written its heads to ``heads``
+    post_end: Any  # (timing) its results are in host memory
+    busy: threading.Lock = field(default_factory=threading.Lock)  # one batch at a time
+
+    def close(self) -> None:
+        self.pipeline.close()  # drains the stream first
+        for buf in self.heads:
+            buf.free()
+        drv = _driver()
+        for event in (self.pre_done, self.engine_done, self.post_end):
+            drv.cuEventDestroy(event)
+
+
+@dataclass(eq=False)
+class QueuedBatch:
+    """A batch :meth:`CudaBatches.enqueue` queued, for :meth:`CudaBatches.finish`."""
+
+    slot: _CudaSlot
+    requests: Sequence[Request]
+    geometries: list[Letterbox]
+    batch: DeviceBatch
+    uniform: bool
+    locked_us: float
+
+
+@dataclass(frozen=True)
+class CudaBatchResult:
+    """One batch's results: ``detections`` per frame (``[N, 6]`` float32, source pixels),
+    ``timing`` the engine's (on the host clock, see the module docstring), ``overflowed`` the
+    frames (indices) that took the numpy reference, ``locked_us`` how long queueing held the
+    device lock (the host's serial part of a batch), ``done_ns`` when the results were
+    complete."""
+
+    detections: list[npt.NDArray[np.float32]]
+    timing: GpuBatchTiming
+    overflowed: tuple[int, ...]
+    locked_us: float
+    done_ns: int
+
+
+class CudaBatches:
+    """The GPU executor's CUDA path (module docstring): pre-processing kernels into the engine's
+    input, the engine, post-processing kernels on its heads, without a host round trip.
+
+    Args:
+        engine: an engine with device-side I/O on the service's device.
+        loadable: the model's loadable (input size and scale, heads, anchors, decoder).
+        service: the daemon's GPU service (context and kernels).
+        max_batch: the largest batch (<= the engine's).
+        slots: independent slots (one batch each at a time).
+        cand_capacity: candidates the GPU stores per image (``GpuPipeline``'s; a frame that
+            finds more takes the numpy reference).
+
+    Raises ValueError when the engine's input or heads are not the layouts the kernels
+    write and read, CudaError when allocation fails (nothing is kept). Thread-safe: any thread
+    may queue a batch on a free slot.
+    """
+
+    def __init__(
+        self,
+        engine: DeviceIoEngine,
+        loadable: Loadable,
+        service: GpuService,
+        *,
+        max_batch: int,
+        slots: int = 2,
+        cand_capacity: int = 1 << 17,
+    ) -> None:
+        h, w = loadable.image_size
+        frame = hwc4_layout(3, h, w, 1)[2]
+        if engine.frame_bytes != frame:
+            raise ValueError(
+                f"engine frames of {engine.frame_bytes} B, the pre kernel writes {frame}"
+            )
+        specs = [
+            HeadSpec(d.c, d.h, d.w, s)  # fp16 CHW16: what the engine writes, whatever the DLA's
+            for d, s in zip(loadable.outputs, loadable.strides, strict=True)
+        ]
+        if tuple(spec.nbytes for spec in specs) != tuple(engine.head_image_bytes):
+            raise ValueError("the engine's heads are not fp16 CHW16 of the loadable's shapes")
+        if not 1 <= max_batch <= engine.max_batch:
+            raise ValueError(f"max_batch must be 1..{engine.max_batch}, got {max_batch}")
+        self.engine = engine
+        self.loadable = loadable
+        self.ctx = service.ctx
+        self.max_batch = max_batch
+        self.decoder = decoder_for(loadable.decoder)
+        self._lock = threading.Lock()  # one batch at a time writes the engine's input
+        self._slots: list[_CudaSlot] = []
+        try:
+            for _ in range(slots):
+                self._slots.append(self._slot(specs, cand_capacity))
+        except BaseException:
+            self.close()
+            raise
+
+    def _slot(self, specs: Sequence[HeadSpec], cand_capacity: int) -> _CudaSlot:
+        ctx = self.ctx
+        pipeline = GpuPipeline(
+            ctx,
+            self.loadable.image_size,
+            specs,
+            self.loadable.anchors_px,
+            batch=self.max_batch,
+            max_det=MAX_DET,
+            cand_capacity=cand_capacity,
+        )
+        heads: list[DeviceBuffer] = []
+        try:
+            heads.extend(ctx.alloc(self.max_batch * spec.nbytes) for spec in specs)
+            return _CudaSlot(
+                pipeline, heads, ctx.event(), ctx.event(timing=True), ctx.event(timing=True)
+            )
+        except BaseException:
+            pipeline.close()
+            for buf in heads:
+                buf.free()
+            raise
+
+    @property
+    def slots(self) -> int:
+        """How many slots it has."""
+        return len(self._slots)
+
+    def close(self) -> None:
+        """Free every slot (streams drained first); idempotent."""
+        slots, self._slots = self._slots, []
+        for slot in slots:
+            slot.close()
+
+    # ------------------------------------------------------------------------------ a batch
+
+    def process(self, slot: int, requests: Sequence[Request]) -> CudaBatchResult:
+        """Run one batch on ``slot`` and wait for it (:meth:`enqueue` then :meth:`finish`)."""
+        return self.finish(self.enqueue(slot, requests))
+
+    def enqueue(self, slot: int, requests: Sequence[Request]) -> QueuedBatch:
+        """Queue a batch of 1..``max_batch`` requests on ``slot`` (which must have no batch in
+        flight: its :meth:`finish` returned); returns it for :meth:`finish`. Blocks only while
+        another batch is being queued. Raises ValueError for a bad batch or image, CudaError
+        (and the engine's errors) from the GPU."""
+        n = len(requests)
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"a batch holds 1..{self.max_batch} frames, got {n}")
+        s = self._slots[slot]
+        if not s.busy.acquire(blocking=False):
+            raise RuntimeError(f"slot {slot} has a batch in flight")
+        try:
+            images = [np.ascontiguousarray(r.image) for r in requests]
+            size = self.loadable.image_size
+            geometries = [letterbox_geometry(i.shape[1], i.shape[0], size) for i in images]
+            uniform = len({(r.conf, r.iou, r.max_det) for r in requests}) == 1
+            p, engine = s.pipeline, self.engine
+            with self._lock:
+                t0 = time.monotonic_ns()
+                engine.wait_input_free(p.stream)
+                base = engine.input_ptr
+                for b, (image, r, g) in enumerate(zip(images, requests, geometries, strict=True)):
+                    src = p.upload(image)
+                    p.pre(
+                        src,
+                        image.shape,
+                        r.pixel_format,  # type: ignore[arg-type]  # the frontend checked it
+                        g,
+                        base + b * engine.frame_bytes,
+                        input_scale=self.loadable.input_scale,
+                    )
+                p.record(s.pre_done)
+                batch = engine.run_device(
+                    n, after=s.pre_done, done=s.engine_done, heads_to=[h.ptr for h in s.heads]
+                )
+                locked_us = (time.monotonic_ns() - t0) / 1e3
+            _check(_driver().cuStreamWaitEvent(p.stream, s.engine_done, 0), "cuStreamWaitEvent")
+            queued = QueuedBatch(s, requests, geometries, batch, uniform, locked_us)
+            self._post(queued, 0)
+            return queued
+        except BaseException:
+            s.busy.release()
+            raise
+
+    def _post(self, q: QueuedBatch, b: int) -> None:
+        """Queue the post-processing of the whole batch (``uniform``) or of frame ``b``."""
+        p, r = q.slot.pipeline, q.requests[b]
+        sizes = self.engine.head_image_bytes
+        n = len(q.requests) if q.uniform else 1
+        p.post(
+            [h.ptr + b * nbytes for h, nbytes in zip(q.slot.heads, sizes, strict=True)],
+            q.geometries[b : b + n],
+            conf_threshold=r.conf,
+            iou_threshold=r.iou,
+            max_det=r.max_det,
+            head_image_bytes=sizes,
+        )
+        if b + n == len(q.requests):
+            p.record(q.slot.post_end)
+
+    def finish(self, q: QueuedBatch) -> CudaBatchResult:
+        """Wait for a batch :meth:`enqueue` queued (the worker thread sleeps on an event),
+        posting its frames one by one when their settings differ, and return its results.
+        Raises CudaError (a failed stream poisons the context) and the decoder's errors."""
+        s = q.slot
+        try:
+            self.ctx.make_current()
+            results: list[PostResult] = list(s.pipeline.synchronize())
+            for b in range(len(results), len(q.requests)):  # settings differ: frame by frame
+                self._post(q, b)
+                results.extend(s.pipeline.synchronize())
+            drv = _driver()
+            _check(drv.cuEventSynchronize(s.post_end), "cuEventSynchronize")
+            seen_ns = time.monotonic_ns()
+            tail_ms = _check(drv.cuEventElapsedTime(s.engine_done, s.post_end), "elapsed")
+            timing = q.batch.timing(seen_ns - round(float(tail_ms) * 1e6))
+            dets: list[npt.NDArray[np.float32]] = []
+            overflowed: list[int] = []
+            for b, (result, r, g) in enumerate(zip(results, q.requests, q.geometries, strict=True)):
+                if result.overflow:  # more candidates than the GPU stores: the reference decides
+                    log.warning("gpu_candidates_overflow", found=result.found)
+                    overflowed.append(b)
+                    dets.append(self._numpy_post(s, b, r, g))
+                else:
+                    dets.append(result.detections)
+            done_ns = time.monotonic_ns()
+            return CudaBatchResult(dets, timing, tuple(overflowed), q.locked_us, done_ns)
+        finally:
+            s.busy.release()
+
+    def heads(self, slot: int, b: int) -> list[npt.NDArray[np.float16]]:
+        """Frame ``b`` of ``slot``'s last batch: its ``CHW16`` fp16 heads ``[C/16, H, W, 16]``
+        copied to the host (valid until the slot's next batch). Raises CudaError."""
+        return self._host_heads(self._slots[slot], b)
+
+    def _host_heads(self, s: _CudaSlot, b: int) -> list[npt.NDArray[np.float16]]:
+        self.ctx.make_current()
+        out = []
+        for d, buf, nbytes in zip(
+            self.loadable.outputs, s.heads, self.engine.head_image_bytes, strict=True
+        ):
+            host = np.empty((-(-d.c // 16), d.h, d.w, 16), np.float16)
+            _check(_driver().cuMemcpyDtoH(host.ctypes.data, buf.ptr + b * nbytes, nbytes), "DtoH")
+            out.append(host)
+        return out
+
+    def _numpy_post(
+        self, s: _CudaSlot, b: int, r: Request, g: Letterbox
+    ) -> npt.NDArray[np.float32]:
+        heads = [
+            unpack_head(h, d.c, d.h, d.w, None)
+            for d, h in zip(self.loadable.outputs, self._host_heads(s, b), strict=True)
+        ]
+        return self.decoder.postprocess(
+            heads, self.loadable, g, conf=r.conf, iou=r.iou, max_det=r.max_det
+        )
+
+    def warm_up(self) -> float:
+        """Run every slot's kernels and graphs once, for every batch size and for frame-by-frame
+        posts (no first batch stalls on CUDA's lazy loading or a graph capture); returns the
+        last batch of 1's engine µs. Raises as :meth:`process` does."""
+        blank = np.zeros((2, 2, 3), np.uint8)
+
+        def request(conf: float) -> Request:
+            return Request(blank, "RGB", conf, 0.45, MAX_DET, 0, "")
+
+        actual_us = 0.0
+        for slot in range(self.slots):
+            for n in range(self.max_batch, 0, -1):
+                actual_us = self.process(slot, [request(0.25)] * n).timing.actual_us
+            if self.max_batch > 1:  # every frame's own graph, at its offset
+                self.process(slot, [request(0.25 + 0.01 * (b % 2)) for b in range(self.max_batch)])
+        return actual_us
 
 
 class GpuExecutor(Executor):
@@ -68,6 +444,10 @@ class GpuExecutor(Executor):
         max_queue_delay_us: how long a partial batch may wait to fill.
         limiter: bounds the threads of pre/post-processing across all executors.
         pre_post: run pre/post-processing (off: zero frames in, no detections out).
+        slots: batches in flight at once (module docstring).
+        gpu: the daemon's GPU service: pre/post-processing on the GPU (:class:`CudaBatches`)
+            when the engine offers device-side I/O on its device; None, or an engine without
+            it: numpy on CPU threads. ``backend`` says which (``"cuda"``/``"cpu"``).
     """
 
     kind = "gpu"
@@ -86,6 +466,7 @@ class GpuExecutor(Executor):
         limiter: anyio.CapacityLimiter,
         pre_post: bool = True,
         slots: int = 2,
+        gpu: GpuService | None = None,
     ) -> None:
         if not 1 <= max_batch <= engine.max_batch:
             raise ValueError(f"max_batch must be 1..{engine.max_batch}, got {max_batch}")
@@ -114,12 +495,45 @@ class GpuExecutor(Executor):
         self._blank = quantize_hwc4(
             np.zeros((*loadable.image_size, inp.c), np.uint8), loadable.input_scale
         )
+        self.cuda: CudaBatches | None = self._cuda_batches(gpu) if pre_post else None
+        self.backend = "cuda" if self.cuda is not None else "cpu"
+
+    def _cuda_batches(self, gpu: GpuService | None) -> CudaBatches | None:
+        """The CUDA path, or None (logged why) where it cannot run."""
+        io = device_io_engine(self.engine)
+        reason = ""
+        if gpu is None:
+            return None  # no GPU pre/post in this daemon: nothing to say
+        if io is None:
+            reason = "the engine has no device-side I/O"
+        elif not self.decoder.cuda:
+            reason = f"no CUDA kernels for decoder {self.decoder.name!r}"
+        elif io.device != f"cuda:{int(gpu.ctx.device)}":
+            reason = f"the engine runs on {io.device}, the pre/post kernels on GPU {gpu.ctx.device}"
+        else:
+            try:
+                cuda = CudaBatches(
+                    io, self.loadable, gpu, max_batch=self.max_batch, slots=self._slots
+                )
+            except (CudaError, ValueError) as exc:
+                reason = str(exc)
+            else:
+                log.info("gpu_pre_post", device=self.name, backend="cuda", slots=cuda.slots)
+                return cuda
+        log.warning("gpu_pre_post_unavailable", device=self.name, reason=reason)
+        return None
 
     def close(self) -> None:
-        """Nothing to release: the emulated engine holds host memory only."""
+        """Free the CUDA path's slots (idempotent); the engine itself is the factory's."""
+        if self.cuda is not None:
+            self.cuda.close()
 
     async def warm_up(self) -> float:
+        """One batch before serving (on the CUDA path: every batch size's kernels and graphs,
+        every slot); returns a batch of 1's device µs. Raises DeviceFailed when it fails."""
         try:
+            if self.cuda is not None:
+                return await anyio.to_thread.run_sync(self._warm_cuda, self.cuda)
             _, timing = await anyio.to_thread.run_sync(self.engine.run, [self._blank])
         except Exception as exc:  # the engine's errors share no base class
             self.warm, self.warm_error = "failed", str(exc)
@@ -127,16 +541,21 @@ class GpuExecutor(Executor):
         self.warm = "ok"
         return timing.actual_us
 
+    def _warm_cuda(self, cuda: CudaBatches) -> float:
+        actual_us = cuda.warm_up()
+        self.warm = "ok"
+        return actual_us
+
     async def run(self, on_outcome: OnOutcome) -> None:
         """Serve batches until cancelled."""
         try:
             async with anyio.create_task_group() as tg:
-                for _ in range(self._slots):
-                    tg.start_soon(self._loop, on_outcome)
+                for slot in range(self._slots):
+                    tg.start_soon(self._loop, on_outcome, slot)
         finally:
             self.close()
 
-    async def _loop(self, on_outcome: OnOutcome) -> None:
+    async def _loop(self, on_outcome: OnOutcome, slot: int) -> None:
         while True:
             lead_ns = self._engine_free_ns - self._pre_ns - time.monotonic_ns()
             if lead_ns > 0 and not self._engine_idle.is_set():  # just in time (module docstring)
@@ -150,7 +569,10 @@ class GpuExecutor(Executor):
                 await on_outcome(Outcome(stale.id, self.name, error=expired))
             if batch.jobs:
                 try:
-                    outcomes, device_us = await self._execute(batch.jobs)
+                    if self.cuda is not None:
+                        outcomes, device_us = await self._execute_cuda(self.cuda, slot, batch.jobs)
+                    else:
+                        outcomes, device_us = await self._execute(batch.jobs)
                 except Exception as exc:  # a bug must cost these requests an INTERNAL, no more
                     log.exception("batch_failed", device=self.name)
                     bug = InternalError(repr(exc))
@@ -170,7 +592,7 @@ class GpuExecutor(Executor):
         t0 = time.monotonic_ns()
         prepared: list[tuple[npt.NDArray[np.int8], Letterbox | None]]
         if self.pre_post:
-            prepared = list(await anyio.to_thread.run_sync(self._pre, jobs, limiter=self.limiter))
+            prepared = await self._each(self._pre, jobs)
         else:
             prepared = [(self._blank, None) for _ in jobs]
         t1 = time.monotonic_ns()
@@ -189,8 +611,8 @@ class GpuExecutor(Executor):
             idle.set()
         t2 = time.monotonic_ns()
         if self.pre_post:
-            dets = await anyio.to_thread.run_sync(
-                self._post, jobs, heads, [g for _, g in prepared], limiter=self.limiter
+            dets = await self._each(
+                self._post, list(zip(jobs, heads, [g for _, g in prepared], strict=True))
             )
         else:
             dets = [np.zeros((0, 6), np.float32) for _ in jobs]
@@ -211,31 +633,84 @@ class GpuExecutor(Executor):
             )
             for job, d in zip(jobs, dets, strict=True)
         ]
-        return outcomes, timing.actual_us
+        cost = pipeline_us((t1 - t0) / 1e3, timing.actual_us, (t3 - t2) / 1e3, self._slots)
+        return outcomes, cost
 
-    def _pre(self, jobs: Sequence[Job[Request]]) -> list[tuple[npt.NDArray[np.int8], Letterbox]]:
+    async def _execute_cuda(
+        self, cuda: CudaBatches, slot: int, jobs: Sequence[Job[Request]]
+    ) -> tuple[list[Outcome], float | None]:
+        t0 = time.monotonic_ns()
+        requests = [j.payload for j in jobs]
+        try:
+            queued = await anyio.to_thread.run_sync(
+                cuda.enqueue, slot, requests, limiter=self.limiter
+            )
+            t1 = time.monotonic_ns()
+            self._pre_ns += 0.2 * ((t1 - t0) - self._pre_ns)
+            idle = anyio.Event()
+            self._engine_idle = idle
+            self._engine_free_ns = t1 + round(self.scheduler.service_us(self.name, len(jobs)) * 1e3)
+            try:
+                # Sleeps on the batch's last event on a thread of its own, not the limiter's.
+                result = await anyio.to_thread.run_sync(cuda.finish, queued)
+            finally:
+                idle.set()
+        except Exception as exc:  # noqa: BLE001 (any CUDA or engine error fails this batch only)
+            error = self.failed(DeviceFailed(f"{self.name}: batch of {len(jobs)} failed: {exc}"))
+            return [Outcome(j.id, self.name, error=error) for j in jobs], None
+        timing = result.timing
+        self.succeeded()
+        self.stats.busy_ns += timing.end_ns - timing.start_ns
+        pre_us = max(timing.start_ns - t0, 0) / 1e3
+        post_us = max(result.done_ns - timing.end_ns, 0) / 1e3
+        outcomes = [
+            Outcome(
+                job.id,
+                self.name,
+                detections=d,
+                queue_us=(t0 - job.payload.received_ns) / 1e3,
+                pre_us=pre_us,
+                device_us=timing.actual_us,
+                post_us=post_us,
+                start_ns=timing.start_ns,
+                end_ns=timing.end_ns,
+            )
+            for job, d in zip(jobs, result.detections, strict=True)
+        ]
+        # What a batch costs the executor's throughput: the engine's time, the serial part of
+        # queueing (the device lock), or a slot's whole cycle shared by the slots.
+        cycle_us = (result.done_ns - t0) / 1e3
+        cost = max(timing.actual_us, result.locked_us, cycle_us / self._slots)
+        return outcomes, cost
+
+    async def _each(self, fn: Callable[[Any], _T], items: Sequence[Any]) -> list[_T]:
+        """``fn`` on every item of a batch, each on a thread of the shared limiter (a batch's
+        frames are pre- and post-processed in parallel), results in order."""
+        results: list[Any] = [None] * len(items)
+
+        async def one(i: int) -> None:
+            results[i] = await anyio.to_thread.run_sync(fn, items[i], limiter=self.limiter)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(items)):
+                tg.start_soon(one, i)
+        return results
+
+    def _pre(self, job: Job[Request]) -> tuple[npt.NDArray[np.int8], Letterbox]:
         size = self.loadable.image_size
-        out = []
-        for job in jobs:
-            rgb = to_rgb(job.payload.image, job.payload.pixel_format)  # type: ignore[arg-type]
-            canvas, geometry = letterbox(rgb, (size[0], size[1]))
-            out.append((quantize_hwc4(canvas, self.loadable.input_scale), geometry))
-        return out
+        rgb = to_rgb(job.payload.image, job.payload.pixel_format)  # type: ignore[arg-type]
+        canvas, geometry = letterbox(rgb, (size[0], size[1]))
+        return quantize_hwc4(canvas, self.loadable.input_scale), geometry
 
     def _post(
-        self,
-        jobs: Sequence[Job[Request]],
-        heads: Sequence[Sequence[npt.NDArray[np.float32]]],
-        geometries: Sequence[Any],
-    ) -> list[npt.NDArray[np.float32]]:
-        return [
-            self.decoder.postprocess(
-                frame_heads,
-                self.loadable,
-                geometry,
-                conf=job.payload.conf,
-                iou=job.payload.iou,
-                max_det=job.payload.max_det,
-            )
-            for job, frame_heads, geometry in zip(jobs, heads, geometries, strict=True)
-        ]
+        self, item: tuple[Job[Request], Sequence[npt.NDArray[np.float32]], Any]
+    ) -> npt.NDArray[np.float32]:
+        job, frame_heads, geometry = item
+        return self.decoder.postprocess(
+            frame_heads,
+            self.loadable,
+            geometry,
+            conf=job.payload.conf,
+            iou=job.payload.iou,
+            max_det=job.payload.max_det,
+        )

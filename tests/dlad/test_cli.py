@@ -196,3 +196,27 @@ def test_a_core_that_cannot_load_names_the_device(
     assert f"dlad: {cfg}: devices.dla0: cannot open or load" in err
     assert "neither operand layout is exact here" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("engine", ["torch", "tensorrt"])
+def test_a_gpu_engine_that_cannot_start_names_the_device(
+    tmp_path: Path, engine: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real GPU engine whose program is missing (or whose runtime is absent: no torch, no
+    TensorRT, no CUDA here) stops the start with the device and the reason, no traceback."""
+    free, port = _port_in_use()
+    free.close()
+    cfg = tmp_path / "dlad.toml"
+    text = DAEMON_CFG.format(port=port, metrics_port=port).replace(
+        "enabled = true", "enabled = false"
+    )
+    text = text.replace('devices = ["dla0"]', 'devices = ["dla0", "gpu"]')
+    text = text.replace(
+        "[models.demo]",
+        f'[devices.gpu]\nkind = "gpu"\nengine = "{engine}"\n[models.demo]',
+    )
+    cfg.write_text(text + f'{engine} = "missing.{engine}"\n')
+    assert main(["--config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"dlad: {cfg}: devices.gpu: cannot build the {engine} GPU engine for model 'demo'" in err
+    assert "Traceback" not in err

@@ -467,6 +467,30 @@ def test_settings_of_the_other_device_kind_are_refused(
     assert reason in info.value.reason
 
 
+@pytest.mark.parametrize("engine", ["torch", "tensorrt"])
+def test_a_real_gpu_engine_needs_its_artifact_and_no_emulation_settings(engine: str) -> None:
+    data = copy.deepcopy(SHIPPED_DATA)
+    data["devices"]["gpu"]["engine"] = engine
+    data["devices"]["gpu"]["mode"] = "numeric"
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "models.demo.loadables"
+    assert f"{engine} is required" in info.value.reason
+    data["models"]["demo"]["loadables"][engine] = f"demo.{engine}"
+    assert parse_config(data).device("gpu").engine == engine
+    for key, value in (("mode", "timing"), ("latency_us", 900.0), ("threads", 2)):
+        bad = copy.deepcopy(data)
+        bad["devices"]["gpu"][key] = value
+        with pytest.raises(ConfigError) as info:
+            parse_config(bad)
+        assert info.value.key == f"devices.gpu.{key}"
+        assert "emulated engine only" in info.value.reason
+    data["devices"]["gpu"]["engine"] = "onnx"
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "devices.gpu.engine"
+
+
 def test_two_models_on_one_device_are_refused() -> None:
     data = copy.deepcopy(SHIPPED_DATA)
     data["models"]["other"] = copy.deepcopy(data["models"]["demo"])

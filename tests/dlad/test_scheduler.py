@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlad.devices.dram import ORIN_DRAM_K
 from dlad.errors import NotFound, Overloaded
 from dlad.scheduler import POLICIES, Job, Policy, Scheduler
 
@@ -232,21 +233,23 @@ GPU_BATCH, GPU_DELAY_US = 4, 2_000.0
 
 
 @settings(max_examples=400, deadline=None)
-@given(batch_ops, st.sampled_from(POLICIES))
+@given(batch_ops, st.sampled_from(POLICIES), st.sampled_from([0.0, 1.0, 5.0]))
 def test_batches_keep_every_bound_and_never_wait_past_a_deadline(
-    program: list[tuple], policy: Policy
+    program: list[tuple], policy: Policy, contention: float
 ) -> None:
     """A DLA (batch 1, model m) beside a batching GPU (up to 4 jobs, 2 ms queue delay, models m
     and n): every admitted job leaves exactly once; a batch is 1..4 jobs of one model, none past
     its deadline; a partial batch waits no longer than the delay after its first job arrived and
     than the latest start at which a full batch still meets the earliest deadline in it; and
-    once that time has come (no new job since), the batch is dispatched. Under every policy."""
+    once that time has come (no new job since), the batch is dispatched. Under every policy,
+    with and without DRAM contention weighed in placement."""
     clock = FakeClock()
-    s: Scheduler[None] = Scheduler(clock, policy=policy)
-    s.add_device("dla0", ["m"], capacity=3, service_us=1000.0)
+    interference: dict[tuple[str, str], float] = {k: v * contention for k, v in ORIN_DRAM_K.items()}
+    s: Scheduler[None] = Scheduler(clock, policy=policy, interference=interference)
+    s.add_device("dla0", ["m"], capacity=3, service_us=1000.0, kind="dla")
     s.add_device(
         "gpu", ["m", "n"], capacity=6, service_us=500.0, max_batch=GPU_BATCH,
-        batch_service_us={2: 800.0, 4: 1300.0},
+        batch_service_us={2: 800.0, 4: 1300.0}, kind="gpu", tier=1,
     )  # fmt: skip
     exits: Counter[int] = Counter()
     admitted: dict[int, Job[None]] = {}
@@ -363,16 +366,45 @@ def test_service_curve_is_learned_per_batch_size_and_interpolated() -> None:
     assert s.service_us("gpu", 1) == pytest.approx(1000.0)  # other sizes keep theirs
 
 
-def _orin(policy: Policy, clock: FakeClock, capacity: int = 8) -> Scheduler[None]:
+def _orin(
+    policy: Policy, clock: FakeClock, capacity: int = 8, contention: float = 0.0
+) -> Scheduler[None]:
     """YOLOv5s-672 on an Orin: two DLA cores at 3.82 ms, the GPU at the published curve."""
-    s: Scheduler[None] = Scheduler(clock, policy=policy)
+    interference: dict[tuple[str, str], float] = {k: v * contention for k, v in ORIN_DRAM_K.items()}
+    s: Scheduler[None] = Scheduler(clock, policy=policy, interference=interference)
     for dla in ("dla0", "dla1"):
-        s.add_device(dla, ["m"], capacity=capacity, service_us=3820.0)
+        s.add_device(dla, ["m"], capacity=capacity, service_us=3820.0, kind="dla")
     s.add_device(
-        "gpu", ["m"], capacity=capacity, service_us=1820.0, max_batch=8,
-        batch_service_us={2: 2910.0, 4: 4990.0, 8: 9190.0}, tier=1,
+        "gpu", ["m", "g"], capacity=capacity, service_us=1820.0, max_batch=8,
+        batch_service_us={2: 2910.0, 4: 4990.0, 8: 9190.0}, tier=1, kind="gpu",
     )  # fmt: skip
     return s
+
+
+def test_latency_policy_keeps_dla_work_off_a_busy_gpu_under_dram_contention() -> None:
+    """The GPU runs a batch of 8 (9.19 ms). A new frame would finish first on an idle DLA
+    (3.82 ms), but running it there slows the GPU's 8 by 0.384 x 3.82 ms each: with the
+    contention modelled, a frame with time to spare joins the GPU's next batch, and only one
+    that the GPU would finish too late goes to a DLA. Without contention, the earliest wins."""
+    clock = FakeClock()
+    busy = _orin("latency", clock, contention=1.0)
+    _run_gpu_batch(busy, 8)
+    busy.admit(Job(100, "m", 100_000_000, None))  # 100 ms to spare: the GPU's next batch
+    assert busy.queued("gpu") == 1
+    busy.admit(Job(101, "m", 5_000_000, None))  # 5 ms: only a DLA finishes in time
+    assert busy.queued("dla0") + busy.queued("dla1") == 1
+    calm = _orin("latency", clock, contention=0.0)
+    _run_gpu_batch(calm, 8)
+    calm.admit(Job(100, "m", 100_000_000, None))
+    assert calm.queued("dla0") + calm.queued("dla1") == 1
+
+
+def _run_gpu_batch(s: Scheduler[None], n: int) -> None:
+    """Put a batch of ``n`` jobs of model ``g`` (served by the GPU alone) in flight on it."""
+    for i in range(n):
+        s.admit(Job(1000 + i, "g", 10**15, None))
+    batch = s.next_batch("gpu", max_batch=8, max_queue_delay_us=0.0)
+    assert len(batch.jobs) == n
 
 
 def test_latency_policy_puts_a_lone_frame_on_the_gpu_and_throughput_on_a_dla() -> None:

@@ -12,6 +12,10 @@ mistakes:
   (``int8_calibrator``, ``set_dynamic_range``, ``IInt8EntropyCalibrator2``);
 * the parser reads the real ONNX with ``onnx``: network inputs, outputs and one layer per node,
   with ONNX names, shapes (-1 for dynamic dims) and element types from shape inference;
+* the builder refuses, with TensorRT's errors, a network with dynamic inputs and no optimisation
+  profile, a profile that misses a dynamic input or does not fit it (rank, fixed dims,
+  min <= opt <= max), a dynamic profile on DLA standalone, and INT8 calibration of a dynamic
+  network without a calibration profile;
 * ``Runtime`` exists but records and raises: the product must never create one.
 
 Every attribute set and method call is appended to ``FakeTensorRT.calls`` as a :class:`Call`.
@@ -419,6 +423,9 @@ class FakeBuilder(_Recorded):
             if trt.BuilderFlag.GPU_FALLBACK in config.flag_set:
                 self.logger.log(error, "GPU fallback cannot be enabled in DLA standalone mode")
                 return None
+        if problem := _profile_problem(network, config):
+            self.logger.log(error, problem)
+            return None
         calibrator = config.int8_calibrator
         if calibrator is not None:
             trt.cache_read = calibrator.read_calibration_cache()
@@ -427,8 +434,42 @@ class FakeBuilder(_Recorded):
         if trt.build_error is not None:
             self.logger.log(error, trt.build_error)
             return None
-        trt.blob = FakeHostMemory(f"FAKE-LOADABLE core={config.DLA_core}".encode())
+        if config.engine_capability == EngineCapability.DLA_STANDALONE:
+            trt.blob = FakeHostMemory(f"FAKE-LOADABLE core={config.DLA_core}".encode())
+        else:
+            trt.blob = FakeHostMemory(b"FAKE-ENGINE gpu")
         return trt.blob
+
+
+def _profile_problem(network: FakeNetwork, config: FakeBuilderConfig) -> str | None:
+    """TensorRT's complaint about the network's dynamic inputs and the config's profiles."""
+    dynamic = [t for t in network.inputs if any(d < 0 for d in t.shape)]
+    if not dynamic:
+        return None
+    if not config.profiles:
+        return (
+            "4: [network.cpp::validate] Network has dynamic or shape inputs, but no optimization"
+            " profile has been defined."
+        )
+    for profile in config.profiles:
+        for t in dynamic:
+            if t.name not in profile.shapes:
+                return f"4: [network.cpp::validate] optimization profile is missing {t.name}"
+            low, opt, high = profile.shapes[t.name]
+            fits = all(len(s) == len(t.shape) for s in (low, opt, high)) and all(
+                (d < 0 or lo == op == hi == d) and 1 <= lo <= op <= hi
+                for d, lo, op, hi in zip(t.shape, low, opt, high, strict=True)
+            )
+            if not fits:
+                return (
+                    f"4: [shapeMachine.cpp] profile {low}/{opt}/{high} does not fit {t.name}"
+                    f" {t.shape}"
+                )
+            if config.engine_capability == EngineCapability.DLA_STANDALONE and low != high:
+                return f"DLA standalone needs static shapes: {t.name} has {low}..{high}"
+    if config.int8_calibrator is not None and not config.calibration_profile:
+        return "4: [network.cpp::validate] Calibration profile must be set for dynamic shapes"
+    return None
 
 
 class FakeILogger:

@@ -7,6 +7,8 @@ configuration the product code produced.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.abc
 import json
 import struct
@@ -34,6 +36,8 @@ from prep.build_trt import (
     resolve_input_shapes,
     tensorrt_available,
     trtexec_command,
+    with_dynamic_batch,
+    write_dynamic_batch_onnx,
 )
 from tests.prep.fake_tensorrt import (
     CalibrationAlgoType,
@@ -397,8 +401,11 @@ def test_missing_tensorrt_is_a_build_error(
     tmp_path: Path, onnx_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    with pytest.raises(DlaBuildError, match="not importable"):
+    with pytest.raises(DlaBuildError, match=r"not importable.*DLA loadables are built on a Jet"):
         build_dla_loadable(DlaBuildSpec(onnx_path, input_format="fp16:chw16"), tmp_path / "x")
+    with pytest.raises(DlaBuildError, match=r"not importable.*built on the device that runs it"):
+        build_dla_loadable(DlaBuildSpec(onnx_path, device="gpu"), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_parser_errors_surface(tmp_path: Path, onnx_path: Path, cache_path: Path) -> None:
@@ -508,22 +515,196 @@ def test_trt11_refuses_implicit_and_checks_types(tmp_path: Path, onnx_path: Path
         build(FakeTensorRT("10.3.0"), DlaBuildSpec(explicit, quantization="explicit"), tmp_path)
 
 
-# --------------------------------------------------------------------------- GPU comparison engine
-def test_gpu_engine(tmp_path: Path, onnx_path: Path, cache_path: Path) -> None:
-    fake = FakeTensorRT("10.9.0", num_dla_cores=0)  # no DLA, TRT past DLA support: GPU still fine
-    spec = DlaBuildSpec(onnx_path, cache_path, fp16_layers=HEADS, device="gpu", workspace_mib=64)
-    report = build(fake, spec, tmp_path)
-    bf, config = fake.BuilderFlag, fake.config
+# --------------------------------------------------------------------------- the GPU engine
+def build_gpu(fake: FakeTensorRT, spec: DlaBuildSpec, tmp_path: Path) -> build_trt.BuildReport:
+    return build_dla_loadable(
+        spec, tmp_path / "out" / "toy.gpu.engine", trt_module=fake, cuda_device_count=lambda: 1
+    )
+
+
+@pytest.mark.parametrize("version", ["8.6.2.3", "10.3.0.30", "10.9.0"])
+def test_gpu_engine_config(tmp_path: Path, onnx_path: Path, cache_path: Path, version: str) -> None:
+    # No DLA, and 10.9 is past DLA support: the GPU engine builds all the same.
+    fake = FakeTensorRT(version, num_dla_cores=0)
+    spec = DlaBuildSpec(
+        onnx_path, cache_path, fp16_layers=HEADS, device="gpu", max_batch=6, workspace_mib=64
+    )
+    report = build_gpu(fake, spec, tmp_path)
+    bf, config, network = fake.BuilderFlag, fake.config, fake.network
     assert config is not None
-    assert fake.network is not None
+    assert network is not None
+    # INT8 + FP16 under obeyed constraints (implicit mode), nothing of the DLA's
     assert config.flag_set == {bf.INT8, bf.FP16, bf.OBEY_PRECISION_CONSTRAINTS}
     assert config.default_device_type == DeviceType.GPU
     assert config.engine_capability == EngineCapability.STANDARD
     assert not fake.calls_to("config", "DLA_core=")
+    assert not fake.calls_to("config", "clear_flag")
+    assert not fake.calls_to("config", "default_device_type=")
     assert config.pool_limits == {MemoryPoolType.WORKSPACE: 64 << 20}
-    assert fake.network.inputs[0].dtype == DataType.FLOAT  # I/O stays as in the ONNX
+    # the ONNX fixes batch 1: the network sees a dynamic batch, and one profile 1 / 6 / 6
+    (images,) = network.inputs
+    assert images.shape == (-1, 3, 32, 32)
+    (profile,) = config.profiles
+    assert profile.shapes == {"images": ((1, 3, 32, 32), (6, 3, 32, 32), (6, 3, 32, 32))}
+    assert fake.calls_to("profile", "set_shape") == [
+        ("images", (1, 3, 32, 32), (6, 3, 32, 32), (6, 3, 32, 32))
+    ]
+    assert config.calibration_profile == [profile]
+    assert config.int8_calibrator.get_batch_size() == 6  # the profile's opt batch
+    assert fake.cache_read == cache_path.read_bytes()
+    # FP16 linear NCHW in and out
+    linear = 1 << TensorFormat.LINEAR
+    assert (images.dtype, images.allowed_formats) == (DataType.HALF, linear)
+    assert [(o.name, o.dtype, o.allowed_formats, o.shape) for o in network.outputs] == [
+        ("s8", DataType.HALF, linear, (-1, 18, 32, 32)),
+        ("s16", DataType.HALF, linear, (-1, 18, 16, 16)),
+    ]
+    for layer in network.layers:  # the translator's fp16 layers, pinned
+        pinned = layer.name in HEADS
+        assert layer.precision == (DataType.HALF if pinned else DataType.FLOAT)
+        assert layer.output_types == ({0: DataType.HALF} if pinned else {})
+    assert not fake.calls_to("trt", "Runtime")
+    engine = tmp_path / "out" / "toy.gpu.engine"
+    assert engine.read_bytes() == fake.blob == b"FAKE-ENGINE gpu"
     assert report.dla_core is None
-    assert set(report.io_formats.values()) == {"onnx"}
+    assert report.max_batch == 6
+    assert report.input_shapes == {"images": (6, 3, 32, 32)}
+    assert report.io_formats == dict.fromkeys(["images", "s8", "s16"], "fp16:chw")
+    assert report.int8_mode == "calibrator"
+    assert any("batch dim was made dynamic" in w for w in report.warnings)
+    assert report.metadata_path == tmp_path / "out" / "toy.gpu.engine.json"
+    json.dumps(report.to_dict())
+
+
+def test_gpu_engine_sidecar(tmp_path: Path, onnx_path: Path, cache_path: Path) -> None:
+    from dlad.devices.tensorrt_gpu import engine_metadata_path, read_engine_metadata
+
+    spec = DlaBuildSpec(onnx_path, cache_path, fp16_layers=HEADS, device="gpu", max_batch=4)
+    engine = tmp_path / "out" / "toy.gpu.engine"
+    stale = engine_metadata_path(engine)
+    stale.parent.mkdir()
+    stale.write_text('{"format": "dlad-tensorrt-gpu", "version": 1, "engine_sha256": "0"}')
+    report = build_gpu(FakeTensorRT("10.3.0.30"), spec, tmp_path)
+    blob = engine.read_bytes()
+    meta = read_engine_metadata(engine, blob)  # the daemon's reader accepts what prep wrote
+    assert meta is not None
+    assert report.metadata_path == stale
+    created = meta.pop("created")
+    assert created.endswith("+00:00")
+    onnx_sha = hashlib.sha256(onnx_path.read_bytes()).hexdigest()
+    assert meta == {
+        "format": "dlad-tensorrt-gpu",
+        "version": 1,
+        "engine": "toy.gpu.engine",
+        "engine_sha256": hashlib.sha256(blob).hexdigest(),
+        "engine_bytes": len(blob),
+        "tensorrt_version": "10.3.0.30",
+        "max_batch": 4,
+        "inputs": [{
+            "name": "images", "shape": [-1, 3, 32, 32], "dtype": "HALF", "format": "LINEAR",
+            "profile": {"min": [1, 3, 32, 32], "opt": [4, 3, 32, 32], "max": [4, 3, 32, 32]},
+        }],
+        "outputs": [
+            {"name": "s8", "shape": [-1, 18, 32, 32], "dtype": "HALF", "format": "LINEAR"},
+            {"name": "s16", "shape": [-1, 18, 16, 16], "dtype": "HALF", "format": "LINEAR"},
+        ],
+        "precision": {
+            "quantization": "implicit", "int8_mode": "calibrator",
+            "builder_flags": ["INT8", "FP16", "OBEY_PRECISION_CONSTRAINTS"],
+            "fp16_layers": list(HEADS),
+        },
+        "onnx": {"name": onnx_path.name, "sha256": onnx_sha},
+    }  # fmt: skip
+
+
+def test_gpu_build_failure_keeps_the_previous_engine_and_sidecar(
+    tmp_path: Path, onnx_path: Path, cache_path: Path
+) -> None:
+    spec = DlaBuildSpec(onnx_path, cache_path, device="gpu")
+    report = build_gpu(FakeTensorRT(), spec, tmp_path)
+    assert report.metadata_path is not None
+    before = (report.out_path.read_bytes(), report.metadata_path.read_bytes())
+    with pytest.raises(DlaBuildError, match="out of memory"):
+        build_gpu(FakeTensorRT(build_error="out of memory"), spec, tmp_path)
+    assert (report.out_path.read_bytes(), report.metadata_path.read_bytes()) == before
+
+
+def test_gpu_engine_with_a_dynamic_onnx_and_no_cache(tmp_path: Path) -> None:
+    onnx_path = make_onnx(tmp_path / "dyn.onnx", dims=("N", 3, 32, 32))
+    fake = FakeTensorRT()
+    report = build_gpu(fake, DlaBuildSpec(onnx_path, device="gpu", max_batch=1), tmp_path)
+    assert fake.config is not None
+    assert fake.config.flag_set == {
+        fake.BuilderFlag.FP16,
+        fake.BuilderFlag.OBEY_PRECISION_CONSTRAINTS,
+    }
+    assert fake.config.profiles[0].shapes == {"images": ((1, 3, 32, 32),) * 3}
+    assert fake.config.calibration_profile == []  # no INT8: nothing to calibrate
+    assert report.int8_mode == "none"
+    assert not any("made dynamic" in w for w in report.warnings)  # it already was
+
+
+def test_gpu_shapes_come_from_max_batch(tmp_path: Path, cache_path: Path) -> None:
+    onnx_path = make_onnx(tmp_path / "hw.onnx", dims=("N", 3, "H", "W"))
+    spec = DlaBuildSpec(onnx_path, cache_path, device="gpu", max_batch=2,
+                        input_shapes={"images": (2, 3, 64, 48)})  # fmt: skip
+    fake = FakeTensorRT()
+    build_gpu(fake, spec, tmp_path)
+    assert fake.config is not None
+    assert fake.config.profiles[0].shapes == {
+        "images": ((1, 3, 64, 48), (2, 3, 64, 48), (2, 3, 64, 48))
+    }
+    wrong = DlaBuildSpec(onnx_path, cache_path, device="gpu", max_batch=2,
+                         input_shapes={"images": (4, 3, 64, 48)})  # fmt: skip
+    with pytest.raises(DlaSpecError, match=r"the GPU engine's batch is max_batch=2"):
+        build_gpu(FakeTensorRT(), wrong, tmp_path)
+    static = DlaBuildSpec(Path("m.onnx"), device="gpu")
+    with pytest.raises(DlaSpecError, match="fixed batch; the GPU engine's profile needs a dynamic"):
+        resolve_input_shapes([("images", (1, 3, 32, 32))], static)
+
+
+def test_gpu_on_trt11_checks_the_onnx_types(tmp_path: Path) -> None:
+    explicit = make_onnx(tmp_path / "qdq_fp16.onnx", explicit=True)  # INT8 input, FP16 heads
+    spec = DlaBuildSpec(explicit, device="gpu", quantization="explicit")
+    with pytest.raises(DlaBuildError, match=r"GPU formats:\n  images is .* fp16:chw needs fp16"):
+        build_gpu(FakeTensorRT("11.4.1"), spec, tmp_path)
+
+
+def test_the_fake_builder_refuses_dynamic_inputs_without_a_fitting_profile(
+    tmp_path: Path, cache_path: Path
+) -> None:
+    """The strictness test_gpu_engine_config relies on (tests/prep/fake_tensorrt.py)."""
+    fake = FakeTensorRT()
+    dyn = make_onnx(tmp_path / "dyn.onnx", dims=("N", 3, 32, 32))
+    parse = fake.Builder(build_trt._make_logger(fake))
+    network = parse.create_network(0)
+    fake.OnnxParser(network, parse.logger).parse(dyn.read_bytes())
+    config = parse.create_builder_config()
+    assert parse.build_serialized_network(network, config) is None
+    profile = parse.create_optimization_profile()
+    profile.set_shape("images", (1, 3, 32, 32), (4, 3, 32, 32), (2, 3, 32, 32))  # opt > max
+    config.add_optimization_profile(profile)
+    assert parse.build_serialized_network(network, config) is None
+    errors = [m for _, m in parse.logger.messages if "profile" in m]
+    assert "no optimization profile has been defined" in errors[0]
+    assert "does not fit images" in errors[1]
+
+
+def test_with_dynamic_batch(onnx_path: Path) -> None:
+    original = onnx_path.read_bytes()
+    data, changed = with_dynamic_batch(original)
+    assert changed
+    model = onnx.load_from_string(data)
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        assert dims[0].dim_param == "batch"
+        assert not dims[0].HasField("dim_value")
+        assert all(d.HasField("dim_value") for d in dims[1:])
+    assert len(model.graph.value_info) == 0
+    again, changed_again = with_dynamic_batch(data)
+    assert (again, changed_again) == (data, False)  # already dynamic: the same bytes back
+    with pytest.raises(DlaSpecError, match="not an ONNX model"):
+        with_dynamic_batch(b"\xff\xff\xff not onnx")
 
 
 # --------------------------------------------------------------------------- spec validation
@@ -548,6 +729,11 @@ def test_gpu_engine(tmp_path: Path, onnx_path: Path, cache_path: Path) -> None:
         ({"fp16_layers": ("",)}, "non-empty"),
         ({"workspace_mib": 0}, "workspace"),
         ({"input_shapes": {"images": (1, 0, 2)}}, "positive"),
+        ({"max_batch": 0}, r"max_batch=0; the GPU engine's profile takes 1\.\.64"),
+        ({"max_batch": 65}, "max_batch=65"),
+        ({"max_batch": True}, "max_batch=True"),
+        ({"max_batch": 2.0}, "max_batch=2.0"),
+        ({"device": "gpu", "batch": 2}, "batch=2 is the DLA's static batch"),
     ],
 )  # fmt: skip
 def test_spec_validation(kwargs: dict[str, Any], match: str) -> None:
@@ -620,10 +806,43 @@ def test_trtexec_command_variants(tmp_path: Path, cache_path: Path) -> None:
     gpu = trtexec_command(
         DlaBuildSpec(dyn, cache_path, device="gpu", workspace_mib=64), tmp_path / "o"
     )
-    assert not any("DLA" in c or "IOFormats" in c for c in gpu)
+    assert not any("DLA" in c or "dlaSRAM" in c for c in gpu)
     assert "--memPoolSize=workspace:64" in gpu
     with pytest.raises(DlaSpecError, match="cannot be given to trtexec"):
         trtexec_command(DlaBuildSpec(dyn, cache_path, fp16_layers=("a,b",)), tmp_path / "o")
+
+
+def test_trtexec_command_gpu(tmp_path: Path, onnx_path: Path, cache_path: Path) -> None:
+    static = DlaBuildSpec(onnx_path, cache_path, fp16_layers=HEADS, device="gpu", max_batch=5)
+    with pytest.raises(DlaSpecError, match="fixed batch"):
+        trtexec_command(static, tmp_path / "m.gpu.engine")  # trtexec cannot rebatch it
+    dyn = write_dynamic_batch_onnx(onnx_path, tmp_path / "m_gpu.onnx")
+    spec = dataclasses.replace(static, onnx_path=dyn)
+    per_layer = f"{HEADS[0]}:fp16,{HEADS[1]}:fp16"
+    assert trtexec_command(spec, tmp_path / "m.gpu.engine") == [
+        "trtexec",
+        f"--onnx={dyn}",
+        f"--saveEngine={tmp_path / 'm.gpu.engine'}",
+        "--minShapes=images:1x3x32x32",
+        "--optShapes=images:5x3x32x32",
+        "--maxShapes=images:5x3x32x32",
+        "--int8",
+        "--fp16",
+        f"--calib={cache_path}",
+        "--precisionConstraints=obey",
+        f"--layerPrecisions={per_layer}",
+        f"--layerOutputTypes={per_layer}",
+        "--inputIOFormats=fp16:chw",
+        "--outputIOFormats=fp16:chw,fp16:chw",
+    ]
+    fake = FakeTensorRT()  # the Python build of the same spec sets the same profile
+    build_gpu(fake, spec, tmp_path)
+    assert fake.config is not None
+    assert fake.config.profiles[0].shapes["images"] == (
+        (1, 3, 32, 32),
+        (5, 3, 32, 32),
+        (5, 3, 32, 32),
+    )
 
 
 @pytest.mark.parametrize("output_precision", ["fp16", "int8"])
