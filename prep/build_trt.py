@@ -764,18 +764,11 @@ def _make_cache_calibrator(trt: Any, cache: bytes, *, batch: int) -> Any:
 
 
 def _make_logger(trt: Any) -> Any:
-    """A ``trt.ILogger`` that keeps warnings and errors (in ``.messages``) for the report."""
+    """A ``trt.ILogger`` that keeps warnings and errors (in ``.messages``) for the report: the
+    daemon's (:func:`dlad.devices.tensorrt_gpu.capturing_logger`)."""
+    from dlad.devices.tensorrt_gpu import capturing_logger
 
-    class CapturingLogger(trt.ILogger):  # type: ignore[misc]
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.messages: list[tuple[int, str]] = []
-
-        def log(self, severity: Any, msg: str) -> None:
-            if int(severity) <= int(trt.ILogger.Severity.WARNING) and len(self.messages) < 1000:
-                self.messages.append((int(severity), str(msg)))
-
-    return CapturingLogger()
+    return capturing_logger(trt)
 
 
 def _parser_error_text(error: Any) -> str:

@@ -202,8 +202,10 @@ def _check(result: Any, call: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def _make_logger(trt: Any) -> Any:
-    """A ``trt.ILogger`` keeping TensorRT's warnings and errors (bounded) for error messages."""
+def capturing_logger(trt: Any) -> Any:
+    """A ``trt.ILogger`` keeping TensorRT's warnings and errors in ``.messages`` (``(severity,
+    text)``, the newest few hundred) for error messages and reports (prep's builder uses it
+    too)."""
 
     class CapturingLogger(trt.ILogger):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -312,7 +314,7 @@ class TensorRtGpu:
         self._cudart: Any = _import_cudart()
         self._trt: Any = trt
         self.tensorrt_version = str(getattr(trt, "__version__", "unknown"))
-        self._logger: Any = _make_logger(trt)
+        self._logger: Any = capturing_logger(trt)
         self._open_device()
         try:
             self._deserialise(blob)

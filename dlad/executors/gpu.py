@@ -619,22 +619,38 @@ class GpuExecutor(Executor):
         t3 = time.monotonic_ns()
         self.succeeded()
         self.stats.busy_ns += timing.end_ns - timing.start_ns
-        outcomes = [
+        outcomes = self._outcomes(
+            jobs, dets, t0=t0, pre_us=(t1 - t0) / 1e3, timing=timing, post_us=(t3 - t2) / 1e3
+        )
+        cost = pipeline_us((t1 - t0) / 1e3, timing.actual_us, (t3 - t2) / 1e3, self._slots)
+        return outcomes, cost
+
+    def _outcomes(
+        self,
+        jobs: Sequence[Job[Request]],
+        detections: Sequence[npt.NDArray[np.float32]],
+        *,
+        t0: int,
+        pre_us: float,
+        timing: GpuBatchTiming,
+        post_us: float,
+    ) -> list[Outcome]:
+        """One outcome per job of a batch that ran: the batch's times, each job's queue time
+        (receipt to the batch's start, ``t0``) and detections."""
+        return [
             Outcome(
                 job.id,
                 self.name,
                 detections=d,
                 queue_us=(t0 - job.payload.received_ns) / 1e3,
-                pre_us=(t1 - t0) / 1e3,
+                pre_us=pre_us,
                 device_us=timing.actual_us,
-                post_us=(t3 - t2) / 1e3,
+                post_us=post_us,
                 start_ns=timing.start_ns,
                 end_ns=timing.end_ns,
             )
-            for job, d in zip(jobs, dets, strict=True)
+            for job, d in zip(jobs, detections, strict=True)
         ]
-        cost = pipeline_us((t1 - t0) / 1e3, timing.actual_us, (t3 - t2) / 1e3, self._slots)
-        return outcomes, cost
 
     async def _execute_cuda(
         self, cuda: CudaBatches, slot: int, jobs: Sequence[Job[Request]]
@@ -663,20 +679,9 @@ class GpuExecutor(Executor):
         self.stats.busy_ns += timing.end_ns - timing.start_ns
         pre_us = max(timing.start_ns - t0, 0) / 1e3
         post_us = max(result.done_ns - timing.end_ns, 0) / 1e3
-        outcomes = [
-            Outcome(
-                job.id,
-                self.name,
-                detections=d,
-                queue_us=(t0 - job.payload.received_ns) / 1e3,
-                pre_us=pre_us,
-                device_us=timing.actual_us,
-                post_us=post_us,
-                start_ns=timing.start_ns,
-                end_ns=timing.end_ns,
-            )
-            for job, d in zip(jobs, result.detections, strict=True)
-        ]
+        outcomes = self._outcomes(
+            jobs, result.detections, t0=t0, pre_us=pre_us, timing=timing, post_us=post_us
+        )
         # What a batch costs the executor's throughput: the engine's time, the serial part of
         # queueing (the device lock), or a slot's whole cycle shared by the slots.
         cycle_us = (result.done_ns - t0) / 1e3
