@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import signal
 import threading
 import time
@@ -208,7 +209,13 @@ class Daemon:
             gpu=found.describe() if found is not None else "not asked for",
         )
         if backend == "cuda":
-            self._gpu = await anyio.to_thread.run_sync(GpuService)
+            # Uploads never grow mid-run (dlad/gpu/prepost.py says why): room for the largest
+            # image the frontend admits, allocated before anything runs.
+            fe = self.config.frontend
+            biggest = fe.max_image_width * fe.max_image_height * 3
+            self._gpu = await anyio.to_thread.run_sync(
+                functools.partial(GpuService, max_image_bytes=biggest)
+            )
 
     async def _serve_executor(self, executor: Executor) -> None:
         """Warm ``executor`` with one task (readiness waits for every one), then serve."""

@@ -244,6 +244,7 @@ class CudaBatches:
         self.engine = engine
         self.loadable = loadable
         self.ctx = service.ctx
+        self.max_image_bytes = service.max_image_bytes
         self.max_batch = max_batch
         self.decoder = decoder_for(loadable.decoder)
         self._lock = threading.Lock()  # one batch at a time writes the engine's input
@@ -265,6 +266,7 @@ class CudaBatches:
             batch=self.max_batch,
             max_det=MAX_DET,
             cand_capacity=cand_capacity,
+            max_image_bytes=self.max_image_bytes,
         )
         heads: list[DeviceBuffer] = []
         try:

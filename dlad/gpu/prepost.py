@@ -192,6 +192,11 @@ class GpuPipeline:
         batch: images per :meth:`post` call at most.
         max_det: largest ``max_det`` a frame may ask for.
         cand_capacity: candidates stored per image after the confidence test.
+        max_image_bytes: the largest image :meth:`upload` takes, allocated now (0: grow on
+            demand). The daemon sets it: growing frees and allocates device memory, which waits
+            for the whole GPU, and a stream of another slot may be waiting on a DLA task that in
+            turn waits on a fence this one's host thread would signal: a stall that only the DLA
+            task's timeout ends.
 
     Raises ValueError for shapes the kernels do not take (more than 4 levels or anchors per
     level, heads whose channels are not ``na * (5 + nc)``), CudaError when allocation fails.
@@ -207,6 +212,7 @@ class GpuPipeline:
         batch: int = 1,
         max_det: int = 300,
         cand_capacity: int = 1 << 17,
+        max_image_bytes: int = 0,
     ) -> None:
         anc = np.asarray(anchors, dtype=np.float32)
         if anc.ndim != 3 or anc.shape[2] != 2 or not 1 <= anc.shape[0] <= MAX_LEVELS:
@@ -235,6 +241,9 @@ class GpuPipeline:
         self.done = ctx.event(blocking=True)  # the waiting thread sleeps, it does not spin
         self._image: DeviceBuffer | None = None
         self._owned: list[DeviceBuffer | HostBuffer] = []
+        self._image_fixed = max_image_bytes > 0
+        if self._image_fixed:
+            self._image = ctx.alloc(max_image_bytes, zero=False)
         cap = batch * cand_capacity
         self._cands = self._dev(cap * _CANDIDATE_BYTES)
         self._keys = self._dev(cap * 8)
@@ -311,11 +320,16 @@ class GpuPipeline:
 
     def upload(self, image: npt.NDArray[np.uint8]) -> int:
         """Queue a copy of ``image`` (C-contiguous uint8) to the pipeline's device image buffer,
-        growing it when needed; returns its device address. A pageable ``image`` is staged by the
-        driver before this returns, so the caller may reuse it afterwards."""
+        growing it when needed (never with ``max_image_bytes`` set: a larger image is then a
+        ValueError); returns its device address. A pageable ``image`` is staged by the driver
+        before this returns, so the caller may reuse it afterwards."""
         if image.dtype != np.uint8 or not image.flags.c_contiguous:
             raise ValueError("image must be a C-contiguous uint8 array")
         self.ctx.make_current()
+        if self._image_fixed and self._image is not None and image.nbytes > self._image.nbytes:
+            raise ValueError(
+                f"an image of {image.nbytes} B exceeds this pipeline's {self._image.nbytes} B"
+            )
         if self._image is None or self._image.nbytes < image.nbytes:
             if self._image is not None:
                 _check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")

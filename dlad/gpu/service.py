@@ -122,8 +122,13 @@ class GpuService:
     not build.
     """
 
-    def __init__(self, device_index: int = 0, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, device_index: int = 0, cache_dir: Path | None = None, *, max_image_bytes: int = 0
+    ) -> None:
         self.ctx = GpuContext(device_index, cache_dir)
+        self.max_image_bytes = max_image_bytes
+        """What each pipeline allocates for uploads at creation (0: they grow on demand; see
+        :class:`~dlad.gpu.prepost.GpuPipeline`). The daemon sets the largest image it admits."""
         self.poller = FencePoller()
         self._lock = threading.Lock()
         self._host: dict[int, HostBuffer] = {}
@@ -233,7 +238,10 @@ class GpuService:
             for d, s in zip(loadable.outputs, loadable.strides, strict=True)
         ]
         h, w = loadable.image_size
-        return GpuPipeline(self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det)
+        return GpuPipeline(
+            self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det,
+            max_image_bytes=self.max_image_bytes,
+        )  # fmt: skip
 
     def _warm_up(self, slot: GpuSlot, loadable: Loadable) -> None:
         p = slot.pipeline

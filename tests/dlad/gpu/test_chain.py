@@ -186,3 +186,23 @@ def test_daemon_gpu_detections_equal_cpu(tmp_path: Path, service: GpuService) ->
         assert g.shape == c.shape
         np.testing.assert_array_equal(g[:, 5], c[:, 5])
         np.testing.assert_allclose(g[:, :5], c[:, :5], rtol=1e-5, atol=1e-3)
+
+
+def test_a_bounded_pipeline_never_grows_its_upload_buffer(service: GpuService) -> None:
+    """The daemon's pipelines allocate room for the largest admitted image up front: growing
+    mid-run (free + alloc) would wait for the whole GPU while another slot's stream waits on a
+    DLA task, a stall only the task timeout ends. A larger image is refused, not grown into."""
+    loadable = read_loadable(DEMO / "fp16_heads.dla0.emu", expect_core=0)
+    heads = [HeadSpec(d.c, d.h, d.w, s) for d, s in zip(loadable.outputs, loadable.strides,
+                                                         strict=True)]  # fmt: skip
+    pipe = GpuPipeline(
+        service.ctx, loadable.image_size, heads, loadable.anchors_px, max_image_bytes=48 * 64 * 3
+    )
+    try:
+        first = pipe.upload(np.zeros((48, 64, 3), np.uint8))
+        assert pipe.upload(np.zeros((8, 8, 3), np.uint8)) == first  # the same buffer
+        with pytest.raises(ValueError, match="exceeds"):
+            pipe.upload(np.zeros((49, 64, 3), np.uint8))
+    finally:
+        pipe.close()
+    assert service.max_image_bytes == 0  # this fixture's service grows on demand
