@@ -126,16 +126,21 @@ class _Device:
     running: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id -> start, est, task
     completed: int = 0
     batches: list[int] = field(default_factory=list)  # [i]: batches of i + 1 jobs that ran
+    seed: _Curve | None = None  # the registered (modelled or measured) curve, never learned
 
     def __post_init__(self) -> None:
         self.batches = [0] * self.max_batch
+        if self.seed is None:
+            self.seed = _Curve(dict(self.curve.known), self.curve.alpha)
 
-    def work_ns(self, jobs: int) -> float:
-        """The estimated time to serve ``jobs`` queued jobs in batches of ``max_batch``."""
+    def work_ns(self, jobs: int, curve: _Curve | None = None) -> float:
+        """The estimated time to serve ``jobs`` queued jobs in batches of ``max_batch`` (on the
+        learned curve, or ``curve``)."""
         if jobs <= 0:
             return 0.0
+        c = curve or self.curve
         full, rest = divmod(jobs, self.max_batch)
-        return full * self.curve(self.max_batch) + (self.curve(rest) if rest else 0.0)
+        return full * c(self.max_batch) + (c(rest) if rest else 0.0)
 
 
 @dataclass(frozen=True)
@@ -302,8 +307,11 @@ class Scheduler(Generic[P]):
         """How much a job placed on ``d`` delays the jobs of the other devices, summed: while
         ``d`` runs the extra time the job costs it, each other device with work outstanding runs
         ``interference[its kind, d's kind]`` slower, which pushes back every job it holds
-        (first order: the overlap times the coefficient, per job held)."""
-        extra = d.work_ns(d.depth + 1) - d.work_ns(d.depth)
+        (first order: the overlap times the coefficient, per job held). The extra time is on
+        ``d``'s registered curve (the engine's modelled or measured work), not the learned one:
+        what an emulated core spends computing on the host beyond its model contends for no
+        DRAM."""
+        extra = d.work_ns(d.depth + 1, d.seed) - d.work_ns(d.depth, d.seed)
         total = 0.0
         for e in self._devices.values():
             k = self._interference.get((e.kind, d.kind), 0.0) if e is not d else 0.0

@@ -455,3 +455,28 @@ def test_static_policy_pins_streams_by_speed_and_never_spills() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
         Scheduler(FakeClock(), policy="fastest")  # type: ignore[arg-type]
+
+
+def test_interference_counts_an_engines_modelled_work_not_its_host_time() -> None:
+    """An emulated core in numeric mode learns what the host took (here 60 ms) while its
+    modelled work, the part that contends for DRAM, stays 3.82 ms. The delay it would inflict
+    on the GPU's batch of 8 is weighed on the modelled time (DLA: 60 + 8 x 0.384 x 3.82 = 71.8
+    ms against the GPU's 9.19 + 70 = 79.2 ms); on the learned one the DLA would lose (88.2)."""
+    clock = FakeClock()
+    interference: dict[tuple[str, str], float] = dict(ORIN_DRAM_K.items())
+    s: Scheduler[None] = Scheduler(clock, alpha=1.0, interference=interference)
+    s.add_device("dla0", ["m", "d"], capacity=8, service_us=3820.0, kind="dla")
+    s.add_device(
+        "gpu", ["m", "g"], capacity=16, service_us=1820.0, max_batch=8,
+        batch_service_us={8: 9190.0}, kind="gpu", tier=1,
+    )  # fmt: skip
+    s.admit(Job(0, "d", 10**15, None))
+    on_dla, _ = s.next_job("dla0")
+    assert on_dla is not None
+    s.finished("dla0", on_dla, 60_000.0)  # the host's numeric time, not the model's
+    s.admit(Job(1, "g", 10**15, None))
+    single = s.next_batch("gpu", max_batch=8, max_queue_delay_us=0.0).jobs
+    s.finished_batch("gpu", single, 70_000.0)
+    _run_gpu_batch(s, 8)
+    s.admit(Job(2, "m", 10**12, None))
+    assert s.queued("dla0") == 1
