@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from orin_config import demo_model, emulated_dlas  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 HELD = {"dla0": 8 + 2, "dla1": 8 + 2, "gpu": 64 + 2 * 16}
 """Jobs each engine holds: its queue_depth below, plus its slots' jobs in flight."""
@@ -40,29 +42,12 @@ sndhwm = 4000
 rcvhwm = 4000
 [pre_post]
 threads = 8
-[devices.dla0]
-kind = "dla"
-core = 0
-queue_depth = 8
-mode = "timing"
-latency_us = {dla_us}
-[devices.dla1]
-kind = "dla"
-core = 1
-queue_depth = 8
-mode = "timing"
-latency_us = {dla_us}
-[devices.gpu]
+{dlas}[devices.gpu]
 kind = "gpu"
 engine = "torch"
 queue_depth = 64
 max_batch = 16
-[models.demo]
-devices = {devices}
-[models.demo.loadables]
-core0 = "bundled:demo/fp16_heads.dla0.emu"
-core1 = "bundled:demo/fp16_heads.dla1.emu"
-torch = "{program}"
+{model}torch = "{program}"
 """
 
 
@@ -73,9 +58,9 @@ def run_set(out: Path, name: str, devices: list[str], program: Path, args: argpa
     cfg.write_text(
         CONFIG.format(
             endpoint=endpoint,
-            dla_us=args.dla_us,
+            dlas=emulated_dlas(args.dla_us),
             program=program,
-            devices=str(devices).replace("'", '"'),
+            model=demo_model(devices),
         )
     )
     log_path = out / f"{name}.daemon.log"

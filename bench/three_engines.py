@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from orin_config import demo_model, emulated_dlas  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from dlad.devices.dram import saturated_rates  # noqa: E402
@@ -58,30 +60,13 @@ enabled = false
 policy = "{policy}"
 [soc]
 dram_contention = {contention}
-[devices.dla0]
-kind = "dla"
-core = 0
-queue_depth = 8
-mode = "timing"
-latency_us = {dla_us}
-[devices.dla1]
-kind = "dla"
-core = 1
-queue_depth = 8
-mode = "timing"
-latency_us = {dla_us}
-[devices.gpu]
+{dlas}[devices.gpu]
 kind = "gpu"
 queue_depth = 24
 max_batch = {gpu_batch}
 mode = "timing"
 latency_us = {gpu_us}
-[models.demo]
-devices = {devices}
-[models.demo.loadables]
-core0 = "bundled:demo/fp16_heads.dla0.emu"
-core1 = "bundled:demo/fp16_heads.dla1.emu"
-"""
+{model}"""
 COMMON = ["--input", "random:640x480", "--warmup-s", "1.5", "--window-s", "2",
           "--stability-pct", "5", "--max-trials", "6", "--quiet"]  # fmt: skip
 
@@ -101,10 +86,10 @@ class Daemon:
                 endpoint=self.endpoint,
                 policy=policy,
                 contention=contention,
-                dla_us=DLA_US * scale,
+                dlas=emulated_dlas(DLA_US * scale),
                 gpu_batch=GPU_BATCH,
                 gpu_us=GPU_US[1] * scale,
-                devices=str(devices).replace("'", '"'),
+                model=demo_model(devices),
             )
         )
         self.log_path = out / f"{name}.daemon.log"
