@@ -126,12 +126,11 @@ class _Device:
     running: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id -> start, est, task
     completed: int = 0
     batches: list[int] = field(default_factory=list)  # [i]: batches of i + 1 jobs that ran
-    seed: _Curve | None = None  # the registered (modelled or measured) curve, never learned
+    seed: _Curve = field(init=False)  # the registered (modelled or measured) curve, not learned
 
     def __post_init__(self) -> None:
         self.batches = [0] * self.max_batch
-        if self.seed is None:
-            self.seed = _Curve(dict(self.curve.known), self.curve.alpha)
+        self.seed = _Curve(dict(self.curve.known), self.curve.alpha)
 
     def work_ns(self, jobs: int, curve: _Curve | None = None) -> float:
         """The estimated time to serve ``jobs`` queued jobs in batches of ``max_batch`` (on the

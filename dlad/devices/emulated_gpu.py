@@ -164,6 +164,9 @@ class EmulatedGpu:
         timing = GpuBatchTiming(len(frames), modelled, compute_us, (end - start) / 1e3, start, end)
         return heads, timing
 
+    def close(self) -> None:
+        """Nothing to release (host memory only); for the engine protocol's owner."""
+
     def _heads(self, buffers: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[np.float32]]:
         return [
             unpack_head(b, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None)

@@ -178,19 +178,23 @@ def _gpu_executor(
             f"cannot build the {kind} GPU engine for model {placement.model!r}: {exc}",
             key=f"devices.{dev.name}",
         ) from None
-    return GpuExecutor(
-        dev.name,
-        model=placement.model,
-        loadable=placement.loadable,
-        engine=engine,
-        scheduler=scheduler,
-        capacity=dev.queue_depth,
-        max_batch=max_batch,
-        max_queue_delay_us=dev.max_queue_delay_us,
-        limiter=limiter,
-        pre_post=pre_post,
-        gpu=gpu,  # its pre/post kernels, where the engine keeps batches on that GPU
-    )
+    try:
+        return GpuExecutor(
+            dev.name,
+            model=placement.model,
+            loadable=placement.loadable,
+            engine=engine,
+            scheduler=scheduler,
+            capacity=dev.queue_depth,
+            max_batch=max_batch,
+            max_queue_delay_us=dev.max_queue_delay_us,
+            limiter=limiter,
+            pre_post=pre_post,
+            gpu=gpu,  # its pre/post kernels, where the engine keeps batches on that GPU
+        )
+    except BaseException:
+        engine.close()  # the executor owns it only once built
+        raise
 
 
 def _artifact(plan: Plan, placement: Placement, kind: str) -> str:

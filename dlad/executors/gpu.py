@@ -100,7 +100,8 @@ _T = TypeVar("_T")
 
 
 class GpuEngine(Protocol):
-    """What the GPU executor runs a batch on (``EmulatedGpu`` implements it)."""
+    """What the GPU executor runs a batch on (``EmulatedGpu``, ``TorchGpu``, ``TensorRtGpu``).
+    The executor owns it: its :meth:`close` (idempotent) is called when the executor closes."""
 
     max_batch: int
     curve_us: dict[int, float]
@@ -108,6 +109,8 @@ class GpuEngine(Protocol):
     def run(
         self, frames: Sequence[npt.NDArray[np.int8]]
     ) -> tuple[list[list[npt.NDArray[np.float32]]], GpuBatchTiming]: ...
+
+    def close(self) -> None: ...
 
 
 class DeviceBatch(Protocol):
@@ -526,9 +529,10 @@ class GpuExecutor(Executor):
         return None
 
     def close(self) -> None:
-        """Free the CUDA path's slots (idempotent); the engine itself is the factory's."""
+        """Free the CUDA path's slots, then the engine (idempotent)."""
         if self.cuda is not None:
             self.cuda.close()
+        self.engine.close()
 
     async def warm_up(self) -> float:
         """One batch before serving (on the CUDA path: every batch size's kernels and graphs,

@@ -203,7 +203,11 @@ class GatedEngine:
         self.gate = threading.Event()
         self.started = threading.Event()
         self.sizes: list[int] = []
+        self.closed = False
         self._gpu = EmulatedGpu(demo, mode="timing", max_batch=4, batch1_us=1.0)
+
+    def close(self) -> None:
+        self.closed = True
 
     def run(self, frames: Sequence[npt.NDArray[np.int8]]) -> Any:
         self.sizes.append(len(frames))
@@ -257,5 +261,6 @@ def test_the_next_batch_is_formed_when_the_engine_frees_not_when_the_last_one_st
 
     anyio.run(main)
     assert engine.sizes == [1, 3]
+    assert engine.closed  # the executor owns its engine: closed when it stops serving
     assert sorted(o.job_id for o in outcomes) == [0, 1, 2, 3]
     assert all(o.error is None for o in outcomes)
