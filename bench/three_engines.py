@@ -16,8 +16,10 @@ machine's CPU cores, are the bottleneck. ``dlad-bench`` drives each one through 
    (``--skew``: camera i at a rate in proportion to 1/(i+1)^skew; 0.5: 85 fps down to 17 fps):
    goodput (frames answered within their camera's frame period) with the pool (policies
    ``latency`` and ``throughput``, any engine per frame) and with every camera pinned to one
-   engine at its first frame in proportion to the engines' speeds (policy ``static``, as
-   DeepStream binds sources).
+   engine at its first frame: in proportion to the engines' speeds (policy ``static``, an
+   informed hand split by camera count), and dealt round robin (``static-even``: ``[scheduler]
+   pins`` cam0 → dla0, cam1 → dla1, cam2 → gpu, ...; a DeepStream deployment with one branch per
+   engine and the sources shared out evenly).
 3. **The latency policy at 20% load** (Poisson, 20% of the three engines' ideal): p50/p99
    against the ``throughput`` policy (DLA cores first).
 
@@ -58,7 +60,7 @@ rcvhwm = 2000
 enabled = false
 [scheduler]
 policy = "{policy}"
-[soc]
+{pins}[soc]
 dram_contention = {contention}
 {dlas}[devices.gpu]
 kind = "gpu"
@@ -84,7 +86,8 @@ class Daemon:
         cfg.write_text(
             CONFIG.format(
                 endpoint=self.endpoint,
-                policy=policy,
+                policy=policy.removesuffix("-even"),
+                pins=even_pins(devices) if policy.endswith("-even") else "",
                 contention=contention,
                 dlas=emulated_dlas(DLA_US * scale),
                 gpu_batch=GPU_BATCH,
@@ -132,6 +135,13 @@ def run(out: Path, name: str, devices: list[str], policy: str, args: argparse.Na
         daemon.close()
 
 
+def even_pins(devices: list[str], streams: int = 24) -> str:
+    """``[scheduler] pins`` dealing dlad-bench's cameras (``cam<i>``) round robin over
+    ``devices``: the even hand split of a DeepStream deployment with one branch per engine."""
+    table = ", ".join(f'cam{i} = "{devices[i % len(devices)]}"' for i in range(streams))
+    return f"pins = {{ {table} }}\n"
+
+
 def ideal(devices: list[str], contention: float, scale: float = 1.0) -> float:
     engines = {
         d: ("gpu", GPU_US[GPU_BATCH] / GPU_BATCH * scale) if d == "gpu" else ("dla", DLA_US * scale)
@@ -171,7 +181,7 @@ def main() -> int:
     fps = 30 / scale
     print(f"\n## 2. 24 cameras, mean {fps:g} fps, skew {args.skew:g}\n")
     streams = {}
-    for policy in ("latency", "throughput", "static"):
+    for policy in ("latency", "throughput", "static", "static-even"):
         streams[policy] = run(
             args.out, f"streams_{policy}", ["dla0", "dla1", "gpu"], policy, args,
             "--streams", "24", "--fps", f"{fps:g}", "--fps-skew", f"{args.skew:g}",
@@ -212,8 +222,10 @@ def main() -> int:
             f"| {f(row, 'goodput_rps'):.1f} | {f(row, 'goodput_rps') / offered:.3f} "
             f"| {f(row, 'latency_p99_ms'):.2f} | {100 * f(row, 'shed_fraction'):.1f}% |"
         )
-    pool, static = f(streams["latency"], "goodput_rps"), f(streams["static"], "goodput_rps")
-    print(f"\npool / static split goodput: {pool / static:.3f}\n")
+    pool = f(streams["latency"], "goodput_rps")
+    for split in ("static", "static-even"):
+        print(f"\npool / {split} split goodput: {pool / f(streams[split], 'goodput_rps'):.3f}")
+    print()
     print("| policy | rate/s | p50 ms | p99 ms |")
     print("|---|---|---|---|")
     for policy, row in light.items():

@@ -33,6 +33,7 @@ from typing import Any, Final, Literal
 from dlad.imaging.decoders import UnknownDecoderError, decoder_for
 from dlad.loadable import Loadable, LoadableError, read_loadable
 from dlad.models import MODELS_DIR
+from dlad.protocol import MAX_NAME_CHARS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -306,6 +307,25 @@ class SchedulerConfig:
     the devices' speeds, as DeepStream pins sources (a baseline: it cannot follow skewed
     streams); frames without a stream are placed as ``latency``. Every policy estimates
     completion the same way (``dlad/scheduler.py``)."""
+    pins: Mapping[str, str] = field(default_factory=dict)
+    """Policy ``static`` only: streams pinned by hand, stream name → device name (a table, e.g.
+    ``pins = { cam0 = 'dla0', cam1 = 'gpu' }``), as a DeepStream deployment binds each source to
+    one branch; a stream not named here, or whose device does not serve the frame's model, is
+    pinned in proportion to the devices' speeds. At most ``MAX_PINS`` streams."""
+
+    def __post_init__(self) -> None:
+        _check(not self.pins or self.policy == "static", "pins",
+               f"only policy \"static\" pins streams, not {self.policy!r}")  # fmt: skip
+        _check(len(self.pins) <= MAX_PINS, "pins",
+               f"at most {MAX_PINS} streams, got {len(self.pins)}")  # fmt: skip
+        for stream in self.pins:
+            _check(0 < len(stream) <= MAX_NAME_CHARS and stream.isprintable(),
+                   f"pins.{_quote(stream)}",
+                   f"a stream name is 1 to {MAX_NAME_CHARS} printable characters")  # fmt: skip
+
+
+MAX_PINS: Final = 1024
+"""``[scheduler] pins`` names at most this many streams."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -535,6 +555,9 @@ class Config:
             if d.core is not None:
                 owners[d.core] = _quote(d.name)
         known = {d.name: d for d in self.devices}
+        for stream, name in self.scheduler.pins.items():
+            _check(name in known, f"scheduler.pins.{_quote(stream)}",
+                   f"no device {name!r} (devices: {', '.join(known)})")  # fmt: skip
         served_by: dict[str, str] = {}
         for m in self.models:
             where = f"models.{_quote(m.name)}"
@@ -748,6 +771,10 @@ def _convert(tp: Any, value: object, key: str) -> object:
         _check(value in args and isinstance(value, str), key,
                f"must be one of {', '.join(map(repr, args))}, got {_describe(value)}")  # fmt: skip
         return value
+    if origin in (dict, Mapping):  # a table of plain values, keys as written
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a table, got {_describe(value)}", key=key)
+        return {k: _convert(args[1], v, _join(key, _quote(k))) for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, list):
             raise ConfigError(f"expected an array, got {_describe(value)}", key=key)

@@ -84,6 +84,7 @@ class Daemon:
         self._scheduler: Scheduler[Request] = Scheduler(
             time.monotonic_ns,
             policy=self.config.scheduler.policy,
+            pins=self.config.scheduler.pins,
             interference={k: v * contention for k, v in ORIN_DRAM_K.items()},
         )
         self._loop: asyncio.AbstractEventLoop | None = None

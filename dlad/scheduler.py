@@ -15,8 +15,9 @@ frontend admits requests into it. It never blocks and never grows without bound:
   DLA work it could have done itself; ``throughput``, the lowest *tier* (the DLA cores before the
   GPU) among the devices estimated to finish by the job's deadline, earliest first, and the
   earliest overall when none would; ``static``, a stream's frames all go to the device the stream
-  was pinned to at its first frame (the device with the fewest pinned streams per unit of speed; a
-  full queue there is OVERLOADED, it does not spill), other frames as ``latency``.
+  was pinned to at its first frame (its device in ``pins``, as configured by hand, else the device
+  with the fewest pinned streams per unit of speed; a full queue there is OVERLOADED, it does not
+  spill), other frames as ``latency``.
 - **Service time.** A device's service time is a function of the batch size, seeded at
   registration (a DLA: its modelled latency at batch 1; a GPU: a batch curve) and learned online
   from completions (an exponentially weighted mean per batch size; sizes never seen are
@@ -176,6 +177,7 @@ class Scheduler(Generic[P]):
         alpha: float = 0.2,
         policy: Policy = "latency",
         interference: Mapping[tuple[str, str], float] | None = None,
+        pins: Mapping[str, str] | None = None,
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -186,6 +188,7 @@ class Scheduler(Generic[P]):
         self.policy: Policy = policy
         self._interference = {k: v for k, v in (interference or {}).items() if v > 0}
         self._pins: OrderedDict[str, str] = OrderedDict()  # stream -> device (policy static)
+        self._by_hand = dict(pins or {})  # stream -> device, as configured (policy static)
         self._devices: dict[str, _Device] = {}
         self._jobs: dict[int, Job[P]] = {}  # queued only
         self._streams: dict[str, int] = {}  # stream -> queued job id
@@ -321,8 +324,8 @@ class Scheduler(Generic[P]):
 
     def _pinned(self, stream: str, candidates: Sequence[_Device]) -> _Device:
         """The device ``stream`` is pinned to (pinned now if new, or if its device no longer
-        serves the model): the fewest pinned streams per unit of speed (batches/s at its
-        ``max_batch``)."""
+        serves the model): its device in ``pins`` if that serves the model, else the fewest
+        pinned streams per unit of speed (batches/s at its ``max_batch``)."""
         name = self._pins.get(stream)
         if name is not None and any(d.name == name for d in candidates):
             self._pins.move_to_end(stream)
@@ -331,7 +334,8 @@ class Scheduler(Generic[P]):
         def load(d: _Device) -> float:
             return (d.pinned + 1) * d.curve(d.max_batch) / d.max_batch
 
-        chosen = min(candidates, key=lambda d: (load(d), d.name))
+        by_hand = [d for d in candidates if d.name == self._by_hand.get(stream)]
+        chosen = by_hand[0] if by_hand else min(candidates, key=lambda d: (load(d), d.name))
         if name is not None:
             self._devices[name].pinned -= 1
         self._pins[stream] = chosen.name

@@ -501,6 +501,23 @@ def test_two_models_on_one_device_are_refused() -> None:
     assert "already serves model 'demo'" in info.value.reason
 
 
+def test_hand_pins_need_the_static_policy_and_known_devices() -> None:
+    data = copy.deepcopy(SHIPPED_DATA)
+    data["scheduler"] = {"policy": "static", "pins": {"cam0": "gpu", "front door": "dla1"}}
+    assert dict(parse_config(data).scheduler.pins) == {"cam0": "gpu", "front door": "dla1"}
+    refused = {
+        "scheduler.pins": ({"policy": "latency", "pins": {"cam0": "gpu"}}, "only policy"),
+        "scheduler.pins.cam1": ({"policy": "static", "pins": {"cam1": "dla7"}}, "no device"),
+        'scheduler.pins."c\\u0007"': ({"policy": "static", "pins": {"c\x07": "gpu"}}, "printable"),
+        "scheduler.pins.cam2": ({"policy": "static", "pins": {"cam2": 1}}, "expected a string"),
+    }
+    for key, (table, reason) in refused.items():
+        data["scheduler"] = table
+        with pytest.raises(ConfigError) as info:
+            parse_config(data)
+        assert (info.value.key, reason in info.value.reason) == (key, True), info.value
+
+
 def test_in_memory_config_errors_name_only_the_key() -> None:
     data = copy.deepcopy(SHIPPED_DATA)
     data["devices"]["dla1"]["core"] = 2

@@ -54,6 +54,7 @@ devices = ["dla0", "dla1"]
 [models.demo.loadables]
 core0 = "bundled:demo/fp16_heads.dla0.emu"
 core1 = "bundled:demo/fp16_heads.dla1.emu"
+{scheduler}
 """
 
 
@@ -65,6 +66,7 @@ def running(
     latency: float = 2000.0,
     depth: int = 4,
     error_rate: float = 0.0,
+    scheduler: str = "",
 ) -> Iterator[tuple[Daemon, str]]:
     cfg = tmp_path / "dlad.toml"
     faults = {
@@ -75,7 +77,9 @@ def running(
         )
         for core in (0, 1)
     }
-    cfg.write_text(CONFIG.format(mode=mode, latency=latency, depth=depth, **faults))
+    cfg.write_text(
+        CONFIG.format(mode=mode, latency=latency, depth=depth, scheduler=scheduler, **faults)
+    )
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with serve_in_thread(daemon) as endpoint:
         yield daemon, endpoint
@@ -117,6 +121,18 @@ def test_round_trip_detections_match_prep(tmp_path: Path) -> None:
         reply.detections, np.asarray(expected["emulated_int8"], np.float32), atol=2e-3
     )
     assert reply.timing.total_us >= reply.timing.device_us > 0
+
+
+def test_hand_pinned_streams_run_where_the_config_pins_them(tmp_path: Path) -> None:
+    pins = '[scheduler]\npolicy = "static"\npins = { cam0 = "dla1", cam1 = "dla0" }'
+    with running(tmp_path, scheduler=pins) as (_, ep), dealer(ep) as sock:
+        for i in range(6):
+            stream = f"cam{i % 2}"
+            request = protocol.InferRequest(i, "demo", IMAGE, stream=stream)
+            sock.send_multipart(protocol.encode(request), copy=False)
+            reply = recv(sock)
+            assert isinstance(reply, protocol.InferReply)
+            assert (reply.status, reply.device) == (Status.OK, {"cam0": "dla1"}.get(stream, "dla0"))
 
 
 def test_both_cores_under_load_and_every_request_answered_once(tmp_path: Path) -> None:

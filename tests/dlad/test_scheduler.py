@@ -452,6 +452,22 @@ def test_static_policy_pins_streams_by_speed_and_never_spills() -> None:
     assert s.pinned("unseen") is None
 
 
+def test_static_policy_follows_hand_pins_and_splits_the_rest_by_speed() -> None:
+    clock = FakeClock()
+    s: Scheduler[None] = Scheduler(clock, policy="static", pins={"cam0": "dla1", "cam1": "x"})
+    for dla in ("dla0", "dla1"):
+        s.add_device(dla, ["m"], capacity=8, service_us=3820.0, kind="dla")
+    s.add_device("gpu", ["m", "g"], capacity=8, service_us=1820.0, kind="gpu")
+    s.add_device("x", ["g"], capacity=8, service_us=1000.0, kind="gpu")
+    s.admit(Job(1, "m", 33_000_000, None, stream="cam0"))
+    s.admit(Job(2, "m", 33_000_000, None, stream="cam1"))  # its device does not serve m
+    s.admit(Job(3, "m", 33_000_000, None, stream="cam2"))
+    assert [s.pinned(f"cam{i}") for i in range(3)] == ["dla1", "gpu", "gpu"]
+    s.admit(Job(5, "m", 33_000_000, None, stream="cam0"))  # supersedes job 1, on its device
+    assert s.queued("dla1") == 1
+    assert s.pinned("cam0") == "dla1"
+
+
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
         Scheduler(FakeClock(), policy="fastest")  # type: ignore[arg-type]
