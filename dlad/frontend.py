@@ -156,36 +156,54 @@ class Frontend:
             await self._handle(list(frames))
 
     async def _handle(self, frames: list[Any]) -> None:
+        """Answer one message. Whatever goes wrong on the way costs its sender a typed reply
+        (INTERNAL for a bug) and the daemon a log line with the client and request id, never the
+        receive loop."""
         client = bytes(frames[0].buffer)
         self.counters.received += 1
+        request: protocol.Request | None = None
         try:
             request = protocol.decode_request(frames[1:], self.limits)
+            await self._dispatch(client, request)
         except DladError as exc:
-            log.bind(client=client.hex(), request_id=exc.request_id).info(
-                "bad_request", reason=exc.message
-            )
-            self.metrics.observe_reply("", None, exc.status)
-            await self._send(client, protocol.error_reply(exc))
-            return
-        try:
-            if isinstance(request, protocol.InferRequest):
-                await self._infer(client, request)
-            elif isinstance(request, protocol.CancelRequest):
-                await self._cancel(client, request)
-            else:
-                reply = protocol.StatusReply(
-                    request.id,
-                    Status.OK,
-                    report=self._status(request.load),  # type: ignore[arg-type]
+            if request is None:
+                log.bind(client=client.hex(), request_id=exc.request_id).info(
+                    "bad_request", reason=exc.message
                 )
-                await self._send(client, reply)
-        except DladError as exc:
+                self.metrics.observe_reply("", None, exc.status)
+                await self._reply_safely(client, protocol.error_reply(exc))
+                return
             if isinstance(request, protocol.InferRequest):  # refused at admission
                 self.metrics.observe_reply(request.model, None, exc.status)
-            await self._send(
-                client,
-                protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind)),
+            reply = protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind))
+            await self._reply_safely(client, reply)
+        except Exception as exc:  # noqa: BLE001  # a bug on the request path: answered, logged
+            request_id = request.id if request is not None else None
+            log.bind(client=client.hex(), request_id=request_id).error(
+                "internal_error", error=f"{type(exc).__name__}: {exc}"[:200], exc_info=exc
             )
+            err = InternalError(f"internal error ({type(exc).__name__}); see the daemon's log")
+            self.metrics.observe_reply("", None, err.status)
+            kind = int(request.kind) if request is not None else None
+            await self._reply_safely(
+                client, protocol.error_reply(err, request_id=request_id, request_kind=kind)
+            )
+
+    async def _reply_safely(self, client: bytes, reply: Any) -> None:
+        try:
+            await self._send(client, reply)
+        except Exception as exc:  # noqa: BLE001  # the receive loop must outlive any one reply
+            log.bind(client=client.hex()).error("reply_failed", error=type(exc).__name__)
+
+    async def _dispatch(self, client: bytes, request: protocol.Request) -> None:
+        if isinstance(request, protocol.InferRequest):
+            await self._infer(client, request)
+        elif isinstance(request, protocol.CancelRequest):
+            await self._cancel(client, request)
+        else:
+            report = self._status(request.load)
+            reply = protocol.StatusReply(request.id, Status.OK, report=report)  # type: ignore[arg-type]
+            await self._send(client, reply)
 
     async def _infer(self, client: bytes, req: protocol.InferRequest) -> None:
         if not self._accepting():

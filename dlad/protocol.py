@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import reprlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import (
@@ -59,12 +60,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHANNELS", "DEFAULT_LIMITS", "MAX_BATCH", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
-    "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "PRIORITY_MAX", "PRIORITY_MIN", "PROTOCOL_VERSION",
-    "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest", "DaemonState", "DaemonStatus",
-    "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame", "FrameLike", "InferReply", "InferRequest",
-    "Kind", "Limits", "LoadStatus", "Message", "ModelStatus", "PixelFormat", "QueueStatus",
-    "Reply", "Request", "StatusReply", "StatusRequest", "Timing", "decode_reply",
-    "decode_request", "encode", "endpoint_error", "error_reply",
+    "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "MAX_REPLY_DEPTH", "MAX_REQUEST_DEPTH", "PRIORITY_MAX",
+    "PRIORITY_MIN", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest",
+    "DaemonState", "DaemonStatus", "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame",
+    "FrameLike", "InferReply", "InferRequest", "Kind", "Limits", "LoadStatus", "Message",
+    "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request", "StatusReply",
+    "StatusRequest", "Timing", "decode_reply", "decode_request", "encode", "endpoint_error",
+    "error_reply",
 ]  # fmt: skip
 
 PROTOCOL_VERSION: Final = 1
@@ -82,6 +84,11 @@ MAX_BATCH: Final = 64
 """The largest batch a device reports (``[devices.*] max_batch`` is at most this)."""
 MAX_IMAGE_SIDE: Final = 65_535
 """Absolute bound on image height and width; :class:`Limits` sets the operational one."""
+MAX_REQUEST_DEPTH: Final = 2
+"""How deeply a request's header nests: the header map, then ``image`` (every other field is a
+scalar). A deeper header is refused before anything walks it."""
+MAX_REPLY_DEPTH: Final = 8
+"""How deeply a reply's header nests (a STATUS report's tables of lists of tables)."""
 MAX_NAME_CHARS: Final = 128
 """Longest model, stream or device name (characters, all printable)."""
 MAX_MESSAGE_CHARS: Final = 1024
@@ -184,10 +191,32 @@ def _fail(path: str, reason: str) -> NoReturn:
     raise ProtocolError(f"{path}: {reason}", field=path)
 
 
+_REPR: Final = reprlib.Repr()  # keyword settings need Python 3.12
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 36, 36, 36
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
 def _show(value: object) -> str:
-    # Never echo a whole attacker-sized value back into a reply or a log line.
-    text = repr(value)
+    # Never echo a whole attacker-sized (or attacker-deep) value back into a reply or a log line:
+    # reprlib stops at two levels and a few items, so it costs little whatever the value is.
+    text = _REPR.repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _nesting(value: object, limit: int) -> int:
+    """How deeply ``value``'s lists and maps nest (a scalar 0, ``[]`` 1), counted without
+    recursion, up to ``limit + 1`` (a deeper value is not walked further)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            stack.extend(
+                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
 
 
 def _int(value: object, path: str, lo: int, hi: int) -> int:
@@ -764,21 +793,30 @@ def _pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     return out
 
 
-def _unpack(view: memoryview) -> dict[str, Any]:
+def _unpack(view: memoryview, max_depth: int) -> dict[str, Any]:
     try:
         header = msgpack.unpackb(view, raw=False, strict_map_key=True, object_pairs_hook=_pairs)
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         # msgpack signals truncation, bad bytes, trailing data, bad UTF-8 and nesting depth
-        # as ValueError subclasses; the others guard odd map keys and extension payloads.
+        # (its own stack stops at 1024) as ValueError subclasses; the others guard odd map keys
+        # and extension payloads.
         _fail("header", f"not a valid msgpack document ({type(exc).__name__})")
-    return _map(header, "header")
+    header = _map(header, "header")
+    # Before anything walks the header (checks, messages, logs), bound how deep it nests: a
+    # 1 KB document can nest a thousand levels, deeper than Python's recursion will follow.
+    if _nesting(header, max_depth) > max_depth:
+        deep = ProtocolError(f"header: nests deeper than the {max_depth} levels a message has",
+                             field="header")  # fmt: skip
+        _attach(deep, header.get("id"), header.get("kind"))
+        raise deep
+    return header
 
 
 def _open(
     frames: object, limits: Limits, kinds: Collection[Kind], role: str
 ) -> tuple[Kind, dict[str, Any], list[memoryview]]:
     views = _views(frames, limits)
-    header = _unpack(views[0])
+    header = _unpack(views[0], MAX_REPLY_DEPTH if role == "reply" else MAX_REQUEST_DEPTH)
     rid, raw_kind = header.get("id"), header.get("kind")
     try:
         if "v" not in header:

@@ -290,6 +290,47 @@ def test_failures_are_logged_with_request_context(tmp_path: Path) -> None:
     assert "client" in bad[0]
 
 
+def test_a_kilobyte_nested_a_thousand_deep_is_refused_and_the_daemon_stays_up(
+    shared_daemon: str,
+) -> None:
+    """The adversarial test's crash: a 992-byte STATUS whose id nests ~1,000 levels deep made
+    the refusal's repr recurse past Python's limit and the receive loop die."""
+    deep = b"\x83\xa1v\x01\xa4kind\x03\xa2id" + b"\x91" * 980 + b"\x90"
+    assert len(deep) < 1000
+    with dealer(shared_daemon) as sock:
+        sock.send_multipart([deep])
+        reply = recv(sock)
+        assert (reply.status, reply.id) == (Status.BAD_REQUEST, None)
+        assert "nests deeper" in reply.message
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(8)))
+        assert recv(sock).status == Status.OK
+
+
+def test_a_bug_on_the_request_path_answers_internal_and_the_daemon_stays_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs, running(tmp_path) as (daemon, ep), dealer(ep) as sock:
+        healthy = daemon.frontend._status
+
+        def broken(load: bool) -> dict[str, Any]:
+            raise KeyError("a bug")
+
+        monkeypatch.setattr(daemon.frontend, "_status", broken)
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(12)))
+        reply = recv(sock)
+        assert (type(reply), reply.status, reply.id) == (
+            protocol.StatusReply, Status.INTERNAL, 12,
+        )  # fmt: skip
+        assert "KeyError" in reply.message
+        monkeypatch.setattr(daemon.frontend, "_status", healthy)
+        sock.send_multipart(protocol.encode(protocol.InferRequest(13, "demo", IMAGE)), copy=False)
+        assert recv(sock).status == Status.OK  # the receive loop lived on
+    (line,) = [e for e in logs if e["event"] == "internal_error"]
+    assert (line["request_id"], bool(line["client"])) == (12, True)
+
+
 def _header(**changes: object) -> bytes:
     h = msgpack.unpackb(bytes(protocol.encode(protocol.InferRequest(5, "demo", IMAGE))[0]))
     for key, value in changes.items():

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from dlad import protocol
 from dlad.errors import BadRequest, NotFound, Overloaded, ProtocolError, Status
 from dlad.protocol import (
     MAX_DEADLINE_MS,
@@ -653,3 +654,19 @@ def test_report_type_is_the_documented_schema() -> None:
     doc = DOCS.read_text(encoding="utf-8")
     for key in DaemonStatus.__annotations__:
         assert f"`{key}`" in doc, key
+
+
+@pytest.mark.parametrize("depth", [3, 100, 1000])
+def test_a_header_nested_past_its_limit_is_refused_with_its_id(depth: int) -> None:
+    nested: object = 1
+    for _ in range(depth - 1):  # the header itself is the first level
+        nested = [nested]
+    header = msgpack.packb({"v": 1, "kind": int(protocol.Kind.STATUS), "id": 4, "x": nested})
+    with pytest.raises(ProtocolError, match="nests deeper than the 2 levels") as info:
+        protocol.decode_request([header])
+    assert info.value.request_id == 4
+    # A reply may nest deeper (a STATUS report), but not without bound.
+    reply = msgpack.packb({"v": 1, "kind": int(protocol.Kind.STATUS_REPLY), "id": 4, "x": nested})
+    if depth > protocol.MAX_REPLY_DEPTH:
+        with pytest.raises(ProtocolError, match="nests deeper than the 8 levels"):
+            protocol.decode_reply([reply])
