@@ -21,14 +21,11 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from orin_config import demo_model, emulated_dlas  # bench/, beside this script
+from orin_config import demo_model, emulated_dlas, running_daemon  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD = {"dla0": 8 + 2, "dla1": 8 + 2, "gpu": 64 + 2 * 16}
@@ -52,43 +49,21 @@ max_batch = 16
 
 
 def run_set(out: Path, name: str, devices: list[str], program: Path, args: argparse.Namespace):
-    tmp = Path(tempfile.mkdtemp(prefix="dlad-h200-"))
-    endpoint = f"ipc://{tmp}/dlad.sock"
-    cfg = tmp / "dlad.toml"
-    cfg.write_text(
-        CONFIG.format(
-            endpoint=endpoint,
-            dlas=emulated_dlas(args.dla_us),
-            program=program,
-            model=demo_model(devices),
-        )
-    )
-    log_path = out / f"{name}.daemon.log"
-    with log_path.open("w") as log:
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "dlad.cli", "--config", str(cfg)], stdout=log, stderr=log
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while "listening" not in log_path.read_text():
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    print(log_path.read_text()[-3000:])
-                    raise SystemExit(f"dlad did not start ({name})")
-                time.sleep(0.2)
-            cmd = [
-                sys.executable, "-m", "dlad_bench", "--endpoint", endpoint, "--input", "demo",
-                "--concurrency", str(sum(HELD[d] for d in devices)),
-                "--warmup-s", "2", "--window-s", "2",
-                "--stability-pct", "5", "--max-trials", "6", "--quiet",
-                "--csv", str(out / f"{name}.csv"), "--json", str(out / f"{name}.json"),
-                "--plots", str(out / f"{name}_plots"), "--timeline-ms", "20",
-            ]  # fmt: skip
-            print("$", " ".join(cmd[2:]), flush=True)
-            subprocess.run(cmd, check=True)
-        finally:
-            daemon.terminate()
-            daemon.wait(60)
-            shutil.rmtree(tmp, ignore_errors=True)
+    text = CONFIG.format(
+        endpoint="{endpoint}", dlas=emulated_dlas(args.dla_us), program=program,
+        model=demo_model(devices),
+    )  # fmt: skip
+    with running_daemon(text, out / f"{name}.daemon.log", start_timeout_s=120) as (_, endpoint):
+        cmd = [
+            sys.executable, "-m", "dlad_bench", "--endpoint", endpoint, "--input", "demo",
+            "--concurrency", str(sum(HELD[d] for d in devices)),
+            "--warmup-s", "2", "--window-s", "2",
+            "--stability-pct", "5", "--max-trials", "6", "--quiet",
+            "--csv", str(out / f"{name}.csv"), "--json", str(out / f"{name}.json"),
+            "--plots", str(out / f"{name}_plots"), "--timeline-ms", "20",
+        ]  # fmt: skip
+        print("$", " ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, check=True)
     with (out / f"{name}.csv").open(newline="") as f:
         return list(csv.DictReader(f))[-1]
 

@@ -1,8 +1,18 @@
-"""TOML pieces the benchmarks' daemons share: the emulated Orin's two DLA cores in timing mode,
-and the demo model served by a list of devices (``bench/three_engines.py``,
-``bench/h200_pool.py``)."""
+"""What the benchmarks' daemons share: TOML pieces (the emulated Orin's two DLA cores in timing
+mode, the demo model served by a list of devices) and :func:`running_daemon`, a dlad process
+for the length of a ``with`` (``bench/three_engines.py``, ``bench/h200_pool.py``,
+``bench/fuzz_frontend.py``, ``bench/health_failover.py``)."""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 DEMO_LOADABLES = """[models.demo.loadables]
 core0 = "bundled:demo/fp16_heads.dla0.emu"
@@ -24,3 +34,34 @@ def demo_model(devices: list[str]) -> str:
     """``[models.demo]`` served by ``devices``, with the bundled loadables."""
     listed = ", ".join(f'"{d}"' for d in devices)
     return f"[models.demo]\ndevices = [{listed}]\n" + DEMO_LOADABLES
+
+
+@contextmanager
+def running_daemon(
+    config: str, log_path: Path, *, start_timeout_s: float = 60.0
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``dlad`` on ``config`` (TOML text whose ``{endpoint}`` is filled with an ipc
+    endpoint in a fresh directory), its output in ``log_path``. Yields the process and the
+    endpoint once it logs ``listening``; terminates it on the way out. Exits (SystemExit, with
+    the log's tail) if it does not start."""
+    tmp = Path(tempfile.mkdtemp(prefix="dlad-bench-"))
+    endpoint = f"ipc://{tmp}/dlad.sock"
+    (tmp / "dlad.toml").write_text(config.replace("{endpoint}", endpoint))
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dlad.cli", "--config", str(tmp / "dlad.toml")],
+            stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while "listening" not in log_path.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                print(log_path.read_text()[-3000:])
+                raise SystemExit(f"dlad did not start; see {log_path}")
+            time.sleep(0.1)
+        yield proc, endpoint
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)

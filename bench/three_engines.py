@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from orin_config import demo_model, emulated_dlas  # bench/, beside this script
+from orin_config import demo_model, emulated_dlas, running_daemon  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -73,46 +71,19 @@ COMMON = ["--input", "random:640x480", "--warmup-s", "1.5", "--window-s", "2",
           "--stability-pct", "5", "--max-trials", "6", "--quiet"]  # fmt: skip
 
 
-class Daemon:
-    """One dlad process with the emulated Orin above, serving ``devices``."""
-
-    def __init__(
-        self, out: Path, name: str, devices: list[str], policy: str, *, contention: float,
-        scale: float,
-    ) -> None:  # fmt: skip
-        self.tmp = Path(tempfile.mkdtemp(prefix="dlad-3e-"))
-        self.endpoint = f"ipc://{self.tmp}/dlad.sock"
-        cfg = self.tmp / "dlad.toml"
-        cfg.write_text(
-            CONFIG.format(
-                endpoint=self.endpoint,
-                policy=policy.removesuffix("-even"),
-                pins=even_pins(devices) if policy.endswith("-even") else "",
-                contention=contention,
-                dlas=emulated_dlas(DLA_US * scale),
-                gpu_batch=GPU_BATCH,
-                gpu_us=GPU_US[1] * scale,
-                model=demo_model(devices),
-            )
-        )
-        self.log_path = out / f"{name}.daemon.log"
-        self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
-            stdout=self.log,
-            stderr=self.log,
-        )
-        deadline = time.monotonic() + 60
-        while "listening" not in self.log_path.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"dlad did not start; see {self.log_path}")
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+def config(devices: list[str], policy: str, *, contention: float, scale: float) -> str:
+    """The emulated Orin above serving ``devices`` under ``policy`` (``static-even``: policy
+    static with :func:`even_pins`)."""
+    return CONFIG.format(
+        endpoint="{endpoint}",
+        policy=policy.removesuffix("-even"),
+        pins=even_pins(devices) if policy.endswith("-even") else "",
+        contention=contention,
+        dlas=emulated_dlas(DLA_US * scale),
+        gpu_batch=GPU_BATCH,
+        gpu_us=GPU_US[1] * scale,
+        model=demo_model(devices),
+    )
 
 
 def bench(endpoint: str, out: Path, name: str, *args: str) -> dict[str, str]:
@@ -128,11 +99,9 @@ def bench(endpoint: str, out: Path, name: str, *args: str) -> dict[str, str]:
 
 def run(out: Path, name: str, devices: list[str], policy: str, args: argparse.Namespace,
         *bench_args: str) -> dict[str, str]:  # fmt: skip
-    daemon = Daemon(out, name, devices, policy, contention=args.contention, scale=args.time_scale)
-    try:
-        return bench(daemon.endpoint, out, name, *bench_args)
-    finally:
-        daemon.close()
+    text = config(devices, policy, contention=args.contention, scale=args.time_scale)
+    with running_daemon(text, out / f"{name}.daemon.log") as (_, endpoint):
+        return bench(endpoint, out, name, *bench_args)
 
 
 def even_pins(devices: list[str], streams: int = 24) -> str:

@@ -42,9 +42,9 @@ else:  # pragma: no cover - the daemon's Python on JetPack 6 is 3.10
 
 __all__ = [
     "BUNDLED_PREFIX", "Config", "ConfigError", "DaemonConfig", "DeviceConfig", "FaultConfig",
-    "FrontendConfig", "LoadablesConfig", "LoggingConfig", "MetricsConfig", "ModelConfig",
-    "Placement", "Plan", "PrePostConfig", "SchedulerConfig", "SocConfig", "endpoint_problem",
-    "load_config", "parse_config",
+    "FrontendConfig", "HealthConfig", "LoadablesConfig", "LoggingConfig", "MetricsConfig",
+    "ModelConfig", "Placement", "Plan", "PrePostConfig", "SchedulerConfig", "SocConfig",
+    "endpoint_problem", "load_config", "parse_config",
 ]  # fmt: skip
 
 MAX_DET = 1000
@@ -343,6 +343,33 @@ class SocConfig:
         _check(0 <= value <= 10, "dram_contention", f"must be in [0, 10], got {value!r}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthConfig:
+    """``[health]``: engines judged by their results, quarantined and failed over
+    (docs/daemon.md "Engine health")."""
+
+    quarantine_after: int = 3
+    """Consecutive failed tasks that take an engine out of placement (its queued jobs move to
+    the other engines of its model); 0: never. A task that hangs (its timeout fires)
+    quarantines the engine at once."""
+    retry: bool = True
+    """Retry a job that failed on one engine once on another engine of its model, when one can
+    take it before the job's deadline (the client's request id stays the same; one reply)."""
+    probe_after_s: float = 1.0
+    """How long a quarantined engine rests before its first probe (one task on a blank frame);
+    each failed probe doubles the rest, up to ``probe_max_s``. A passed probe returns it."""
+    probe_max_s: float = 30.0
+    """The longest rest between probes."""
+
+    def __post_init__(self) -> None:
+        _check(self.quarantine_after >= 0, "quarantine_after",
+               f"must be >= 0, got {self.quarantine_after}")  # fmt: skip
+        _positive(self.probe_after_s, "probe_after_s")
+        least = self.probe_after_s
+        _check(self.probe_max_s >= least, "probe_max_s",
+               f"must be >= probe_after_s ({least:g}), got {self.probe_max_s:g}")  # fmt: skip
+
+
 _DLA_BACKENDS: Final = ("auto", "emulated", "cudla")
 _GPU_BACKENDS: Final = ("auto", "cuda", "cpu")
 
@@ -536,6 +563,8 @@ class Config:
     """``[scheduler]``."""
     soc: SocConfig = field(default_factory=SocConfig)
     """``[soc]``."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """``[health]``."""
     devices: tuple[DeviceConfig, ...]
     """``[devices.<name>]``, in file order (at least one)."""
     models: tuple[ModelConfig, ...]

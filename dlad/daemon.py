@@ -35,6 +35,7 @@ from dlad.errors import DladError, Overloaded, StartupError
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
+from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.scheduler import Scheduler
 
@@ -113,6 +114,13 @@ class Daemon:
         self._warming = 0
         self._warm = anyio.Event()
         self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
+        self.health = HealthKeeper(
+            self.config.health,
+            self._scheduler,
+            self.executors,  # filled at start
+            requeue=self.frontend.requeue,
+            on_change=self._health_changed,
+        )
 
     @property
     def bound(self) -> list[str]:
@@ -173,6 +181,7 @@ class Daemon:
                 raise StartupError(exc.message, key=exc.key) from None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat_loop)
+                tg.start_soon(self.health.run)
                 self._warming = len(self.executors)
                 for executor in self.executors.values():
                     tg.start_soon(self._serve_executor, executor)
@@ -238,15 +247,21 @@ class Daemon:
         await executor.run(self._on_outcome)
 
     async def _on_outcome(self, out: Outcome) -> None:
+        probe = await self.health.observe(out)
         self._track_health(out.device)
-        await self.frontend.on_outcome(out)
+        if not probe:
+            await self.frontend.on_outcome(out)
+
+    def _health_changed(self, device: str, state: EngineState, reason: str) -> None:
+        self._healthy[device] = state == "serving"
+        self.metrics.device_state(device, "ready" if state == "serving" else "quarantined")
 
     def _track_health(self, device: str) -> None:
         """Keep /health/ready's view of ``device`` equal to STATUS's ``healthy`` after warm-up:
         ``failed`` while its last tasks all failed, ``ready`` again after a success."""
         executor = self.executors.get(device)
-        if executor is None or executor.warm != "ok":
-            return  # warming, or warm-up failed: _serve_executor set that state
+        if executor is None or executor.warm != "ok" or self.health.state(device)[0] != "serving":
+            return  # warming, warm-up failed or quarantined: that state stands
         healthy, why = executor.health()
         if self._healthy.get(device) is not healthy:  # only changes reach the metrics and log
             self._healthy[device] = healthy
@@ -287,12 +302,24 @@ class Daemon:
         devices = []
         for name, executor in self.executors.items():
             snap = snaps[name]
+            healthy, why = executor.health()
+            placement, fenced = self.health.state(name)
+            if executor.warm == "pending":
+                state, reason = "warming", why
+            elif executor.warm == "failed":
+                state, reason = "failed", why
+            elif placement == "quarantined":
+                state, reason = "quarantined", fenced
+            else:
+                state, reason = "serving", "" if healthy else why
             devices.append(
                 {
                     "name": name,
                     "kind": executor.kind,
                     "core": executor.core,
-                    "healthy": executor.health()[0],
+                    "healthy": healthy and placement == "serving",
+                    "state": state,
+                    "reason": reason[: protocol.MAX_MESSAGE_CHARS],
                     "busy": snap.in_flight > 0,
                     "in_flight": snap.in_flight,
                     "queue_depth": snap.queue_depth,

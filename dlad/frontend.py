@@ -29,6 +29,7 @@ from dlad.errors import (
     BadRequest,
     Cancelled,
     DeadlineExceeded,
+    DeviceFailed,
     DladError,
     InternalError,
     NotFound,
@@ -52,14 +53,16 @@ class Counters:
     by_status: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Asker:
-    """Who is waiting for a job's reply."""
+    """Who is waiting for a job's reply, and the job (to place it again after a failure)."""
 
     client: bytes
     request_id: int
     model: str
     received_ns: int
+    job: Job[Request]
+    retried: bool = False
 
 
 class Frontend:
@@ -234,7 +237,7 @@ class Frontend:
         )
         self._next_job += 1
         superseded = self.scheduler.admit(job)  # NotFound / Overloaded answer at once
-        self._askers[job.id] = _Asker(client, req.id, req.model, now)
+        self._askers[job.id] = _Asker(client, req.id, req.model, now, job)
         self._jobs[key] = job.id
         self._expiry_wake.set()
         for old in superseded:
@@ -281,9 +284,12 @@ class Frontend:
         return asker
 
     async def on_outcome(self, out: Outcome) -> None:
-        """Reply to the client that asked for ``out``'s job (an executor's result)."""
+        """Reply to the client that asked for ``out``'s job (an executor's result); a job that
+        failed on its device is first retried once on another (``[health] retry``)."""
         if out.error is not None:
             err = out.error if isinstance(out.error, DladError) else InternalError(str(out.error))
+            if isinstance(err, DeviceFailed) and self._retry(out.job_id, out.device, err):
+                return
             await self.answer(out.job_id, err, device=out.device)
             return
         asker = self._take(out.job_id)
@@ -314,9 +320,47 @@ class Frontend:
         )  # fmt: skip
         await self._send(asker.client, reply)
 
+    def _retry(self, job_id: int, failed_on: str, err: DeviceFailed) -> bool:
+        """Place a job that failed on ``failed_on`` once more, on another device of its model
+        that can take it before its deadline; the client's request id and its one reply stay.
+        Returns whether it was placed (False: answer the failure)."""
+        asker = self._askers.get(job_id)
+        if asker is None or asker.retried or not self.config.health.retry:
+            return False
+        job = asker.job
+        if time.monotonic_ns() >= job.deadline_ns or self.scheduler.has_queued(job.stream):
+            return False  # too late, or a newer frame of its stream waits: that one counts
+        try:
+            self.scheduler.admit(job, avoid=(failed_on,))
+        except DladError:
+            return False
+        asker.retried = True
+        log.bind(request_id=asker.request_id, client=asker.client.hex()).info(
+            "request_retried", failed_on=failed_on, device=job.device, reason=err.message[:200]
+        )
+        self._expiry_wake.set()
+        self.executors[job.device].wake()
+        return True
+
+    async def requeue(self, jobs: Sequence[Job[Request]], avoid: str) -> None:
+        """Place again the queued jobs of a device taken out of placement; answer those that no
+        other device can take."""
+        for job in jobs:
+            if job.id not in self._askers:
+                continue  # a health probe: no client waits for it
+            try:
+                self.scheduler.admit(job, avoid=(avoid,))
+            except DladError as exc:
+                await self.answer(job.id, exc, device=avoid)
+            else:
+                self.executors[job.device].wake()
+        self._expiry_wake.set()
+
     async def answer(self, job_id: int, err: DladError, device: str | None = None) -> None:
         """Reply to job ``job_id``'s client with ``err`` (logged with the request's context)."""
         asker = self._take(job_id)
+        if asker is None and job_id < 0:
+            return  # a health probe (dlad.health: negative ids) expired or drained
         if asker is None:
             log.error("error_without_asker", job_id=job_id, status=err.status.name)
             return

@@ -11,7 +11,8 @@ own locks, so a scrape never touches the scheduler or a worker.
 
     GET /metrics        the Prometheus text exposition of the daemon's own CollectorRegistry
     GET /health/live    200 while the loop has beaten within ``live_timeout_s``, else 503
-    GET /health/ready   200 while RUNNING with every device loaded and warm, else 503
+    GET /health/ready   200 while RUNNING with every device loaded and warm (and at least one
+                        not quarantined), else 503
 
 Both health endpoints answer a small JSON object saying why. Metric names, types and labels
 are listed in ``docs/metrics.md``.
@@ -49,9 +50,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceSample", "DeviceState", "Health", "Metrics", "MetricsServer"]
 
-DeviceState = Literal["loading", "warming", "ready", "failed"]
+DeviceState = Literal["loading", "warming", "ready", "failed", "quarantined"]
 """A device's life cycle as readiness sees it: ``loading`` (core opening, loadable loading),
-``warming`` (the first task running), ``ready``, or ``failed`` (warm-up failed)."""
+``warming`` (the first task running), ``ready``, ``failed`` (warm-up failed, or its last tasks
+all failed while quarantine is off) or ``quarantined`` (out of placement: dlad.health)."""
 
 LATENCY_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -86,11 +88,13 @@ class Health:
 
     @property
     def ready(self) -> bool:
-        """RUNNING, with at least one device and every device ``ready``."""
+        """RUNNING, every device ``ready`` or ``quarantined`` (out of placement while the
+        others serve: dlad.health) and at least one ``ready``."""
+        states = self.devices.values()
         return (
             self.state == "RUNNING"
-            and bool(self.devices)
-            and all(s == "ready" for s in self.devices.values())
+            and all(s in ("ready", "quarantined") for s in states)
+            and any(s == "ready" for s in states)
         )
 
 

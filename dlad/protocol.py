@@ -503,6 +503,8 @@ class DeviceStatus(TypedDict):
     kind: Literal["dla", "gpu", "cpu"]
     core: int | None  # DLA core index; None for other kinds
     healthy: bool  # False while warming up, after a failed warm-up, or 3+ failed tasks in a row
+    state: Literal["warming", "serving", "quarantined", "failed"]  # in placement: serving only
+    reason: str  # why it is not serving ("" while serving)
     busy: bool  # a task is executing now
     in_flight: int  # submitted, not yet completed
     queue_depth: int  # waiting for this device
@@ -572,6 +574,8 @@ _DEVICE_SPEC: Final[Mapping[str, _Check]] = {
     "core": lambda v, p: _opt_int(v, p, 0, 15),
     "healthy": _bool,
     "busy": _bool,
+    "state": lambda v, p: _choice(v, p, ("warming", "serving", "quarantined", "failed")),
+    "reason": _text,
     "in_flight": _count,
     "queue_depth": _count,
     "completed": _count,

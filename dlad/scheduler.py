@@ -46,12 +46,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic, Literal, TypeVar
 
 from dlad.curves import interpolate
-from dlad.errors import NotFound, Overloaded
+from dlad.errors import DeviceFailed, NotFound, Overloaded
 
 P = TypeVar("P")
 Clock = Callable[[], int]
@@ -120,6 +120,8 @@ class _Device:
     tier: int = 0
     kind: str = ""
     pinned: int = 0  # streams pinned to it (policy static)
+    available: bool = True  # in placement (False: quarantined, see set_available)
+    fail_rate: float = 0.0  # exponentially weighted fraction of its tasks that failed
     # (-priority, deadline, arrival sequence, job id); entries of removed jobs are skipped
     # lazily and compacted away when they outnumber the live ones.
     heap: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -155,6 +157,7 @@ class DeviceSnapshot:
     completed: int
     max_batch: int = 1
     batches: tuple[int, ...] = ()  # [i]: batches of i + 1 jobs that ran (since start)
+    available: bool = True  # False while quarantined (out of placement)
 
 
 class Scheduler(Generic[P]):
@@ -238,22 +241,33 @@ class Scheduler(Generic[P]):
         return frozenset().union(*(d.models for d in self._devices.values()))
 
     # ------------------------------------------------------------------------ admission
-    def admit(self, job: Job[P]) -> list[Job[P]]:
+    def admit(self, job: Job[P], *, avoid: Collection[str] = ()) -> list[Job[P]]:
         """Queue ``job`` on the device with the earliest estimated completion.
 
         Returns the jobs it superseded (queued frames of the same stream), which the caller
         answers as cancelled. A refused job supersedes nothing: the stream's queued frame stays.
 
+        Devices out of placement (:meth:`set_available`) and those named in ``avoid`` (a retry
+        avoids the device that failed it) are not considered.
+
         Raises:
             NotFound: no device holds ``job.model``.
-            Overloaded: every device holding the model has a full queue.
+            DeviceFailed: every device holding it is quarantined or avoided.
+            Overloaded: every device that could take it has a full queue.
             ValueError: ``job.id`` is already queued.
         """
         if job.id in self._jobs:
             raise ValueError(f"request id {job.id} is already queued")
-        candidates = [d for d in self._devices.values() if job.model in d.models]
-        if not candidates:
+        serving = [d for d in self._devices.values() if job.model in d.models]
+        if not serving:
             raise NotFound(f"no device serves model {job.model!r}", request_id=job.id)
+        candidates = [d for d in serving if d.available and d.name not in avoid]
+        if not candidates:
+            why = ", ".join(f"{d.name} {'failed it' if d.name in avoid else 'quarantined'}"
+                            for d in serving)  # fmt: skip
+            raise DeviceFailed(
+                f"no healthy device serves model {job.model!r} now ({why})", request_id=job.id
+            )
         if self.policy == "static" and job.stream is not None:
             candidates = [self._pinned(job.stream, candidates)]
         now = self._clock()
@@ -292,7 +306,9 @@ class Scheduler(Generic[P]):
         return self._pins.get(stream)
 
     def _choose(self, job: Job[P], open_: Sequence[_Device], now: int) -> _Device:
-        ends = {d.name: self._completion(d, now) for d in open_}
+        # A device whose tasks fail needs 1 / (1 - f) attempts a success: it must not win
+        # frames because failing is quick.
+        ends = {d.name: self._completion(d, now) / (1 - min(d.fail_rate, 0.95)) for d in open_}
         if self.policy == "throughput":
             return min(
                 open_,
@@ -431,10 +447,47 @@ class Scheduler(Generic[P]):
         d = self._devices[device]
         for job in jobs:
             d.running.pop(job.id, None)
+        if jobs:
+            d.fail_rate += self._alpha * (float(device_us is None) - d.fail_rate)
         if device_us is not None and device_us > 0 and jobs:
             d.curve.learn(len(jobs), device_us * 1e3)
             d.completed += len(jobs)
             d.batches[min(len(jobs), d.max_batch) - 1] += 1
+
+    def set_available(self, device: str, available: bool) -> list[Job[P]]:
+        """Take ``device`` out of placement (quarantine) or put it back. Taking it out removes
+        and returns its queued jobs, in queue order, for the caller to place elsewhere (its
+        in-flight jobs finish or fail as they will); streams pinned to it are pinned afresh at
+        their next frame."""
+        d = self._devices[device]
+        d.available = available
+        if available:
+            return []
+        queued = sorted(
+            (j for j in self._jobs.values() if j.device == device),
+            key=lambda j: (-j.priority, j.deadline_ns, j._seq),
+        )
+        for job in queued:
+            self._remove(job.id)
+        return queued
+
+    def available(self, device: str) -> bool:
+        """Whether ``device`` is in placement."""
+        return self._devices[device].available
+
+    def admit_probe(self, device: str, job: Job[P]) -> None:
+        """Queue ``job`` on ``device`` whatever its availability or queue (a health probe of a
+        quarantined device: nothing else reaches it)."""
+        if job.id in self._jobs:
+            raise ValueError(f"request id {job.id} is already queued")
+        d = self._devices[device]
+        job.device, job.stream = device, None
+        job.admitted_ns = self._clock()
+        job.estimate_ns = int(d.curve(1))
+        job._seq = next(self._seq)
+        heapq.heappush(d.heap, (-job.priority, job.deadline_ns, job._seq, job.id))
+        d.depth += 1
+        self._jobs[job.id] = job
 
     def expire(self) -> list[Job[P]]:
         """Remove and return every queued job whose deadline has passed."""
@@ -472,6 +525,10 @@ class Scheduler(Generic[P]):
             return len(self._jobs)
         return self._devices[device].depth
 
+    def has_queued(self, stream: str | None) -> bool:
+        """Whether ``stream`` has a frame queued (False for None)."""
+        return stream is not None and stream in self._streams
+
     def streams_waiting(self) -> int:
         """Camera streams with a frame queued (each holds at most one: latest frame wins)."""
         return len(self._streams)
@@ -494,6 +551,7 @@ class Scheduler(Generic[P]):
                 d.completed,
                 d.max_batch,
                 tuple(d.batches),
+                d.available,
             )
             for d in self._devices.values()
         ]

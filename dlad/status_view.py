@@ -81,7 +81,7 @@ def render(report: protocol.DaemonStatus, endpoint: str = "") -> Group:
         table.add_row(
             d["name"],
             d["kind"] if d["core"] is None else f"{d['kind']}{d['core']}",
-            Text("ok", "green") if d["healthy"] else Text("FAULT", "red"),
+            _health(d),
             "-" if busy is None else f"{busy:.0f}",
             str(d["in_flight"]),
             str(d["queue_depth"]),
@@ -92,6 +92,14 @@ def render(report: protocol.DaemonStatus, endpoint: str = "") -> Group:
             _batch(d),
         )
     return Group(summary, table)
+
+
+def _health(d: protocol.DeviceStatus) -> Text:
+    if d["state"] == "quarantined":
+        return Text("QUARANTINED", "yellow")
+    if d["state"] == "warming":
+        return Text("warming", "cyan")
+    return Text("ok", "green") if d["healthy"] else Text("FAULT", "red")
 
 
 def _batch(d: protocol.DeviceStatus) -> str:

@@ -73,6 +73,7 @@ class Outcome:
     post_us: float = 0.0
     start_ns: int = 0
     end_ns: int = 0
+    hung: bool = False  # the engine did not finish the task in its timeout (a hang, not an error)
 
 
 OnOutcome = Callable[[Outcome], Awaitable[None]]

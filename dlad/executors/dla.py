@@ -303,6 +303,7 @@ class DlaExecutor(Executor):
         if status is CudlaStatus.SUCCESS:
             return True
         sticky = self.dla.last_error()
+        out.hung = sticky is CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
         out.error = self.failed(
             DeviceFailed(
                 f"{self.name}: task failed: {getattr(status, 'c_name', status)} ({sticky.name})"

@@ -80,7 +80,8 @@ def report(name: str = "fake") -> DaemonStatus:
 
     def core(index: int) -> DeviceStatus:
         return {"name": f"dla{index}", "kind": "dla", "core": index, "healthy": True,
-                "busy": False, "in_flight": 0, "queue_depth": 0, "completed": 7, "failed": 0,
+                "busy": False, "state": "serving", "reason": "", "in_flight": 0,
+                "queue_depth": 0, "completed": 7, "failed": 0,
                 "service_time_us": 1500.0, "max_batch": 1, "batches": [7]}  # fmt: skip
 
     return {

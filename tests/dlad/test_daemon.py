@@ -403,8 +403,8 @@ def _one_core(tmp_path: Path, latency: float, faults: str = "") -> Daemon:
 
 def _seed_ok_then_fail3_then_ok() -> int:
     """A fault seed whose draws (one per task, fail below 0.5) pass the warm-up task, fail the
-    next three and pass the fifth."""
-    want = [False, True, True, True, False]
+    next three and pass the fifth and sixth."""
+    want = [False, True, True, True, False, False]
     for seed in range(10_000):
         rng = random.Random(seed)
         if [rng.random() < 0.5 for _ in want] == want:
@@ -414,7 +414,9 @@ def _seed_ok_then_fail3_then_ok() -> int:
 
 def test_status_health_follows_consecutive_failures(tmp_path: Path) -> None:
     seed = _seed_ok_then_fail3_then_ok()
-    faults = f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}"
+    faults = (
+        f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}\n[health]\nquarantine_after = 0"
+    )
     daemon = _one_core(tmp_path, 500.0, faults)
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:
         (dev,) = _status(sock, 1)["devices"]
@@ -437,6 +439,34 @@ def test_status_health_follows_consecutive_failures(tmp_path: Path) -> None:
         assert recv(sock).status == Status.OK  # the fifth task passes: healthy again
         assert _status(sock, 41)["devices"][0]["healthy"] is True
         assert daemon.metrics.ready()[0]
+
+
+def test_consecutive_failures_quarantine_a_core_and_a_probe_returns_it(tmp_path: Path) -> None:
+    seed = _seed_ok_then_fail3_then_ok()
+    faults = (
+        f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}\n[health]\nprobe_after_s = 0.2"
+    )
+    daemon = _one_core(tmp_path, 500.0, faults)
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        for i in range(3):  # tasks 1, 2, 3 fail (nowhere else to retry them)
+            sock.send_multipart(protocol.encode(protocol.InferRequest(10 + i, "demo", IMAGE)))
+            assert recv(sock).status == Status.DEVICE_FAILED
+        (dev,) = _status(sock, 30)["devices"]
+        assert (dev["state"], dev["healthy"]) == ("quarantined", False)
+        assert "3 tasks failed in a row" in dev["reason"]
+        ready, detail = daemon.metrics.ready()  # no engine of the model serves: not ready
+        assert (ready, detail["devices"]["dla0"]) == (False, "quarantined")
+        sock.send_multipart(protocol.encode(protocol.InferRequest(40, "demo", IMAGE)))
+        refused = recv(sock)  # answered at once, without a task
+        assert refused.status == Status.DEVICE_FAILED
+        assert "no healthy device serves model 'demo'" in refused.message
+        while dev["state"] != "serving":  # the probe (task 4, which passes) returns it
+            (dev,) = _status(sock, 31)["devices"]
+        assert dev["healthy"] is True
+        sock.send_multipart(protocol.encode(protocol.InferRequest(41, "demo", IMAGE)))
+        assert recv(sock).status == Status.OK
+        assert daemon.metrics.ready()[0]
+        assert daemon.health.quarantines("dla0") == 1
 
 
 def test_status_reports_a_failed_warm_up(tmp_path: Path) -> None:

@@ -33,12 +33,15 @@ def test_render_shows_each_device_and_the_load() -> None:
         "protocol": 1, "models": [], "queues": {"depth": 3, "capacity": 8, "streams": 1},
         "devices": [
             {"name": "dla0", "kind": "dla", "core": 0, "healthy": True, "busy": True,
+             "state": "serving", "reason": "",
              "in_flight": 2, "queue_depth": 3, "completed": 10, "failed": 0,
              "service_time_us": 3820.0, "max_batch": 1, "batches": [10]},
             {"name": "dla1", "kind": "dla", "core": 1, "healthy": False, "busy": False,
-             "in_flight": 0, "queue_depth": 0, "completed": 5, "failed": 4,
+             "state": "quarantined", "reason": "3 tasks failed in a row", "in_flight": 0,
+             "queue_depth": 0, "completed": 5, "failed": 4,
              "service_time_us": 3820.0, "max_batch": 1, "batches": [5]},
             {"name": "gpu", "kind": "gpu", "core": None, "healthy": True, "busy": True,
+             "state": "serving", "reason": "",
              "in_flight": 8, "queue_depth": 4, "completed": 40, "failed": 0,
              "service_time_us": 1820.0, "max_batch": 8, "batches": [0, 2, 0, 1, 0, 0, 0, 4]},
         ],
@@ -53,7 +56,7 @@ def test_render_shows_each_device_and_the_load() -> None:
     assert "p99 21.5 ms" in text
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("dla")}
     assert rows["dla0"][:8] == ["dla0", "dla0", "ok", "87", "2", "3", "125.0", "21.5"]
-    assert rows["dla1"][2:4] == ["FAULT", "0"]
+    assert rows["dla1"][2:4] == ["QUARANTINED", "0"]
     gpu = next(line.split() for line in text.splitlines() if line.startswith("gpu"))
     assert gpu[-1] == "5.7/8"  # 40 frames in 7 batches
     assert rows["dla0"][-1] == "1.0/1"
