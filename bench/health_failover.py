@@ -1,15 +1,18 @@
 """Engine health under injected faults (docs/reliability.md "Quarantine and failover"), in one run.
 
-    python bench/health_failover.py [--out runs/health] [--rate-fraction 0.6]
+    git worktree add /tmp/before <commit before issue 13>    # the baseline's code
+    python bench/health_failover.py --before /tmp/before [--out runs/health] [--rate-fraction 0.6]
 
 Two emulated DLA cores in timing mode (3.82 ms a frame, pre/post off), one model on both; dla0
 faulty, dla1 sound. For each fault, the same Poisson load (``--rate-fraction`` of the pair's
-capacity, deadline 100 ms) through ``dlad-bench`` against two daemons:
+capacity, deadline 100 ms) through ``dlad-bench`` against three daemons:
 
-- **before**: ``[health] quarantine_after = 0, retry = false`` (what the daemon did until issue 13:
-  a failing core keeps its share of the frames, and each failure is the answer);
-- **health**: the defaults (quarantine after 3 failures in a row or one hang, one retry on the
-  other core, probes from 1 s).
+- **before**: the code of ``--before`` (a checkout from before issue 13, without ``[health]``):
+  placement that learns nothing from failures, and each failure is the answer;
+- **retry only**: this code, ``[health] quarantine_after = 0`` (failure-weighted placement and
+  one retry on the other core, never a quarantine);
+- **health**: the defaults (as retry only, plus quarantine after 5 failures in a row or one
+  hang, probes from 1 s).
 
 Faults: ``error_rate 0.3`` (a flaky core), ``hang_rate 0.3`` (tasks that never end, the task
 timeout 100 ms), and a core that hangs every task after its warm-up. Goodput = frames answered OK
@@ -45,10 +48,7 @@ endpoints = ["{{endpoint}}"]
 enabled = false
 [metrics]
 enabled = false
-[health]
-quarantine_after = {after}
-retry = {retry}
-[devices.dla0]
+{health}[devices.dla0]
 kind = "dla"
 core = 0
 mode = "timing"
@@ -74,7 +74,11 @@ FAULTS = {  # name: (error_rate, hang_rate)
     "hang_rate 0.3": (0.0, 0.3),
     "hangs after warm-up": (0.0, 0.999),
 }
-MODES = {"before": (0, "false"), "health": (3, "true")}
+MODES = {  # name: [health] table (None: the --before tree, which has none)
+    "before": None,
+    "retry only": "[health]\nquarantine_after = 0\n",
+    "health": "[health]\n",
+}
 
 
 def warm_seed(rate: float) -> int:
@@ -83,9 +87,8 @@ def warm_seed(rate: float) -> int:
 
 
 def config(mode: str, error_rate: float, hang_rate: float) -> str:
-    after, retry = MODES[mode]
     return CONFIG.format(
-        after=after, retry=retry, dla_us=DLA_US, timeout=TIMEOUT_MS, error_rate=error_rate,
+        health=MODES[mode] or "", dla_us=DLA_US, timeout=TIMEOUT_MS, error_rate=error_rate,
         hang_rate=hang_rate, seed=warm_seed(error_rate + hang_rate),
     )  # fmt: skip
 
@@ -131,15 +134,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "health")
     p.add_argument("--rate-fraction", type=float, default=0.6)
+    p.add_argument("--before", type=Path, required=True, help="a checkout of the baseline")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rate = args.rate_fraction * 2 * 1e6 / DLA_US
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for fault, (error_rate, hang_rate) in FAULTS.items():
         for mode in MODES:
-            name = f"{fault.replace(' ', '_')}_{mode}"
+            name = f"{fault}_{mode}".replace(" ", "_")
             text = config(mode, error_rate, hang_rate)
-            with running_daemon(text, args.out / f"{name}.daemon.log") as (_, endpoint):
+            tree = args.before if mode == "before" else None
+            log_path = args.out / f"{name}.daemon.log"
+            with running_daemon(text, log_path, tree=tree) as (_, endpoint):
                 rows[fault, mode] = bench(endpoint, args.out, name, rate)
     fenced = time_to_fence(args.out)
 
@@ -147,17 +153,15 @@ def main() -> int:
         return float(row[key]) if row.get(key) else float("nan")
 
     print(f"\nPoisson {rate:.0f}/s ({args.rate_fraction:g} of two cores), deadline 100 ms\n")
-    print("| dla0's fault | before: goodput/s | OK % | dla0 share | health: goodput/s | OK % "
-          "| dla0 share | goodput health / before |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dla0's fault | daemon | goodput/s | OK % | shares | goodput / before |")
+    print("|---|---|---|---|---|---|")
     for fault in FAULTS:
-        b, h = rows[fault, "before"], rows[fault, "health"]
-        cells = []
-        for row in (b, h):
+        base = f(rows[fault, "before"], "goodput_rps")
+        for mode in MODES:
+            row = rows[fault, mode]
             ok = 100 * f(row, "throughput_rps") / f(row, "offered_rps")
-            cells.append(f"{f(row, 'goodput_rps'):.1f} | {ok:.1f} | {row['device_share']}")
-        ratio = f(h, "goodput_rps") / f(b, "goodput_rps")
-        print(f"| {fault} | {cells[0]} | {cells[1]} | {ratio:.3f} |")
+            print(f"| {fault} | {mode} | {f(row, 'goodput_rps'):.1f} | {ok:.1f} "
+                  f"| {row['device_share']} | {f(row, 'goodput_rps') / base:.3f} |")  # fmt: skip
     print(f"\ntime to fence off a hung core: {1e3 * fenced:.0f} ms "
           f"(task timeout {TIMEOUT_MS:g} ms)")  # fmt: skip
     return 0

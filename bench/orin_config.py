@@ -5,6 +5,7 @@ for the length of a ``with`` (``bench/three_engines.py``, ``bench/h200_pool.py``
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -38,19 +39,21 @@ def demo_model(devices: list[str]) -> str:
 
 @contextmanager
 def running_daemon(
-    config: str, log_path: Path, *, start_timeout_s: float = 60.0
+    config: str, log_path: Path, *, start_timeout_s: float = 60.0, tree: Path | None = None
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """Run ``dlad`` on ``config`` (TOML text whose ``{endpoint}`` is filled with an ipc
-    endpoint in a fresh directory), its output in ``log_path``. Yields the process and the
-    endpoint once it logs ``listening``; terminates it on the way out. Exits (SystemExit, with
-    the log's tail) if it does not start."""
+    endpoint in a fresh directory), its output in ``log_path``; ``tree``: the dlad of that
+    checkout instead of this one (a baseline). Yields the process and the endpoint once it logs
+    ``listening``; terminates it on the way out. Exits (SystemExit, with the log's tail) if it
+    does not start."""
     tmp = Path(tempfile.mkdtemp(prefix="dlad-bench-"))
     endpoint = f"ipc://{tmp}/dlad.sock"
     (tmp / "dlad.toml").write_text(config.replace("{endpoint}", endpoint))
     with log_path.open("w") as log:
+        env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
         proc = subprocess.Popen(
             [sys.executable, "-m", "dlad.cli", "--config", str(tmp / "dlad.toml")],
-            stdout=log, stderr=log,
+            stdout=log, stderr=log, env=env, cwd=tree,
         )  # fmt: skip
     try:
         deadline = time.monotonic() + start_timeout_s

@@ -348,10 +348,12 @@ class HealthConfig:
     """``[health]``: engines judged by their results, quarantined and failed over
     (docs/daemon.md "Engine health")."""
 
-    quarantine_after: int = 3
+    quarantine_after: int = 5
     """Consecutive failed tasks that take an engine out of placement (its queued jobs move to
-    the other engines of its model); 0: never. A task that hangs (its timeout fires)
-    quarantines the engine at once."""
+    the other engines of its model); 0: never (a failed job is still retried elsewhere). A task
+    that hangs (its timeout fires) quarantines the engine at once. 5, as Envoy's outlier
+    detection ejects a host after 5 consecutive errors: a core that fails now and then still
+    adds capacity (its failures retried), one that fails every task is fenced off in 5."""
     retry: bool = True
     """Retry a job that failed on one engine once on another engine of its model, when one can
     take it before the job's deadline (the client's request id stays the same; one reply)."""

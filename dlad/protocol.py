@@ -303,10 +303,16 @@ def _keys(
 _Check: TypeAlias = Callable[[object, str], Any]
 
 
-def _record(value: object, path: str, spec: Mapping[str, _Check]) -> dict[str, Any]:
+def _record(
+    value: object, path: str, spec: Mapping[str, _Check], optional: Mapping[str, _Check] = {}
+) -> dict[str, Any]:
+    """A map with every field of ``spec`` and any of ``optional`` (fields newer daemons add:
+    a reader takes a report without them), each checked; any other field is refused."""
     m = _map(value, path)
-    _keys(m, path + ".", spec)
-    return {key: check(m[key], f"{path}.{key}") for key, check in spec.items()}
+    _keys(m, path + ".", spec, optional)
+    checked = {key: check(m[key], f"{path}.{key}") for key, check in spec.items()}
+    checked.update((k, check(m[k], f"{path}.{k}")) for k, check in optional.items() if k in m)
+    return checked
 
 
 def _list_of(check: _Check, max_len: int) -> _Check:
@@ -503,8 +509,9 @@ class DeviceStatus(TypedDict):
     kind: Literal["dla", "gpu", "cpu"]
     core: int | None  # DLA core index; None for other kinds
     healthy: bool  # False while warming up, after a failed warm-up, or 3+ failed tasks in a row
-    state: Literal["warming", "serving", "quarantined", "failed"]  # in placement: serving only
-    reason: str  # why it is not serving ("" while serving)
+    # Added with engine health; absent from the reports of older daemons:
+    state: NotRequired[Literal["warming", "serving", "quarantined", "failed"]]  # placed: serving
+    reason: NotRequired[str]  # why it is not serving, or not healthy ("" when it is both)
     busy: bool  # a task is executing now
     in_flight: int  # submitted, not yet completed
     queue_depth: int  # waiting for this device
@@ -574,8 +581,6 @@ _DEVICE_SPEC: Final[Mapping[str, _Check]] = {
     "core": lambda v, p: _opt_int(v, p, 0, 15),
     "healthy": _bool,
     "busy": _bool,
-    "state": lambda v, p: _choice(v, p, ("warming", "serving", "quarantined", "failed")),
-    "reason": _text,
     "in_flight": _count,
     "queue_depth": _count,
     "completed": _count,
@@ -583,6 +588,10 @@ _DEVICE_SPEC: Final[Mapping[str, _Check]] = {
     "service_time_us": lambda v, p: _float(v, p, 0.0, 1e12, lo_open=False, hi_open=False),
     "max_batch": lambda v, p: _int(v, p, 1, MAX_BATCH),
     "batches": _list_of(_count, MAX_BATCH),
+}
+_DEVICE_ADDED: Final[Mapping[str, _Check]] = {  # absent from the reports of older daemons
+    "state": lambda v, p: _choice(v, p, ("warming", "serving", "quarantined", "failed")),
+    "reason": _text,
 }
 _MODEL_SPEC: Final[Mapping[str, _Check]] = {
     "name": _name,
@@ -599,7 +608,7 @@ _REPORT_SPEC: Final[Mapping[str, _Check]] = {
     "ready": _bool,
     "version": _name,
     "protocol": lambda v, p: _int(v, p, 1, 255),
-    "devices": _list_of(lambda v, p: _record(v, p, _DEVICE_SPEC), 64),
+    "devices": _list_of(lambda v, p: _record(v, p, _DEVICE_SPEC, _DEVICE_ADDED), 64),
     "models": _list_of(lambda v, p: _record(v, p, _MODEL_SPEC), 256),
     "queues": lambda v, p: _record(v, p, _QUEUE_SPEC),
 }

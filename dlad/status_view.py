@@ -95,9 +95,10 @@ def render(report: protocol.DaemonStatus, endpoint: str = "") -> Group:
 
 
 def _health(d: protocol.DeviceStatus) -> Text:
-    if d["state"] == "quarantined":
+    state = d.get("state")  # absent from older daemons' reports
+    if state == "quarantined":
         return Text("QUARANTINED", "yellow")
-    if d["state"] == "warming":
+    if state == "warming":
         return Text("warming", "cyan")
     return Text("ok", "green") if d["healthy"] else Text("FAULT", "red")
 

@@ -444,7 +444,8 @@ def test_status_health_follows_consecutive_failures(tmp_path: Path) -> None:
 def test_consecutive_failures_quarantine_a_core_and_a_probe_returns_it(tmp_path: Path) -> None:
     seed = _seed_ok_then_fail3_then_ok()
     faults = (
-        f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}\n[health]\nprobe_after_s = 0.2"
+        f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}\n[health]\nquarantine_after = 3\n"
+        "probe_after_s = 0.2"
     )
     daemon = _one_core(tmp_path, 500.0, faults)
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:
