@@ -23,9 +23,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import dlad
+
+if TYPE_CHECKING:
+    from dlad.config import Plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a live table (per device busy %%, queue, rate, p99) redrawn every SECONDS (1)",
     )  # fmt: skip
     st.add_argument("--count", type=int, default=None, help="with --watch: stop after N draws")
+    st.add_argument("--curve-key", default=None, metavar="FILE",
+                    help="this client's secret key file, for a daemon with [auth] mode = "
+                         "curve (its public key comes from its server_secret_key)")  # fmt: skip
+    kg = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
+    kg.add_argument("name", help="whose keys: 'server' for the daemon, a client's name")
+    kg.add_argument("--dir", default=".", help="where to write them (created, mode 0700)")
     st.add_argument("--platform", action="store_true",
                     help="print this host's cuDLA probe (version, DLA cores) and the emulated "
                          "DLA core's INT8 kernel path as JSON")  # fmt: skip
@@ -100,7 +110,32 @@ def _configure_logging(fmt: str, level: str) -> None:
     )
 
 
-def _status(endpoint: str, timeout: float) -> int:
+def _curve_client(
+    plan: Plan, key_file: str | None
+) -> Callable[[Any], None] | Literal[False] | None:
+    """How ``dlad status`` sets up its socket for a CURVE daemon (None: plain; False: it
+    cannot, having said why)."""
+    from pathlib import Path
+
+    from dlad.auth import configure_client, read_server_keys
+    from dlad.errors import StartupError
+
+    if plan.server_secret_key is None:
+        return None
+    if key_file is None:
+        print("dlad: the daemon authenticates clients ([auth] mode = curve): pass --curve-key "
+              "with a secret key file whose public key it allows", file=sys.stderr)  # fmt: skip
+        return False
+    try:
+        server_public, _ = read_server_keys(plan.server_secret_key)
+        read_server_keys(Path(key_file), key="--curve-key")
+    except StartupError as exc:
+        print(f"dlad: {exc}", file=sys.stderr)
+        return False
+    return lambda sock: configure_client(sock, server_public, Path(key_file))
+
+
+def _status(endpoint: str, timeout: float, prepare: Callable[[Any], None] | None = None) -> int:
     import zmq
 
     from dlad import protocol
@@ -110,6 +145,8 @@ def _status(endpoint: str, timeout: float) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     try:
+        if prepare is not None:
+            prepare(sock)
         sock.connect(endpoint)
         sock.send_multipart(protocol.encode(protocol.StatusRequest(1)))
         if not sock.poll(int(timeout * 1000)):
@@ -176,6 +213,14 @@ def _main(argv: Sequence[str] | None) -> int:
         _parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "status" and args.platform:
         return _platform()
+    if args.command == "keygen":
+        from pathlib import Path
+
+        from dlad.auth import write_keypair
+
+        public, secret = write_keypair(Path(args.dir), args.name)
+        print(f"public key (give it to the other side): {public}\nsecret key (keep it): {secret}")
+        return 0
     from dlad.config import ConfigError, load_config
 
     try:
@@ -188,11 +233,14 @@ def _main(argv: Sequence[str] | None) -> int:
         endpoint = _endpoint_or_exit(args.endpoint or plan.endpoints[0])
         if endpoint is None:
             return 2
+        prepare = _curve_client(plan, args.curve_key)
+        if prepare is False:
+            return 2
         if args.watch is not None:
             from dlad.status_view import watch
 
-            return watch(endpoint, args.watch, args.timeout, args.count)
-        return _status(endpoint, args.timeout)
+            return watch(endpoint, args.watch, args.timeout, args.count, prepare=prepare or None)
+        return _status(endpoint, args.timeout, prepare or None)
     _configure_logging(config.logging.format, config.logging.level)
     import anyio
 

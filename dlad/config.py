@@ -41,10 +41,10 @@ else:  # pragma: no cover - the daemon's Python on JetPack 6 is 3.10
     import tomli as tomllib
 
 __all__ = [
-    "BUNDLED_PREFIX", "Config", "ConfigError", "DaemonConfig", "DeviceConfig", "FaultConfig",
-    "FrontendConfig", "HealthConfig", "LoadablesConfig", "LoggingConfig", "MetricsConfig",
-    "ModelConfig", "Placement", "Plan", "PrePostConfig", "SchedulerConfig", "SocConfig",
-    "endpoint_problem", "load_config", "parse_config",
+    "BUNDLED_PREFIX", "AuthConfig", "Config", "ConfigError", "DaemonConfig", "DeviceConfig",
+    "FaultConfig", "FrontendConfig", "HealthConfig", "LoadablesConfig", "LoggingConfig",
+    "MetricsConfig", "ModelConfig", "Placement", "Plan", "PrePostConfig", "SchedulerConfig",
+    "SocConfig", "endpoint_problem", "load_config", "parse_config",
 ]  # fmt: skip
 
 MAX_DET = 1000
@@ -162,10 +162,16 @@ class DaemonConfig:
     """The deadline of a request that carries none, from its arrival (> 0, <= max_deadline_ms)."""
     max_deadline_ms: float = 60000.0
     """Longer requested deadlines are shortened to this (> 0)."""
+    close_linger_ms: float = 250.0
+    """After the drain, how long the frontend goes on answering (INFER: SHUTTING_DOWN) before it
+    closes the socket, and how long queued replies then have to leave (>= 0). Every message the
+    daemon reads is answered; clients learn to go elsewhere before the port closes."""
 
     def __post_init__(self) -> None:
         _text(self.name, "name")
         _positive(self.drain_timeout_s, "drain_timeout_s")
+        _check(self.close_linger_ms >= 0, "close_linger_ms",
+               f"must be >= 0, got {self.close_linger_ms:g}")  # fmt: skip
         _positive(self.default_deadline_ms, "default_deadline_ms")
         _positive(self.max_deadline_ms, "max_deadline_ms")
         _check(self.default_deadline_ms <= self.max_deadline_ms, "default_deadline_ms",
@@ -372,6 +378,40 @@ class HealthConfig:
                f"must be >= probe_after_s ({least:g}), got {self.probe_max_s:g}")  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuthConfig:
+    """``[auth]``: who may connect (``dlad/auth.py``; docs/protocol.md "Authentication")."""
+
+    mode: Literal["off", "curve"] = "off"
+    """``curve``: ZeroMQ CURVE on every endpoint, clients allowed by public key; ``off``: no
+    authentication, which dlad accepts only on loopback tcp, ipc and inproc endpoints unless
+    ``allow_plain_tcp``."""
+    server_secret_key: str | None = None
+    """curve: the daemon's secret certificate file (``dlad keygen`` writes one), absolute or
+    relative to the config file."""
+    client_keys_dir: str | None = None
+    """curve: the directory of the allowed clients' public certificate files (``*.key``),
+    re-read every ``reload_s`` (add a key, then remove the old one, to rotate)."""
+    reload_s: float = 5.0
+    """How often ``client_keys_dir`` is checked for changes (> 0)."""
+    allow_plain_tcp: bool = False
+    """mode off: serve tcp beyond loopback without authentication all the same (a trusted
+    network; anyone who reaches the port can use and starve the daemon)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.reload_s, "reload_s")
+        if self.mode == "curve":
+            for key in ("server_secret_key", "client_keys_dir"):
+                _check(getattr(self, key) is not None, key, 'required with mode = "curve"')
+        else:
+            for key in ("server_secret_key", "client_keys_dir"):
+                _check(getattr(self, key) is None, key, 'only with mode = "curve"')
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "[::1]") or host.startswith("127.")
+
+
 _DLA_BACKENDS: Final = ("auto", "emulated", "cudla")
 _GPU_BACKENDS: Final = ("auto", "cuda", "cpu")
 
@@ -567,6 +607,8 @@ class Config:
     """``[soc]``."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """``[health]``."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    """``[auth]``."""
     devices: tuple[DeviceConfig, ...]
     """``[devices.<name>]``, in file order (at least one)."""
     models: tuple[ModelConfig, ...]
@@ -585,6 +627,13 @@ class Config:
                                   key=f"devices.{_quote(d.name)}.core")  # fmt: skip
             if d.core is not None:
                 owners[d.core] = _quote(d.name)
+        if self.auth.mode == "off" and not self.auth.allow_plain_tcp:
+            for i, ep in enumerate(self.frontend.endpoints):
+                host = ep.removeprefix("tcp://").rpartition(":")[0]
+                plain = ep.startswith("tcp://") and not _loopback(host)
+                _check(not plain, f"frontend.endpoints[{i}]",
+                       f"{ep} serves beyond loopback without authentication: set [auth] mode = "
+                       "\"curve\" (or allow_plain_tcp = true on a trusted network)")  # fmt: skip
         known = {d.name: d for d in self.devices}
         for stream, name in self.scheduler.pins.items():
             _check(name in known, f"scheduler.pins.{_quote(stream)}",
@@ -673,6 +722,10 @@ class Plan:
     """``frontend.endpoints`` with relative ipc paths made absolute."""
     placements: tuple[Placement, ...]
     """Every (model, device) pair, models in config order, each model's devices in its order."""
+    server_secret_key: Path | None = None
+    """``auth.server_secret_key``, resolved (None: auth off)."""
+    client_keys_dir: Path | None = None
+    """``auth.client_keys_dir``, resolved (None: auth off)."""
 
     def for_model(self, name: str) -> tuple[Placement, ...]:
         """The placements of model ``name`` (empty for an unknown name)."""
@@ -764,9 +817,15 @@ def _make_plan(config: Config) -> Plan:
                 path, loadable = read[device.core if device.core is not None else min(read)]
                 latency = loadable.latency_us if device.latency_us is None else device.latency_us
                 placements.append(Placement(m.name, name, path, loadable, latency))
+        secret = keys = None
+        if config.auth.mode == "curve":
+            secret = _resolve(str(config.auth.server_secret_key), base)
+            keys = _resolve(str(config.auth.client_keys_dir), base)
+            _check(secret.is_file(), "auth.server_secret_key", f"no such file: {secret}")
+            _check(keys.is_dir(), "auth.client_keys_dir", f"no such directory: {keys}")
     except ConfigError as exc:
         raise (exc if file is None else exc.in_file(file)) from exc.__cause__
-    return Plan(config, base, tuple(endpoints), tuple(placements))
+    return Plan(config, base, tuple(endpoints), tuple(placements), secret, keys)
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -79,6 +79,9 @@ class Daemon:
         self.ready = anyio.Event()
         self.stopped = threading.Event()
         """Set once :meth:`serve` has returned or raised (wait on it from any thread)."""
+        self.lingering = threading.Event()
+        """Set when the drain is over and the frontend answers its last messages (for
+        ``daemon.close_linger_ms``) before the socket closes."""
         self.executors: dict[str, Executor] = {}
         self._stop = anyio.Event()
         contention = self.config.soc.dram_contention
@@ -109,6 +112,11 @@ class Daemon:
             self.metrics,
             status=self._status_report,
             accepting=lambda: self.state is State.RUNNING,
+            curve=(
+                (plan.server_secret_key, plan.client_keys_dir)
+                if plan.server_secret_key is not None and plan.client_keys_dir is not None
+                else None
+            ),
         )
         self._gpu: GpuService | None = None
         self._warming = 0
@@ -193,14 +201,21 @@ class Daemon:
                 log.info("listening", endpoints=self.bound, devices=list(self.executors))
                 await self._stop.wait()
                 await self._drain()
+                # Go on answering a while (INFER: SHUTTING_DOWN), so that clients still sending
+                # learn the daemon is going before the port closes; then stop reading and
+                # answer whatever the socket still holds.
+                self.lingering.set()
+                await anyio.sleep(self.config.daemon.close_linger_ms / 1e3)
                 tg.cancel_scope.cancel()
+            late = await self.frontend.answer_what_is_queued()
+            log.info("closing", answered_after_the_drain=late)
         finally:
             self.state = State.STOPPED
             if self._gpu is not None:  # after the executors: their streams use its memory
                 self._gpu.close()
             if self.metrics_server is not None:
                 self.metrics_server.close()
-            self.frontend.close()
+            self.frontend.close(linger_ms=int(self.config.daemon.close_linger_ms))
             log.info("stopped", replied=self.counters.replied)
             self.stopped.set()
 
@@ -274,8 +289,16 @@ class Daemon:
     async def _heartbeat_loop(self) -> None:
         """Every ``metrics.heartbeat_s``: prove the loop turns (``/health/live``) and sample the
         queues and devices into the gauges (the scrape itself never touches them)."""
+        keys_checked = time.monotonic()
         while True:
             self.metrics.daemon_state(self.state.value)
+            keys = self.frontend.client_keys
+            if keys is not None and time.monotonic() - keys_checked >= self.config.auth.reload_s:
+                keys_checked = time.monotonic()
+                try:
+                    keys.reload()
+                except StartupError as exc:  # the directory went away: keep the last list
+                    log.warning("client_keys_unreadable", reason=exc.message)
             snaps = {s.name: s for s in self._scheduler.snapshot()}
             self.metrics.tick(
                 DeviceSample(

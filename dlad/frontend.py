@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,8 +23,10 @@ import numpy as np
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from dlad import protocol
+from dlad.auth import ClientKeys, configure_server, read_server_keys, start_authenticator
 from dlad.config import Config
 from dlad.errors import (
     BadRequest,
@@ -86,6 +89,7 @@ class Frontend:
         *,
         status: Callable[[bool], dict[str, Any]],
         accepting: Callable[[], bool],
+        curve: tuple[Path, Path] | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -109,6 +113,9 @@ class Frontend:
         self._jobs: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
         self._idle = anyio.Event()
         self._expiry_wake = anyio.Event()
+        self._curve = curve  # (server secret key file, client keys directory), or None
+        self._authenticator: AsyncioAuthenticator | None = None
+        self.client_keys: ClientKeys | None = None
 
     # ------------------------------------------------------------------ socket
     def open(self, endpoints: Sequence[str]) -> None:
@@ -118,6 +125,12 @@ class Frontend:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         self._ctx, self._socket = ctx, sock
+        if self._curve is not None:  # before any bind: every endpoint is a CURVE server
+            secret_file, keys_dir = self._curve
+            public, secret = read_server_keys(secret_file)
+            self.client_keys = ClientKeys(keys_dir, on_refused=self.metrics.auth_refused)
+            self._authenticator = start_authenticator(ctx, self.client_keys)
+            configure_server(sock, public, secret)
         f = self.config.frontend
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, f.sndhwm)
@@ -136,11 +149,15 @@ class Frontend:
             last = sock.getsockopt(zmq.LAST_ENDPOINT)
             self.bound.append(last.decode() if isinstance(last, bytes) else str(last))
 
-    def close(self) -> None:
-        """Close the socket and its context (idempotent)."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket (replies already queued get ``linger_ms`` to leave) and its context
+        (idempotent)."""
         if self._socket is not None:
-            self._socket.close(0)
+            self._socket.close(linger_ms)
             self._socket = None
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -156,6 +173,20 @@ class Frontend:
         assert self._socket is not None  # opened before the loop starts
         while True:
             frames = await self._socket.recv_multipart(copy=False)
+            await self._handle(list(frames))
+
+    async def answer_what_is_queued(self) -> int:
+        """Read and answer, without waiting, every message the socket holds (the last step
+        before it closes, once :meth:`receive_loop` is cancelled: nothing read goes unanswered).
+        Returns how many there were."""
+        assert self._socket is not None
+        n = 0
+        while True:
+            try:
+                frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            n += 1
             await self._handle(list(frames))
 
     async def _handle(self, frames: list[Any]) -> None:

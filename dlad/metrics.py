@@ -192,6 +192,15 @@ class Metrics:
             "Batches the device ran, by its kind and the batch size (a DLA core: always 1).",
             ["device", "kind", "size"], registry=r,
         )  # fmt: skip
+        self._auth_refused = Counter(
+            "dlad_auth_refused", "Connections refused by CURVE authentication (unknown key).",
+            registry=r,
+        )  # fmt: skip
+        self._dropped_replies = Counter(
+            "dlad_replies_dropped",
+            "Replies ZeroMQ dropped: the client's queue was full (SNDHWM) or it had gone.",
+            registry=r,
+        )  # fmt: skip
         self._device_ready = Gauge(
             "dlad_device_ready", "1 when the device is loaded and warm, else 0.", ["device"],
             registry=r,
@@ -216,6 +225,14 @@ class Metrics:
         """Record the daemon's state (``RUNNING``, ``DRAINING``, ``STOPPED``)."""
         self._health = Health(state, self._health.devices)
         self._ready.set(1 if self._health.ready else 0)
+
+    def auth_refused(self, domain: str = "") -> None:
+        """Count a connection the ZAP handler refused."""
+        self._auth_refused.inc()
+
+    def reply_dropped(self) -> None:
+        """Count a reply that could not be queued for its client."""
+        self._dropped_replies.inc()
 
     def observe_reply(
         self,

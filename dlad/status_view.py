@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -116,8 +117,11 @@ def watch(
     timeout: float,
     count: int | None = None,
     console: Console | None = None,
+    *,
+    prepare: Callable[[zmq.Socket[Any]], None] | None = None,
 ) -> int:
-    """Redraw the view every ``interval`` seconds until Ctrl-C (or ``count`` refreshes).
+    """Redraw the view every ``interval`` seconds until Ctrl-C (or ``count`` refreshes);
+    ``prepare`` sets up the socket before it connects (CURVE keys).
 
     Returns the exit status: 0, or 1 when the daemon does not answer or refuses (the reason is
     printed on stderr).
@@ -130,6 +134,8 @@ def watch(
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     try:
+        if prepare is not None:
+            prepare(sock)
         sock.connect(endpoint)
         ids = itertools.count(1)
         report = fetch_status(sock, next(ids), timeout)

@@ -26,7 +26,7 @@ from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement
 from dlad_bench.report import print_table, write_csv, write_json
 from dlad_bench.runner import Level, Load, Settings, run_level
 from dlad_bench.schedule import ARRIVALS
-from dlad_client import AsyncClient, ClientTimeout, DaemonStatus
+from dlad_client import AsyncClient, ClientTimeout, CurveKeys, DaemonStatus
 
 __all__ = ["main", "parse_range"]
 
@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
         help="daemon endpoint, repeatable (default tcp://127.0.0.1:5555)",
     )
     p.add_argument("--model", default="demo")
+    p.add_argument("--curve-server-key", metavar="FILE",
+                   help="the daemon's public key file, for [auth] mode = curve")  # fmt: skip
+    p.add_argument("--curve-key", metavar="FILE",
+                   help="this client's secret key file (its public key allowed there)")  # fmt: skip
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--concurrency", metavar="N|A:B:S", help="closed loop: requests in flight")
     mode.add_argument("--rate", metavar="R|A:B:S", help="open loop: mean requests per second")
@@ -201,7 +205,20 @@ async def _bench(
     out = Console() if sys.stdout.isatty() else Console(width=200)  # a file gets whole rows
     endpoints = args.endpoint or ["tcp://127.0.0.1:5555"]
     levels: list[Level] = []
-    async with AsyncClient(endpoints, timeout_s=settings.timeout_s, max_in_flight=100_000) as c:
+    curve = None
+    if args.curve_server_key or args.curve_key:
+        if not (args.curve_server_key and args.curve_key):
+            print("dlad-bench: --curve-server-key and --curve-key go together", file=sys.stderr)
+            return 2
+        try:
+            curve = CurveKeys.from_files(args.curve_server_key, args.curve_key)
+        except ValueError as exc:
+            print(f"dlad-bench: {exc}", file=sys.stderr)
+            return 2
+    client = AsyncClient(
+        endpoints, timeout_s=settings.timeout_s, max_in_flight=100_000, curve=curve
+    )
+    async with client as c:
         try:
             status: DaemonStatus = await c.status(timeout_s=args.connect_timeout_s)
         except ClientTimeout:

@@ -47,11 +47,11 @@ from dlad.errors import (
 from dlad.protocol import DaemonStatus, PixelFormat, Timing
 from dlad_client._async import AsyncClient, AsyncHandle
 from dlad_client._client import Client, Handle
-from dlad_client._core import ClientClosed, ClientTimeout, Result
+from dlad_client._core import ClientClosed, ClientTimeout, CurveKeys, Result
 
 __all__ = [
     "AsyncClient", "AsyncHandle", "BadRequest", "Cancelled", "Client", "ClientClosed",
-    "ClientTimeout", "DaemonStatus", "DeadlineExceeded", "DeviceFailed", "DladError", "Handle",
-    "InternalError", "NotFound", "Overloaded", "PixelFormat", "ProtocolError", "Result",
+    "ClientTimeout", "CurveKeys", "DaemonStatus", "DeadlineExceeded", "DeviceFailed", "DladError",
+    "Handle", "InternalError", "NotFound", "Overloaded", "PixelFormat", "ProtocolError", "Result",
     "ShuttingDown", "Status", "Timing",
 ]  # fmt: skip

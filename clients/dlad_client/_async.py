@@ -38,6 +38,7 @@ from dlad_client._core import (
     DEFAULT_TIMEOUT_S,
     ClientClosed,
     ClientTimeout,
+    CurveKeys,
     Result,
     _Call,
     _Calls,
@@ -141,6 +142,7 @@ class AsyncClient:
         rcvhwm: int = DEFAULT_HWM,
         linger: int = 0,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._endpoints = _endpoints(endpoints)
         _check_settings(timeout_s, max_in_flight, sndhwm, rcvhwm, linger)
@@ -149,6 +151,7 @@ class AsyncClient:
         self._hwm = (sndhwm, rcvhwm)
         self._linger = linger
         self._given_context = context
+        self._curve = curve
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -174,7 +177,7 @@ class AsyncClient:
         task_group = anyio.create_task_group()
         self._slots = anyio.Semaphore(self._max_in_flight)
         try:
-            _configure(socket, self._endpoints, *self._hwm, self._linger)
+            _configure(socket, self._endpoints, *self._hwm, self._linger, curve=self._curve)
             self._context, self._socket = context, socket
             await task_group.__aenter__()
         except BaseException:

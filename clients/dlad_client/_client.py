@@ -35,6 +35,7 @@ from dlad_client._core import (
     DEFAULT_TIMEOUT_S,
     ClientClosed,
     ClientTimeout,
+    CurveKeys,
     Result,
     _Call,
     _Calls,
@@ -147,6 +148,9 @@ class Client:
     passes its own. ``context``: a ``zmq.Context`` to create the socket in (the client closes
     its socket, never a context it was given); by default the client creates its own context
     and terminates it on :meth:`close`. ``linger`` is the socket's ``ZMQ_LINGER`` (ms).
+    ``curve``: the keys for a daemon with ``[auth] mode = "curve"``
+    (``CurveKeys.from_files(server_key, client_secret_key)``); a daemon that does not allow the
+    key never answers (ZeroMQ refuses the handshake), so calls end in ClientTimeout.
 
     Raises ValueError on a bad setting or an endpoint ZeroMQ cannot connect to.
     """
@@ -161,6 +165,7 @@ class Client:
         rcvhwm: int = DEFAULT_HWM,
         linger: int = 0,
         context: zmq.Context[Any] | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._endpoints = _endpoints(endpoints)
         _check_settings(timeout_s, max_in_flight, sndhwm, rcvhwm, linger)
@@ -172,7 +177,7 @@ class Client:
         self._context: zmq.Context[Any] = zmq.Context() if context is None else context
         self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         try:
-            _configure(self._socket, self._endpoints, sndhwm, rcvhwm, linger)
+            _configure(self._socket, self._endpoints, sndhwm, rcvhwm, linger, curve=curve)
         except BaseException:
             self._socket.close(linger=0)
             if self._owns_context:

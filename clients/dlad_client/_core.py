@@ -21,6 +21,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from dlad.protocol import (
     endpoint_error,
 )
 
-__all__ = ["ClientClosed", "ClientTimeout", "Result"]
+__all__ = ["ClientClosed", "ClientTimeout", "CurveKeys", "Result"]
 
 DEFAULT_TIMEOUT_S: Final = 10.0
 DEFAULT_MAX_IN_FLIGHT: Final = 64
@@ -171,10 +172,48 @@ def _encode(message: Request) -> list[Frame]:
     return frames
 
 
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """What a client needs to reach a daemon that runs ``[auth] mode = "curve"``: the daemon's
+    public key and the client's own key pair (whose public key the daemon allows)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(
+        cls, server_key: str | os.PathLike[str], client_secret_key: str | os.PathLike[str]
+    ) -> CurveKeys:
+        """Read ``server_key`` (the daemon's public certificate file, ``*.key``) and
+        ``client_secret_key`` (this client's ``*.key_secret``, as ``dlad keygen`` writes them).
+        Raises ValueError naming a file that cannot be read or lacks its key."""
+        import zmq.auth  # noqa: PLC0415 (only clients that authenticate need it)
+
+        try:
+            server_public, _ = zmq.auth.load_certificate(os.fspath(server_key))
+            public, secret = zmq.auth.load_certificate(os.fspath(client_secret_key))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read a CURVE key: {exc}") from None
+        if secret is None:
+            raise ValueError(f"{os.fspath(client_secret_key)} holds no secret key (.key_secret)")
+        return cls(server_public, public, secret)
+
+
 def _configure(
-    socket: zmq.Socket[Any], endpoints: Sequence[str], sndhwm: int, rcvhwm: int, linger: int
+    socket: zmq.Socket[Any],
+    endpoints: Sequence[str],
+    sndhwm: int,
+    rcvhwm: int,
+    linger: int,
+    *,
+    curve: CurveKeys | None = None,
 ) -> None:
     """Set the options of a client DEALER and connect it. Raises ValueError on a bad endpoint."""
+    if curve is not None:
+        socket.curve_serverkey = curve.server_public
+        socket.curve_publickey = curve.public
+        socket.curve_secretkey = curve.secret
     socket.setsockopt(zmq.LINGER, linger)
     socket.setsockopt(zmq.SNDHWM, sndhwm)
     socket.setsockopt(zmq.RCVHWM, rcvhwm)

@@ -4,6 +4,7 @@ deadlines, cancel, bad input and drain — every request answered exactly once."
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -231,6 +232,61 @@ def test_drain_finishes_in_flight_and_refuses_new(tmp_path: Path) -> None:
 
 
 _VALID = protocol.encode(protocol.InferRequest(1, "demo", IMAGE))
+
+
+def test_after_the_drain_the_daemon_answers_until_the_socket_closes(tmp_path: Path) -> None:
+    """The adversarial test's window: requests that arrived after the drain finished and before
+    the socket closed got no reply. Now the frontend goes on answering (SHUTTING_DOWN)."""
+    cfg = tmp_path / "dlad.toml"
+    text = CONFIG.format(mode="timing", latency=500.0, depth=4, scheduler="", faults0="",
+                         faults1="")  # fmt: skip
+    cfg.write_text(text.replace("[daemon]\n", "[daemon]\nclose_linger_ms = 3000.0\n"))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        daemon.stop_threadsafe()
+        assert daemon.lingering.wait(30)  # drained: nothing left in flight
+        for i in range(5):
+            sock.send_multipart(protocol.encode(protocol.InferRequest(i, "demo", IMAGE)))
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(9)))
+        replies = [recv(sock) for _ in range(6)]
+    assert [r.status for r in replies] == [Status.SHUTTING_DOWN] * 5 + [Status.OK]
+    assert replies[-1].report["state"] == "DRAINING"
+
+
+def test_everything_read_during_shutdown_is_answered(tmp_path: Path) -> None:
+    """A client sends without waiting from before the stop until the daemon has closed: every
+    message the daemon read got a reply that reached the client, INFERs in the last window
+    SHUTTING_DOWN; only messages sent after the close go unanswered (nobody read them)."""
+    import threading
+
+    sent = 0
+    got: list[protocol.Reply] = []
+    closed = threading.Event()
+    with running(tmp_path, latency=2000.0, depth=8) as (daemon, ep), dealer(ep) as sock:
+
+        def flood() -> None:
+            nonlocal sent
+            while not closed.is_set():
+                sock.send_multipart(protocol.encode(protocol.InferRequest(sent, "demo", IMAGE)))
+                sent += 1
+                while sock.poll(0):
+                    got.append(protocol.decode_reply(sock.recv_multipart()))
+
+        sender = threading.Thread(target=flood)
+        sender.start()
+        while len(got) < 20:  # serving for a while first
+            time.sleep(0.001)
+        daemon.stop_threadsafe()
+        assert daemon.stopped.wait(60)
+        closed.set()
+        sender.join()
+        while sock.poll(1000):  # what the linger delivered after the flood stopped
+            got.append(protocol.decode_reply(sock.recv_multipart()))
+    counters = daemon.counters
+    assert counters.received == counters.replied == len(got)
+    assert len({r.id for r in got}) == len(got)  # one reply each
+    assert Counter(r.status for r in got)[Status.SHUTTING_DOWN] > 0
+    assert sent >= len(got)
 
 
 def _mutations() -> st.SearchStrategy[list[bytes]]:
