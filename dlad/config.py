@@ -195,6 +195,10 @@ class FrontendConfig:
     max_message_bytes: int = 64 * 2**20
     """ZMQ_MAXMSGSIZE: a larger message drops its sender's connection. Must hold a
     max_image_width x max_image_height x 3 image."""
+    ipc_mode: int = 0o660
+    """The permissions of each ipc endpoint's socket file, set right after binding (``0o660``:
+    the daemon's user and group may connect; ``0o600``: its user only). Who may write the
+    file may talk to the daemon: ipc has no other authentication."""
     max_image_width: int = 4096
     """The widest image an INFER request may carry, in pixels (>= 1)."""
     max_image_height: int = 4096
@@ -208,6 +212,8 @@ class FrontendConfig:
             _check(endpoint not in self.endpoints[:i], f"endpoints[{i}]", f"{endpoint} twice")
         for key in ("sndhwm", "rcvhwm", "max_message_bytes", "max_image_width", "max_image_height"):
             _at_least_one(getattr(self, key), key)
+        _check(0 <= self.ipc_mode <= 0o777 and not self.ipc_mode & 0o111, "ipc_mode",
+               f"permission bits, no execute (e.g. 0o660), got {oct(self.ipc_mode)}")  # fmt: skip
         largest = self.max_image_width * self.max_image_height * 3
         _check(self.max_message_bytes >= largest, "max_message_bytes",
                f"{self.max_message_bytes} cannot hold a {self.max_image_width}x"

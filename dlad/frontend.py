@@ -12,6 +12,7 @@ zero-copy numpy view) until an executor's worker thread reads it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,7 +148,11 @@ class Frontend:
                     f"cannot bind {ep}: {exc.strerror}", key=f"frontend.endpoints[{i}]"
                 ) from None
             last = sock.getsockopt(zmq.LAST_ENDPOINT)
-            self.bound.append(last.decode() if isinstance(last, bytes) else str(last))
+            bound = last.decode() if isinstance(last, bytes) else str(last)
+            path = bound.removeprefix("ipc://")
+            if bound.startswith("ipc://") and not path.startswith("@"):  # a file, not abstract
+                os.chmod(path, f.ipc_mode)
+            self.bound.append(bound)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket (replies already queued get ``linger_ms`` to leave) and its context

@@ -127,3 +127,14 @@ def test_the_config_refuses_what_auth_cannot_serve(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert info.value.key == "auth.server_secret_key"
+
+
+def test_an_ipc_socket_file_gets_the_configured_mode(tmp_path: Path) -> None:
+    text = CONFIG.replace('[auth]\nmode = "curve"\nserver_secret_key = "keys/server.key_secret"\n'
+                          'client_keys_dir = "allowed"\n', "")  # fmt: skip
+    text = text.replace('endpoints = ["tcp://127.0.0.1:5555"]',
+                        'endpoints = ["ipc://dlad.sock"]\nipc_mode = 0o600')  # fmt: skip
+    (tmp_path / "dlad.toml").write_text(text)
+    daemon = Daemon(load_config(tmp_path / "dlad.toml").plan())
+    with serve_in_thread(daemon):
+        assert stat.S_IMODE(os.stat(tmp_path / "dlad.sock").st_mode) == 0o600
