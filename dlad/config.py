@@ -195,6 +195,20 @@ class FrontendConfig:
     max_message_bytes: int = 64 * 2**20
     """ZMQ_MAXMSGSIZE: a larger message drops its sender's connection. Must hold a
     max_image_width x max_image_height x 3 image."""
+    max_in_flight_per_client: int = 256
+    """The most INFERs one client may have admitted and unanswered at once; more are
+    OVERLOADED at once (>= 1). A client is its CURVE key when clients authenticate, else its
+    connection. Full queues are also shared: a client holding the most of them gives up its
+    newest frame to a client holding fewer."""
+    cheap_requests_per_s: float = 100.0
+    """STATUS and CANCEL requests per second per client (bursts of twice as many); more are
+    OVERLOADED at once, so that a flood of cheap messages cannot stall the daemon (> 0)."""
+    heartbeat_s: float = 5.0
+    """ZeroMQ heartbeats to each client (ZMQ_HEARTBEAT_IVL); one silent for three of them is
+    disconnected and its queues freed (> 0)."""
+    handshake_timeout_s: float = 10.0
+    """A connection that has not finished ZeroMQ's handshake (and CURVE's) by then is closed:
+    a half-open or non-ZeroMQ peer holds no descriptor for long (> 0)."""
     ipc_mode: int = 0o660
     """The permissions of each ipc endpoint's socket file, set right after binding (``0o660``:
     the daemon's user and group may connect; ``0o600``: its user only). Who may write the
@@ -212,6 +226,10 @@ class FrontendConfig:
             _check(endpoint not in self.endpoints[:i], f"endpoints[{i}]", f"{endpoint} twice")
         for key in ("sndhwm", "rcvhwm", "max_message_bytes", "max_image_width", "max_image_height"):
             _at_least_one(getattr(self, key), key)
+        _at_least_one(self.max_in_flight_per_client, "max_in_flight_per_client")
+        _positive(self.cheap_requests_per_s, "cheap_requests_per_s")
+        _positive(self.heartbeat_s, "heartbeat_s")
+        _positive(self.handshake_timeout_s, "handshake_timeout_s")
         _check(0 <= self.ipc_mode <= 0o777 and not self.ipc_mode & 0o111, "ipc_mode",
                f"permission bits, no execute (e.g. 0o660), got {oct(self.ipc_mode)}")  # fmt: skip
         largest = self.max_image_width * self.max_image_height * 3

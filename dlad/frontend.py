@@ -12,6 +12,8 @@ zero-copy numpy view) until an executor's worker thread reads it.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +39,7 @@ from dlad.errors import (
     DladError,
     InternalError,
     NotFound,
+    Overloaded,
     ShuttingDown,
     StartupError,
     Status,
@@ -45,7 +48,10 @@ from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
 from dlad.scheduler import Job, Scheduler
 
-__all__ = ["Counters", "Frontend"]
+__all__ = ["MAX_CLIENTS_TRACKED", "Counters", "Frontend"]
+
+MAX_CLIENTS_TRACKED = 10_000
+"""Clients whose cheap-request rate is tracked at once (more: the oldest are forgotten)."""
 
 log = structlog.get_logger("dlad")
 
@@ -53,8 +59,9 @@ log = structlog.get_logger("dlad")
 @dataclass
 class Counters:
     received: int = 0
-    replied: int = 0
+    replied: int = 0  # replies sent or dropped
     by_status: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0  # replies ZeroMQ could not queue (the client's queue full, or it gone)
 
 
 @dataclass(slots=True)
@@ -66,6 +73,7 @@ class _Asker:
     model: str
     received_ns: int
     job: Job[Request]
+    owner: str  # the client's identity (its CURVE key, else its connection)
     retried: bool = False
 
 
@@ -115,6 +123,9 @@ class Frontend:
         self._idle = anyio.Event()
         self._expiry_wake = anyio.Event()
         self._curve = curve  # (server secret key file, client keys directory), or None
+        self._drop_logged = -1.0
+        self._in_flight: collections.Counter[str] = collections.Counter()  # owner -> jobs
+        self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, when)
         self._authenticator: AsyncioAuthenticator | None = None
         self.client_keys: ClientKeys | None = None
 
@@ -139,7 +150,14 @@ class Frontend:
         # A hard memory guard at twice the limit (ZeroMQ drops such a peer without a word);
         # between the limit and the guard the decoder answers BAD_REQUEST, naming the size.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * f.max_message_bytes)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client's reply is dropped
+        # A reply that cannot be queued (the client's SNDHWM is full, or it has gone) raises
+        # instead of vanishing, so that it is counted and logged (_send); nothing ever blocks.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Peers that stop answering ZeroMQ heartbeats are disconnected (their queues freed);
+        # a handshake not finished in time is dropped (a half-open or non-ZeroMQ peer).
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(f.heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * f.heartbeat_s * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(f.handshake_timeout_s * 1000))
         for i, ep in enumerate(endpoints):
             try:
                 sock.bind(ep)
@@ -203,7 +221,7 @@ class Frontend:
         request: protocol.Request | None = None
         try:
             request = protocol.decode_request(frames[1:], self.limits)
-            await self._dispatch(client, request)
+            await self._dispatch(client, self._identity(client, frames), request)
         except DladError as exc:
             if request is None:
                 log.bind(client=client.hex(), request_id=exc.request_id).info(
@@ -228,28 +246,55 @@ class Frontend:
                 client, protocol.error_reply(err, request_id=request_id, request_kind=kind)
             )
 
+    def _identity(self, client: bytes, frames: list[Any]) -> str:
+        """Who sent ``frames``: its CURVE public key when clients authenticate (the same for
+        all its connections), else its connection (the ROUTER's routing id)."""
+        if self._curve is not None:
+            with contextlib.suppress(zmq.ZMQError, AttributeError):
+                return str(frames[-1].get("User-Id"))
+        return client.hex()
+
+    def _spend_token(self, owner: str) -> None:
+        """Take one of ``owner``'s cheap-request tokens (``cheap_requests_per_s``, bursts of
+        twice that), or raise Overloaded."""
+        rate = self.config.frontend.cheap_requests_per_s
+        now = time.monotonic()
+        tokens, when = self._buckets.get(owner, (2 * rate, now))
+        tokens = min(2 * rate, tokens + (now - when) * rate)
+        if tokens < 1:
+            self._buckets[owner] = (tokens, now)
+            raise Overloaded(f"more than {rate:g} STATUS and CANCEL requests a second")
+        if len(self._buckets) >= MAX_CLIENTS_TRACKED and owner not in self._buckets:
+            self._buckets.clear()  # forgetting buckets only ever refills them
+        self._buckets[owner] = (tokens - 1, now)
+
     async def _reply_safely(self, client: bytes, reply: Any) -> None:
         try:
             await self._send(client, reply)
         except Exception as exc:  # noqa: BLE001  # the receive loop must outlive any one reply
             log.bind(client=client.hex()).error("reply_failed", error=type(exc).__name__)
 
-    async def _dispatch(self, client: bytes, request: protocol.Request) -> None:
+    async def _dispatch(self, client: bytes, owner: str, request: protocol.Request) -> None:
         if isinstance(request, protocol.InferRequest):
-            await self._infer(client, request)
-        elif isinstance(request, protocol.CancelRequest):
+            await self._infer(client, owner, request)
+            return
+        self._spend_token(owner)  # STATUS and CANCEL: cheap, so rate-limited per client
+        if isinstance(request, protocol.CancelRequest):
             await self._cancel(client, request)
         else:
             report = self._status(request.load)
             reply = protocol.StatusReply(request.id, Status.OK, report=report)  # type: ignore[arg-type]
             await self._send(client, reply)
 
-    async def _infer(self, client: bytes, req: protocol.InferRequest) -> None:
+    async def _infer(self, client: bytes, owner: str, req: protocol.InferRequest) -> None:
         if not self._accepting():
             raise ShuttingDown("the daemon is shutting down")
         key = (client, req.id)
         if key in self._jobs:
             raise BadRequest(f"request id {req.id} is already in flight on this connection")
+        cap = self.config.frontend.max_in_flight_per_client
+        if self._in_flight[owner] >= cap:
+            raise Overloaded(f"this client has {cap} requests in flight, the most one may")
         model = next((m for m in self.config.models if m.name == req.model), None)
         now = time.monotonic_ns()
         d = self.config.daemon
@@ -270,10 +315,23 @@ class Frontend:
             work,
             priority=req.priority,
             stream=req.stream,
+            owner=owner,
         )
         self._next_job += 1
-        superseded = self.scheduler.admit(job)  # NotFound / Overloaded answer at once
-        self._askers[job.id] = _Asker(client, req.id, req.model, now, job)
+        try:
+            superseded = self.scheduler.admit(job)  # NotFound / Overloaded answer at once
+        except Overloaded:
+            # Full queues are shared fairly: a client holding the most of them gives up its
+            # newest frame to one holding fewer (else this one is refused, as it holds most).
+            victim = self.scheduler.displace_for(job)
+            if victim is None:
+                raise
+            superseded = self.scheduler.admit(job)
+            await self.answer(victim.id, Overloaded(
+                "displaced by another client's frame: this client held the most of the full queues"
+            ))  # fmt: skip
+        self._askers[job.id] = _Asker(client, req.id, req.model, now, job, owner)
+        self._in_flight[owner] += 1
         self._jobs[key] = job.id
         self._expiry_wake.set()
         for old in superseded:
@@ -317,6 +375,9 @@ class Frontend:
         asker = self._askers.pop(job_id, None)
         if asker is not None:
             self._jobs.pop((asker.client, asker.request_id), None)
+            self._in_flight[asker.owner] -= 1
+            if not self._in_flight[asker.owner]:
+                del self._in_flight[asker.owner]
         return asker
 
     async def on_outcome(self, out: Outcome) -> None:
@@ -364,7 +425,9 @@ class Frontend:
         if asker is None or asker.retried or not self.config.health.retry:
             return False
         job = asker.job
-        if time.monotonic_ns() >= job.deadline_ns or self.scheduler.has_queued(job.stream):
+        if time.monotonic_ns() >= job.deadline_ns or self.scheduler.has_queued(
+            job.stream, job.owner
+        ):
             return False  # too late, or a newer frame of its stream waits: that one counts
         try:
             self.scheduler.admit(job, avoid=(failed_on,))
@@ -421,4 +484,17 @@ class Frontend:
         status = getattr(message, "status", Status.OK)
         self.counters.replied += 1
         self.counters.by_status[status.name] = self.counters.by_status.get(status.name, 0) + 1
-        await self._socket.send_multipart([client, *protocol.encode(message)], copy=False)
+        try:
+            await self._socket.send_multipart(
+                [client, *protocol.encode(message)], flags=zmq.NOBLOCK, copy=False
+            )
+        except zmq.ZMQError as exc:  # zmq.Again: its queue is full; EHOSTUNREACH: it has gone
+            self.counters.dropped += 1
+            self.metrics.reply_dropped()
+            now = time.monotonic()
+            if now - self._drop_logged >= 1.0:  # at most a line a second, with the count
+                self._drop_logged = now
+                why = "its queue is full" if isinstance(exc, zmq.Again) else "it has gone"
+                log.bind(client=client.hex()).warning(
+                    "reply_dropped", reason=why, dropped_total=self.counters.dropped
+                )

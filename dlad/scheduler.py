@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic, Literal, TypeVar
@@ -74,6 +74,7 @@ class Job(Generic[P]):
     payload: P
     priority: int = 0
     stream: str | None = None
+    owner: str = ""  # who asked (the frontend's client identity): streams and shares are per owner
     admitted_ns: int = 0
     device: str = ""
     estimate_ns: int = 0
@@ -190,11 +191,12 @@ class Scheduler(Generic[P]):
         self._alpha = alpha
         self.policy: Policy = policy
         self._interference = {k: v for k, v in (interference or {}).items() if v > 0}
-        self._pins: OrderedDict[str, str] = OrderedDict()  # stream -> device (policy static)
+        self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (owner, stream) -> device
         self._by_hand = dict(pins or {})  # stream -> device, as configured (policy static)
         self._devices: dict[str, _Device] = {}
         self._jobs: dict[int, Job[P]] = {}  # queued only
-        self._streams: dict[str, int] = {}  # stream -> queued job id
+        self._streams: dict[tuple[str, str], int] = {}  # (owner, stream) -> queued job id
+        self._owned: Counter[str] = Counter()  # owner -> jobs queued
         self._seq = itertools.count()
         self._tasks = itertools.count()
 
@@ -268,12 +270,13 @@ class Scheduler(Generic[P]):
             raise DeviceFailed(
                 f"no healthy device serves model {job.model!r} now ({why})", request_id=job.id
             )
-        if self.policy == "static" and job.stream is not None:
-            candidates = [self._pinned(job.stream, candidates)]
+        key = None if job.stream is None else (job.owner, job.stream)
+        if self.policy == "static" and key is not None:
+            candidates = [self._pinned(key, candidates)]
         now = self._clock()
         # The stream's queued frame (if any) is superseded only once the new one is sure to be
         # admitted: a refused new frame leaves the old one queued, to be answered as usual.
-        old = self._jobs.get(self._streams[job.stream]) if job.stream in self._streams else None
+        old = self._jobs.get(self._streams[key]) if key in self._streams else None
 
         def free(d: _Device) -> int:
             return d.capacity - d.depth + (old is not None and old.device == d.name)
@@ -297,13 +300,39 @@ class Scheduler(Generic[P]):
         heapq.heappush(best.heap, (-job.priority, job.deadline_ns, job._seq, job.id))
         best.depth += 1
         self._jobs[job.id] = job
-        if job.stream is not None:
-            self._streams[job.stream] = job.id
+        self._owned[job.owner] += 1
+        if key is not None:
+            self._streams[key] = job.id
         return superseded
 
-    def pinned(self, stream: str) -> str | None:
-        """The device ``stream`` is pinned to (policy ``static``), or None."""
-        return self._pins.get(stream)
+    def displace_for(self, job: Job[P]) -> Job[P] | None:
+        """Fair shares when the queues are full (``admit`` raised Overloaded for ``job``): the
+        newest queued job of the owner holding the most queued jobs, if that owner holds at
+        least two more than ``job``'s and the job waits, at no higher priority, where ``job``
+        could go. It is removed and returned (the caller answers it OVERLOADED and admits
+        ``job``); None when the queues are shared fairly already."""
+        places = {d.name for d in self._devices.values() if job.model in d.models and d.available}
+        if not places:
+            return None
+        if self.policy == "static" and job.stream is not None:
+            places &= {
+                self._pinned((job.owner, job.stream), [self._devices[n] for n in places]).name
+            }
+        mine = self._owned.get(job.owner, 0)
+        victim: Job[P] | None = None
+        for other in self._jobs.values():
+            held = self._owned[other.owner]
+            if (other.device in places and other.priority <= job.priority and other.id >= 0
+                    and held >= mine + 2 and (victim is None
+                    or (held, other._seq) > (self._owned[victim.owner], victim._seq))):  # fmt: skip
+                victim = other
+        if victim is not None:
+            self._remove(victim.id)
+        return victim
+
+    def pinned(self, stream: str, owner: str = "") -> str | None:
+        """The device ``owner``'s ``stream`` is pinned to (policy ``static``), or None."""
+        return self._pins.get((owner, stream))
 
     def _choose(self, job: Job[P], open_: Sequence[_Device], now: int) -> _Device:
         # A device whose tasks fail needs 1 / (1 - f) attempts a success: it must not win
@@ -338,7 +367,7 @@ class Scheduler(Generic[P]):
                 total += held * k * min(extra, self._completion(e, now, extra_jobs=0))
         return total
 
-    def _pinned(self, stream: str, candidates: Sequence[_Device]) -> _Device:
+    def _pinned(self, stream: tuple[str, str], candidates: Sequence[_Device]) -> _Device:
         """The device ``stream`` is pinned to (pinned now if new, or if its device no longer
         serves the model): its device in ``pins`` if that serves the model, else the fewest
         pinned streams per unit of speed (batches/s at its ``max_batch``)."""
@@ -350,7 +379,7 @@ class Scheduler(Generic[P]):
         def load(d: _Device) -> float:
             return (d.pinned + 1) * d.curve(d.max_batch) / d.max_batch
 
-        by_hand = [d for d in candidates if d.name == self._by_hand.get(stream)]
+        by_hand = [d for d in candidates if d.name == self._by_hand.get(stream[1])]
         chosen = by_hand[0] if by_hand else min(candidates, key=lambda d: (load(d), d.name))
         if name is not None:
             self._devices[name].pinned -= 1
@@ -488,6 +517,7 @@ class Scheduler(Generic[P]):
         heapq.heappush(d.heap, (-job.priority, job.deadline_ns, job._seq, job.id))
         d.depth += 1
         self._jobs[job.id] = job
+        self._owned[job.owner] += 1
 
     def expire(self) -> list[Job[P]]:
         """Remove and return every queued job whose deadline has passed."""
@@ -525,9 +555,9 @@ class Scheduler(Generic[P]):
             return len(self._jobs)
         return self._devices[device].depth
 
-    def has_queued(self, stream: str | None) -> bool:
-        """Whether ``stream`` has a frame queued (False for None)."""
-        return stream is not None and stream in self._streams
+    def has_queued(self, stream: str | None, owner: str = "") -> bool:
+        """Whether ``owner``'s ``stream`` has a frame queued (False for None)."""
+        return stream is not None and (owner, stream) in self._streams
 
     def streams_waiting(self) -> int:
         """Camera streams with a frame queued (each holds at most one: latest frame wins)."""
@@ -572,6 +602,10 @@ class Scheduler(Generic[P]):
         d = self._devices[job.device]
         d.depth -= 1
         del self._jobs[job.id]
-        if job.stream is not None and self._streams.get(job.stream) == job.id:
-            del self._streams[job.stream]
+        self._owned[job.owner] -= 1
+        if not self._owned[job.owner]:
+            del self._owned[job.owner]
+        key = None if job.stream is None else (job.owner, job.stream)
+        if key is not None and self._streams.get(key) == job.id:
+            del self._streams[key]
         return d

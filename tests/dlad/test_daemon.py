@@ -34,6 +34,7 @@ drain_timeout_s = 5.0
 default_deadline_ms = 5000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
+cheap_requests_per_s = 100000.0  # the tests poll STATUS
 [devices.dla0]
 kind = "dla"
 core = 0
@@ -426,6 +427,7 @@ drain_timeout_s = 5.0
 default_deadline_ms = 20000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
+cheap_requests_per_s = 100000.0  # the tests poll STATUS
 [metrics]
 enabled = false
 [devices.dla0]

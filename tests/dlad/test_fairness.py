@@ -1,0 +1,111 @@
+"""Clients cannot push each other around: streams scoped per client, per-client caps, fair
+shares of full queues, and a rate limit on cheap requests (docs/protocol.md "Clients")."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import zmq
+
+from dlad import protocol
+from dlad.config import load_config
+from dlad.daemon import Daemon
+from dlad.errors import Status
+from tests.dlad.serving import serve_in_thread
+from tests.dlad.test_daemon import IMAGE, _status, dealer, recv
+
+SLOW_CORE = """
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+max_in_flight_per_client = {cap}
+cheap_requests_per_s = {cheap}
+[metrics]
+enabled = false
+[devices.dla0]
+kind = "dla"
+core = 0
+queue_depth = 4
+mode = "timing"
+latency_us = 1000000.0
+task_timeout_ms = 30000.0
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+@contextmanager
+def slow_daemon(tmp_path: Path, cap: int = 256, cheap: float = 100000.0) -> Iterator[str]:
+    """One core at 1 s a frame: whatever is sent stays queued for the test's length."""
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(SLOW_CORE.format(cap=cap, cheap=cheap))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep:
+        yield ep
+
+
+def _infer(sock: zmq.Socket[bytes], rid: int, stream: str | None = None) -> None:
+    sock.send_multipart(protocol.encode(protocol.InferRequest(rid, "demo", IMAGE, stream=stream)))
+
+
+def _fill_slots(ep: str, sock: zmq.Socket[bytes]) -> None:
+    """Two frames on the core's two slots, so that what follows queues."""
+    _infer(sock, 900)
+    _infer(sock, 901)
+    while _status(sock, 902)["devices"][0]["in_flight"] < 2:
+        pass
+
+
+def test_one_clients_stream_never_supersedes_anothers(tmp_path: Path) -> None:
+    with slow_daemon(tmp_path) as ep, dealer(ep) as a, dealer(ep) as b:
+        _fill_slots(ep, a)
+        _infer(a, 1, stream="cam0")
+        _infer(b, 1, stream="cam0")  # same name, another client: its own stream
+        report = _status(b, 2)
+        assert (report["queues"]["depth"], report["queues"]["streams"]) == (2, 2)
+        _infer(a, 3, stream="cam0")  # a's own newer frame does supersede a's
+        superseded = recv(a)
+        assert (superseded.id, superseded.status) == (1, Status.CANCELLED)
+        assert _status(b, 4)["queues"]["depth"] == 2  # a's frame 3 and b's frame 1
+
+
+def test_a_client_over_its_cap_is_refused_at_once(tmp_path: Path) -> None:
+    with slow_daemon(tmp_path, cap=3) as ep, dealer(ep) as sock:
+        for i in range(5):
+            _infer(sock, i)
+        refused = [recv(sock) for _ in range(2)]
+        assert [r.status for r in refused] == [Status.OVERLOADED] * 2
+        assert "3 requests in flight" in refused[0].message
+        with dealer(ep) as other:  # another client is not held to the first one's count
+            _infer(other, 1)
+            assert _status(other, 2)["queues"]["depth"] == 2
+
+
+def test_full_queues_are_shared_a_greedy_client_gives_way(tmp_path: Path) -> None:
+    with slow_daemon(tmp_path) as ep, dealer(ep) as greedy, dealer(ep) as polite:
+        _fill_slots(ep, greedy)
+        for i in range(4):  # the whole queue
+            _infer(greedy, i)
+        _infer(greedy, 4)
+        first = recv(greedy)  # full: the greedy client holds everything, so it is refused
+        assert (first.id, first.status) == (4, Status.OVERLOADED)
+        _infer(polite, 1)
+        displaced = recv(greedy)
+        assert (displaced.id, displaced.status) == (3, Status.OVERLOADED)  # its newest frame
+        assert "displaced" in displaced.message
+        report = _status(polite, 2)
+        assert report["queues"]["depth"] == 4  # the polite frame took the place
+
+
+def test_cheap_requests_are_rate_limited_per_client(tmp_path: Path) -> None:
+    with slow_daemon(tmp_path, cheap=5.0) as ep, dealer(ep) as flood, dealer(ep) as other:
+        for i in range(40):  # a burst of 10 is allowed, then 5 a second
+            flood.send_multipart(protocol.encode(protocol.StatusRequest(i)))
+        statuses = Counter(recv(flood).status for _ in range(40))
+        assert statuses[Status.OVERLOADED] >= 25
+        assert statuses[Status.OK] >= 10
+        assert _status(other, 1)["state"] == "RUNNING"  # another client's bucket is full
