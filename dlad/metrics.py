@@ -21,11 +21,11 @@ are listed in ``docs/metrics.md``.
 from __future__ import annotations
 
 import json
-import socketserver
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -347,12 +347,49 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a slow scraper never holds up the daemon's exit
+HTTP_WORKERS: Final = 4
+"""Threads answering HTTP; a fixed pool, whatever the number of connections."""
+HTTP_PENDING: Final = 32
+"""Connections accepted and not yet answered, at most; one more is closed at once."""
+HTTP_TIMEOUT_S: Final = 2.0
+"""A connection that has not sent its whole request by then is closed (a half-open or slow
+client holds a worker and a descriptor for no longer)."""
+
+
+class _Server(WSGIServer):
+    """A WSGI server on a fixed pool of :data:`HTTP_WORKERS` threads, with at most
+    :data:`HTTP_PENDING` connections waiting (a flood of connections costs no threads)."""
+
     allow_reuse_address = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="dlad-metrics")
+        self._pending = threading.BoundedSemaphore(HTTP_PENDING)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._pending.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: this one is closed unanswered
+            return
+        self._pool.submit(self._answer, request, client_address)
+
+    def _answer(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except OSError:  # the client's connection broke: its own business, not the log's
+            return
+        finally:
+            self.shutdown_request(request)
+            self._pending.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would flood the daemon's log; they are not logged."""
 

@@ -397,3 +397,33 @@ def test_status_request_load_field_round_trips_and_is_strict() -> None:
     report = _report_with(load | {"devices": [device]})
     with pytest.raises(ProtocolError, match=r"^report\.load\.devices\[0\]\.busy_ratio"):
         protocol.StatusReply(1, Status.OK, report=report)
+
+
+def test_a_flood_of_half_open_connections_costs_no_threads_and_passes() -> None:
+    """The adversarial test's metrics port spawned a thread per connection, and connections
+    that sent part of a request stayed open for ever."""
+    import socket
+    import threading
+
+    from dlad.metrics import HTTP_PENDING, HTTP_WORKERS
+
+    m = Metrics("d", "0.1.0")
+    server = MetricsServer(m, port=0)
+    server.start()
+    threads = threading.active_count()
+    half_open = []
+    try:
+        for _ in range(3 * HTTP_PENDING):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finished
+            half_open.append(s)
+        assert threading.active_count() <= threads + HTTP_WORKERS
+        for s in half_open:  # each one is closed by the daemon: unanswered, or timed out
+            s.settimeout(60)
+            assert s.recv(1) == b""
+        status, _ = get(server.url + "/health/live")
+        assert status in (200, 503)  # answered again
+    finally:
+        for s in half_open:
+            s.close()
+        server.close()
