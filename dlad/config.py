@@ -195,6 +195,12 @@ class FrontendConfig:
     max_message_bytes: int = 64 * 2**20
     """ZMQ_MAXMSGSIZE: a larger message drops its sender's connection. Must hold a
     max_image_width x max_image_height x 3 image."""
+    max_buffered_bytes: int = 512 * 2**20
+    """The most image bytes the daemon holds for admitted INFERs (queued or running) at once,
+    all clients together; an INFER that would go past it is OVERLOADED at once (>= one largest
+    image). Messages ZeroMQ has read but the daemon not yet are bounded apart from this:
+    ``rcvhwm`` messages per connection of at most ``max_message_bytes`` (docs/protocol.md
+    "Limits")."""
     max_in_flight_per_client: int = 256
     """The most INFERs one client may have admitted and unanswered at once; more are
     OVERLOADED at once (>= 1). A client is its CURVE key when clients authenticate, else its
@@ -227,6 +233,9 @@ class FrontendConfig:
         for key in ("sndhwm", "rcvhwm", "max_message_bytes", "max_image_width", "max_image_height"):
             _at_least_one(getattr(self, key), key)
         _at_least_one(self.max_in_flight_per_client, "max_in_flight_per_client")
+        image, budget = self.max_image_width * self.max_image_height * 3, self.max_buffered_bytes
+        _check(budget >= image, "max_buffered_bytes",
+               f"must hold one largest image ({image} bytes), got {budget}")  # fmt: skip
         _positive(self.cheap_requests_per_s, "cheap_requests_per_s")
         _positive(self.heartbeat_s, "heartbeat_s")
         _positive(self.handshake_timeout_s, "handshake_timeout_s")

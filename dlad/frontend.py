@@ -126,6 +126,7 @@ class Frontend:
         self._drop_logged = -1.0
         self._in_flight: collections.Counter[str] = collections.Counter()  # owner -> jobs
         self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, when)
+        self._buffered = 0  # image bytes of the jobs admitted and not yet answered
         self._authenticator: AsyncioAuthenticator | None = None
         self.client_keys: ClientKeys | None = None
 
@@ -189,6 +190,11 @@ class Frontend:
     def pending(self) -> int:
         """Jobs admitted and not yet answered."""
         return len(self._askers)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Image bytes of the jobs admitted and not yet answered."""
+        return self._buffered
 
     # ------------------------------------------------------------------ requests
     async def receive_loop(self) -> None:
@@ -292,9 +298,16 @@ class Frontend:
         key = (client, req.id)
         if key in self._jobs:
             raise BadRequest(f"request id {req.id} is already in flight on this connection")
-        cap = self.config.frontend.max_in_flight_per_client
+        f = self.config.frontend
+        cap = f.max_in_flight_per_client
         if self._in_flight[owner] >= cap:
             raise Overloaded(f"this client has {cap} requests in flight, the most one may")
+        size = req.image.nbytes
+        if self._buffered + size > f.max_buffered_bytes:
+            raise Overloaded(
+                f"the daemon holds {self._buffered} bytes of frames; this one would pass its "
+                f"budget of {f.max_buffered_bytes}"
+            )
         model = next((m for m in self.config.models if m.name == req.model), None)
         now = time.monotonic_ns()
         d = self.config.daemon
@@ -332,6 +345,7 @@ class Frontend:
             ))  # fmt: skip
         self._askers[job.id] = _Asker(client, req.id, req.model, now, job, owner)
         self._in_flight[owner] += 1
+        self._buffered += size
         self._jobs[key] = job.id
         self._expiry_wake.set()
         for old in superseded:
@@ -378,6 +392,7 @@ class Frontend:
             self._in_flight[asker.owner] -= 1
             if not self._in_flight[asker.owner]:
                 del self._in_flight[asker.owner]
+            self._buffered -= asker.job.payload.image.nbytes
         return asker
 
     async def on_outcome(self, out: Outcome) -> None:

@@ -109,3 +109,22 @@ def test_cheap_requests_are_rate_limited_per_client(tmp_path: Path) -> None:
         assert statuses[Status.OVERLOADED] >= 25
         assert statuses[Status.OK] >= 10
         assert _status(other, 1)["state"] == "RUNNING"  # another client's bucket is full
+
+
+def test_the_daemon_holds_at_most_its_byte_budget_of_frames(tmp_path: Path) -> None:
+    budget = 3 * IMAGE.nbytes  # the slow core's two slots and one queued frame
+    cfg = tmp_path / "dlad.toml"
+    text = SLOW_CORE.format(cap=256, cheap=100000.0)
+    side = "max_image_width = 512\nmax_image_height = 512\n"  # the budget holds one largest
+    cfg.write_text(text.replace("[metrics]", f"max_buffered_bytes = {budget}\n{side}[metrics]"))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        for i in range(5):
+            _infer(sock, i)
+        refused = [recv(sock) for _ in range(2)]
+        assert [(r.id, r.status) for r in refused] == [
+            (3, Status.OVERLOADED),
+            (4, Status.OVERLOADED),
+        ]
+        assert "budget" in refused[0].message
+        assert daemon.frontend.buffered_bytes == budget
