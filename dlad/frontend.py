@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import structlog
 import zmq
@@ -203,6 +204,10 @@ class Frontend:
         while True:
             frames = await self._socket.recv_multipart(copy=False)
             await self._handle(list(frames))
+            # A receive that finds a message waiting completes without giving up the loop: under
+            # a flood this loop would run alone and the executors' tasks, which dispatch and
+            # answer, never. Yield after every message.
+            await anyio.lowlevel.checkpoint()
 
     async def answer_what_is_queued(self) -> int:
         """Read and answer, without waiting, every message the socket holds (the last step
