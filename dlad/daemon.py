@@ -247,9 +247,11 @@ class Daemon:
         self.metrics.device_state(executor.name, "warming")
         try:
             await executor.warm_up()
-        except DladError as exc:  # the device still serves; /health/ready says it failed
+        except DladError as exc:  # out of placement until a probe passes (dlad.health)
             log.error("warm_up_failed", device=executor.name, reason=exc.message)
             self.metrics.device_state(executor.name, "failed")
+            if self.config.health.quarantine_after > 0:
+                await self.health.quarantine(executor.name, f"warm-up failed: {exc.message}")
         except BaseException:
             executor.close()  # cancelled before run() took the engine over
             raise
@@ -329,10 +331,10 @@ class Daemon:
             placement, fenced = self.health.state(name)
             if executor.warm == "pending":
                 state, reason = "warming", why
-            elif executor.warm == "failed":
-                state, reason = "failed", why
-            elif placement == "quarantined":
+            elif placement == "quarantined":  # after failing tasks, or its warm-up: probed
                 state, reason = "quarantined", fenced
+            elif executor.warm == "failed":  # quarantine off: it stays so
+                state, reason = "failed", why
             else:
                 state, reason = "serving", "" if healthy else why
             devices.append(

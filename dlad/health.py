@@ -3,11 +3,11 @@
 The warm-up task says an engine can run; only its results say it still does. The keeper watches
 every outcome (``observe``):
 
-- An engine whose last ``[health] quarantine_after`` tasks all failed, or whose task hung (the
-  task timeout fired), is **quarantined**: the scheduler takes it out of placement, its queued
-  jobs move to the other engines of its model (the frontend places them again, or answers them
-  when none can take them), and its jobs in flight finish or fail as they will (a failure is
-  retried elsewhere by the frontend, ``[health] retry``).
+- An engine whose warm-up failed, whose last ``[health] quarantine_after`` tasks all failed, or
+  whose task hung (the task timeout fired), is **quarantined**: the scheduler takes it out of
+  placement, its queued jobs move to the other engines of its model (the frontend places them
+  again, or answers them when none can take them), and its jobs in flight finish or fail as they
+  will (a failure is retried elsewhere by the frontend, ``[health] retry``).
 - A quarantined engine rests ``probe_after_s``, then gets a **probe**: one task on a blank frame,
   queued for it alone (:meth:`~dlad.scheduler.Scheduler.admit_probe`) and run by its own loop
   like any job. A passed probe returns it to placement; a failed one doubles its rest, up to
@@ -115,14 +115,15 @@ class HealthKeeper:
             return False
         failures = self._executors[out.device].stats.consecutive_failures
         if out.hung:
-            await self._quarantine(out.device, f"a task hung: {out.error}")
+            await self.quarantine(out.device, f"a task hung: {out.error}")
         elif failures >= n:
-            await self._quarantine(
+            await self.quarantine(
                 out.device, f"{failures} tasks failed in a row; last: {out.error}"
             )
         return False
 
-    async def _quarantine(self, name: str, reason: str) -> None:
+    async def quarantine(self, name: str, reason: str) -> None:
+        """Take ``name`` out of placement now (its queued jobs placed again), to be probed."""
         w = self._watch(name)
         w.state, w.reason, w.since_ns = "quarantined", reason[:200], self._clock()
         w.quarantines += 1
@@ -140,6 +141,9 @@ class HealthKeeper:
         if out.error is None:
             fenced_s = (self._clock() - w.since_ns) / 1e9
             w.state, w.reason = "serving", ""
+            executor = self._executors[name]
+            if executor.warm == "failed":  # the probe did what the warm-up could not
+                executor.warm, executor.warm_error = "ok", ""
             self._scheduler.set_available(name, True)
             log.info("device_returned", device=name, quarantined_s=round(fenced_s, 3))
             self._on_change(name, "serving", "a probe passed")

@@ -363,9 +363,10 @@ class _Server(WSGIServer):
     allow_reuse_address = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Before binding: a bind that fails calls server_close, which shuts the pool down.
         self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="dlad-metrics")
         self._pending = threading.BoundedSemaphore(HTTP_PENDING)
+        super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._pending.acquire(blocking=False):

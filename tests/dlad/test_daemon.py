@@ -534,7 +534,10 @@ def test_status_reports_a_failed_warm_up(tmp_path: Path) -> None:
         (dev,) = _status(sock, 1)["devices"]
         assert dev["healthy"] is False
         assert daemon.executors["dla0"].health()[1].startswith("warm-up failed")
-        assert daemon.metrics.ready()[1]["devices"]["dla0"] == "failed"
+        # Out of placement and probed (every probe fails here), not left serving.
+        assert (dev["state"], dev["reason"][:14]) == ("quarantined", "warm-up failed")
+        assert daemon.metrics.ready()[1]["devices"]["dla0"] == "quarantined"
+        assert not daemon.metrics.ready()[0]
 
 
 def test_status_counts_the_streams_waiting(tmp_path: Path) -> None:
