@@ -199,8 +199,8 @@ class FrontendConfig:
     """The most image bytes the daemon holds for admitted INFERs (queued or running) at once,
     all clients together; an INFER that would go past it is OVERLOADED at once (>= one largest
     image). Messages ZeroMQ has read but the daemon not yet are bounded apart from this:
-    ``rcvhwm`` messages per connection of at most ``max_message_bytes`` (docs/protocol.md
-    "Limits")."""
+    ``rcvhwm`` messages per connection of at most ``max_message_bytes`` (docs/protocol.md,
+    Limits)."""
     max_in_flight_per_client: int = 256
     """The most INFERs one client may have admitted and unanswered at once; more are
     OVERLOADED at once (>= 1). A client is its CURVE key when clients authenticate, else its
@@ -385,7 +385,7 @@ class SocConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HealthConfig:
     """``[health]``: engines judged by their results, quarantined and failed over
-    (docs/daemon.md "Engine health")."""
+    (docs/daemon.md, Engine health)."""
 
     quarantine_after: int = 5
     """Consecutive failed tasks that take an engine out of placement (its queued jobs move to
@@ -413,7 +413,7 @@ class HealthConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuthConfig:
-    """``[auth]``: who may connect (``dlad/auth.py``; docs/protocol.md "Authentication")."""
+    """``[auth]``: who may connect (``dlad/auth.py``; docs/protocol.md, Authentication)."""
 
     mode: Literal["off", "curve"] = "off"
     """``curve``: ZeroMQ CURVE on every endpoint, clients allowed by public key; ``off``: no

@@ -371,6 +371,7 @@ class Daemon:
                 }
             )
         capacity = sum(s.capacity for s in snaps.values())
+        fe = self.config.frontend
         report: dict[str, Any] = {
             "name": self.config.daemon.name,
             "state": self.state.value,
@@ -384,6 +385,13 @@ class Daemon:
                 "depth": self._scheduler.queued(),
                 "capacity": capacity,
                 "streams": self._scheduler.streams_waiting(),
+            },
+            "limits": {
+                "max_in_flight_per_client": fe.max_in_flight_per_client,
+                "max_message_bytes": fe.max_message_bytes,
+                "max_image_width": fe.max_image_width,
+                "max_image_height": fe.max_image_height,
+                "cheap_requests_per_s": fe.cheap_requests_per_s,
             },
         }
         if load:

@@ -361,7 +361,10 @@ class Frontend:
         job_id = self._jobs.get((client, req.id))
         if job_id is None:
             raise NotFound(f"request {req.id} is not queued")
-        job = self.scheduler.cancel(job_id)  # NotFound if it is already running
+        try:
+            job = self.scheduler.cancel(job_id)
+        except NotFound:  # already running: the scheduler named its own job number
+            raise NotFound(f"request {req.id} is already running (or answered)") from None
         await self.answer(job.id, Cancelled("cancelled by the client"))
         await self._send(client, protocol.CancelReply(req.id, Status.OK))
 
@@ -407,7 +410,9 @@ class Frontend:
             err = out.error if isinstance(out.error, DladError) else InternalError(str(out.error))
             if isinstance(err, DeviceFailed) and self._retry(out.job_id, out.device, err):
                 return
-            await self.answer(out.job_id, err, device=out.device)
+            # A job that expired in a device's queue never ran there: the reply names no device.
+            ran = not isinstance(err, DeadlineExceeded) or out.start_ns
+            await self.answer(out.job_id, err, device=out.device if ran else None)
             return
         asker = self._take(out.job_id)
         if asker is None:  # already answered (cannot happen: each job leaves once)

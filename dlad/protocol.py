@@ -63,8 +63,8 @@ __all__ = [
     "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "MAX_REPLY_DEPTH", "MAX_REQUEST_DEPTH", "PRIORITY_MAX",
     "PRIORITY_MIN", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest",
     "DaemonState", "DaemonStatus", "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame",
-    "FrameLike", "InferReply", "InferRequest", "Kind", "Limits", "LoadStatus", "Message",
-    "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request", "StatusReply",
+    "FrameLike", "InferReply", "InferRequest", "Kind", "Limits", "LimitsStatus", "LoadStatus",
+    "Message", "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request", "StatusReply",
     "StatusRequest", "Timing", "decode_reply", "decode_request", "encode", "endpoint_error",
     "error_reply",
 ]  # fmt: skip
@@ -553,6 +553,17 @@ class DaemonStatus(TypedDict):
     models: list[ModelStatus]
     queues: QueueStatus
     load: NotRequired[LoadStatus]  # present exactly when the STATUS request asked for it
+    limits: NotRequired[LimitsStatus]  # what one client may send (absent from older daemons)
+
+
+class LimitsStatus(TypedDict):
+    """What the daemon accepts from one client (``report.limits``)."""
+
+    max_in_flight_per_client: int  # INFERs admitted and unanswered at once, per client
+    max_message_bytes: int  # the largest message answered (ZeroMQ drops those over twice it)
+    max_image_width: int
+    max_image_height: int
+    cheap_requests_per_s: float  # STATUS and CANCEL, per client (bursts of twice as many)
 
 
 class DeviceLoad(TypedDict):
@@ -629,12 +640,25 @@ _LOAD_SPEC: Final[Mapping[str, _Check]] = {
 }
 
 
+_LIMITS_SPEC: Final[Mapping[str, _Check]] = {
+    "max_in_flight_per_client": _count,
+    "max_message_bytes": _count,
+    "max_image_width": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
+    "max_image_height": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
+    "cheap_requests_per_s": _RATE,
+}
+
+
 def _report(value: object, path: str) -> dict[str, Any]:
-    """A STATUS report: every field of ``_REPORT_SPEC``, and ``load`` if present (optional)."""
+    """A STATUS report: every field of ``_REPORT_SPEC``, and ``load`` and ``limits`` if
+    present (optional)."""
     m = _map(value, path)
-    report = _record({k: v for k, v in m.items() if k != "load"}, path, _REPORT_SPEC)
+    extra = ("load", "limits")
+    report = _record({k: v for k, v in m.items() if k not in extra}, path, _REPORT_SPEC)
     if "load" in m:
         report["load"] = _record(m["load"], f"{path}.load", _LOAD_SPEC)
+    if "limits" in m:
+        report["limits"] = _record(m["limits"], f"{path}.limits", _LIMITS_SPEC)
     return report
 
 

@@ -174,6 +174,26 @@ def test_deadline_expiry_and_cancel(tmp_path: Path) -> None:
     assert len(expired) >= 4  # those queued behind 50 ms tasks with a 20 ms budget
     assert by[("CancelReply", 102)].status == Status.OK
     assert by[("InferReply", 102)].status == Status.CANCELLED
+    # Expired while queued: it never ran, so no device is named (the issue 13 review found
+    # replies naming the device whose queue it waited in).
+    assert all(r.device is None for r in expired if r.timing.start_ns is None)
+
+
+def test_cancel_of_a_running_request_quotes_the_clients_id(tmp_path: Path) -> None:
+    with running(tmp_path, latency=1_000_000.0, depth=4) as (_, ep), dealer(ep) as sock:
+        sock.send_multipart(protocol.encode(protocol.InferRequest(777, "demo", IMAGE)))
+        while (
+            _status(sock, 1)["devices"][0]["in_flight"]
+            + _status(sock, 2)["devices"][1]["in_flight"]
+            < 1
+        ):
+            pass
+        sock.send_multipart(protocol.encode(protocol.CancelRequest(777)))
+        reply = recv(sock)
+        assert (reply.id, reply.status) == (777, Status.NOT_FOUND)
+        assert "request 777 is already running" in reply.message
+        report = _status(sock, 3)
+        assert report["limits"]["max_in_flight_per_client"] == 256  # what a client may send
 
 
 @pytest.mark.parametrize(
