@@ -306,10 +306,11 @@ _Check: TypeAlias = Callable[[object, str], Any]
 def _record(
     value: object, path: str, spec: Mapping[str, _Check], optional: Mapping[str, _Check] = {}
 ) -> dict[str, Any]:
-    """A map with every field of ``spec`` and any of ``optional`` (fields newer daemons add:
-    a reader takes a report without them), each checked; any other field is refused."""
+    """A STATUS report's map: every field of ``spec`` and any of ``optional`` (added with newer
+    daemons: a report without them is taken), each checked. Fields it does not know are left
+    out, not refused: a newer daemon's report stays readable (docs/protocol.md §10)."""
     m = _map(value, path)
-    _keys(m, path + ".", spec, optional)
+    _keys({k: v for k, v in m.items() if k in spec or k in optional}, path + ".", spec, optional)
     checked = {key: check(m[key], f"{path}.{key}") for key, check in spec.items()}
     checked.update((k, check(m[k], f"{path}.{k}")) for k, check in optional.items() if k in m)
     return checked

@@ -493,6 +493,17 @@ def test_status_report_is_strict() -> None:
     header["report"]["devices"][1]["busy"] = 1
     with pytest.raises(ProtocolError, match=r"^report\.devices\[1\]\.busy: must be a bool"):
         decode_reply([_pack(header)])
+    header["report"]["devices"][1]["busy"] = False
+    # A newer daemon's fields are left out, not refused (docs/protocol.md §10) ...
+    header["report"]["devices"][0]["temperature_c"] = 61.5
+    header["report"]["power_w"] = 30
+    del header["report"]["devices"][1]["state"], header["report"]["devices"][1]["reason"]
+    decoded = decode_reply([_pack(header)])
+    assert isinstance(decoded, StatusReply)
+    assert decoded.report is not None
+    assert "power_w" not in decoded.report
+    assert "temperature_c" not in decoded.report["devices"][0]
+    assert "state" not in decoded.report["devices"][1]  # ... and an older one's absence taken
     del header["report"]["queues"]
     with pytest.raises(ProtocolError, match=r"^report\.queues: missing"):
         decode_reply([_pack(header)])
