@@ -138,3 +138,17 @@ def test_an_ipc_socket_file_gets_the_configured_mode(tmp_path: Path) -> None:
     daemon = Daemon(load_config(tmp_path / "dlad.toml").plan())
     with serve_in_thread(daemon):
         assert stat.S_IMODE(os.stat(tmp_path / "dlad.sock").st_mode) == 0o600
+
+
+def test_dlad_bench_takes_client_keys(keyed: Any) -> None:
+    from dlad_bench.cli import main
+
+    root, daemon = keyed
+    args = ["--input", "random:32x32", "--warmup-s", "0.1", "--window-s", "0.3",
+            "--stability-pct", "50", "--max-trials", "3", "--timeout-s", "5",
+            "--connect-timeout-s", "10", "--quiet", "--concurrency", "1"]  # fmt: skip
+    keys = ["--curve-server-key", str(root / "keys" / "server.key"),
+            "--curve-key", str(root / "keys" / "alice.key_secret")]  # fmt: skip
+    with serve_in_thread(daemon) as ep:
+        assert main(["--endpoint", ep, *args, *keys]) == 0
+        assert main(["--endpoint", ep, *args, keys[0], keys[1]]) == 2  # one without the other
