@@ -8,6 +8,7 @@ The daemon: two emulated DLA cores in timing mode at 0.2 s a frame (what is admi
 ``--frame 4096``: the default limits (4096 x 4096 images, 64 MiB messages; this code: a 512 MiB
 frame budget), each of ``--connections`` DEALERs sends one 4096 x 4096 x 3 frame (48 MiB);
 ``--frame 1080``: limits set to 1920 x 1080 (``max_message_bytes`` 8 MiB), 1080p frames (6.2 MB).
+``--max-connections N`` adds a run of this code with ``[frontend] max_connections = N``.
 All frames are one buffer on the client side. The daemon's RSS is sampled every 20 ms until every
 frame is answered or 20 s, and once more 2 s after.
 """
@@ -53,12 +54,15 @@ LIMITS_1080 = "max_image_width = 1920\nmax_image_height = 1080\nmax_message_byte
 
 
 def one(
-    tree: Path | None, connections: int, frame: int, log: Path
+    tree: Path | None, connections: int, frame: int, log: Path, cap: int | None = None
 ) -> tuple[float, float, float, Counter[str]]:
     """(RSS before, peak RSS, RSS 2 s after, reply statuses)."""
     shape = (4096, 4096, 3) if frame == 4096 else (1080, 1920, 3)
     frames = protocol.encode(protocol.InferRequest(1, "demo", np.zeros(shape, np.uint8)))
-    config = CONFIG.replace("{limits}", "" if frame == 4096 else LIMITS_1080)
+    limits = "" if frame == 4096 else LIMITS_1080
+    if cap is not None:
+        limits += f"max_connections = {cap}\n"
+    config = CONFIG.replace("{limits}", limits)
     with running_daemon(config, log, tree=tree) as (proc, endpoint):
         start = peak = rss_mib(proc.pid)
         done = threading.Event()
@@ -103,15 +107,23 @@ def main() -> int:
     p.add_argument("--before", type=Path, required=True, help="a checkout of the baseline")
     p.add_argument("--connections", type=int, default=40)
     p.add_argument("--frame", type=int, choices=(4096, 1080), default=4096)
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="also run this code with [frontend] max_connections = N")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "memory")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{args.connections} connections x one frame of {args.frame}\n")
     print("| code | RSS before MiB | peak RSS MiB | RSS 2 s after MiB | replies |")
     print("|---|---|---|---|---|")
-    for code, tree in (("before", args.before), ("now", None)):
-        log = args.out / f"{code}_{args.frame}.log"
-        start, peak, after, statuses = one(tree, args.connections, args.frame, log)
+    runs: list[tuple[str, Path | None, int | None]] = [
+        ("before", args.before, None),
+        ("now", None, None),
+    ]
+    if args.max_connections is not None:
+        runs.append((f"now, max_connections {args.max_connections}", None, args.max_connections))
+    for code, tree, cap in runs:
+        log = args.out / f"{code.split(',')[0]}_{args.frame}_{cap}.log"
+        start, peak, after, statuses = one(tree, args.connections, args.frame, log, cap)
         replies = ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()) if v)
         print(f"| {code} | {start:.0f} | {peak:.0f} | {after:.0f} | {replies} |", flush=True)
     return 0

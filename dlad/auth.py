@@ -33,8 +33,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dlad.errors import StartupError
 
 __all__ = [
-    "ClientKeys", "configure_client", "configure_server", "read_server_keys",
-    "start_authenticator", "write_keypair",
+    "ClientKeys", "Gate", "configure_client", "configure_server", "read_server_keys",
+    "start_gate", "write_keypair",
 ]  # fmt: skip
 
 log = structlog.get_logger("dlad")
@@ -118,12 +118,42 @@ class ClientKeys:
         return False
 
 
-def start_authenticator(ctx: zmq.Context[Any], keys: ClientKeys) -> AsyncioAuthenticator:
-    """Start the ZAP handler for ``ctx`` (on the running event loop), asking ``keys``."""
-    auth = AsyncioAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=keys)
-    return auth
+class Gate(AsyncioAuthenticator):
+    """The daemon's ZAP handler: every handshake (NULL or CURVE) asks it. It refuses one more
+    connection than ``max_connections`` (``active``, kept by the frontend from the socket's
+    monitor events, counts the one under handshake), then lets pyzmq's authenticator judge
+    CURVE keys against the allow-list."""
+
+    def __init__(
+        self, ctx: zmq.Context[Any], max_connections: int, on_refused: Callable[[], None]
+    ) -> None:
+        super().__init__(ctx)
+        self.max_connections = max_connections
+        self.active = 0
+        self._on_refused = on_refused
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) >= 6 and self.active > self.max_connections:
+            self._on_refused()
+            self._send_zap_reply(msg[1], b"400", b"too many connections")  # RFC 27's reply
+            return
+        await super().handle_zap_message(msg)
+
+
+def start_gate(
+    ctx: zmq.Context[Any],
+    max_connections: int,
+    *,
+    keys: ClientKeys | None,
+    on_refused: Callable[[], None],
+) -> Gate:
+    """Start the ZAP handler for ``ctx`` (on the running event loop): the connection cap, and
+    CURVE keys checked against ``keys`` when given."""
+    gate = Gate(ctx, max_connections, on_refused)
+    gate.start()
+    if keys is not None:
+        gate.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=keys)
+    return gate
 
 
 def configure_client(sock: zmq.Socket[Any], server_public: bytes, client_secret_file: Path) -> None:

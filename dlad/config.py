@@ -201,6 +201,10 @@ class FrontendConfig:
     image). Messages ZeroMQ has read but the daemon not yet are bounded apart from this:
     ``rcvhwm`` messages per connection of at most ``max_message_bytes`` (docs/protocol.md,
     Limits)."""
+    max_connections: int = 1024
+    """The most client connections open at once (>= 1); one more is refused at its handshake
+    (no reply; ZeroMQ retries it). With ``rcvhwm`` and ``max_message_bytes`` it bounds what
+    libzmq buffers before the daemon reads: connections x messages x size."""
     max_in_flight_per_client: int = 256
     """The most INFERs one client may have admitted and unanswered at once; more are
     OVERLOADED at once (>= 1). A client is its CURVE key when clients authenticate, else its
@@ -233,6 +237,7 @@ class FrontendConfig:
         for key in ("sndhwm", "rcvhwm", "max_message_bytes", "max_image_width", "max_image_height"):
             _at_least_one(getattr(self, key), key)
         _at_least_one(self.max_in_flight_per_client, "max_in_flight_per_client")
+        _at_least_one(self.max_connections, "max_connections")
         image, budget = self.max_image_width * self.max_image_height * 3, self.max_buffered_bytes
         _check(budget >= image, "max_buffered_bytes",
                f"must hold one largest image ({image} bytes), got {budget}")  # fmt: skip

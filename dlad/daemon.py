@@ -195,6 +195,7 @@ class Daemon:
                     tg.start_soon(self._serve_executor, executor)
                 tg.start_soon(self.frontend.expiry_loop)
                 tg.start_soon(self.frontend.receive_loop)
+                tg.start_soon(self.frontend.watch_connections)
                 if self.executors:
                     await self._warm.wait()
                 self.ready.set()

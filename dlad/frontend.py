@@ -27,10 +27,10 @@ import numpy as np
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from dlad import protocol
-from dlad.auth import ClientKeys, configure_server, read_server_keys, start_authenticator
+from dlad.auth import ZAP_DOMAIN, ClientKeys, Gate, configure_server, read_server_keys, start_gate
 from dlad.config import Config
 from dlad.errors import (
     BadRequest,
@@ -128,7 +128,10 @@ class Frontend:
         self._in_flight: collections.Counter[str] = collections.Counter()  # owner -> jobs
         self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, when)
         self._buffered = 0  # image bytes of the jobs admitted and not yet answered
-        self._authenticator: AsyncioAuthenticator | None = None
+        self._gate: Gate | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._refusal_logged = -1.0
+        self.connections = 0  # open connections, as the socket's monitor counts them
         self.client_keys: ClientKeys | None = None
 
     # ------------------------------------------------------------------ socket
@@ -139,13 +142,19 @@ class Frontend:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         self._ctx, self._socket = ctx, sock
+        f = self.config.frontend
         if self._curve is not None:  # before any bind: every endpoint is a CURVE server
             secret_file, keys_dir = self._curve
             public, secret = read_server_keys(secret_file)
             self.client_keys = ClientKeys(keys_dir, on_refused=self.metrics.auth_refused)
-            self._authenticator = start_authenticator(ctx, self.client_keys)
             configure_server(sock, public, secret)
-        f = self.config.frontend
+        # Every handshake asks the ZAP handler (CURVE or not): it caps the connections, which
+        # the monitor counts, and judges CURVE keys.
+        self._gate = start_gate(
+            ctx, f.max_connections, keys=self.client_keys, on_refused=self._connection_refused
+        )
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, f.sndhwm)
         sock.setsockopt(zmq.RCVHWM, f.rcvhwm)
@@ -177,12 +186,15 @@ class Frontend:
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket (replies already queued get ``linger_ms`` to leave) and its context
         (idempotent)."""
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
         if self._socket is not None:
             self._socket.close(linger_ms)
             self._socket = None
-        if self._authenticator is not None:
-            self._authenticator.stop()
-            self._authenticator = None
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -208,6 +220,27 @@ class Frontend:
             # a flood this loop would run alone and the executors' tasks, which dispatch and
             # answer, never. Yield after every message.
             await anyio.lowlevel.checkpoint()
+
+    async def watch_connections(self) -> None:
+        """Count the socket's connections from its monitor events, for the connection cap and
+        the ``dlad_connections`` gauge, until cancelled."""
+        monitor, gate = self._monitor, self._gate
+        assert monitor is not None
+        assert gate is not None
+        while True:
+            event = await recv_monitor_message(monitor)
+            opened = event["event"] == zmq.EVENT_ACCEPTED
+            self.connections = max(self.connections + (1 if opened else -1), 0)
+            gate.active = self.connections
+            self.metrics.connections(self.connections)
+
+    def _connection_refused(self) -> None:
+        self.metrics.connection_refused()
+        now = time.monotonic()
+        if now - self._refusal_logged >= 1.0:  # at most a line a second
+            self._refusal_logged = now
+            log.warning("connection_refused", reason="too many connections",
+                        max_connections=self.config.frontend.max_connections)  # fmt: skip
 
     async def answer_what_is_queued(self) -> int:
         """Read and answer, without waiting, every message the socket holds (the last step

@@ -196,6 +196,14 @@ class Metrics:
             "dlad_auth_refused", "Connections refused by CURVE authentication (unknown key).",
             registry=r,
         )  # fmt: skip
+        self._connections = Gauge(
+            "dlad_connections", "Client connections open on the frontend's socket.", registry=r
+        )
+        self._connections_refused = Counter(
+            "dlad_connections_refused",
+            "Connections refused at the handshake: [frontend] max_connections were open.",
+            registry=r,
+        )  # fmt: skip
         self._dropped_replies = Counter(
             "dlad_replies_dropped",
             "Replies ZeroMQ dropped: the client's queue was full (SNDHWM) or it had gone.",
@@ -229,6 +237,14 @@ class Metrics:
     def auth_refused(self, domain: str = "") -> None:
         """Count a connection the ZAP handler refused."""
         self._auth_refused.inc()
+
+    def connections(self, n: int) -> None:
+        """The number of open client connections."""
+        self._connections.set(n)
+
+    def connection_refused(self) -> None:
+        """Count a connection refused for the cap."""
+        self._connections_refused.inc()
 
     def reply_dropped(self) -> None:
         """Count a reply that could not be queued for its client."""

@@ -3,6 +3,7 @@ shares of full queues, and a rate limit on cheap requests (docs/protocol.md "Cli
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,3 +129,23 @@ def test_the_daemon_holds_at_most_its_byte_budget_of_frames(tmp_path: Path) -> N
         ]
         assert "budget" in refused[0].message
         assert daemon.frontend.buffered_bytes == budget
+
+
+def test_connections_past_the_cap_are_refused_at_the_handshake(tmp_path: Path) -> None:
+    cfg = tmp_path / "dlad.toml"
+    text = SLOW_CORE.format(cap=256, cheap=100000.0)
+    cfg.write_text(text.replace("[metrics]", "max_connections = 2\n[metrics]"))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep, dealer(ep) as a, dealer(ep) as b:
+        for sock in (a, b):
+            assert _status(sock, 1)["state"] == "RUNNING"  # the first two are served
+        with dealer(ep) as c:
+            c.send_multipart(protocol.encode(protocol.StatusRequest(3)))
+            refused = daemon.metrics.registry.get_sample_value
+            while not refused("dlad_connections_refused_total"):
+                time.sleep(0.001)  # its handshake was refused, so nothing it sent was read
+            assert daemon.counters.received == 2
+            assert c.poll(0) == 0
+        while daemon.frontend.connections != 2:  # the refused one left no count behind
+            time.sleep(0.001)
+        assert _status(a, 4)["state"] == "RUNNING"
