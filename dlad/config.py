@@ -282,9 +282,13 @@ class MetricsConfig:
     load_window_s: float = 10.0
     """The span of the recent-load figures: busy ratio, rates and p99 in ``dlad status
     --watch`` and the ``dlad_device_busy_ratio`` gauge (> 0)."""
+    request_timeout_s: float = 2.0
+    """An HTTP connection idle this long, or that has not sent its whole request, is closed
+    (a half-open or slow client holds a worker no longer; > 0)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "port", f"must be 1-65535, got {self.port}")
+        _positive(self.request_timeout_s, "request_timeout_s")
         _text(self.host, "host")
         _positive(self.heartbeat_s, "heartbeat_s")
         _positive(self.load_window_s, "load_window_s")

@@ -104,7 +104,9 @@ class Daemon:
         self._metrics_at = f"{m.host}:{m.port if metrics_port is None else metrics_port}"
         if m.enabled:
             port = m.port if metrics_port is None else metrics_port
-            self.metrics_server = MetricsServer(self.metrics, m.host, port)
+            self.metrics_server = MetricsServer(
+                self.metrics, m.host, port, request_timeout_s=m.request_timeout_s
+            )
         self.frontend = Frontend(
             self.config,
             self._scheduler,

@@ -367,9 +367,6 @@ HTTP_WORKERS: Final = 4
 """Threads answering HTTP; a fixed pool, whatever the number of connections."""
 HTTP_PENDING: Final = 32
 """Connections accepted and not yet answered, at most; one more is closed at once."""
-HTTP_TIMEOUT_S: Final = 2.0
-"""A connection that has not sent its whole request by then is closed (a half-open or slow
-client holds a worker and a descriptor for no longer)."""
 
 
 class _Server(WSGIServer):
@@ -405,7 +402,7 @@ class _Server(WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = HTTP_TIMEOUT_S
+    timeout = 2.0  # [metrics] request_timeout_s, set per server (MetricsServer.start)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would flood the daemon's log; they are not logged."""
@@ -418,8 +415,12 @@ class MetricsServer:
     Raises OSError from :meth:`start` when the address cannot be bound.
     """
 
-    def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 9464) -> None:
+    def __init__(
+        self, metrics: Metrics, host: str = "127.0.0.1", port: int = 9464, *,
+        request_timeout_s: float = 2.0,
+    ) -> None:  # fmt: skip
         self._metrics = metrics
+        self._handler = type("_Handler", (_QuietHandler,), {"timeout": request_timeout_s})
         self._host = host
         self._want_port = port
         self._prometheus = make_wsgi_app(metrics.registry)
@@ -441,7 +442,7 @@ class MetricsServer:
     def start(self) -> None:
         server = make_server(
             self._host, self._want_port, self._app, server_class=_Server,
-            handler_class=_QuietHandler,
+            handler_class=self._handler,
         )  # fmt: skip
         self._server = server
         self._thread = threading.Thread(

@@ -408,7 +408,7 @@ def test_a_flood_of_half_open_connections_costs_no_threads_and_passes() -> None:
     from dlad.metrics import HTTP_PENDING, HTTP_WORKERS
 
     m = Metrics("d", "0.1.0")
-    server = MetricsServer(m, port=0)
+    server = MetricsServer(m, port=0, request_timeout_s=0.5)  # [metrics] request_timeout_s
     server.start()
     threads = threading.active_count()
     half_open = []
