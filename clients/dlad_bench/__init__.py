@@ -15,15 +15,22 @@ instead measures each level for S seconds), and reports throughput, goodput, cli
 percentiles, the daemon's queue/pre/device/post split from the replies' timings, a column per
 failure status, each device's share and mean batch size (replies that share their device
 start and end ran as one batch; the timeline plot labels each batch), and late sends of the
-generator. A daemon that stops
-answering mid-run ends the sweep with exit status 1 after reporting the levels measured.
+generator. Latency is reported from each request's send and, in open loop, from when it was
+due (``due_p99``, ``intended_latency_ms``: a generator that fell behind cannot hide the
+queueing it skipped, wrk2's correction of coordinated omission). ``--slo-ms MS`` counts the OK
+replies within MS of their due time (``slo/s``); ``--fail-if COND`` (``'p99>40ms'``,
+``'goodput<0.95'``, ``'slo<99%'``, :mod:`~dlad_bench.judge`) exits 3 when a level meets it, for
+CI. A daemon that stops answering mid-run ends the sweep with exit status 1 after reporting the
+levels measured; a usage error exits 2.
 ``docs/BENCHMARKS.md`` §5 has a capacity study made with it (``bench/capacity_study.py``), §6
 the three engines behind one model (``bench/three_engines.py``).
 
 Modules: :mod:`~dlad_bench.schedule` (open-loop send times), :mod:`~dlad_bench.inputs`
 (frames), :mod:`~dlad_bench.runner` (one level against a daemon), :mod:`~dlad_bench.measure`
-(windows, stability, results), :mod:`~dlad_bench.report` (table, CSV, JSON),
-:mod:`~dlad_bench.plots` (PNG), :mod:`~dlad_bench.cli` (the command).
+(windows, stability, results), :mod:`~dlad_bench.judge` (``--fail-if``),
+:mod:`~dlad_bench.report` (table, CSV, JSON),
+:mod:`~dlad_bench.plots` (PNG), :mod:`~dlad_bench.fuzz` (malformed messages),
+:mod:`~dlad_bench.cli` (the command).
 """
 
 from dlad_bench.measure import LevelResult, Measurement, Record, is_stable

@@ -22,6 +22,7 @@ from rich.text import Text
 from dlad.errors import DladError
 from dlad_bench import plots
 from dlad_bench.inputs import Frame, load_frames
+from dlad_bench.judge import EXIT_THRESHOLD, failures, parse_threshold
 from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement
 from dlad_bench.report import print_table, write_csv, write_json
 from dlad_bench.runner import Level, Load, Settings, run_level
@@ -108,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="deadline of each request (streams: one frame period)",
     )
+    p.add_argument("--slo-ms", type=float, default=None, metavar="MS",
+                   help="a latency objective: goodput counts OK replies within MS of their due "
+                        "time (the slo/s column, slo_goodput_rps)")  # fmt: skip
+    p.add_argument("--fail-if", action="append", default=[], metavar="COND",
+                   help="exit 3 if any level meets COND, e.g. 'p99>40ms', 'goodput<0.95', "
+                        "'slo<99%%' (repeatable; metrics in dlad_bench/judge.py)")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=10.0, help="client timeout per request")
     p.add_argument(
         "--connect-timeout-s",
@@ -285,7 +292,12 @@ async def _bench(
         write_json(args.json, results, meta)
     if args.plots is not None:
         _plots(args, levels)
-    return 1 if gone else 0
+    if gone:
+        return 1
+    failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
+    for line in failed:
+        err.print(f"[red]dlad-bench: failed[/] {line}")
+    return EXIT_THRESHOLD if failed else 0
 
 
 async def _daemon_gone(client: AsyncClient, r: LevelResult, timeout_s: float) -> str:
@@ -353,10 +365,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             late_tolerance_ms=args.late_tolerance_ms,
             seed=args.seed,
             duration_s=args.duration,
+            slo_ms=args.slo_ms,
         )
         settings.check()
         if args.deadline_ms is not None and args.deadline_ms < 1:
             raise ValueError("--deadline-ms must be >= 1")
+        if args.slo_ms is not None and not args.slo_ms > 0:
+            raise ValueError("--slo-ms must be > 0")
+        args.thresholds = [parse_threshold(t) for t in args.fail_if]
+        if args.slo_ms is None and any(t.text.startswith("slo") for t in args.thresholds):
+            raise ValueError("--fail-if on slo needs --slo-ms")
         frames = load_frames(args.input, seed=args.seed)  # bad input fails before connecting
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))

@@ -64,6 +64,14 @@ class Record:
         return (self.done - self.sent) * 1e3
 
     @property
+    def intended_latency_ms(self) -> float:
+        """Latency from when the request was due (open loop), so that a generator that fell
+        behind cannot hide the queueing it skipped (coordinated omission, wrk2's correction);
+        the same as :attr:`latency_ms` in closed loop, where nothing is due."""
+        start = self.sent if math.isnan(self.scheduled) else self.scheduled
+        return (self.done - start) * 1e3
+
+    @property
     def good(self) -> bool:
         """Answered OK within its deadline (any OK answer when it had none)."""
         return self.status == "OK" and not self.latency_ms > self.deadline_ms
@@ -173,6 +181,9 @@ class LevelResult:
     stable: bool
     measured_s: float
     window_stats: list[WindowStats] = field(default_factory=list)
+    intended_latency_ms: dict[str, float] = field(default_factory=dict)  # from the due time
+    slo_ms: float = math.nan  # the latency objective (--slo-ms), NaN if none
+    slo_goodput_rps: float = math.nan  # OK within slo_ms of the due time, per second
 
 
 def _percentiles(values: npt.NDArray[np.float64]) -> dict[str, float]:
@@ -195,8 +206,10 @@ def summarize(
     offered_rps: float,
     measurement: Measurement,
     late_tolerance_ms: float,
+    slo_ms: float | None = None,
 ) -> LevelResult:
-    """The :class:`LevelResult` of the records completed in the measured span."""
+    """The :class:`LevelResult` of the records completed in the measured span; ``slo_ms``: a
+    latency objective, counted from each request's due time."""
     start, end = measurement.measured
     span = max(end - start, 1e-9)
     done = [r for r in records if start <= r.done < end]
@@ -205,6 +218,7 @@ def summarize(
     counts = Counter(r.status for r in done)
     status_counts = {name: counts.get(name, 0) for name in STATUS_NAMES}
     lat = np.array([r.latency_ms for r in ok], dtype=np.float64)
+    intended = np.array([r.intended_latency_ms for r in ok], dtype=np.float64)
     daemon_total = np.array([r.total_us / 1e3 for r in ok], dtype=np.float64)
     queue = np.array([r.queue_us / 1e3 for r in ok], dtype=np.float64)
 
@@ -258,7 +272,13 @@ def summarize(
         stable=measurement.stable,
         measured_s=span,
         window_stats=list(measurement.windows),
-    )
+        intended_latency_ms=_percentiles(intended),
+        slo_ms=math.nan if slo_ms is None else float(slo_ms),
+        slo_goodput_rps=(
+            math.nan if slo_ms is None
+            else float(np.count_nonzero(intended <= slo_ms)) / span
+        ),
+    )  # fmt: skip
 
 
 def level_records_ok(records: Sequence[Record]) -> list[Record]:

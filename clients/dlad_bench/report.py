@@ -2,7 +2,7 @@
 
 Both files have a fixed schema, tested: the CSV's columns are :data:`CSV_COLUMNS` in that order,
 whatever the daemon's devices (the per-device share is one ``device_share`` column of
-``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/2", "meta": {...}, "levels":
+``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/3", "meta": {...}, "levels":
 [...]}`` where each level has the keys :data:`JSON_LEVEL_KEYS`. Times are milliseconds, rates
 requests per second; a value that does not apply (no OK reply, closed-loop offered rate) is
 empty in the CSV and ``null`` in the JSON.
@@ -24,8 +24,9 @@ from dlad_bench.measure import STATUS_NAMES, LevelResult, as_dict
 
 __all__ = ["CSV_COLUMNS", "JSON_LEVEL_KEYS", "SCHEMA", "print_table", "write_csv", "write_json"]
 
-SCHEMA: Final = "dlad-bench/2"
-"""2: ``device_batch`` (each device's mean batch size) added."""
+SCHEMA: Final = "dlad-bench/3"
+"""2: ``device_batch`` (each device's mean batch size) added. 3: ``intended_latency_ms``
+(latency from each request's due time), ``slo_ms`` and ``slo_goodput_rps`` added."""
 LATENCY_KEYS: Final = ("p50", "p90", "p95", "p99", "p99_9", "max", "mean")
 DAEMON_KEYS: Final = ("queue", "pre", "device", "post", "total", "queue_p99", "total_p99")
 CSV_COLUMNS: Final[tuple[str, ...]] = (
@@ -34,12 +35,13 @@ CSV_COLUMNS: Final[tuple[str, ...]] = (
     *(f"latency_{k}_ms" for k in LATENCY_KEYS), "client_overhead_ms",
     *(f"daemon_{k}_ms" for k in DAEMON_KEYS), "device_share", "device_batch",
     "late_sends", "late_fraction", "max_late_ms", "windows", "stable", "measured_s",
+    *(f"intended_latency_{k}_ms" for k in LATENCY_KEYS), "slo_ms", "slo_goodput_rps",
 )  # fmt: skip
 JSON_LEVEL_KEYS: Final[tuple[str, ...]] = (
     "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
     "status_counts", "shed_fraction", "latency_ms", "client_overhead_ms", "daemon_ms",
     "device_share", "device_batch", "late_sends", "late_fraction", "max_late_ms", "windows",
-    "stable", "measured_s", "window_stats",
+    "stable", "measured_s", "window_stats", "intended_latency_ms", "slo_ms", "slo_goodput_rps",
 )  # fmt: skip
 
 
@@ -73,6 +75,9 @@ def csv_row(r: LevelResult) -> dict[str, Any]:
     row |= {f"status_{s}": r.status_counts.get(s, 0) for s in STATUS_NAMES}
     row |= {f"latency_{k}_ms": r.latency_ms[k] for k in LATENCY_KEYS}
     row |= {f"daemon_{k}_ms": r.daemon_ms[k] for k in DAEMON_KEYS}
+    row |= {f"intended_latency_{k}_ms": r.intended_latency_ms.get(k, math.nan)
+            for k in LATENCY_KEYS}  # fmt: skip
+    row |= {"slo_ms": r.slo_ms, "slo_goodput_rps": r.slo_goodput_rps}
     out = {}
     for col in CSV_COLUMNS:
         v = row[col]
@@ -108,6 +113,10 @@ def json_level(r: LevelResult) -> dict[str, Any]:
         "window_stats": [
             {k: _num(v) for k, v in as_dict(w).items()} for w in r.window_stats
         ],
+        "intended_latency_ms": {
+            k: _num(r.intended_latency_ms.get(k, math.nan)) for k in LATENCY_KEYS
+        },
+        "slo_ms": _num(r.slo_ms), "slo_goodput_rps": _num(r.slo_goodput_rps),
     }  # fmt: skip
     return {k: level[k] for k in JSON_LEVEL_KEYS}
 
@@ -129,8 +138,10 @@ def print_table(results: Sequence[LevelResult], console: Console) -> None:
     # One column per failure status any level saw (% of its requests), beside "shed": a
     # DEVICE_FAILED or CLIENT_TIMEOUT is not load shedding and must not hide in it.
     failures = sorted({k for r in results for k, n in r.status_counts.items() if n and k != "OK"})
+    slo = any(math.isfinite(r.slo_ms) for r in results)
     for col in ("load", "offered/s", "sent/s", "ok/s", "good/s", "shed %",
-                *(f"{k} %" for k in failures), "p50", "p90", "p99", "p99.9", "max", "queue",
+                *(f"{k} %" for k in failures), "p50", "p90", "p99", "p99.9", "max", "p99 due",
+                *(["slo/s"] if slo else []), "queue",
                 "pre", "device", "post", "client", "devices", "late %", "stable"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("load", "devices") else "right")
     for r in results:
@@ -141,7 +152,9 @@ def print_table(results: Sequence[LevelResult], console: Console) -> None:
             f"{r.mode} {r.level:g}", _f(r.offered_rps), _f(r.sent_rps), _f(r.throughput_rps),
             _f(r.goodput_rps), _f(100 * r.shed_fraction), *shares, _f(lat["p50"], 2),
             _f(lat["p90"], 2),
-            _f(lat["p99"], 2), _f(lat["p99_9"], 2), _f(lat["max"], 2), _f(dm["queue"], 2),
+            _f(lat["p99"], 2), _f(lat["p99_9"], 2), _f(lat["max"], 2),
+            _f(r.intended_latency_ms.get("p99", math.nan), 2),
+            *([_f(r.slo_goodput_rps)] if slo else []), _f(dm["queue"], 2),
             _f(dm["pre"], 2), _f(dm["device"], 2), _f(dm["post"], 2),
             _f(r.client_overhead_ms, 2),
             _devices(r),
@@ -149,6 +162,7 @@ def print_table(results: Sequence[LevelResult], console: Console) -> None:
         )  # fmt: skip
     console.print(table)
     console.print(
-        "latencies in ms on the client (OK replies); queue/pre/device/post: the daemon's mean "
-        "split of them; client: the rest (transport, client)"
+        "latencies in ms on the client (OK replies), from the send; p99 due: from when the "
+        "request was due (open loop: what a stalled generator would hide); queue/pre/device/"
+        "post: the daemon's mean split of them; client: the rest (transport, client)"
     )

@@ -98,6 +98,7 @@ class Settings:
     late_tolerance_ms: float = 2.0
     seed: int = 0
     duration_s: float | None = None  # measure each level this long (ceil(d / window_s) windows)
+    slo_ms: float | None = None  # a latency objective: goodput counts OK replies within it
 
     @property
     def trials(self) -> int:
@@ -313,5 +314,6 @@ async def run_level(
     result = summarize(
         run.records, mode=load.mode, level=load.level, offered_rps=load.offered_rps,
         measurement=measurement, late_tolerance_ms=settings.late_tolerance_ms,
+        slo_ms=settings.slo_ms,
     )  # fmt: skip
     return Level(load, run.records, result)

@@ -162,12 +162,15 @@ EXPECTED_CSV = [
     "daemon_pre_ms", "daemon_device_ms", "daemon_post_ms", "daemon_total_ms",
     "daemon_queue_p99_ms", "daemon_total_p99_ms", "device_share", "device_batch", "late_sends",
     "late_fraction", "max_late_ms", "windows", "stable", "measured_s",
+    "intended_latency_p50_ms", "intended_latency_p90_ms", "intended_latency_p95_ms",
+    "intended_latency_p99_ms", "intended_latency_p99_9_ms", "intended_latency_max_ms",
+    "intended_latency_mean_ms", "slo_ms", "slo_goodput_rps",
 ]  # fmt: skip
 EXPECTED_JSON = [
     "mode", "level", "offered_rps", "sent_rps", "throughput_rps", "goodput_rps", "requests",
     "status_counts", "shed_fraction", "latency_ms", "client_overhead_ms", "daemon_ms",
     "device_share", "device_batch", "late_sends", "late_fraction", "max_late_ms", "windows",
-    "stable", "measured_s", "window_stats",
+    "stable", "measured_s", "window_stats", "intended_latency_ms", "slo_ms", "slo_goodput_rps",
 ]  # fmt: skip
 
 
@@ -185,7 +188,7 @@ def test_csv_json_schemas_and_plots(daemon: Daemon, tmp_path: Path) -> None:
     assert rows[0]["device_share"].split()[0].startswith("dla0=")
     write_json(tmp_path / "r.json", results, {"k": 1})
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["schema"] == "dlad-bench/2"
+    assert doc["schema"] == "dlad-bench/3"
     assert doc["meta"] == {"k": 1}
     for level in doc["levels"]:
         assert list(level) == EXPECTED_JSON
@@ -326,3 +329,22 @@ def test_duration_runs_each_level_for_that_long(daemon: Daemon, tmp_path: Path) 
     assert level["measured_s"] >= 0.9 * (1 - 1e-6)  # results cover all three windows
     with pytest.raises(SystemExit):
         main([*args, "--duration", "0"])
+
+
+def test_a_failing_threshold_exits_3_and_says_which(
+    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dlad_bench.judge import EXIT_THRESHOLD
+
+    args = _bench_args(daemon.bound[0], tmp_path, "--rate", "50", "--slo-ms", "1000")
+    assert main([*args, "--fail-if", "p99>10000ms", "--fail-if", "slo<0.5"]) == 0
+    assert main([*args, "--fail-if", "p50<1000ms"]) == EXIT_THRESHOLD  # true, so it fails
+    assert "failed poisson 50/s: p50<1000ms (measured" in capsys.readouterr().err
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["levels"][0]["slo_ms"] == 1000.0
+    assert doc["levels"][0]["slo_goodput_rps"] > 0
+    with pytest.raises(
+        SystemExit
+    ) as info:  # a bad condition is a usage error, before anything runs
+        main([*args, "--fail-if", "p99 ~ 4"])
+    assert info.value.code == 2

@@ -224,3 +224,50 @@ def test_summary_infers_batch_sizes_from_shared_device_times() -> None:
         late_tolerance_ms=2.0,
     )  # fmt: skip
     assert s.device_batch == {"dla0": 1.0, "gpu": pytest.approx(16 / 3)}
+
+
+def test_a_stalled_generator_cannot_hide_queueing_from_the_due_time_latency() -> None:
+    """Coordinated omission: a generator that stalls 100 ms sends its overdue requests late;
+    measured from the send they look fast, measured from when they were due they are not."""
+    from dlad_bench.measure import Record, summarize
+
+    records = []
+    for i in range(100):  # due every 10 ms; requests 40-49 leave only at 0.5 s (the stall)
+        due = i * 0.01
+        sent = 0.5 if 40 <= i < 50 else due
+        r = Record(due, sent, deadline_ms=1000.0)
+        r.done, r.status = sent + 0.001, "OK"
+        records.append(r)
+    m = Measurement(pct=50, windows=1, max_trials=1)
+    m.add(WindowStats(0, 0.0, 2.0, 0, 1.0, 1.0))
+    s = summarize(
+        records, mode="rate", level=100.0, offered_rps=100.0, measurement=m,
+        late_tolerance_ms=2.0, slo_ms=20.0,
+    )  # fmt: skip
+    assert s.latency_ms["p99"] == pytest.approx(1.0)  # from the send: nothing to see
+    assert s.intended_latency_ms["max"] == pytest.approx(101.0)  # request 40: due at 0.4 s
+    assert s.intended_latency_ms["p99"] > 80.0
+    # The objective counts from the due time: requests 40-48 missed 20 ms, 49 (11 ms) made it.
+    assert s.slo_goodput_rps == pytest.approx(91 / 2.0)
+    assert s.goodput_rps == pytest.approx(100 / 2.0)  # within their 1 s deadline, all of them
+
+
+def test_thresholds_parse_and_judge_each_level() -> None:
+    from dlad_bench.judge import failures, parse_threshold
+    from dlad_bench.measure import Record, summarize
+
+    r = Record(0.0, 0.0, deadline_ms=10.0)
+    r.done, r.status = 0.005, "OK"
+    m = Measurement(pct=50, windows=1, max_trials=1)
+    m.add(WindowStats(0, 0.0, 1.0, 0, 1.0, 1.0))
+    level = summarize([r], mode="rate", level=1.0, offered_rps=1.0, measurement=m,
+                      late_tolerance_ms=2.0)  # fmt: skip
+    passing = [parse_threshold(t) for t in ("p99>40ms", "goodput<0.95", "shed>1%",
+                                            "throughput<0.5/s", "due_p99 >= 6ms")]  # fmt: skip
+    assert failures(passing, [("rate 1", level)]) == []
+    failing = [parse_threshold("p50>4ms"), parse_threshold("slo<0.5")]  # no SLO: no value
+    assert failures(failing, [("rate 1", level)]) == [
+        "rate 1: p50>4ms (measured 5)", "rate 1: slo<0.5 (measured nan)"]  # fmt: skip
+    for bad in ("p99>", "p99 ~ 4", "latency>4ms", "goodput<95ms", "p99>40%"):
+        with pytest.raises(ValueError, match="--fail-if"):
+            parse_threshold(bad)
