@@ -11,7 +11,7 @@ import datetime as dt
 import math
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -22,7 +22,7 @@ from rich.text import Text
 from dlad.errors import DladError
 from dlad_bench import plots
 from dlad_bench.inputs import Frame, load_frames
-from dlad_bench.judge import EXIT_THRESHOLD, failures, parse_threshold
+from dlad_bench.judge import EXIT_THRESHOLD, RateSearch, failures, parse_threshold
 from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement
 from dlad_bench.report import print_table, write_csv, write_json
 from dlad_bench.runner import Level, Load, Settings, run_level
@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=None, metavar="MS",
                    help="a latency objective: goodput counts OK replies within MS of their due "
                         "time (the slo/s column, slo_goodput_rps)")  # fmt: skip
+    p.add_argument("--search-p99-ms", type=float, default=None, metavar="MS",
+                   help="with --rate LO:HI: search (by bisection) the highest rate whose p99 "
+                        "from the due time stays within MS with <= 1%% not OK")  # fmt: skip
+    p.add_argument("--search-steps", type=int, default=6, help="bisections of the search (6)")
     p.add_argument("--fail-if", action="append", default=[], metavar="COND",
                    help="exit 3 if any level meets COND, e.g. 'p99>40ms', 'goodput<0.95', "
                         "'slo<99%%' (repeatable; metrics in dlad_bench/judge.py)")  # fmt: skip
@@ -244,14 +248,17 @@ async def _bench(
                 f"dlad-bench: the daemon serves no model {args.model!r} ({names})", file=sys.stderr
             )
             return 1
-        progress = _Progress(err, args.quiet, len(loads))
+        search = args.search
+        progress = _Progress(err, args.quiet, search.total if search else len(loads))
         gone = ""
         try:
-            for i, load in enumerate(loads):
+            for i, load in enumerate(_loads(loads, search, args)):
                 progress.level(i, load)
                 level = await run_level(c, load, settings, frames, on_window=progress.window)
                 levels.append(level)
                 r = level.result
+                if search is not None:
+                    search.record(load.level, r)
                 gone = await _daemon_gone(c, r, args.connect_timeout_s)
                 if gone:
                     break
@@ -267,6 +274,8 @@ async def _bench(
             progress.close()
     results = [lv.result for lv in levels]
     print_table(results, out)
+    if search is not None:
+        out.print(f"search: {search.summary()}")
     if gone:
         err.print(
             f"[red]dlad-bench: the daemon stopped answering during {levels[-1].load.label}[/]: "
@@ -298,6 +307,17 @@ async def _bench(
     for line in failed:
         err.print(f"[red]dlad-bench: failed[/] {line}")
     return EXIT_THRESHOLD if failed else 0
+
+
+def _loads(
+    fixed: list[Load], search: RateSearch | None, args: argparse.Namespace
+) -> Iterator[Load]:
+    """The levels to run: the sweep as given, or the search's rates one after the other."""
+    if search is None:
+        yield from fixed
+        return
+    while (rate := search.next()) is not None:
+        yield Load("rate", rate, args.arrivals, args.burstiness)
 
 
 async def _daemon_gone(client: AsyncClient, r: LevelResult, timeout_s: float) -> str:
@@ -373,6 +393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.slo_ms is not None and not args.slo_ms > 0:
             raise ValueError("--slo-ms must be > 0")
         args.thresholds = [parse_threshold(t) for t in args.fail_if]
+        args.search = None
+        if args.search_p99_ms is not None:
+            if args.rate is None:
+                raise ValueError("--search-p99-ms searches a rate: give --rate LO:HI")
+            args.search = RateSearch(min(values), max(values), args.search_p99_ms,
+                                     steps=args.search_steps)  # fmt: skip
         if args.slo_ms is None and any(t.text.startswith("slo") for t in args.thresholds):
             raise ValueError("--fail-if on slo needs --slo-ms")
         frames = load_frames(args.input, seed=args.seed)  # bad input fails before connecting

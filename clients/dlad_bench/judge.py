@@ -24,7 +24,7 @@ from typing import Final
 
 from dlad_bench.measure import LevelResult
 
-__all__ = ["EXIT_THRESHOLD", "Threshold", "failures", "parse_threshold"]
+__all__ = ["EXIT_THRESHOLD", "RateSearch", "Threshold", "failures", "parse_threshold"]
 
 EXIT_THRESHOLD: Final = 3
 """dlad-bench's exit status when a ``--fail-if`` threshold fails (1: the daemon stopped
@@ -108,3 +108,65 @@ def failures(
         for t in thresholds
         if t.fails(r)
     ]
+
+
+class RateSearch:
+    """The highest open-loop rate in ``[lo, hi]`` whose p99 from the due time stays within
+    ``p99_ms`` with at most ``max_failed`` of the requests not OK (perf_analyzer's
+    ``--latency-threshold`` search): ``lo`` first (if it fails there is no answer), then ``hi``
+    (if it passes, it is the answer), then ``steps`` bisections between the highest passing
+    and the lowest failing rate. :meth:`next` gives the rate to measure, None when done;
+    :meth:`record` takes each result."""
+
+    def __init__(self, lo: float, hi: float, p99_ms: float, *, steps: int = 6,
+                 max_failed: float = 0.01) -> None:  # fmt: skip
+        if not 0 < lo < hi:
+            raise ValueError(f"--search-p99-ms needs --rate LO:HI with 0 < LO < HI, got {lo}:{hi}")
+        if not (p99_ms > 0 and steps >= 0):
+            raise ValueError("--search-p99-ms must be > 0 and --search-steps >= 0")
+        self.p99_ms, self.max_failed, self._steps = p99_ms, max_failed, steps
+        self.passing: float | None = None  # the highest rate that passed
+        self.failing: float | None = None  # the lowest rate above it that failed
+        self.tried: list[tuple[float, bool]] = []
+        self._queue = [lo, hi]
+
+    @property
+    def total(self) -> int:
+        """The most levels the search measures."""
+        return 2 + self._steps
+
+    def passes(self, r: LevelResult) -> bool:
+        """Whether a level meets the objective."""
+        p99 = r.intended_latency_ms.get("p99", math.nan)
+        failed = 1 - r.status_counts.get("OK", 0) / r.requests if r.requests else 1.0
+        return math.isfinite(p99) and p99 <= self.p99_ms and failed <= self.max_failed
+
+    def next(self) -> float | None:
+        if self._queue:
+            return self._queue[0]
+        bisections = len(self.tried) - 2
+        if self.passing is None or self.failing is None or bisections >= self._steps:
+            return None
+        return (self.passing + self.failing) / 2
+
+    def record(self, rate: float, r: LevelResult) -> None:
+        ok = self.passes(r)
+        self.tried.append((rate, ok))
+        if self._queue and self._queue[0] == rate:
+            self._queue.pop(0)
+            if not ok and len(self.tried) == 1:
+                self._queue.clear()  # even the lowest rate fails: no answer
+        if ok and (self.passing is None or rate > self.passing):
+            self.passing = rate
+        if not ok and (self.failing is None or rate < self.failing):
+            self.failing = rate
+        if ok and len(self.tried) == 2:
+            self.failing = None  # the highest rate passes: it is the answer, stop
+
+    def summary(self) -> str:
+        """The answer in a sentence."""
+        if self.passing is None:
+            return f"no rate tried keeps p99 within {self.p99_ms:g} ms (the lowest failed)"
+        above = "" if self.failing is None else f"; {self.failing:.1f}/s fails"
+        return (f"the highest rate with p99 within {self.p99_ms:g} ms from the due time and "
+                f"<= {100 * self.max_failed:g}% not OK: {self.passing:.1f}/s{above}")  # fmt: skip

@@ -348,3 +348,21 @@ def test_a_failing_threshold_exits_3_and_says_which(
     ) as info:  # a bad condition is a usage error, before anything runs
         main([*args, "--fail-if", "p99 ~ 4"])
     assert info.value.code == 2
+
+
+def test_the_search_finds_the_knee_of_a_daemon_in_timing_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two cores at 20 ms a frame: 100 frames/s. Past that the queues overflow (OVERLOADED),
+    so the highest rate that keeps p99 within 150 ms with <= 1% not OK lies below 100/s."""
+    with serving(tmp_path, latency=20_000.0) as d:
+        args = _bench_args(d.bound[0], tmp_path, "--rate", "20:200", "--search-p99-ms", "150",
+                           "--search-steps", "4")  # fmt: skip
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("search:"))
+    found = float(line.split("OK: ")[1].split("/s")[0])
+    assert 40.0 <= found <= 100.0, line
+    levels = json.loads((tmp_path / "o.json").read_text())["levels"]
+    assert [lv["level"] for lv in levels][:2] == [20.0, 200.0]  # the measured curve is kept
+    assert len(levels) == 6

@@ -271,3 +271,37 @@ def test_thresholds_parse_and_judge_each_level() -> None:
     for bad in ("p99>", "p99 ~ 4", "latency>4ms", "goodput<95ms", "p99>40%"):
         with pytest.raises(ValueError, match="--fail-if"):
             parse_threshold(bad)
+
+
+def test_the_rate_search_bisects_between_a_passing_and_a_failing_rate() -> None:
+    from dlad_bench.judge import RateSearch
+    from dlad_bench.measure import LevelResult
+
+    def level(p99: float) -> LevelResult:
+        """A level whose one OK reply took ``p99`` ms."""
+        from dlad_bench.measure import Record, summarize
+
+        rec = Record(0.0, 0.0, deadline_ms=1e6)
+        rec.done, rec.status = p99 / 1e3, "OK"
+        m = Measurement(pct=50, windows=1, max_trials=1)
+        m.add(WindowStats(0, 0.0, 10.0, 0, 1.0, 1.0))
+        return summarize([rec], mode="rate", level=1.0, offered_rps=1.0, measurement=m,
+                         late_tolerance_ms=2.0)  # fmt: skip
+
+    knee = 73.0  # the latency passes 40 ms at 73/s: p99 = rate / 2 ms below it, 1 s above
+    search = RateSearch(10.0, 200.0, 40.0, steps=8)
+    tried = []
+    while (rate := search.next()) is not None:
+        tried.append(rate)
+        search.record(rate, level(rate / 2 if rate < knee else 1000.0))
+    assert tried[:2] == [10.0, 200.0]
+    assert len(tried) == 10
+    assert search.passing is not None
+    assert search.failing is not None
+    assert search.passing < knee <= search.failing
+    assert search.failing - search.passing == pytest.approx(190 / 2**8)
+    assert "72." in search.summary() or "73." in search.summary()
+    done = RateSearch(10.0, 200.0, 1e9, steps=8)  # everything passes: the top of the range
+    while (rate := done.next()) is not None:
+        done.record(rate, level(1.0))
+    assert (done.passing, done.tried) == (200.0, [(10.0, True), (200.0, True)])
