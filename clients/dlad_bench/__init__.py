@@ -8,6 +8,7 @@ never through the daemon's internals, so it measures what any client would see::
     dlad-bench --streams 16 --fps 30                  16 cameras, one-frame-period deadlines
     dlad-bench --streams 24 --fps 30 --fps-skew 0.5   24 cameras, Zipf-skewed rates, mean 30
         [--input demo | random:640x480 | DIR] [--csv r.csv] [--json r.json] [--plots DIR]
+        [--html report.html]                          one self-contained report, plots inline
 
 Each level runs a warm-up, then measurement windows until the last 3 agree within
 ``--stability-pct`` on throughput and latency (or ``--max-trials`` windows; ``--duration S``

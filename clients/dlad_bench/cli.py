@@ -11,6 +11,7 @@ import datetime as dt
 import math
 import platform
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from dlad_bench import plots
 from dlad_bench.inputs import Frame, load_frames
 from dlad_bench.judge import EXIT_THRESHOLD, RateSearch, failures, parse_threshold
 from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement
-from dlad_bench.report import print_table, write_csv, write_json
+from dlad_bench.report import print_table, write_csv, write_html, write_json
 from dlad_bench.runner import Level, Load, Settings, run_level
 from dlad_bench.schedule import ARRIVALS
 from dlad_client import AsyncClient, ClientTimeout, CurveKeys, DaemonStatus
@@ -156,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", type=Path, default=None, help="write the results table as CSV")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
+    p.add_argument("--html", type=Path, default=None,
+                   help="write one self-contained HTML report (tables, plots inline)")  # fmt: skip
     p.add_argument("--timeline-ms", type=float, default=100.0, help="timeline plot's window")
     p.add_argument(
         "--timeline-level",
@@ -299,8 +302,17 @@ async def _bench(
         write_csv(args.csv, results)
     if args.json is not None:
         write_json(args.json, results, meta)
-    if args.plots is not None:
-        _plots(args, levels)
+    pngs: list[Path] = []
+    if args.plots is not None or args.html is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = args.plots if args.plots is not None else Path(tmp)
+            pngs = _plots(args, levels, folder)
+            failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
+            if args.html is not None:
+                notes = [f"search: {search.summary()}"] if search is not None else []
+                notes += [f"failed {line}" for line in failed]
+                notes += [f"the daemon stopped answering: {gone}"] if gone else []
+                write_html(args.html, results, meta, pngs, notes)
     if gone:
         return 1
     failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
@@ -340,18 +352,19 @@ async def _daemon_gone(client: AsyncClient, r: LevelResult, timeout_s: float) ->
     return ""
 
 
-def _plots(args: argparse.Namespace, levels: list[Level]) -> None:
-    folder: Path = args.plots
+def _plots(args: argparse.Namespace, levels: list[Level], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    plots.plot_cdf([(lv.load.label, lv.records) for lv in levels], folder / "latency_cdf.png")
-    plots.plot_load([lv.result for lv in levels], folder / "load.png", args.capacity_rps)
     chosen = levels[args.timeline_level]
-    plots.plot_timeline(
-        chosen.records,
-        folder / "timeline.png",
-        span_ms=args.timeline_ms,
-        title=f"device timeline: {chosen.load.label}, {args.timeline_ms:g} ms",
-    )
+    return [
+        plots.plot_cdf([(lv.load.label, lv.records) for lv in levels], folder / "latency_cdf.png"),
+        plots.plot_load([lv.result for lv in levels], folder / "load.png", args.capacity_rps),
+        plots.plot_timeline(
+            chosen.records,
+            folder / "timeline.png",
+            span_ms=args.timeline_ms,
+            title=f"device timeline: {chosen.load.label}, {args.timeline_ms:g} ms",
+        ),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

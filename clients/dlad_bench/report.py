@@ -10,7 +10,9 @@ empty in the CSV and ``null`` in the JSON.
 
 from __future__ import annotations
 
+import base64
 import csv
+import html
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -22,7 +24,10 @@ from rich.table import Table
 
 from dlad_bench.measure import STATUS_NAMES, LevelResult, as_dict
 
-__all__ = ["CSV_COLUMNS", "JSON_LEVEL_KEYS", "SCHEMA", "print_table", "write_csv", "write_json"]
+__all__ = [
+    "CSV_COLUMNS", "JSON_LEVEL_KEYS", "SCHEMA", "print_table", "write_csv", "write_html",
+    "write_json",
+]  # fmt: skip
 
 SCHEMA: Final = "dlad-bench/3"
 """2: ``device_batch`` (each device's mean batch size) added. 3: ``intended_latency_ms``
@@ -166,3 +171,52 @@ def print_table(results: Sequence[LevelResult], console: Console) -> None:
         "request was due (open loop: what a stalled generator would hide); queue/pre/device/"
         "post: the daemon's mean split of them; client: the rest (transport, client)"
     )
+
+
+_HTML_COLUMNS: Final = (
+    ("load", None), ("offered/s", "offered_rps"), ("sent/s", "sent_rps"),
+    ("ok/s", "throughput_rps"), ("good/s", "goodput_rps"), ("slo/s", "slo_goodput_rps"),
+    ("shed", "shed_fraction"), ("p50 ms", "latency_p50_ms"), ("p99 ms", "latency_p99_ms"),
+    ("p99 from due, ms", "intended_latency_p99_ms"), ("max ms", "latency_max_ms"),
+    ("devices", "device_share"), ("stable", "stable"),
+)  # fmt: skip
+
+
+def write_html(
+    path: Path,
+    results: Sequence[LevelResult],
+    meta: Mapping[str, Any],
+    plots: Sequence[Path] = (),
+    notes: Sequence[str] = (),
+) -> None:
+    """One self-contained HTML report (readable offline: the plots are inline PNGs, nothing is
+    fetched): what was run, one table row per level, ``notes`` (the search's answer, failed
+    thresholds) and the plots. Raises OSError."""
+    esc = html.escape
+    head = "".join(f"<th>{esc(name)}</th>" for name, _ in _HTML_COLUMNS)
+    rows = []
+    for r in results:
+        row = csv_row(r)
+        cells = [f"{r.mode} {r.level:g}"] + [str(row[key]) for _, key in _HTML_COLUMNS[1:] if key]
+        rows.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>")
+    about = "".join(
+        f"<tr><th>{esc(str(k))}</th><td>{esc(json.dumps(v, default=str))}</td></tr>"
+        for k, v in meta.items() if k != "settings"
+    )  # fmt: skip
+    images = "".join(
+        f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{esc(p.stem)}</figcaption>'
+        "</figure>"
+        for p in plots
+    )
+    lines = "".join(f"<li>{esc(n)}</li>" for n in notes)
+    doc = (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>dlad-bench</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}img{max-width:100%}"
+        "</style></head><body><h1>dlad-bench</h1>"
+        f"<table>{about}</table><h2>Levels</h2><table><tr>{head}</tr>{''.join(rows)}</table>"
+        f"{f'<ul>{lines}</ul>' if lines else ''}<h2>Plots</h2>{images or '<p>none</p>'}"
+        f"<p>schema {SCHEMA}; the same figures as the CSV and JSON outputs.</p></body></html>\n"
+    )
+    path.write_text(doc, encoding="utf-8")

@@ -366,3 +366,18 @@ def test_the_search_finds_the_knee_of_a_daemon_in_timing_mode(
     levels = json.loads((tmp_path / "o.json").read_text())["levels"]
     assert [lv["level"] for lv in levels][:2] == [20.0, 200.0]  # the measured curve is kept
     assert len(levels) == 6
+
+
+def test_the_html_report_is_one_file_that_needs_nothing_else(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    report = tmp_path / "r.html"
+    args = _bench_args(daemon.bound[0], tmp_path, "--rate", "40:80:40", "--html", str(report))
+    assert main([*args, "--fail-if", "throughput<100000"]) == 3
+    text = report.read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    assert text.count("data:image/png;base64,") == 3  # the plots, inline
+    for external in ('src="http', "<script", "<link"):  # nothing fetched from anywhere
+        assert external not in text
+    assert text.count("<tr><td>rate ") == 2  # a row per level
+    assert "failed poisson 40/s: throughput&lt;100000" in text  # what failed, said there too
