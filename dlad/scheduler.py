@@ -292,15 +292,7 @@ class Scheduler(Generic[P]):
         if old is not None:
             self._remove(old.id)
             superseded.append(old)
-        best = self._choose(job, open_, now)
-        job.device = best.name
-        job.admitted_ns = now
-        job.estimate_ns = int(best.curve(1))
-        job._seq = next(self._seq)
-        heapq.heappush(best.heap, (-job.priority, job.deadline_ns, job._seq, job.id))
-        best.depth += 1
-        self._jobs[job.id] = job
-        self._owned[job.owner] += 1
+        self._enqueue(self._choose(job, open_, now), job, now)
         if key is not None:
             self._streams[key] = job.id
         return superseded
@@ -509,9 +501,13 @@ class Scheduler(Generic[P]):
         quarantined device: nothing else reaches it)."""
         if job.id in self._jobs:
             raise ValueError(f"request id {job.id} is already queued")
-        d = self._devices[device]
-        job.device, job.stream = device, None
-        job.admitted_ns = self._clock()
+        job.stream = None
+        self._enqueue(self._devices[device], job, self._clock())
+
+    def _enqueue(self, d: _Device, job: Job[P], now: int) -> None:
+        """Put ``job`` on ``d``'s queue."""
+        job.device = d.name
+        job.admitted_ns = now
         job.estimate_ns = int(d.curve(1))
         job._seq = next(self._seq)
         heapq.heappush(d.heap, (-job.priority, job.deadline_ns, job._seq, job.id))

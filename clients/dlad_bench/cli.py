@@ -302,12 +302,11 @@ async def _bench(
         write_csv(args.csv, results)
     if args.json is not None:
         write_json(args.json, results, meta)
-    pngs: list[Path] = []
+    failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
     if args.plots is not None or args.html is not None:
         with tempfile.TemporaryDirectory() as tmp:
             folder = args.plots if args.plots is not None else Path(tmp)
             pngs = _plots(args, levels, folder)
-            failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
             if args.html is not None:
                 notes = [f"search: {search.summary()}"] if search is not None else []
                 notes += [f"failed {line}" for line in failed]
@@ -315,7 +314,6 @@ async def _bench(
                 write_html(args.html, results, meta, pngs, notes)
     if gone:
         return 1
-    failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
     for line in failed:
         err.print(f"[red]dlad-bench: failed[/] {line}")
     return EXIT_THRESHOLD if failed else 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from dlad.daemon import Daemon
 from dlad_client import Client, ClientTimeout, CurveKeys
 from tests.dlad.serving import serve_in_thread
 from tests.dlad.test_config import SHIPPED_DATA
+from tests.dlad.test_metrics import wait_for
 
 CONFIG = """
 [frontend]
@@ -43,6 +44,10 @@ core0 = "bundled:demo/fp16_heads.dla0.emu"
 
 def _refused(daemon: Daemon) -> float:
     return daemon.metrics.registry.get_sample_value("dlad_auth_refused_total") or 0.0
+
+
+def _refused_since(daemon: Daemon, before: float) -> bool:
+    return _refused(daemon) > before
 
 
 @pytest.fixture
@@ -85,8 +90,7 @@ def test_only_allowed_keys_get_answers_and_rotation_takes_effect(keyed: Any) -> 
                 with pytest.raises(ClientTimeout, match="none connected"):
                     stranger.status()  # the handshake never completes: nothing is sent
                 if who is not None:
-                    while _refused(daemon) == before:  # the daemon refused that key
-                        time.sleep(0.001)
+                    wait_for(functools.partial(_refused_since, daemon, before))  # refused that key
         assert daemon.counters.received == 1  # alice's STATUS, no more
         # Rotation: allow mallory's key, then withdraw alice's.
         allowed = root / "allowed"
@@ -100,8 +104,7 @@ def test_only_allowed_keys_get_answers_and_rotation_takes_effect(keyed: Any) -> 
         with Client(ep, curve=_keys(root, "alice"), timeout_s=0.5) as alice:
             with pytest.raises(ClientTimeout, match="none connected"):
                 alice.status()
-            while _refused(daemon) == before:
-                time.sleep(0.001)
+            wait_for(lambda: _refused(daemon) > before)
 
 
 def test_the_config_refuses_what_auth_cannot_serve(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ deadlines, cancel, bad input and drain — every request answered exactly once."
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -282,7 +281,7 @@ def test_everything_read_during_shutdown_is_answered(tmp_path: Path) -> None:
 
     sent = 0
     got: list[protocol.Reply] = []
-    closed = threading.Event()
+    closed, serving = threading.Event(), threading.Event()
     with running(tmp_path, latency=2000.0, depth=8) as (daemon, ep), dealer(ep) as sock:
 
         def flood() -> None:
@@ -292,11 +291,12 @@ def test_everything_read_during_shutdown_is_answered(tmp_path: Path) -> None:
                 sent += 1
                 while sock.poll(0):
                     got.append(protocol.decode_reply(sock.recv_multipart()))
+                if len(got) >= 20:
+                    serving.set()
 
         sender = threading.Thread(target=flood)
         sender.start()
-        while len(got) < 20:  # serving for a while first
-            time.sleep(0.001)
+        assert serving.wait(60)  # serving for a while first
         daemon.stop_threadsafe()
         assert daemon.stopped.wait(60)
         closed.set()

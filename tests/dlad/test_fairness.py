@@ -3,7 +3,6 @@ shares of full queues, and a rate limit on cheap requests (docs/protocol.md "Cli
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from dlad.daemon import Daemon
 from dlad.errors import Status
 from tests.dlad.serving import serve_in_thread
 from tests.dlad.test_daemon import IMAGE, _status, dealer, recv
+from tests.dlad.test_metrics import wait_for
 
 SLOW_CORE = """
 [frontend]
@@ -142,10 +142,9 @@ def test_connections_past_the_cap_are_refused_at_the_handshake(tmp_path: Path) -
         with dealer(ep) as c:
             c.send_multipart(protocol.encode(protocol.StatusRequest(3)))
             refused = daemon.metrics.registry.get_sample_value
-            while not refused("dlad_connections_refused_total"):
-                time.sleep(0.001)  # its handshake was refused, so nothing it sent was read
+            wait_for(lambda: bool(refused("dlad_connections_refused_total")))  # handshake failed,
+            # so nothing it sent was read:
             assert daemon.counters.received == 2
             assert c.poll(0) == 0
-        while daemon.frontend.connections != 2:  # the refused one left no count behind
-            time.sleep(0.001)
+        wait_for(lambda: daemon.frontend.connections == 2)  # the refused one left no count
         assert _status(a, 4)["state"] == "RUNNING"
