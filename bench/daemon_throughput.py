@@ -1,7 +1,7 @@
 """The daemon at saturation vs the transport ceiling and the ideal device capacity, in one run.
 
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
-        [--pre-post-backends cpu[,cuda]]
+        [--pre-post-backends cpu[,cuda]] [--profile DIR] [--trials N]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -15,19 +15,28 @@ frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER
    kernels fenced to the DLA tasks (docs/gpu.md).
 
 Reported: achieved requests/s, the ratio to min(ideal device capacity, transport ceiling),
-p50/p99 latency, and the server process's CPU seconds per request (from /proc).
+p50/p99 latency, and the server process's CPU seconds per request (from /proc): in all, and
+the daemon's own, without its emulated cores' threads (work a DLA does in silicon), as a ratio
+to the bare server's.
+
+``--profile DIR`` runs each dlad server under py-spy (``pip install py-spy``; it samples the
+process from outside, on-CPU samples only, every thread) and prints, per run, the functions
+holding the most samples: by self time, and inclusive of what they call. The raw stacks are
+kept in DIR (``flamegraph.pl`` or speedscope read them).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +89,24 @@ while True:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    return _stat_cpu(Path(f"/proc/{pid}/stat"))
+
+
+def engine_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``'s emulated-engine threads (named ``dla<N>-emulated`` for the OS):
+    the "hardware" an Orin has in silicon, not the daemon's own cost. They live as long as the
+    daemon, so a difference of two readings is their whole share of a run."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if (task / "comm").read_text().strip().endswith("-emulated"):
+                total += _stat_cpu(task / "stat")
+    return total
+
+
+def _stat_cpu(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stats(lat: list[float], ok: int, bad: int, elapsed: float) -> dict[str, float]:
@@ -97,20 +121,35 @@ def _stats(lat: list[float], ok: int, bad: int, elapsed: float) -> dict[str, flo
     }
 
 
-def drive_bare(endpoint: str, seconds: float, in_flight: int) -> dict[str, float]:
-    """Bare pyzmq: keep ``in_flight`` frames outstanding for ``seconds`` (acks come in order)."""
+def drive_bare(
+    endpoint: str,
+    seconds: float,
+    in_flight: int,
+    rate: float | None = None,
+    frame: tuple[int, ...] = FRAME,
+) -> dict[str, float]:
+    """Bare pyzmq: keep ``in_flight`` frames outstanding for ``seconds`` (acks come in order);
+    with ``rate``, send at most that many frames a second (the ceiling's CPU cost at the load
+    dlad carried)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.RCVHWM, 1000)
     sock.connect(endpoint)
-    image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
+    image = np.random.default_rng(0).integers(0, 255, frame, dtype=np.uint8)
     sent: deque[int] = deque()
     lat: list[float] = []
     ok = 0
 
+    gap = 0.0 if rate is None else 1.0 / rate
+    due = time.perf_counter()
+
     def send() -> None:
+        nonlocal due
+        if gap:
+            due += gap
+            time.sleep(max(due - time.perf_counter(), 0.0))
         sent.append(time.perf_counter_ns())
         sock.send_multipart([b"x", image], copy=False)
 
@@ -165,14 +204,22 @@ def drive_sdk(endpoint: str, seconds: float, in_flight: int) -> dict[str, float]
     return _stats(lat, ok, bad, elapsed)
 
 
-def bare_ceiling(endpoint: str, seconds: float, in_flight: int) -> tuple[dict[str, float], float]:
-    """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame)."""
+def bare_ceiling(
+    endpoint: str,
+    seconds: float,
+    in_flight: int,
+    rate: float | None = None,
+    frame: tuple[int, ...] = FRAME,
+) -> tuple[dict[str, float], float]:
+    """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame).
+    With ``rate``, the same server paced to that load (a server's CPU per frame grows as its
+    load falls: fewer messages share each wake-up)."""
     echo = subprocess.Popen(
         [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
     )
     wait_ready(echo, "ready")
     cpu0 = cpu_seconds(echo.pid)
-    stats = drive_bare(endpoint, seconds, in_flight)
+    stats = drive_bare(endpoint, seconds, in_flight, rate, frame)
     cpu = (cpu_seconds(echo.pid) - cpu0) / max(stats["ok"], 1)
     ctx = zmq.Context()
     stop = ctx.socket(zmq.DEALER)
@@ -185,12 +232,100 @@ def bare_ceiling(endpoint: str, seconds: float, in_flight: int) -> tuple[dict[st
     return stats, cpu
 
 
+def start_profile(pid: int, raw: Path, seconds: float) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` for ``seconds`` (the measured window, not the start-up) into
+    ``raw`` as collapsed stacks, every thread, 200 samples a second."""
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--duration", str(math.ceil(seconds)),
+         "--rate", "200", "--threads", "--format", "raw", "--output", str(raw)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+WAITS = frozenset({"Condition.wait", "EpollSelector.select", "Event.wait", "sleep"})
+"""Innermost frames that block (py-spy can count a timed wait as running: dropped)."""
+
+
+def top_functions(raw: Path, n: int = 15) -> str:
+    """The ``n`` functions with the most samples in py-spy's raw (collapsed) stacks: by self
+    time (the innermost frame) and inclusive (anywhere on the stack, once per sample); samples
+    blocked in a wait (:data:`WAITS`) are left out."""
+    selfs: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = waits = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [_short(f) for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        k = int(count)
+        if not frames or frames[-1].partition(" (")[0] in WAITS:
+            waits += k
+            continue
+        total += k
+        selfs[frames[-1]] += k
+        for f in set(frames):
+            incl[f] += k
+    total = max(total, 1)
+    rows = [f"  {total} samples running ({waits} waiting, left out); self:"]
+    rows += [f"    {100 * c / total:5.1f}%  {f}" for f, c in selfs.most_common(n)]
+    rows.append("  inclusive:")
+    rows += [f"    {100 * c / total:5.1f}%  {f}" for f, c in incl.most_common(n)]
+    return "\n".join(rows)
+
+
+def _short(frame: str) -> str:
+    """``func (path/to/file.py:123)`` -> ``func (file.py)``: one row per function."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({Path(where.rsplit(':', 1)[0]).name})"
+
+
 def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         if marker in line:
             return
     raise RuntimeError(f"server exited before {marker!r}")
+
+
+def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int
+             ) -> tuple[dict[str, float], float, float, Path | None]:  # fmt: skip
+    """One dlad server measured: (stats, process CPU s/request, engine threads' CPU s/request,
+    the profile's raw stacks or None)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "dlad.toml"
+        gpu = '[devices.gpu]\nkind = "gpu"\n' if backend == "cuda" else ""
+        cfg.write_text(
+            CONFIG.format(
+                endpoint=args.endpoint,
+                pre_post=pre_post,
+                latency=args.latency_us,
+                backend=backend,
+                gpu=gpu,
+            )
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        wait_ready(proc, "listening")
+        name = _run_name(pre_post, backend)
+        raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
+        spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
+        cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
+        r = drive_sdk(args.endpoint, args.seconds, args.in_flight)
+        cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
+        engines = (engine_cpu_seconds(proc.pid) - eng0) / max(r["ok"], 1)
+        if spy is not None:
+            spy.wait(60)
+        proc.terminate()
+        proc.wait(30)
+    return r, cpu, engines, raw
+
+
+def _run_name(pre_post: str, backend: str) -> str:
+    return f"on-{backend}" if pre_post == "true" else "off"
 
 
 def main() -> None:
@@ -203,60 +338,64 @@ def main() -> None:
         "--transports", default="tcp,ipc", help="bare-pyzmq ceilings to measure (tcp and/or ipc)"
     )
     ap.add_argument("--pre-post-backends", default="cpu", help="cpu and/or cuda, comma-separated")
+    ap.add_argument("--profile", type=Path, help="profile each dlad run with py-spy into DIR")
+    ap.add_argument(
+        "--trials", type=int, default=1,
+        help="repeat the whole sequence N times; the summary gives each ratio's median and range",
+    )  # fmt: skip
     args = ap.parse_args()
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
-
-    ceilings: dict[str, tuple[dict[str, float], float]] = {}
-    for transport in args.transports.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            ep = args.endpoint if transport == "tcp" else f"ipc://{tmp}/echo.sock"
-            ceilings[transport] = bare_ceiling(ep, args.seconds, args.in_flight)
-        stats, cpu = ceilings[transport]
-        print(
-            f"bare pyzmq ROUTER/DEALER over {transport}, 1.35 MB frames, {args.in_flight} in "
-            f"flight: {stats['rate']:.0f} frames/s, p50 {stats['p50_ms']:.2f} ms, "
-            f"p99 {stats['p99_ms']:.2f} ms, server CPU {cpu * 1e3:.3f} ms/frame"
-        )
-    # dlad serves on tcp loopback (its default: faster and steadier than ipc on these machines).
-    bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
-    ceiling = bare["rate"]
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
-    bound = min(ideal, ceiling)
-
     runs = [("false", "cpu")] + [("true", b) for b in args.pre_post_backends.split(",")]
-    for pre_post, backend in runs:
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = Path(tmp) / "dlad.toml"
-            gpu = '[devices.gpu]\nkind = "gpu"\n' if backend == "cuda" else ""
-            cfg.write_text(
-                CONFIG.format(
-                    endpoint=args.endpoint,
-                    pre_post=pre_post,
-                    latency=args.latency_us,
-                    backend=backend,
-                    gpu=gpu,
-                )
+    ratios: dict[str, list[tuple[float, float, float]]] = {_run_name(*r): [] for r in runs}
+    for trial in range(args.trials):
+        if args.trials > 1:
+            print(f"--- trial {trial + 1} of {args.trials}")
+        ceilings: dict[str, tuple[dict[str, float], float]] = {}
+        for transport in args.transports.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                ep = args.endpoint if transport == "tcp" else f"ipc://{tmp}/echo.sock"
+                ceilings[transport] = bare_ceiling(ep, args.seconds, args.in_flight)
+            stats, cpu = ceilings[transport]
+            print(
+                f"bare pyzmq ROUTER/DEALER over {transport}, 1.35 MB frames, {args.in_flight} "
+                f"in flight: {stats['rate']:.0f} frames/s, p50 {stats['p50_ms']:.2f} ms, "
+                f"p99 {stats['p99_ms']:.2f} ms, server CPU {cpu * 1e3:.3f} ms/frame"
             )
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+        # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
+        bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
+        bound = min(ideal, bare["rate"])
+        for pre_post, backend in runs:
+            r, cpu, engines, raw = run_dlad(args, pre_post, backend, trial)
+            name = _run_name(pre_post, backend)
+            own = cpu - engines
+            paced, paced_cpu = bare_ceiling(args.endpoint, args.seconds, args.in_flight, r["rate"])
+            ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound))
+            print(
+                f"dlad, pre/post {'on (' + backend + ')' if pre_post == 'true' else 'off'}: "
+                f"{r['rate']:.0f} req/s "
+                f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
+                f"p99 {r['p99_ms']:.2f} ms; process CPU {cpu * 1e3:.3f} ms/request, of which "
+                f"the emulated cores' threads {engines * 1e3:.3f}: the daemon's own "
+                f"{own * 1e3:.3f} = {own / bare_cpu:.2f} x the bare pyzmq server's "
+                f"{bare_cpu * 1e3:.3f}; errors {r['errors']}\n"
+                f"  the bare server paced to the same load: {paced['rate']:.0f} frames/s, CPU "
+                f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that"
             )
-            wait_ready(proc, "listening")
-            cpu0 = cpu_seconds(proc.pid)
-            r = drive_sdk(args.endpoint, args.seconds, args.in_flight)
-            cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
-            proc.terminate()
-            proc.wait(30)
-        print(
-            f"dlad, pre/post {'on (' + backend + ')' if pre_post == 'true' else 'off'}: "
-            f"{r['rate']:.0f} req/s "
-            f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
-            f"p99 {r['p99_ms']:.2f} ms; daemon CPU {cpu * 1e3:.3f} ms/request "
-            f"(bare pyzmq server: {bare_cpu * 1e3:.3f}); errors {r['errors']}"
-        )
+            if raw is not None:
+                print(f"profile of dlad, pre/post {name} ({raw}):\n{top_functions(raw)}")
+    if args.trials > 1:
+        print(f"summary over {args.trials} trials (median [min, max]):")
+        for name, rows in ratios.items():
+            cpu_r, paced_r, rate_r = (sorted(x) for x in zip(*rows, strict=True))
+            print(
+                f"  dlad pre/post {name}: daemon's own CPU / bare server's at its ceiling "
+                f"{statistics.median(cpu_r):.2f} [{cpu_r[0]:.2f}, {cpu_r[-1]:.2f}], / paced "
+                f"to the same load {statistics.median(paced_r):.2f} [{paced_r[0]:.2f}, "
+                f"{paced_r[-1]:.2f}]; rate / min(ideal, ceiling) "
+                f"{statistics.median(rate_r):.3f} [{rate_r[0]:.3f}, {rate_r[-1]:.3f}]"
+            )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

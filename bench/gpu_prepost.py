@@ -227,6 +227,10 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
         post1()
         return pipe1.synchronize()
 
+    def post1_spin() -> list[Any]:
+        post1()
+        return pipe1.synchronize(spin_us=500.0)  # a latency-bound caller polls the event
+
     def post8() -> None:
         pipe8.post(ptrs, [geometry] * batch, **kw)  # type: ignore[arg-type]
 
@@ -239,6 +243,7 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     got = post1_sync()[0]
     assert got.detections.shape == expected.shape, (got.detections.shape, expected.shape)
     wall1 = wall(post1_sync, 500, warm=20)
+    wall1_spin = wall(post1_spin, 500, warm=20)
     gpu1 = Events(ctx, pipe1.stream).time_us(post1, 1000)
     wall8 = wall(post8_sync, 200, warm=10) / batch
     gpu8 = Events(ctx, pipe8.stream).time_us(post8, 300) / batch
@@ -287,6 +292,7 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
         "detections": len(got.detections),
         "torchvision_detections": int(tv_out.shape[0]),
         "dlad_batch1_wall_us": wall1,
+        "dlad_batch1_wall_spin_us": wall1_spin,
         "dlad_batch1_gpu_us": gpu1,
         f"dlad_batch{batch}_wall_per_frame_us": wall8,
         f"dlad_batch{batch}_gpu_per_frame_us": gpu8,

@@ -44,7 +44,7 @@ __all__ = [
     "BUNDLED_PREFIX", "AuthConfig", "Config", "ConfigError", "DaemonConfig", "DeviceConfig",
     "FaultConfig", "FrontendConfig", "HealthConfig", "LoadablesConfig", "LoggingConfig",
     "MetricsConfig", "ModelConfig", "Placement", "Plan", "PrePostConfig", "SchedulerConfig",
-    "SocConfig", "endpoint_problem", "load_config", "parse_config",
+    "ShmConfig", "SocConfig", "endpoint_problem", "load_config", "parse_config",
 ]  # fmt: skip
 
 MAX_DET = 1000
@@ -421,6 +421,29 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ShmConfig:
+    """``[shm]``: frames a client on this host writes into shared memory and names in a small
+    INFER, read in place (docs/protocol.md, Shared-memory frames; ``dlad/shm.py``)."""
+
+    enabled: bool = True
+    """Take shared-memory INFERs, from ``ipc://`` and loopback tcp connections only (a frame in
+    this host's memory means nothing to a remote client, and must not be readable by one)."""
+    max_segments: int = 64
+    """Client segments mapped at once (one more is refused OVERLOADED until one is reclaimed)."""
+    max_bytes: int = 4 << 30
+    """Bytes of client segments mapped at once (address space, not memory: the pages are the
+    clients')."""
+    idle_s: float = 30.0
+    """A segment no queued or running frame uses is unmapped after this long unused (a client
+    that died or closed leaves nothing mapped)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_segments >= 1, "max_segments", f"must be >= 1, got {self.max_segments}")
+        _check(self.max_bytes >= 1 << 20, "max_bytes", f"must be >= 1 MiB, got {self.max_bytes}")
+        _positive(self.idle_s, "idle_s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AuthConfig:
     """``[auth]``: who may connect (``dlad/auth.py``; docs/protocol.md, Authentication)."""
 
@@ -651,6 +674,8 @@ class Config:
     """``[health]``."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """``[auth]``."""
+    shm: ShmConfig = field(default_factory=ShmConfig)
+    """``[shm]``."""
     devices: tuple[DeviceConfig, ...]
     """``[devices.<name>]``, in file order (at least one)."""
     models: tuple[ModelConfig, ...]

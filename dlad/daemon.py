@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import gc
 import signal
 import threading
 import time
@@ -177,6 +178,9 @@ class Daemon:
             for p in self.plan.placements:  # the devices that get an executor
                 self.metrics.device_state(p.device, "loading")
             await self._start_gpu()
+            if self._gpu is not None and self.frontend.shm is not None:
+                self.frontend.shm.on_map = self._gpu.register_frames
+                self.frontend.shm.on_unmap = self._gpu.unregister_frames
             try:
                 self.executors.update(
                     build_executors(
@@ -200,6 +204,10 @@ class Daemon:
                 tg.start_soon(self.frontend.watch_connections)
                 if self.executors:
                     await self._warm.wait()
+                # What start-up built (models, engines, modules) lives as long as the daemon:
+                # out of the collector's sight, a collection walks only what serving allocates.
+                gc.collect()
+                gc.freeze()
                 self.ready.set()
                 log.info("listening", endpoints=self.bound, devices=list(self.executors))
                 await self._stop.wait()
@@ -304,6 +312,8 @@ class Daemon:
                     keys.reload()
                 except StartupError as exc:  # the directory went away: keep the last list
                     log.warning("client_keys_unreadable", reason=exc.message)
+            if self.frontend.shm is not None:
+                self.frontend.shm.reclaim()  # client segments idle past [shm] idle_s
             snaps = {s.name: s for s in self._scheduler.snapshot()}
             self.metrics.tick(
                 DeviceSample(

@@ -8,18 +8,26 @@ routing id and request id, and executors report back by job id.
 
 The event loop only moves small objects here: the image stays in the received ZeroMQ frame (a
 zero-copy numpy view) until an executor's worker thread reads it.
+
+The ROUTER is a plain (synchronous) pyzmq socket driven from the event loop: the loop watches
+its file descriptor, and the receive loop then reads every waiting message without blocking;
+replies are sent without blocking (``NOBLOCK``), so they need no awaiting either. This is what
+``zmq.asyncio`` does, without a future, a callback and a loop turn per message: the daemon's
+hot path is measured against a bare pyzmq server (``bench/daemon_throughput.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, cast
 
 import anyio
 import anyio.lowlevel
@@ -48,8 +56,12 @@ from dlad.errors import (
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
 from dlad.scheduler import Job, Scheduler
+from dlad.shm import SharedFrames
 
 __all__ = ["MAX_CLIENTS_TRACKED", "Counters", "Frontend"]
+
+_NO_DETECTIONS = np.zeros((0, 6), np.float32)
+_NO_DETECTIONS.flags.writeable = False
 
 MAX_CLIENTS_TRACKED = 10_000
 """Clients whose cheap-request rate is tracked at once (more: the oldest are forgotten)."""
@@ -75,7 +87,22 @@ class _Asker:
     received_ns: int
     job: Job[Request]
     owner: str  # the client's identity (its CURVE key, else its connection)
+    size: int  # the frame's bytes in the daemon's budget (0: in a client's shared memory)
+    shm: str | None = None  # the shared-memory segment the frame lies in
     retried: bool = False
+
+
+# The hot path's flags as plain ints: pyzmq's are enum flags, and combining those per call
+# builds enum members.
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_MORE: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+
+
+def _waiting(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on ``sock`` (reading ``ZMQ_EVENTS`` also re-arms its fd)."""
+    return bool(cast("int", sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 class Frontend:
@@ -117,12 +144,16 @@ class Frontend:
         )
         self.bound: list[str] = []
         self._ctx: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._readable = asyncio.Event()  # the socket's fd fired, or a send may have hidden input
+        self._asleep = False  # the receive loop waits on _readable
         self._next_job = 0
         self._askers: dict[int, _Asker] = {}  # job id -> who asked
         self._jobs: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
         self._idle = anyio.Event()
         self._expiry_wake = anyio.Event()
+        self._expiry_at: int | None = None  # when the expiry timer fires (None: no timer)
+        self._models = {m.name: m for m in config.models}
         self._curve = curve  # (server secret key file, client keys directory), or None
         self._drop_logged = -1.0
         self._in_flight: collections.Counter[str] = collections.Counter()  # owner -> jobs
@@ -133,14 +164,15 @@ class Frontend:
         self._refusal_logged = -1.0
         self.connections = 0  # open connections, as the socket's monitor counts them
         self.client_keys: ClientKeys | None = None
+        self.shm = SharedFrames(config.shm) if config.shm.enabled else None
 
     # ------------------------------------------------------------------ socket
     def open(self, endpoints: Sequence[str]) -> None:
         """Create the ROUTER socket and bind it to ``endpoints`` (their bound addresses land in
         :attr:`bound`). Raises StartupError naming ``frontend.endpoints[i]`` for one that cannot
         be bound."""
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.ROUTER)
+        ctx = zmq.asyncio.Context()  # the monitor and the ZAP handler are asyncio sockets
+        sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.ROUTER)
         self._ctx, self._socket = ctx, sock
         f = self.config.frontend
         if self._curve is not None:  # before any bind: every endpoint is a CURVE server
@@ -154,7 +186,11 @@ class Frontend:
             ctx, f.max_connections, keys=self.client_keys, on_refused=self._connection_refused
         )
         sock.zap_domain = ZAP_DOMAIN.encode()
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # an asyncio PAIR socket: the context makes the sockets it creates asyncio ones
+        self._monitor = cast(
+            "zmq.asyncio.Socket",
+            sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
+        )
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, f.sndhwm)
         sock.setsockopt(zmq.RCVHWM, f.rcvhwm)
@@ -198,6 +234,8 @@ class Frontend:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self.shm is not None:
+            self.shm.close()
 
     @property
     def pending(self) -> int:
@@ -212,14 +250,33 @@ class Frontend:
     # ------------------------------------------------------------------ requests
     async def receive_loop(self) -> None:
         """Read and handle messages until cancelled."""
-        assert self._socket is not None  # opened before the loop starts
-        while True:
-            frames = await self._socket.recv_multipart(copy=False)
-            await self._handle(list(frames))
-            # A receive that finds a message waiting completes without giving up the loop: under
-            # a flood this loop would run alone and the executors' tasks, which dispatch and
-            # answer, never. Yield after every message.
-            await anyio.lowlevel.checkpoint()
+        sock = self._socket
+        assert sock is not None  # opened before the loop starts
+        loop = asyncio.get_running_loop()
+        readable = self._readable
+        loop.add_reader(sock.FD, readable.set)
+        try:
+            while True:
+                if not _waiting(sock):
+                    # ZeroMQ's fd is edge-triggered: sleep only once the socket itself says no
+                    # message waits (a send may take the edge meanwhile: _send_frames re-checks).
+                    readable.clear()
+                    self._asleep = True
+                    try:
+                        await readable.wait()
+                    finally:
+                        self._asleep = False
+                    continue
+                try:
+                    frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                except zmq.Again:  # the message went (a peer's connection closed meanwhile)
+                    continue
+                await self._handle(frames)
+                # Under a flood this loop would find a message at every read and run alone; the
+                # executors' tasks, which dispatch and answer, would never. Yield after each.
+                await asyncio.sleep(0)
+        finally:
+            loop.remove_reader(sock.FD)
 
     async def watch_connections(self) -> None:
         """Count the socket's connections from its monitor events, for the connection cap and
@@ -250,11 +307,11 @@ class Frontend:
         n = 0
         while True:
             try:
-                frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
             n += 1
-            await self._handle(list(frames))
+            await self._handle(frames)
 
     async def _handle(self, frames: list[Any]) -> None:
         """Answer one message. Whatever goes wrong on the way costs its sender a typed reply
@@ -264,8 +321,10 @@ class Frontend:
         self.counters.received += 1
         request: protocol.Request | None = None
         try:
-            request = protocol.decode_request(frames[1:], self.limits)
-            await self._dispatch(client, self._identity(client, frames), request)
+            owner = self._identity(client, frames)
+            shm = None if self.shm is None else functools.partial(self._shm_frame, owner, frames)
+            request = protocol.decode_request(frames[1:], self.limits, shm)
+            await self._dispatch(client, owner, request)
         except DladError as exc:
             if request is None:
                 log.bind(client=client.hex(), request_id=exc.request_id).info(
@@ -275,7 +334,9 @@ class Frontend:
                 await self._reply_safely(client, protocol.error_reply(exc))
                 return
             if isinstance(request, protocol.InferRequest):  # refused at admission
-                self.metrics.observe_reply(request.model, None, exc.status)
+                # an unknown model's name is the client's: a label "" keeps the series bounded
+                model = request.model if request.model in self._models else ""
+                self.metrics.observe_reply(model, None, exc.status)
             reply = protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind))
             await self._reply_safely(client, reply)
         except Exception as exc:  # noqa: BLE001  # a bug on the request path: answered, logged
@@ -297,6 +358,23 @@ class Frontend:
             with contextlib.suppress(zmq.ZMQError, AttributeError):
                 return str(frames[-1].get("User-Id"))
         return client.hex()
+
+    def _shm_frame(
+        self, owner: str, frames: list[Any], ref: protocol.ShmRef, nbytes: int
+    ) -> memoryview:
+        """The shared-memory frame an INFER names (``protocol.ShmResolver``), for a client on
+        this host only."""
+        assert self.shm is not None  # only passed to the decoder when enabled
+        try:
+            peer = str(frames[-1].get("Peer-Address"))
+        except (zmq.ZMQError, AttributeError):
+            peer = ""
+        if not self.shm.peer_is_local(peer):
+            raise BadRequest(
+                "shm: shared-memory frames are taken from ipc:// and loopback tcp connections "
+                "only; send the image in the message"
+            )
+        return self.shm.resolve(owner, ref, nbytes)
 
     def _spend_token(self, owner: str) -> None:
         """Take one of ``owner``'s cheap-request tokens (``cheap_requests_per_s``, bursts of
@@ -340,13 +418,13 @@ class Frontend:
         cap = f.max_in_flight_per_client
         if self._in_flight[owner] >= cap:
             raise Overloaded(f"this client has {cap} requests in flight, the most one may")
-        size = req.image.nbytes
-        if self._buffered + size > f.max_buffered_bytes:
+        size = 0 if req.shm is not None else req.image.nbytes  # shared memory is the client's
+        if size and self._buffered + size > f.max_buffered_bytes:
             raise Overloaded(
                 f"the daemon holds {self._buffered} bytes of frames; this one would pass its "
                 f"budget of {f.max_buffered_bytes}"
             )
-        model = next((m for m in self.config.models if m.name == req.model), None)
+        model = self._models.get(req.model)
         now = time.monotonic_ns()
         d = self.config.daemon
         budget_ms = min(float(req.deadline_ms or d.default_deadline_ms), d.max_deadline_ms)
@@ -381,11 +459,15 @@ class Frontend:
             await self.answer(victim.id, Overloaded(
                 "displaced by another client's frame: this client held the most of the full queues"
             ))  # fmt: skip
-        self._askers[job.id] = _Asker(client, req.id, req.model, now, job, owner)
+        shm = None if req.shm is None else req.shm.name
+        self._askers[job.id] = _Asker(client, req.id, req.model, now, job, owner, size, shm)
+        if shm is not None and self.shm is not None:
+            self.shm.hold(owner, shm)  # mapped until this frame is answered
         self._in_flight[owner] += 1
         self._buffered += size
         self._jobs[key] = job.id
-        self._expiry_wake.set()
+        if self._expiry_at is None or job.deadline_ns < self._expiry_at:
+            self._expiry_wake.set()  # the timer must fire earlier (or start)
         for old in superseded:
             await self.answer(old.id, Cancelled("superseded by a newer frame of its stream"))
         self.executors[job.device].wake()
@@ -408,7 +490,7 @@ class Frontend:
             for job in self.scheduler.expire():
                 await self.answer(job.id, DeadlineExceeded("deadline passed while queued"))
             self._expiry_wake = anyio.Event()
-            nearest = self.scheduler.earliest_deadline()
+            nearest = self._expiry_at = self.scheduler.earliest_deadline()
             if nearest is None:
                 await self._expiry_wake.wait()
                 continue
@@ -433,7 +515,9 @@ class Frontend:
             self._in_flight[asker.owner] -= 1
             if not self._in_flight[asker.owner]:
                 del self._in_flight[asker.owner]
-            self._buffered -= asker.job.payload.image.nbytes
+            self._buffered -= asker.size
+            if asker.shm is not None and self.shm is not None:
+                self.shm.release(asker.owner, asker.shm)
         return asker
 
     async def on_outcome(self, out: Outcome) -> None:
@@ -451,29 +535,22 @@ class Frontend:
         if asker is None:  # already answered (cannot happen: each job leaves once)
             log.error("outcome_without_asker", job_id=out.job_id, device=out.device)
             return
-        total = (time.monotonic_ns() - asker.received_ns) / 1e3
-        timing = protocol.Timing(
-            queue_us=int(out.queue_us),
-            pre_us=int(out.pre_us),
-            device_us=int(out.device_us),
-            post_us=int(out.post_us),
-            total_us=int(total),
-            start_ns=out.start_ns or None,
-            end_ns=out.end_ns or None,
-        )
-        dets = out.detections if out.detections is not None else np.zeros((0, 6), np.float32)
-        reply = protocol.InferReply(
-            asker.request_id,
-            Status.OK,
-            device=out.device,
-            timing=timing,
-            detections=np.ascontiguousarray(dets[: protocol.MAX_DET], np.float32),
-        )
-        self.metrics.observe_reply(
-            asker.model, out.device, Status.OK, queue_us=timing.queue_us,
-            device_us=timing.device_us, total_us=timing.total_us,
+        total_us = (time.monotonic_ns() - asker.received_ns) // 1000
+        timing = protocol.timing_fields(
+            queue_us=out.queue_us, pre_us=out.pre_us, device_us=out.device_us,
+            post_us=out.post_us, total_us=total_us, start_ns=out.start_ns, end_ns=out.end_ns,
         )  # fmt: skip
-        await self._send(asker.client, reply)
+        dets = out.detections
+        if dets is None:
+            dets = _NO_DETECTIONS
+        elif len(dets) > protocol.MAX_DET:
+            dets = dets[: protocol.MAX_DET]
+        self.metrics.observe_reply(
+            asker.model, out.device, Status.OK, queue_us=out.queue_us, device_us=out.device_us,
+            total_us=total_us,
+        )  # fmt: skip
+        frames = protocol.encode_infer_ok(asker.request_id, out.device, timing, dets)
+        self._send_frames(asker.client, Status.OK, frames)
 
     def _retry(self, job_id: int, failed_on: str, err: DeviceFailed) -> bool:
         """Place a job that failed on ``failed_on`` once more, on another device of its model
@@ -536,16 +613,24 @@ class Frontend:
         await self._send(asker.client, reply)
 
     async def _send(self, client: bytes, message: Any) -> None:
-        assert self._socket is not None  # opened before any request is read
+        self._send_frames(client, getattr(message, "status", Status.OK), protocol.encode(message))
+
+    def _send_frames(self, client: bytes, status: Status, frames: list[Any]) -> None:
+        """Queue one reply without blocking; one ZeroMQ cannot queue is counted and logged."""
+        sock = self._socket
+        assert sock is not None  # opened before any request is read
         if not self._askers:
             self._idle.set()
-        status = getattr(message, "status", Status.OK)
         self.counters.replied += 1
-        self.counters.by_status[status.name] = self.counters.by_status.get(status.name, 0) + 1
+        by_status = self.counters.by_status
+        by_status[status.name] = by_status.get(status.name, 0) + 1
         try:
-            await self._socket.send_multipart(
-                [client, *protocol.encode(message)], flags=zmq.NOBLOCK, copy=False
-            )
+            # Copied: replies are small (a header, at most MAX_DET rows), and a copy is cheaper
+            # than a zero-copy frame's bookkeeping below pyzmq's copy threshold.
+            sock.send(client, _MORE)
+            for frame in frames[:-1]:
+                sock.send(frame, _MORE)
+            sock.send(frames[-1], _NOBLOCK)
         except zmq.ZMQError as exc:  # zmq.Again: its queue is full; EHOSTUNREACH: it has gone
             self.counters.dropped += 1
             self.metrics.reply_dropped()
@@ -556,3 +641,7 @@ class Frontend:
                 log.bind(client=client.hex()).warning(
                     "reply_dropped", reason=why, dropped_total=self.counters.dropped
                 )
+        # A send processes the socket's pending commands, which can consume the fd's edge for
+        # a message that has arrived: wake the receive loop if it sleeps.
+        if self._asleep and _waiting(sock):
+            self._readable.set()

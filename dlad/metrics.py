@@ -145,6 +145,10 @@ class Metrics:
             {"name": name, "version": version}
         )
         md = ["model", "device"]
+        # The labelled children the hot path updates, by label values (bounded: the frontend
+        # passes only configured model and device names).
+        self._by_status: dict[tuple[str, str, Status], Any] = {}
+        self._by_device: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self._requests = Counter(
             "dlad_requests",
             "INFER requests answered, by model, device and reply status (the failure reason).",
@@ -266,12 +270,24 @@ class Metrics:
         or never reached a device.
         """
         dev = device or ""
-        self._requests.labels(model, dev, status.name).inc()
+        counter = self._by_status.get((model, dev, status))
+        if counter is None:  # labels() is a lookup under a lock: once per combination
+            counter = self._by_status[model, dev, status] = self._requests.labels(
+                model, dev, status.name
+            )
+        counter.inc()
         ok = status == Status.OK
         if ok:
-            self._queue_s.labels(model, dev).observe(queue_us / 1e6)
-            self._device_s.labels(model, dev).observe(device_us / 1e6)
-            self._total_s.labels(model, dev).observe(total_us / 1e6)
+            hists = self._by_device.get((model, dev))
+            if hists is None:
+                hists = self._by_device[model, dev] = (
+                    self._queue_s.labels(model, dev),
+                    self._device_s.labels(model, dev),
+                    self._total_s.labels(model, dev),
+                )
+            hists[0].observe(queue_us / 1e6)
+            hists[1].observe(device_us / 1e6)
+            hists[2].observe(total_us / 1e6)
         self._replies.append((self._clock(), ok, total_us, dev))
 
     def tick(self, devices: Iterable[DeviceSample]) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import re
 import reprlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,14 +60,53 @@ if TYPE_CHECKING:
     import zmq
 
 __all__ = [
-    "CHANNELS", "DEFAULT_LIMITS", "MAX_BATCH", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
-    "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "MAX_REPLY_DEPTH", "MAX_REQUEST_DEPTH", "PRIORITY_MAX",
-    "PRIORITY_MIN", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest",
-    "DaemonState", "DaemonStatus", "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame",
-    "FrameLike", "InferReply", "InferRequest", "Kind", "Limits", "LimitsStatus", "LoadStatus",
-    "Message", "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request", "StatusReply",
-    "StatusRequest", "Timing", "decode_reply", "decode_request", "encode", "endpoint_error",
+    "CHANNELS",
+    "DEFAULT_LIMITS",
+    "MAX_BATCH",
+    "MAX_DEADLINE_MS",
+    "MAX_DET",
+    "MAX_IMAGE_SIDE",
+    "MAX_MESSAGE_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_REPLY_DEPTH",
+    "MAX_REQUEST_DEPTH",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
+    "CancelReply",
+    "CancelRequest",
+    "DaemonState",
+    "DaemonStatus",
+    "DeviceLoad",
+    "DeviceStatus",
+    "ErrorReply",
+    "Frame",
+    "FrameLike",
+    "InferReply",
+    "InferRequest",
+    "Kind",
+    "Limits",
+    "LimitsStatus",
+    "LoadStatus",
+    "Message",
+    "ModelStatus",
+    "PixelFormat",
+    "QueueStatus",
+    "Reply",
+    "Request",
+    "ShmRef",
+    "ShmResolver",
+    "StatusReply",
+    "StatusRequest",
+    "Timing",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "encode_infer_ok",
+    "endpoint_error",
     "error_reply",
+    "timing_fields",
 ]  # fmt: skip
 
 PROTOCOL_VERSION: Final = 1
@@ -333,13 +373,45 @@ def _set(obj: object, name: str, value: object) -> None:
 # ------------------------------------------------------------------------------ requests
 
 
+MAX_SHM_BYTES: Final = 1 << 40
+"""The largest shared-memory segment an INFER may name (1 TiB: a bound, not a budget)."""
+_SHM_NAME: Final = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """Where a same-host client put an INFER's image (docs/protocol.md, Shared-memory frames):
+    the POSIX shared-memory segment ``name`` (as in ``/dev/shm/<name>``: letters, digits,
+    ``_ - .``, not starting with a dot; at most 200), ``offset`` bytes into it, and the
+    segment's ``size`` as the client created it. Raises ProtocolError on a bad field."""
+
+    name: str
+    offset: int
+    size: int
+
+    def __post_init__(self) -> None:
+        name: object = self.name
+        if not (isinstance(name, str) and _SHM_NAME.fullmatch(name)):
+            _fail("shm.name", f"must be a segment name ([A-Za-z0-9._-], 1 to 200, no leading "
+                              f"dot), got {_show(self.name)}")  # fmt: skip
+        _set(self, "size", _int(self.size, "shm.size", 1, MAX_SHM_BYTES))
+        _set(self, "offset", _int(self.offset, "shm.offset", 0, self.size - 1))
+
+
+ShmResolver = Callable[[ShmRef, int], memoryview]
+"""The daemon's lookup of a shared-memory frame: ``(ref, nbytes) -> a read-only view`` of
+``nbytes`` bytes; raises a DladError (BadRequest, Overloaded) the INFER is answered with."""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class InferRequest:
     """Run ``model`` on one image. ``image`` is ``H x W x C`` uint8, C-contiguous, with
     ``C = CHANNELS[format]``; after decoding it is a read-only view over the received frame.
 
     ``None`` in ``deadline_ms``, ``conf``, ``iou`` or ``max_det`` means the daemon's default.
-    Raises ProtocolError (naming the field) when a value is out of its documented range.
+    ``shm``: the image lies in a shared-memory segment (``image`` is the sender's view of those
+    bytes; the message then carries no payload frame). Raises ProtocolError (naming the field)
+    when a value is out of its documented range.
     """
 
     id: int
@@ -352,11 +424,12 @@ class InferRequest:
     conf: float | None = None
     iou: float | None = None
     max_det: int | None = None
+    shm: ShmRef | None = None
     kind: ClassVar[Kind] = Kind.INFER
 
     def __post_init__(self) -> None:
-        _set(self, "id", _int(self.id, "id", 0, _U64_MAX))
-        _name(self.model, "model")
+        if self.shm is not None and not isinstance(self.shm, ShmRef):
+            _fail("shm", f"must be a ShmRef, got {_show(self.shm)}")
         channels = CHANNELS[_choice(self.format, "image.format", CHANNELS)]
         image: object = self.image
         if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
@@ -370,14 +443,27 @@ class InferRequest:
         _int(image.shape[1], "image.width", 1, MAX_IMAGE_SIDE)
         if not image.flags.c_contiguous:
             _fail("image", "must be C-contiguous (frames are sent without copies)")
-        _opt_name(self.stream, "stream")
-        _set(self, "priority", _int(self.priority, "priority", PRIORITY_MIN, PRIORITY_MAX))
-        _set(self, "deadline_ms", _opt_int(self.deadline_ms, "deadline_ms", 1, MAX_DEADLINE_MS))
-        if self.conf is not None:
-            _set(self, "conf", _float(self.conf, "conf", 0.0, 1.0, lo_open=False, hi_open=True))
-        if self.iou is not None:
-            _set(self, "iou", _float(self.iou, "iou", 0.0, 1.0, lo_open=True, hi_open=False))
-        _set(self, "max_det", _opt_int(self.max_det, "max_det", 1, MAX_DET))
+        fields = _infer_fields(
+            self.id, self.model, stream=self.stream, priority=self.priority,
+            deadline_ms=self.deadline_ms, conf=self.conf, iou=self.iou, max_det=self.max_det,
+        )  # fmt: skip
+        for name, value in zip(_INFER_SCALARS, fields, strict=True):
+            _set(self, name, value)
+
+    @classmethod
+    def _decoded(
+        cls, image: npt.NDArray[np.uint8], fmt: PixelFormat, scalars: tuple[Any, ...],
+        shm: ShmRef | None = None,
+    ) -> InferRequest:  # fmt: skip
+        """One built from a header :func:`decode_request` has checked in full (no second
+        pass over the same fields on the daemon's hot path)."""
+        request = object.__new__(cls)
+        _set(request, "image", image)
+        _set(request, "format", fmt)
+        _set(request, "shm", shm)
+        for name, value in zip(_INFER_SCALARS, scalars, strict=True):
+            _set(request, name, value)
+        return request
 
     @property
     def height(self) -> int:
@@ -386,6 +472,34 @@ class InferRequest:
     @property
     def width(self) -> int:
         return int(self.image.shape[1])
+
+
+_INFER_SCALARS: Final = ("id", "model", "stream", "priority", "deadline_ms", "conf", "iou",
+                         "max_det")  # fmt: skip
+
+
+def _infer_fields(
+    rid: object,
+    model: object,
+    *,
+    stream: object,
+    priority: object,
+    deadline_ms: object,
+    conf: object,
+    iou: object,
+    max_det: object,
+) -> tuple[int, str, str | None, int, int | None, float | None, float | None, int | None]:
+    """An INFER's scalar fields, checked and normalised, in :data:`_INFER_SCALARS` order."""
+    return (
+        _int(rid, "id", 0, _U64_MAX),
+        _name(model, "model"),
+        _opt_name(stream, "stream"),
+        _int(priority, "priority", PRIORITY_MIN, PRIORITY_MAX),
+        _opt_int(deadline_ms, "deadline_ms", 1, MAX_DEADLINE_MS),
+        None if conf is None else _float(conf, "conf", 0.0, 1.0, lo_open=False, hi_open=True),
+        None if iou is None else _float(iou, "iou", 0.0, 1.0, lo_open=True, hi_open=False),
+        _opt_int(max_det, "max_det", 1, MAX_DET),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -769,6 +883,10 @@ def encode(message: Message) -> list[Frame]:
         }
         thresholds = {"conf": message.conf, "iou": message.iou, "max_det": message.max_det}
         header |= {k: v for k, v in thresholds.items() if v is not None}
+        if message.shm is not None:  # the image is in the segment: no payload frame
+            ref = message.shm
+            header["shm"] = {"name": ref.name, "offset": ref.offset, "size": ref.size}
+            return [_pack(header)]
         return [_pack(header), message.image.data.cast("B")]
     if isinstance(message, (CancelRequest, StatusRequest)):
         if isinstance(message, StatusRequest) and message.load:
@@ -779,14 +897,54 @@ def encode(message: Message) -> list[Frame]:
     if isinstance(message, InferReply):
         header["device"] = message.device
         header["timing"] = {name: getattr(message.timing, name) for name in _TIMING_FIELDS}
-        header["count"] = message.count
-        if message.count == 0:
-            return [_pack(header), b""]
-        det = np.ascontiguousarray(message.detections, dtype=_DETECTION)
-        return [_pack(header), det.data.cast("B")]
+        return _with_detections(header, message.detections)
     if isinstance(message, StatusReply):
         header["report"] = message.report
     return [_pack(header)]
+
+
+def _with_detections(header: dict[str, Any], detections: npt.NDArray[np.float32]) -> list[Frame]:
+    header["count"] = count = len(detections)
+    if count == 0:
+        return [_pack(header), b""]
+    det = np.ascontiguousarray(detections, dtype=_DETECTION)
+    return [_pack(header), det.data.cast("B")]
+
+
+def timing_fields(
+    *,
+    queue_us: float,
+    pre_us: float,
+    device_us: float,
+    post_us: float,
+    total_us: float,
+    start_ns: int,
+    end_ns: int,
+) -> dict[str, int | None]:
+    """A reply's ``timing`` map from an outcome's figures (µs; stamps 0 when it never ran)."""
+    return {
+        "queue_us": max(int(queue_us), 0), "pre_us": max(int(pre_us), 0),
+        "device_us": max(int(device_us), 0), "post_us": max(int(post_us), 0),
+        "total_us": max(int(total_us), 0), "start_ns": start_ns or None,
+        "end_ns": end_ns or None,
+    }  # fmt: skip
+
+
+def encode_infer_ok(
+    request_id: int,
+    device: str,
+    timing: dict[str, int | None],
+    detections: npt.NDArray[np.float32],
+) -> list[Frame]:
+    """The frames of an OK INFER_REPLY, without building (and re-checking) an
+    :class:`InferReply`: the daemon's hot path, whose values it made itself — ``timing`` from
+    :func:`timing_fields`, ``detections`` ``N x 6`` float32 with ``N <= MAX_DET`` (decoding
+    either checks all of it)."""
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION, "kind": int(Kind.INFER_REPLY), "id": request_id,
+        "status": int(Status.OK), "message": "", "device": device, "timing": timing,
+    }  # fmt: skip
+    return _with_detections(header, detections)
 
 
 # ------------------------------------------------------------------------------ decode
@@ -870,6 +1028,8 @@ def _open(
             _fail("kind", f"{code} is not a {role} kind")
         kind = Kind(code)
         want = 2 if kind in (Kind.INFER, Kind.INFER_REPLY) else 1
+        if kind == Kind.INFER and "shm" in header:
+            want = 1  # the image is in a shared-memory segment
         if len(views) != want:
             _fail("frames", f"{kind.name} has {want} frame(s), got {len(views)}")
         _keys(header, "", *_HEADER_FIELDS[kind])
@@ -892,7 +1052,7 @@ _REPLY_ENVELOPE: Final = (*_ENVELOPE, "status", "message")
 _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     # kind: (required fields, optional fields); every other field is refused.
     Kind.INFER: ((*_ENVELOPE, "model", "image"),
-                 ("stream", "priority", "deadline_ms", "conf", "iou", "max_det")),
+                 ("stream", "priority", "deadline_ms", "conf", "iou", "max_det", "shm")),
     Kind.CANCEL: (_ENVELOPE, ()),
     Kind.STATUS: (_ENVELOPE, ("load",)),
     Kind.INFER_REPLY: ((*_REPLY_ENVELOPE, "device", "timing", "count"), ()),
@@ -902,7 +1062,9 @@ _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = 
 }  # fmt: skip
 
 
-def _infer_request(h: dict[str, Any], payload: memoryview, limits: Limits) -> InferRequest:
+def _infer_request(
+    h: dict[str, Any], payload: memoryview | None, limits: Limits, shm: ShmResolver | None
+) -> InferRequest:
     img = _map(h["image"], "image")
     _keys(img, "image.", ("height", "width", "format", "dtype"))
     fmt = _choice(img["format"], "image.format", CHANNELS)
@@ -913,37 +1075,56 @@ def _infer_request(h: dict[str, Any], payload: memoryview, limits: Limits) -> In
     if height * width > limits.max_image_pixels:
         _fail("image", f"{width}x{height} is over the limit of {limits.max_image_pixels} pixels")
     channels = CHANNELS[fmt]
+    ref = None
+    if payload is None:  # a shared-memory frame
+        if shm is None:
+            _fail("shm", "this daemon takes no shared-memory frames ([shm] enabled = false), "
+                         "or not from this connection (ipc:// and loopback tcp only)")  # fmt: skip
+        raw = _map(h["shm"], "shm")
+        _keys(raw, "shm.", ("name", "offset", "size"))
+        ref = ShmRef(raw["name"], raw["offset"], raw["size"])
+        payload = shm(ref, height * width * channels)
     if payload.nbytes != height * width * channels:
         need = height * width * channels
         _fail("frames[1]", f"image payload is {payload.nbytes} bytes, the header says {need}")
     image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
     image.flags.writeable = False  # the daemon never writes into a client's frame
     priority = h.get("priority")  # nil means the default, like absence
-    return InferRequest(
-        id=h["id"], model=h["model"], image=image, format=cast("PixelFormat", fmt),
-        stream=h.get("stream"), priority=PRIORITY_MIN if priority is None else priority,
+    scalars = _infer_fields(
+        h["id"], h["model"], stream=h.get("stream"),
+        priority=PRIORITY_MIN if priority is None else priority,
         deadline_ms=h.get("deadline_ms"), conf=h.get("conf"), iou=h.get("iou"),
         max_det=h.get("max_det"),
     )  # fmt: skip
+    return InferRequest._decoded(image, cast("PixelFormat", fmt), scalars, ref)
 
 
-def decode_request(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Request:
+def decode_request(
+    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS, shm: ShmResolver | None = None
+) -> Request:
     """Decode the frames of a request (without the ROUTER's identity frames).
 
-    An INFER's image is a read-only view over ``frames[1]``'s buffer (no copy). Raises
-    ProtocolError for anything that is not a valid v1 request: its ``field`` names the
-    problem, and ``request_id``/``request_kind`` hold what the header yielded, if anything.
+    An INFER's image is a read-only view over ``frames[1]``'s buffer (no copy), or, for a
+    shared-memory frame, over what ``shm`` resolves its ``shm`` field to (None: such frames are
+    refused). Raises ProtocolError for anything that is not a valid v1 request: its ``field``
+    names the problem, and ``request_id``/``request_kind`` hold what the header yielded, if
+    anything; a DladError of ``shm``'s propagates, with the request's id attached.
     """
     kind, h, views = _open(frames, limits, (Kind.INFER, Kind.CANCEL, Kind.STATUS), "request")
     try:
         if kind == Kind.INFER:
-            return _infer_request(h, views[1], limits)
+            return _infer_request(h, views[1] if len(views) == 2 else None, limits, shm)
         if kind == Kind.CANCEL:
             return CancelRequest(h["id"])
         load = h.get("load")  # nil means the default, like absence
         return StatusRequest(h["id"], load=False if load is None else _bool(load, "load"))
     except ProtocolError as exc:
         _attach(exc, h.get("id"), h.get("kind"))
+        raise
+    except DladError as exc:  # the shared-memory lookup's refusal: addressed to the request
+        rid = h.get("id")
+        if exc.request_id is None and _is_int(rid) and 0 <= rid <= _U64_MAX:
+            exc.request_id = rid
         raise
 
 

@@ -96,6 +96,10 @@ class Batch(Generic[P]):
     wait_until_ns: int | None = None
 
 
+LEARN_CLAMP: Final = 4.0
+"""The most one service-time sample counts for, as a multiple of the current estimate."""
+
+
 @dataclass
 class _Curve:
     """Service time (ns) by batch size: seeded, then learned per size; others interpolated."""
@@ -107,8 +111,13 @@ class _Curve:
         return interpolate(self.known, size)
 
     def learn(self, size: int, measured_ns: float) -> None:
+        """Move the estimate at ``size`` toward ``measured_ns``; a sample beyond
+        :data:`LEARN_CLAMP` times the estimate (either way) counts as that much, so that one
+        outlier (a cold cache, a worker thread spawned) cannot make a device look so slow that
+        it never gets the frame that would correct it."""
         old = self(size)
-        self.known[size] = old + self.alpha * (measured_ns - old)
+        sample = min(max(measured_ns, old / LEARN_CLAMP), old * LEARN_CLAMP)
+        self.known[size] = old + self.alpha * (sample - old)
 
 
 @dataclass

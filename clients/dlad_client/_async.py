@@ -26,6 +26,7 @@ from dlad.protocol import (
     CancelReply,
     CancelRequest,
     DaemonStatus,
+    InferRequest,
     Kind,
     PixelFormat,
     Request,
@@ -40,6 +41,7 @@ from dlad_client._core import (
     ClientTimeout,
     CurveKeys,
     Result,
+    ShmSlots,
     _Call,
     _Calls,
     _check_settings,
@@ -47,11 +49,13 @@ from dlad_client._core import (
     _configure,
     _encode,
     _endpoints,
+    _in_shm,
     _infer_request,
     _log,
     _reply,
     _report,
     _result,
+    _shm_slots,
     _timed_out,
 )
 
@@ -143,9 +147,12 @@ class AsyncClient:
         linger: int = 0,
         context: zmq.asyncio.Context | None = None,
         curve: CurveKeys | None = None,
+        shm_slot_bytes: int | None = None,
+        shm_slots: int | None = None,
     ) -> None:
         self._endpoints = _endpoints(endpoints)
         _check_settings(timeout_s, max_in_flight, sndhwm, rcvhwm, linger)
+        self._shm = _shm_slots(self._endpoints, shm_slot_bytes, shm_slots, max_in_flight)
         self._timeout_s = float(timeout_s)
         self._max_in_flight = max_in_flight
         self._hwm = (sndhwm, rcvhwm)
@@ -156,7 +163,7 @@ class AsyncClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._slots: anyio.Semaphore | None = None  # made on entry, inside the event loop
-        self._calls: _Calls[_AsyncCall] = _Calls()
+        self._calls: _Calls[_AsyncCall] = _Calls(None if self._shm is None else self._shm.answered)
         self._ids = itertools.count(1)
         self._state: Literal["new", "open", "closed"] = "new"
         self._receive_scope: anyio.CancelScope | None = None
@@ -353,6 +360,17 @@ class AsyncClient:
         request = _infer_request(next(self._ids), image, **fields)
         return await self._start(request, Kind.INFER_REPLY, timeout)
 
+    @property
+    def shm(self) -> ShmSlots | None:
+        """The shared-memory slots (None without ``shm_slot_bytes``)."""
+        return self._shm
+
+    def frame(self, shape: tuple[int, ...]) -> npt.NDArray[np.uint8] | None:
+        """:meth:`Client.frame <dlad_client.Client.frame>`: a shared-memory slot to render
+        into, or None."""
+        self._check()
+        return None if self._shm is None else self._shm.frame(shape)
+
     async def _start(self, message: Request, kind: Kind, timeout_s: float) -> _AsyncCall:
         until = anyio.current_time() + timeout_s
         release = None
@@ -369,6 +387,8 @@ class AsyncClient:
             if self._state != "open":  # closed while this task waited for the slot
                 release()
                 self._check()
+        if self._shm is not None and isinstance(message, InferRequest):
+            message = _in_shm(self._shm, message)  # a slot is free once in-flight room is
         call = _AsyncCall(message.id, kind, until, timeout_s, release=release)
         # Registered before sending: the reply may be taken in before the send returns.
         self._calls.add(call)
@@ -382,9 +402,11 @@ class AsyncClient:
                 await self._socket.send_multipart(_encode(message), copy=False)
                 sent = True
         except BaseException:
+            self._unplace(message)
             self._abandon(call, Cancelled(f"request {call.id} withdrawn", request_id=call.id))
             raise
         if not sent:
+            self._unplace(message)
             error = ClientTimeout(
                 f"no daemon took request {message.id} within {timeout_s:g} s "
                 f"(none connected at {list(self._endpoints)}, or all busy)",
@@ -393,6 +415,12 @@ class AsyncClient:
             self._abandon(call, error)
             raise error
         return call
+
+    def _unplace(self, message: Request) -> None:
+        """A message not sent frees its shared-memory slot (were it sent after all, its late
+        reply finds the slot free already, and the frame it read is nobody's)."""
+        if self._shm is not None:
+            self._shm.unplace(message.id)
 
     async def _wait(self, call: _AsyncCall, *, withdraw_on_cancel: bool) -> None:
         if call.outcome is None:
@@ -459,3 +487,5 @@ class AsyncClient:
         socket.close(linger=self._linger)
         if self._given_context is None:
             context.term()
+        if self._shm is not None:
+            self._shm.close()

@@ -37,6 +37,7 @@ from dlad_client._core import (
     ClientTimeout,
     CurveKeys,
     Result,
+    ShmSlots,
     _Call,
     _Calls,
     _check_settings,
@@ -44,11 +45,13 @@ from dlad_client._core import (
     _configure,
     _encode,
     _endpoints,
+    _in_shm,
     _infer_request,
     _log,
     _reply,
     _report,
     _result,
+    _shm_slots,
     _timed_out,
 )
 
@@ -152,6 +155,13 @@ class Client:
     (``CurveKeys.from_files(server_key, client_secret_key)``); a daemon that does not allow the
     key never answers (ZeroMQ refuses the handshake), so calls end in ClientTimeout.
 
+    **Shared-memory frames** (``shm_slot_bytes``; docs/protocol.md): for a daemon on this host
+    (``ipc://`` or loopback tcp endpoints only), frames go through ``shm_slots`` (default
+    ``max_in_flight``) slots of a shared-memory segment the client owns, and the message carries
+    only a small header: the frame never crosses the kernel. :meth:`frame` gives a slot to
+    render into (no copy at all); any other image is copied into a free slot once. A frame too
+    big for a slot, or sent while every slot is the daemon's, goes in the message as usual.
+
     Raises ValueError on a bad setting or an endpoint ZeroMQ cannot connect to.
     """
 
@@ -166,9 +176,12 @@ class Client:
         linger: int = 0,
         context: zmq.Context[Any] | None = None,
         curve: CurveKeys | None = None,
+        shm_slot_bytes: int | None = None,
+        shm_slots: int | None = None,
     ) -> None:
         self._endpoints = _endpoints(endpoints)
         _check_settings(timeout_s, max_in_flight, sndhwm, rcvhwm, linger)
+        self._shm = _shm_slots(self._endpoints, shm_slot_bytes, shm_slots, max_in_flight)
         self._timeout_s = float(timeout_s)
         self._max_in_flight = max_in_flight
         self._linger = linger
@@ -182,8 +195,10 @@ class Client:
             self._socket.close(linger=0)
             if self._owns_context:
                 self._context.term()
+            if self._shm is not None:
+                self._shm.close()
             raise
-        self._calls: _Calls[_Call] = _Calls()
+        self._calls: _Calls[_Call] = _Calls(None if self._shm is None else self._shm.answered)
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -231,6 +246,21 @@ class Client:
         self._socket.close(linger=self._linger)
         if self._owns_context:
             self._context.term()
+        if self._shm is not None:
+            self._shm.close()
+
+    @property
+    def shm(self) -> ShmSlots | None:
+        """The shared-memory slots (None without ``shm_slot_bytes``)."""
+        return self._shm
+
+    def frame(self, shape: tuple[int, ...]) -> npt.NDArray[np.uint8] | None:
+        """A writable ``shape`` uint8 array in a free shared-memory slot, to render a frame
+        into and pass to :meth:`submit` or :meth:`detect` (it then crosses without any copy);
+        None when the client has no shared memory, no slot is free or ``shape`` does not fit.
+        Do not write to it after submitting it until its request is answered."""
+        self._check()
+        return None if self._shm is None else self._shm.frame(shape)
 
     def detect(
         self,
@@ -303,7 +333,16 @@ class Client:
             next(self._ids), image, model=model, pixel_format=pixel_format, stream=stream,
             priority=priority, deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
         )  # fmt: skip
-        return Handle(self, self._start(request, Kind.INFER_REPLY, timeout))
+        if self._shm is None:
+            return Handle(self, self._start(request, Kind.INFER_REPLY, timeout))
+        # First wait for room in flight (replies free slots), then take a slot.
+        self._wait_room(request.id, timeout)
+        request = _in_shm(self._shm, request)
+        try:
+            return Handle(self, self._start(request, Kind.INFER_REPLY, timeout))
+        except BaseException:
+            self._shm.unplace(request.id)  # never sent: its slot is free again
+            raise
 
     def cancel(self, handle: Handle, *, timeout_s: float | None = None) -> bool:
         """Ask the daemon to drop a queued INFER, and wait for its answer.
@@ -363,16 +402,22 @@ class Client:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _start(self, message: Request, kind: Kind, timeout_s: float) -> _Call:
-        until = time.monotonic() + timeout_s
-        if kind is Kind.INFER_REPLY and not self._pump(
-            until, lambda: self._calls.pending(Kind.INFER_REPLY) < self._max_in_flight
+    def _wait_room(self, request_id: int, timeout_s: float) -> None:
+        """Read replies until fewer than ``max_in_flight`` INFERs are in flight."""
+        if not self._pump(
+            time.monotonic() + timeout_s,
+            lambda: self._calls.pending(Kind.INFER_REPLY) < self._max_in_flight,
         ):
             raise ClientTimeout(
                 f"{self._max_in_flight} requests stayed in flight for {timeout_s:g} s; "
-                f"request {message.id} was not sent",
-                request_id=message.id,
+                f"request {request_id} was not sent",
+                request_id=request_id,
             )
+
+    def _start(self, message: Request, kind: Kind, timeout_s: float) -> _Call:
+        until = time.monotonic() + timeout_s
+        if kind is Kind.INFER_REPLY:
+            self._wait_room(message.id, timeout_s)
         frames = _encode(message)
         while True:
             try:

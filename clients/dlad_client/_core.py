@@ -17,11 +17,14 @@ up a send waits (within the request's timeout) instead of filling a queue nobody
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
 import math
 import os
+import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ from dlad.protocol import (
     Kind,
     PixelFormat,
     Request,
+    ShmRef,
     StatusReply,
     Timing,
     decode_reply,
@@ -267,6 +271,135 @@ def _infer_request(
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------------------ shared memory
+
+
+def _local(endpoint: str) -> bool:
+    """Whether ``endpoint`` reaches a daemon on this host (``ipc://``, or loopback tcp)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class ShmSlots:
+    """Shared-memory slots for a client's frames (docs/protocol.md, Shared-memory frames).
+
+    One POSIX segment of ``slots x slot_bytes`` bytes, created by the client (mode 0600, a
+    random name) and unlinked on :meth:`close`; Python's resource tracker unlinks it if the
+    process dies first. A slot is the daemon's from the INFER that names it until the daemon
+    answers that request: a late reply frees it too, a reply that never comes keeps it (frames
+    then go inline once every slot is taken).
+    """
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        if not (isinstance(slots, int) and slots >= 1):  # type: ignore[redundant-expr]
+            raise ValueError(f"shm slots must be an int >= 1, got {slots!r}")
+        if not (isinstance(slot_bytes, int) and slot_bytes >= 4096):  # type: ignore[redundant-expr]
+            raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {slot_bytes!r}")
+        from multiprocessing import shared_memory  # noqa: PLC0415 (only shm clients need it)
+
+        self.slot_bytes = slot_bytes
+        self._segment = shared_memory.SharedMemory(
+            name=f"dlad-{os.getpid()}-{secrets.token_hex(6)}", create=True, size=slots * slot_bytes
+        )
+        self.size = self._segment.size  # as the OS reports it (a page multiple on some)
+        buf = self._segment.buf
+        assert buf is not None  # an open segment
+        self._buffer = np.frombuffer(buf, np.uint8)
+        self._free = list(range(slots - 1, -1, -1))
+        self._reserved: set[int] = set()  # handed out by frame(), not yet submitted
+        self._busy: dict[int, int] = {}  # request id -> slot
+        self.inline = 0  # frames sent in the message because no slot was free or big enough
+
+    @property
+    def name(self) -> str:
+        return self._segment.name
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def frame(self, shape: tuple[int, ...]) -> npt.NDArray[np.uint8] | None:
+        """A writable uint8 array of ``shape`` in a free slot (None: none free, or too big):
+        fill it and submit it, and it crosses without a copy."""
+        nbytes = math.prod(shape)
+        if nbytes > self.slot_bytes or not self._free:
+            return None
+        slot = self._free.pop()
+        self._reserved.add(slot)
+        start = slot * self.slot_bytes
+        return self._buffer[start : start + nbytes].reshape(shape)
+
+    def place(self, request_id: int, image: npt.NDArray[np.uint8]) -> ShmRef | None:
+        """Put ``image`` (C-contiguous uint8) in a slot for ``request_id``: in place if it is
+        a :meth:`frame`, else copied into a free one. None: it goes inline."""
+        slot = self._slot_of(image)
+        if slot is None:
+            if image.nbytes > self.slot_bytes or not self._free:
+                self.inline += 1
+                return None
+            slot = self._free.pop()
+            start = slot * self.slot_bytes
+            self._buffer[start : start + image.nbytes] = image.reshape(-1)
+        else:
+            self._reserved.discard(slot)
+        self._busy[request_id] = slot
+        return ShmRef(self.name, slot * self.slot_bytes, self.size)
+
+    def unplace(self, request_id: int) -> None:
+        """``request_id`` was never sent: its slot is free again."""
+        self.answered(request_id)
+
+    def answered(self, request_id: int) -> None:
+        """The daemon answered ``request_id``: its slot is free."""
+        slot = self._busy.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def close(self) -> None:
+        """Unlink the segment (the daemon's mapping, if any, stays valid until it unmaps)."""
+        self._buffer = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):  # a frame() array still alive: the GC frees it
+            self._segment.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._segment.unlink()
+
+    def _slot_of(self, image: npt.NDArray[np.uint8]) -> int | None:
+        """The reserved slot ``image`` starts at, if it is a :meth:`frame` of this segment."""
+        if not self._reserved or self._buffer.size == 0:
+            return None
+        offset = int(image.ctypes.data) - int(self._buffer.ctypes.data)
+        slot, rest = divmod(offset, self.slot_bytes)
+        if rest or slot not in self._reserved or image.nbytes > self.slot_bytes:
+            return None
+        return slot
+
+
+def _shm_slots(
+    endpoints: Sequence[str], slot_bytes: int | None, slots: int | None, max_in_flight: int
+) -> ShmSlots | None:
+    """The client's shared-memory slots, if asked for. Raises ValueError for a bad size or an
+    endpoint on another host (a segment in this host's memory means nothing there)."""
+    if slot_bytes is None:
+        if slots is not None:
+            raise ValueError("shm_slots needs shm_slot_bytes")
+        return None
+    remote = [e for e in endpoints if not _local(e)]
+    if remote:
+        raise ValueError(
+            f"shared-memory frames need a daemon on this host (ipc:// or loopback tcp); "
+            f"{remote[0]!r} is not"
+        )
+    return ShmSlots(max_in_flight if slots is None else slots, slot_bytes)
+
+
+def _in_shm(slots: ShmSlots, request: InferRequest) -> InferRequest:
+    """``request`` with its image in a shared-memory slot, or as it is (inline) if none fits."""
+    ref = slots.place(request.id, request.image)
+    return request if ref is None else dataclasses.replace(request, shm=ref)
+
+
 # ------------------------------------------------------------------------------ pending calls
 
 
@@ -291,9 +424,14 @@ _REPLY_KINDS: Final = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY)
 
 class _Calls(Generic[C]):
     """Requests in flight, keyed by ``(reply kind, id)``: an INFER and its CANCEL share an id
-    and differ by the kind of their replies. Deadlines sit in a heap for :meth:`expired`."""
+    and differ by the kind of their replies. Deadlines sit in a heap for :meth:`expired`.
 
-    def __init__(self) -> None:
+    ``on_answer(id)`` is called for every reply the daemon sends to an INFER (late ones after a
+    timeout included): the daemon is done with that request's frame then (shared-memory slots).
+    """
+
+    def __init__(self, on_answer: Callable[[int], None] | None = None) -> None:
+        self._on_answer = on_answer
         self._calls: dict[tuple[Kind, int], C] = {}
         self._counts: Counter[Kind] = Counter()
         self._heap: list[tuple[float, int, C]] = []
@@ -370,12 +508,17 @@ class _Calls(Generic[C]):
         try:
             reply = decode_reply(frames)
         except ProtocolError as exc:
+            if self._on_answer is not None and exc.request_id is not None:
+                self._on_answer(exc.request_id)
             targets = self._addressed(exc.request_id, exc.request_kind)
             if not targets:
                 _log.warning("dropped an undecodable reply: %s", exc.message)
             for call in targets:
                 self.finish(call, exc)
             return
+        answered_id = reply.id if isinstance(reply, (InferReply, ErrorReply)) else None
+        if self._on_answer is not None and answered_id is not None:
+            self._on_answer(answered_id)
         if isinstance(reply, ErrorReply):
             targets = self._addressed(reply.id, None)
             if not targets:

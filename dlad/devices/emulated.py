@@ -23,6 +23,8 @@ is faked. onnxruntime is imported only when a numeric-mode core loads a loadable
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import itertools
 import math
 import mmap
@@ -85,6 +87,7 @@ ABORTED_STATUS: Final = CudlaStatus.ERROR_INVALID_DEVICE
 """The status of tasks ended by ``close(force=True)``: their core handle is gone."""
 _MAX_VALUE: Final = 1 << 64
 _NS_PER_US: Final = 1_000
+_PR_SET_NAME: Final = 15  # prctl(2): name the calling thread
 _INVALID: Final = CudlaStatus.ERROR_INVALID_PARAM
 _LOAD_ERRORS: Final = (  # first match wins: the subclasses come before LoadableError
     (LoadableCoreError, CudlaStatus.ERROR_INVALID_MODULE),
@@ -170,6 +173,15 @@ class EmulatedBuffer:
             raw = backing[start : start + descriptor.size]
         array = raw.view(descriptor.numpy_dtype).reshape(descriptor.buffer_shape)
         return cls(descriptor, raw, array, owner)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the OS too (``top -H``, ``/proc/<pid>/task/*/comm``;
+    15 bytes at most), so that an emulated engine's "hardware" time can be told from the
+    daemon's own (``bench/daemon_throughput.py``). A no-op where the OS has no such call."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _image(buf: EmulatedBuffer, desc: TensorDescriptor) -> npt.NDArray[Any]:
@@ -564,6 +576,7 @@ class EmulatedDlaCore:
     # ------------------------------------------------------------------ the hardware thread
 
     def _run(self) -> None:
+        name_os_thread(f"dla{self._core}-emulated")
         while True:
             with self._cv:
                 while not self._queue and not self._stopping:

@@ -18,11 +18,11 @@ for the scheduler, health and counters); ``dlad/executors/dla.py`` is the DLA co
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
-import anyio
 import numpy as np
 
 from dlad.errors import DeviceFailed
@@ -132,7 +132,7 @@ class Executor(abc.ABC):
         self.stats = ExecutorStats()
         self.warm: WarmState = "pending"
         self.warm_error = ""
-        self._wake = anyio.Event()
+        self._wake = asyncio.Event()  # set on every admit: the loop's own, not anyio's wrapper
 
     # ------------------------------------------------------------------ what each engine does
     @abc.abstractmethod
@@ -157,8 +157,7 @@ class Executor(abc.ABC):
     async def wait_for_work(self) -> None:
         """Sleep until the next :meth:`wake`. Call it only after the scheduler had nothing for
         this executor: a wake from before then is stale, its job already taken."""
-        if self._wake.is_set():
-            self._wake = anyio.Event()
+        self._wake.clear()
         await self._wake.wait()
 
     def health(self) -> tuple[bool, str]:

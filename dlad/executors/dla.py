@@ -7,30 +7,34 @@ post-processes — the core's own "hardware" thread serialises execution, as a D
 
 1. take the next job from the scheduler (expired jobs skipped there are answered
    DEADLINE_EXCEEDED and never run);
-2. pre-process on a worker thread: letterbox → quantise to ``DLA_HWC4`` int8 (one array) →
-   copy into the slot's input buffer;
-3. submit the task with a signal fence and wait for the fence *without blocking the loop*: the
-   core's thread calls back, and the callback hops onto the loop with a thread-safe call;
-4. read the task's status (a failed task still signals its fence; its sticky error is read and
-   the job's outcome is DEVICE_FAILED);
-5. post-process on a worker thread with the decoder the loadable names
-   (``dlad.imaging.decoders``; YOLOv5: unpack ``CHW16``/``CHW32`` heads → decode → NMS → boxes in
-   the original image's pixels); report the outcome, keyed by the job's id.
+2. hand the job to a worker thread, which runs it to the end:
+   a. pre-process: letterbox → quantise to ``DLA_HWC4`` int8 (one array) → copy into the
+      slot's input buffer;
+   b. submit the task with a signal fence and sleep until the core reaches it (a failed task
+      still signals its fence);
+   c. post-process with the decoder the loadable names (``dlad.imaging.decoders``; YOLOv5:
+      unpack ``CHW16``/``CHW32`` heads → decode → NMS → boxes in the original image's pixels);
+3. back on the loop, read the task's status (a failed one's sticky error is read and cleared:
+   DEVICE_FAILED) and report the outcome, keyed by the job's id.
 
-The event loop only moves small objects; image math runs on threads, numerics on the core.
+A job crosses between the loop and a thread twice (out and back), whatever its stages; the
+slots' threads pre/post-process at most ``[pre_post] threads`` frames at once between them
+(``lanes``), and sleep on the core outside that bound. The event loop only moves small objects;
+image math runs on threads, numerics on the core.
 
-With a GPU (``gpu`` given), steps 2-5 become one chain queued at once on the slot's CUDA stream
-and fenced to the DLA task (``dlad.gpu``): upload → pre kernel → the GPU signals the slot's
-``ready`` fence → the task (waiting on ``ready``) runs and signals ``done`` → the stream waits
-on ``done`` → post kernels → result copy. One worker thread waits for the chain's end; the CPU
-never waits between pre and post. ``pre_us`` is then submission to task start and ``post_us``
-task end to result, both as seen by the host.
+With a GPU (``gpu`` given), step 2 becomes one chain queued at once, from the loop (the calls
+only enqueue work), on the slot's CUDA stream and fenced to the DLA task (``dlad.gpu``): upload
+→ pre kernel → the GPU signals the slot's ``ready`` fence → the task (waiting on ``ready``) runs
+and signals ``done`` → the stream waits on ``done`` → post kernels → result copy. One worker
+thread waits for the chain's end; the CPU never waits between pre and post. ``pre_us`` is then
+submission to task start and ``post_us`` task end to result, both as seen by the host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -56,6 +60,9 @@ if TYPE_CHECKING:
     from dlad.gpu.service import GpuService, GpuSlot
 
 __all__ = ["DlaExecutor", "Slot"]
+
+_NO_DETECTIONS = np.zeros((0, 6), np.float32)
+_NO_DETECTIONS.flags.writeable = False
 
 log = structlog.get_logger("dlad.executors.dla")
 
@@ -88,7 +95,10 @@ class DlaExecutor(Executor):
             a cudla core runs (:func:`dlad.devices.factory.open_core`).
         pre_post: run pre/post-processing (off: the benchmark's "daemon path only" mode, where
             the reply carries no detections).
-        limiter: bounds the threads used for pre/post-processing across all workers.
+        limiter: bounds the threads used for pre/post-processing across all workers (the GPU
+            executor's; kept for the fallback path of a GPU chain).
+        lanes: bounds the frames the slots' threads pre/post-process at once, across every DLA
+            executor that shares it (None: ``threads`` of this executor's own).
         gpu: run pre/post-processing as CUDA kernels fenced to the DLA tasks (None: numpy).
     """
 
@@ -116,6 +126,7 @@ class DlaExecutor(Executor):
         backend: str = "emulated",
         cudla_loadable: str | None = None,
         dram: SharedDram | None = None,
+        lanes: threading.BoundedSemaphore | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -149,6 +160,12 @@ class DlaExecutor(Executor):
         )
         self.dla.set_task_timeout(max(1, math.ceil(task_timeout_ms)))
         self.slots = [self._make_slot() for _ in range(slots)]
+        self.lanes = lanes if lanes is not None else threading.BoundedSemaphore(max(threads, 1))
+        # One thread per slot runs a job to its end (it sleeps on the core, outside the lanes).
+        self._slot_threads = anyio.CapacityLimiter(len(self.slots))
+        # A fence the core never reaches (the core enforces the task timeout, so this is a
+        # lost signal, not a slow task) frees its thread after this long.
+        self._fence_timeout_s = 2 * task_timeout_ms / 1e3 + 1.0
 
     def _make_slot(self) -> Slot:
         slot = Slot(
@@ -230,34 +247,69 @@ class DlaExecutor(Executor):
     async def _execute(self, job: Job[Request], slot: Slot) -> Outcome:
         if slot.gpu is not None:
             return await self._execute_gpu(job, slot, slot.gpu)
-        work = job.payload
-        out = Outcome(job.id, self.name)
-        t0 = time.monotonic_ns()
-        out.queue_us = (t0 - work.received_ns) / 1e3
-        geometry: Letterbox | None = None
-        if self.pre_post:
-            geometry = await anyio.to_thread.run_sync(
-                self._pre, work, slot.inputs[0], limiter=self.limiter
-            )
-        t1 = time.monotonic_ns()
-        out.pre_us = (t1 - t0) / 1e3
+        if not self.pre_post:
+            return await self._execute_bare(job, slot)
+        out, handle = await anyio.to_thread.run_sync(
+            self._run_job, job, slot, limiter=self._slot_threads
+        )
+        if isinstance(out.error, DeviceFailed):  # not submitted, or its fence was lost
+            self.failed(out.error)
+        elif self._settle(out, handle):  # a failed task's outputs were not read
+            self.succeeded()
+        return out
+
+    async def _execute_bare(self, job: Job[Request], slot: Slot) -> Outcome:
+        """A job with pre/post-processing off (the benchmark's "daemon path only"): the task is
+        submitted from the loop, and the core's fence callback is the only thread crossing."""
+        out = Outcome(job.id, self.name, detections=_NO_DETECTIONS)
+        out.queue_us = (time.monotonic_ns() - job.payload.received_ns) / 1e3
         try:
             handle = await self._submit(slot)
         except DlaError as exc:
             out.error = self.failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
-        if not self._settle(out, handle):
-            return out
-        t2 = time.monotonic_ns()
-        if self.pre_post and geometry is not None:
-            out.detections = await anyio.to_thread.run_sync(
-                self._post, work, slot.outputs, geometry, limiter=self.limiter
-            )
-        else:
-            out.detections = np.zeros((0, 6), np.float32)
-        out.post_us = (time.monotonic_ns() - t2) / 1e3
-        self.succeeded()
+        if self._settle(out, handle):
+            self.succeeded()
         return out
+
+    def _run_job(self, job: Job[Request], slot: Slot) -> tuple[Outcome, Any]:
+        """A job on the CPU path, from pre-processing to detections, on a slot's worker thread:
+        returns its outcome (times and detections; the task's status is read on the loop) and
+        the task's handle (None when it was not submitted, ``out.error`` saying why)."""
+        work = job.payload
+        out = Outcome(job.id, self.name)
+        t0 = time.monotonic_ns()
+        out.queue_us = (t0 - work.received_ns) / 1e3
+        with self.lanes:
+            geometry = self._pre(work, slot.inputs[0])
+        t1 = time.monotonic_ns()
+        out.pre_us = (t1 - t0) / 1e3
+        fence = slot.fence
+        target = fence.value + 1
+        reached = threading.Event()
+        try:
+            handle = self.dla.submit(
+                Task(
+                    self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),)
+                )
+            )
+        except DlaError as exc:
+            out.error = DeviceFailed(f"{self.name}: {exc}")
+            return out, None
+        fence.on_reached(target, reached.set)
+        if not reached.wait(self._fence_timeout_s):
+            out.hung = True
+            out.error = DeviceFailed(
+                f"{self.name}: the task's fence was not reached in {self._fence_timeout_s:g} s"
+            )
+            return out, None
+        t2 = time.monotonic_ns()
+        if handle.status is not CudlaStatus.SUCCESS:
+            return out, handle
+        with self.lanes:
+            out.detections = self._post(work, slot.outputs, geometry)
+        out.post_us = (time.monotonic_ns() - t2) / 1e3
+        return out, handle
 
     async def _execute_gpu(self, job: Job[Request], slot: Slot, gpu: GpuSlot) -> Outcome:
         work = job.payload
@@ -265,9 +317,9 @@ class DlaExecutor(Executor):
         t0 = time.monotonic_ns()
         out.queue_us = (t0 - work.received_ns) / 1e3
         try:
-            handle, geometry = await anyio.to_thread.run_sync(
-                self._enqueue_gpu, work, slot, gpu, limiter=self.limiter
-            )
+            # On the loop: the chain's calls only queue work (the upload of a pageable frame
+            # stages it in the driver before it returns; a registered one is read in place).
+            handle, geometry = self._enqueue_gpu(work, slot, gpu)
         except DlaError as exc:
             out.error = self.failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
@@ -317,7 +369,12 @@ class DlaExecutor(Executor):
         h, w = image.shape[0], image.shape[1]
         geometry = letterbox_geometry(w, h, self.loadable.image_size)
         pipe = gpu.pipeline
-        src = pipe.upload(image)
+        service = self.gpu
+        at = None if service is None else service.frame_device_ptr(image)
+        if at is not None and service is not None and service.read_frames_in_place:
+            src = at  # a shared-memory frame the GPU reads where the client wrote it
+        else:
+            src = pipe.upload(image)  # DMA from a registered segment; else staged by the driver
         int8 = self.module.inputs[0].data_type == DataType.INT8
         pipe.pre(
             src,
@@ -341,17 +398,21 @@ class DlaExecutor(Executor):
     async def _submit(self, slot: Slot) -> Any:
         fence = slot.fence
         target = fence.value + 1
-        done = asyncio.Event()
         loop = asyncio.get_running_loop()
+        reached: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:  # on the loop
+            if not reached.done():  # the waiter may have been cancelled (shutdown)
+                reached.set_result(None)
 
         def on_reached() -> None:  # the core's thread (or this one, if already reached)
-            loop.call_soon_threadsafe(done.set)
+            loop.call_soon_threadsafe(settle)
 
         handle = self.dla.submit(
             Task(self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),))
         )
         fence.on_reached(target, on_reached)
-        await done.wait()
+        await reached
         return handle
 
     def _pre(self, work: Request, buffer: Any) -> Letterbox:

@@ -14,6 +14,7 @@ dram_contention``), so running at once slows them as the Orin's shared DRAM does
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import anyio
@@ -62,6 +63,8 @@ def build_executors(
     """
     built: dict[str, Executor] = {}
     dram = SharedDram(plan.config.soc.dram_contention)  # what the emulated engines share
+    # The DLA slots' threads pre/post-process this many frames at once between them.
+    lanes = threading.BoundedSemaphore(max(plan.config.pre_post.threads, 1))
     try:
         for placement in plan.placements:
             dev = plan.config.device(placement.device)
@@ -104,6 +107,7 @@ def build_executors(
                     backend=dev.backend,
                     cudla_loadable=cudla_loadable_for(plan, placement),
                     dram=dram,
+                    lanes=lanes,
                 )
             except DlaError as exc:  # the core cannot open or load (e.g. no exact INT8 kernel)
                 raise ExecutorBuildError(

@@ -261,6 +261,7 @@ class GpuContext:
         self.context = _check(drv.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self._lock = threading.Lock()
         self._closed = False
+        self._current = threading.local()  # .bound: this thread has the context current
         self.make_current()
         attr = drv.CUdevice_attribute
         self.arch = (
@@ -268,6 +269,8 @@ class GpuContext:
             int(self._attr(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
         )
         self.sm_count = int(self._attr(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
+        # An integrated GPU (an Orin's) shares the host's DRAM: it reads host memory in place.
+        self.integrated = bool(self._attr(attr.CU_DEVICE_ATTRIBUTE_INTEGRATED))
         self.max_smem_optin = int(
             self._attr(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         )
@@ -291,8 +294,12 @@ class GpuContext:
         return int(_check(_driver().cuDeviceGetAttribute(attribute, self.device), "attr"))
 
     def make_current(self) -> None:
-        """Bind the context to the calling thread (cheap; needed once per thread)."""
+        """Bind the context to the calling thread (a driver call the first time on a thread,
+        a thread-local check after)."""
+        if getattr(self._current, "bound", False):
+            return
         _check(_driver().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self._current.bound = True
 
     def set_max_dynamic_smem(self, kernel: Kernel, nbytes: int) -> None:
         """Allow ``kernel`` up to ``nbytes`` of dynamic shared memory. Raises CudaError when the
@@ -322,6 +329,23 @@ class GpuContext:
         array = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(host))
         array[:] = 0
         return HostBuffer(array[:nbytes], host, dev, self)
+
+    def register_host(self, address: int, nbytes: int) -> int:
+        """Page-lock ``nbytes`` of existing host memory at ``address`` (read-only to the GPU: a
+        client's shared-memory frames) and map it for the GPU; returns its device address.
+        Copies from it are then DMA, without a staging copy by the CPU, and kernels can read it
+        in place. Raises CudaError (e.g. no memory to lock)."""
+        self.make_current()
+        drv = _driver()
+        flags = (drv.CU_MEMHOSTREGISTER_DEVICEMAP | drv.CU_MEMHOSTREGISTER_READ_ONLY
+                 | drv.CU_MEMHOSTREGISTER_PORTABLE)  # fmt: skip
+        _check(drv.cuMemHostRegister(address, nbytes, flags), "cuMemHostRegister")
+        return int(_check(drv.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer"))
+
+    def unregister_host(self, address: int) -> None:
+        """Undo :meth:`register_host` (no GPU work may still read the memory)."""
+        self.make_current()
+        _check(_driver().cuMemHostUnregister(address), "cuMemHostUnregister")
 
     def stream(self) -> Any:
         """A new non-blocking stream."""

@@ -21,7 +21,15 @@ import structlog
 
 from dlad.devices.base import Buffer, DlaCore, Module, Task, TaskHandle
 from dlad.devices.cudla import cuda_interop
-from dlad.gpu.driver import GpuContext, GpuProbe, HostBuffer, _check, _driver, probe
+from dlad.gpu.driver import (
+    CudaError,
+    GpuContext,
+    GpuProbe,
+    HostBuffer,
+    _check,
+    _driver,
+    probe,
+)
 from dlad.gpu.fences import FencePoller, MappedFence
 from dlad.gpu.links import CudlaInterop, GpuFenceLink, MappedFenceLink, link_cudla_slot
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
@@ -133,6 +141,43 @@ class GpuService:
         self._lock = threading.Lock()
         self._host: dict[int, HostBuffer] = {}
         self._slots: list[GpuSlot] = []
+        self._frames: dict[int, tuple[int, int]] = {}  # host base -> (bytes, device address)
+        self.read_frames_in_place = self.ctx.integrated
+        """Pre-process registered frames straight from host memory (an integrated GPU's own
+        DRAM); else they are DMA-copied to the GPU first, without a CPU copy."""
+
+    def register_frames(self, address: int, nbytes: int) -> None:
+        """Register a client's shared-memory segment (mapped by ``dlad.shm``) with the GPU, so
+        that its frames reach the pre-processing kernel without a CPU copy. A segment that
+        cannot be registered is logged and its frames staged as usual."""
+        try:
+            dev = self.ctx.register_host(address, nbytes)
+        except CudaError as exc:
+            log.warning("shm_gpu_register_failed", bytes=nbytes, reason=str(exc))
+            return
+        with self._lock:
+            self._frames[address] = (nbytes, dev)
+
+    def unregister_frames(self, address: int) -> None:
+        """Undo :meth:`register_frames` (the segment's frames are all answered)."""
+        with self._lock:
+            known = self._frames.pop(address, None)
+        if known is not None:
+            try:
+                self.ctx.unregister_host(address)
+            except CudaError as exc:  # the context is going: nothing left to read it
+                log.warning("shm_gpu_unregister_failed", reason=str(exc))
+
+    def frame_device_ptr(self, image: npt.NDArray[np.uint8]) -> int | None:
+        """The GPU address of ``image`` if it lies in a registered segment, else None."""
+        if not self._frames:
+            return None
+        at = int(image.ctypes.data)
+        with self._lock:
+            for base, (nbytes, dev) in self._frames.items():
+                if base <= at and at + image.nbytes <= base + nbytes:
+                    return dev + (at - base)
+        return None
 
     def host_array(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """``nbytes`` of zeroed, pinned, GPU-mapped host memory (an emulated core's allocator)."""
@@ -264,9 +309,12 @@ class GpuService:
         with self._lock:
             slots, self._slots = self._slots, []
             host, self._host = self._host, {}
+            frames = list(self._frames)
         for s in slots:
             s.pipeline.close()
             s.release_fences()
         for buf in host.values():
             buf.free()
+        for address in frames:
+            self.unregister_frames(address)
         self.ctx.close()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dlad.devices.dram import ORIN_DRAM_K
 from dlad.errors import NotFound, Overloaded
-from dlad.scheduler import POLICIES, Job, Policy, Scheduler
+from dlad.scheduler import LEARN_CLAMP, POLICIES, Job, Policy, Scheduler
 
 
 class FakeClock:
@@ -473,6 +473,22 @@ def test_an_unknown_policy_is_refused() -> None:
         Scheduler(FakeClock(), policy="fastest")  # type: ignore[arg-type]
 
 
+def test_one_outlier_moves_the_estimate_at_most_the_clamp() -> None:
+    """A device whose first frame took 100x its model (a cold start) is not written off: the
+    sample counts as LEARN_CLAMP x, and the estimate comes back as normal frames follow."""
+    clock = FakeClock()
+    s: Scheduler[None] = Scheduler(clock, alpha=0.5)
+    s.add_device("dla0", ["m"], capacity=8, service_us=2000.0)
+    for i, took in enumerate((200_000.0, 2000.0, 2000.0, 2000.0)):
+        s.admit(Job(i, "m", 10**15, None))
+        job, _ = s.next_job("dla0")
+        assert job is not None
+        s.finished("dla0", job, took)
+        if i == 0:
+            assert s.service_us("dla0") == 2000.0 + 0.5 * (LEARN_CLAMP * 2000.0 - 2000.0)
+    assert s.service_us("dla0") < 2000.0 * 1.5
+
+
 def test_interference_counts_an_engines_modelled_work_not_its_host_time() -> None:
     """An emulated core in numeric mode learns what the host took (here 60 ms) while its
     modelled work, the part that contends for DRAM, stays 3.82 ms. The delay it would inflict
@@ -486,13 +502,17 @@ def test_interference_counts_an_engines_modelled_work_not_its_host_time() -> Non
         "gpu", ["m", "g"], capacity=16, service_us=1820.0, max_batch=8,
         batch_service_us={8: 9190.0}, kind="gpu", tier=1,
     )  # fmt: skip
-    s.admit(Job(0, "d", 10**15, None))
-    on_dla, _ = s.next_job("dla0")
-    assert on_dla is not None
-    s.finished("dla0", on_dla, 60_000.0)  # the host's numeric time, not the model's
-    s.admit(Job(1, "g", 10**15, None))
-    single = s.next_batch("gpu", max_batch=8, max_queue_delay_us=0.0).jobs
-    s.finished_batch("gpu", single, 70_000.0)
+    for i in (0, 10):  # two samples: one counts at most LEARN_CLAMP x the estimate
+        s.admit(Job(i, "d", 10**15, None))
+        on_dla, _ = s.next_job("dla0")
+        assert on_dla is not None
+        s.finished("dla0", on_dla, 60_000.0)  # the host's numeric time, not the model's
+    assert s.service_us("dla0") == 60_000.0
+    for i in (1, 11, 21):  # 1.82 -> 70 ms takes three samples (LEARN_CLAMP x each)
+        s.admit(Job(i, "g", 10**15, None))
+        single = s.next_batch("gpu", max_batch=8, max_queue_delay_us=0.0).jobs
+        s.finished_batch("gpu", single, 70_000.0)
+    assert s.service_us("gpu") == 70_000.0
     _run_gpu_batch(s, 8)
     s.admit(Job(2, "m", 10**12, None))
     assert s.queued("dla0") == 1

@@ -206,3 +206,32 @@ def test_a_bounded_pipeline_never_grows_its_upload_buffer(service: GpuService) -
     finally:
         pipe.close()
     assert service.max_image_bytes == 0  # this fixture's service grows on demand
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["dma", "in-place"])
+def test_shared_memory_frames_reach_the_gpu_chain_registered(
+    tmp_path: Path, service: GpuService, in_place: bool
+) -> None:
+    """A client's segment is registered with the GPU when the daemon maps it: its frames are
+    DMA-copied (a discrete GPU) or read in place by the pre kernel (an integrated one; forced
+    here on the H200), and the detections equal those of frames sent in the message."""
+    del service  # only for the skip: the daemon opens its own context
+    cfg = tmp_path / "shm.toml"
+    cfg.write_text(CONFIG.format(backend="cuda"))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    rgb = np.ascontiguousarray(np.asarray(Image.open(IMAGES[0]).convert("RGB")))
+    with serve_in_thread(daemon, start_timeout=120) as endpoint:
+        gpu = daemon._gpu
+        assert gpu is not None
+        gpu.read_frames_in_place = in_place
+        with Client(endpoint, timeout_s=30) as client:
+            inline = client.detect(rgb, conf=0.01).detections.copy()
+        with Client(endpoint, timeout_s=30, shm_slot_bytes=rgb.nbytes, shm_slots=2) as client:
+            shared = [client.detect(rgb, conf=0.01).detections.copy() for _ in range(3)]
+            assert gpu._frames  # the segment is registered while mapped
+        shm = daemon.frontend.shm
+        assert shm is not None
+        assert shm.stats.frames == 3
+    assert len(inline) > 0
+    for d in shared:
+        np.testing.assert_array_equal(d, inline)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 14's H200 measurements (the lean hot path, shared-memory frames, GPU post latency):
+#   run(command="bash bench/h200_hot_path.sh tests|gpu|daemon|shm", carry=[".whl"], timeout_s=600)
+# tests:  the GPU tests and the shared-memory tests (the host is a second x86 ISA);
+# gpu:    bench/gpu_prepost.py (pre/post kernels vs baselines; batch-1 post, sleeping and polling);
+# daemon: bench/daemon_throughput.py, pre/post off, CPU and CUDA, 3 trials, then one profiled run;
+# shm:    bench/shm_frames.py (tcp / ipc / shared memory, 1.35 MB and 6.2 MB frames, 3 trials).
+set -uo pipefail
+source bench/h200_env.sh
+export PATH="/tmp/site/bin:$PATH"
+lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$out/gpu.txt"
+status=0
+for part in "$@"; do
+    case "$part" in
+    tests)
+        timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+            -W "ignore::DeprecationWarning" tests/dlad/gpu tests/dlad/test_shm.py \
+            tests/dlad/test_protocol.py tests/dlad/test_daemon.py -rs 2>&1 \
+            | tee "$out/tests.log" | tail -12
+        status=$((status | PIPESTATUS[0])) ;;
+    gpu)
+        timeout 300 python3 bench/gpu_prepost.py --json "$out/prepost.json" 2>&1 | tail -40 ;;
+    daemon)
+        timeout 420 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
+            --pre-post-backends cpu,cuda --trials 3 2>&1 | tee "$out/throughput.txt"
+        timeout 120 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
+            --pre-post-backends cuda --profile "$out/profile" 2>&1 | tee "$out/profile.txt" ;;
+    shm)
+        timeout 500 python3 bench/shm_frames.py --seconds 4 --trials 3 2>&1 | tee "$out/shm.txt" ;;
+    esac
+done
+exit "$status"

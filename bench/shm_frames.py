@@ -1,0 +1,171 @@
+"""Frames through dlad over tcp, ipc and shared memory, in one run, at two frame sizes.
+
+    python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16]
+
+One dlad process serves tcp loopback and an ipc socket, with two emulated DLA cores in timing
+mode at 50 µs a frame (40,000 frames/s together: the devices are never the bottleneck) and
+pre/post-processing off, so what is measured is the frame's way in: the transport and the
+daemon's own path. For 672x672x3 (1.35 MB, YOLOv5s' input) and 1920x1080x3 (6.2 MB, a 1080p
+camera frame) frames, the SDK's ``Client`` keeps ``--in-flight`` INFERs outstanding:
+
+- ``tcp``, ``ipc``: the frame in the message, sent without a copy by the client (ZeroMQ copies
+  it through the kernel, and the daemon's I/O thread reads it out);
+- ``shm``: the frame written into a shared-memory slot (``shm_slot_bytes``; the client copies
+  each frame into its slot once, as a camera loop that did not render in place would) and only
+  a header sent, over the ipc endpoint;
+
+and, for the ceiling of each frame size, a bare pyzmq ROUTER answering 1-byte acks over tcp
+(``bench/daemon_throughput.py``'s). Reported per trial and as the median over trials: frames/s,
+the daemon's CPU per frame (its process, without the emulated cores' threads), and shm's
+frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from daemon_throughput import (
+    bare_ceiling,
+    cpu_seconds,
+    engine_cpu_seconds,
+    wait_ready,
+)
+
+from dlad.errors import DladError
+from dlad_client import Client
+
+SIZES = {"1.35 MB (672x672)": (672, 672, 3), "6.2 MB (1920x1080)": (1080, 1920, 3)}
+CONFIG = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:{port}", "ipc://{ipc}"]
+sndhwm = 1000
+rcvhwm = 1000
+[metrics]
+enabled = false
+[pre_post]
+enabled = false
+[devices.dla0]
+kind = "dla"
+core = 0
+queue_depth = 32
+mode = "timing"
+latency_us = 50.0
+[devices.dla1]
+kind = "dla"
+core = 1
+queue_depth = 32
+mode = "timing"
+latency_us = 50.0
+[models.demo]
+devices = ["dla0", "dla1"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+"""
+
+
+def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int, shm: bool
+          ) -> tuple[float, int]:  # fmt: skip
+    """Keep ``in_flight`` INFERs outstanding for ``seconds`` after 1 s of warm-up; returns
+    (frames/s, frames answered OK in the measured window)."""
+    image = np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
+    slot = int(np.prod(shape)) if shm else None
+    ok = 0
+    with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000,
+                shm_slot_bytes=slot) as c:  # fmt: skip
+        handles = deque(c.submit(image) for _ in range(in_flight))
+        warm_until = time.perf_counter() + 1.0
+        end = warm_until + seconds
+        t_start = None
+        while (now := time.perf_counter()) < end:
+            handle = handles.popleft()
+            try:
+                handle.result()
+                good = True
+            except DladError:
+                good = False
+            if now >= warm_until:
+                t_start = t_start or now
+                ok += good
+            handles.append(c.submit(image))
+        elapsed = time.perf_counter() - (t_start or warm_until)
+        for handle in handles:
+            with contextlib.suppress(DladError):
+                handle.result()
+        if shm and c.shm is not None and c.shm.inline:
+            raise RuntimeError(f"{c.shm.inline} frames went inline: the slots ran out")
+    return ok / elapsed, ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--port", type=int, default=5597)
+    args = ap.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
+    rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ipc = f"{tmp}/dlad.sock"
+        cfg = Path(tmp) / "dlad.toml"
+        cfg.write_text(CONFIG.format(port=args.port, ipc=ipc))
+        endpoints = {"tcp": f"tcp://127.0.0.1:{args.port}", "ipc": f"ipc://{ipc}",
+                     "shm": f"ipc://{ipc}"}  # fmt: skip
+        for trial in range(args.trials):
+            print(f"--- trial {trial + 1} of {args.trials}")
+            for label, shape in SIZES.items():
+                bare, bare_cpu = bare_ceiling(
+                    "tcp://127.0.0.1:5596", args.seconds, args.in_flight, frame=shape
+                )
+                rows.setdefault((label, "bare tcp"), []).append((bare["rate"], bare_cpu))
+                print(f"{label}: bare pyzmq over tcp {bare['rate']:.0f} frames/s, server CPU "
+                      f"{bare_cpu * 1e3:.3f} ms/frame")  # fmt: skip
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                )  # fmt: skip
+                try:
+                    wait_ready(proc, "listening")
+                    for transport, ep in endpoints.items():
+                        cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
+                        rate, n = drive(ep, shape, args.seconds, args.in_flight, transport == "shm")
+                        own = cpu_seconds(proc.pid) - cpu0 - engine_cpu_seconds(proc.pid) + eng0
+                        own /= max(n, 1)
+                        rows.setdefault((label, transport), []).append((rate, own))
+                        print(f"{label}: dlad over {transport} {rate:.0f} frames/s, daemon CPU "
+                              f"{own * 1e3:.3f} ms/frame")  # fmt: skip
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+    print(f"summary, median over {args.trials} trials [min, max]:")
+    for label in SIZES:
+        for transport in ("bare tcp", "tcp", "ipc", "shm"):
+            rates, cpus = (sorted(x) for x in zip(*rows[label, transport], strict=True))
+            print(f"  {label} {transport:8s}: {statistics.median(rates):7.0f} frames/s "
+                  f"[{rates[0]:.0f}, {rates[-1]:.0f}], CPU {statistics.median(cpus) * 1e3:.3f} "
+                  f"ms/frame")  # fmt: skip
+        shm = [r for r, _ in rows[label, "shm"]]
+        for base in ("tcp", "bare tcp"):
+            ratio = sorted(s / r for s, (r, _) in zip(shm, rows[label, base], strict=True))
+            print(f"  {label} shm / {base}: {statistics.median(ratio):.2f} "
+                  f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

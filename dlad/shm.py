@@ -1,0 +1,217 @@
+"""Shared-memory frames: the daemon's side of docs/protocol.md's extension for same-host clients.
+
+A client on this host creates a POSIX shared-memory segment (``/dev/shm/<name>``), writes each
+frame into a slot of it and sends an INFER whose header names the segment, the slot's offset and
+the segment's size, with no payload frame. The daemon maps the segment read-only on first use and
+hands the executors a numpy view of the slot: the frame is never copied through the kernel, and
+the CPU pre-processing (or, on an Orin, the GPU, which reads host memory natively) reads it in
+place.
+
+What keeps it safe and bounded:
+
+- a slot belongs to the daemon from the notification until its reply (the client's side of the
+  rule: ``dlad_client`` frees a slot only when the daemon has answered that request);
+- segments are mapped per client identity (two clients naming the same segment get separate
+  mappings, each checked), read-only, opened with ``O_NOFOLLOW`` from ``/dev/shm`` only; the
+  name, offset and size are checked against the segment before any byte is read;
+- at most ``[shm] max_segments`` segments and ``max_bytes`` bytes are mapped at once (more is
+  OVERLOADED); a segment no frame in the daemon uses is unmapped after ``idle_s`` unused, so a
+  client that dies (its segment unlinked by its resource tracker) or never reads its replies
+  leaves nothing mapped once its frames are answered.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from dlad.config import ShmConfig
+from dlad.errors import BadRequest, Overloaded
+from dlad.protocol import ShmRef
+
+__all__ = ["SHM_DIR", "SharedFrames"]
+
+SHM_DIR = "/dev/shm"  # noqa: S108  # shm_open's namespace, not a temporary file
+"""Where POSIX shared-memory objects live on Linux (``shm_open(3)``)."""
+
+log = structlog.get_logger("dlad.shm")
+
+_LOOPBACK = ("127.", "::1", "localhost")  # tcp loopback peers; "localhost:..." is an ipc peer
+
+
+@dataclass(eq=False, slots=True)
+class _Segment:
+    name: str
+    size: int
+    map: mmap.mmap
+    users: int = 0  # frames admitted and not yet answered
+    last_used: float = 0.0
+
+
+@dataclass(slots=True)
+class ShmStats:
+    segments: int = 0
+    mapped_bytes: int = 0
+    frames: int = 0  # shared-memory frames resolved since start
+    reclaimed: int = 0  # segments unmapped after idling
+    closing: list[mmap.mmap] = field(default_factory=list)  # unmapped once no view remains
+
+
+class SharedFrames:
+    """The client segments the daemon has mapped, by (client identity, segment name).
+
+    Everything is called on the daemon's event loop.
+    """
+
+    def __init__(
+        self, config: ShmConfig, *, clock: Callable[[], float] = time.monotonic, root: str = SHM_DIR
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._root = root
+        self._segments: dict[tuple[str, str], _Segment] = {}
+        self.stats = ShmStats()
+        # Told of each mapping's base address and size, and of its end (the GPU registers
+        # segments so that its pre-processing reads frames without a CPU copy).
+        self.on_map: Callable[[int, int], None] | None = None
+        self.on_unmap: Callable[[int], None] | None = None
+
+    @staticmethod
+    def peer_is_local(peer: str) -> bool:
+        """Whether a connection's ``Peer-Address`` (ZeroMQ message metadata) is this host: an
+        ``ipc://`` peer or a loopback tcp one."""
+        return peer.startswith(_LOOPBACK)
+
+    def resolve(self, owner: str, ref: ShmRef, nbytes: int) -> memoryview:
+        """The ``nbytes`` at ``ref.offset`` of ``owner``'s segment ``ref.name`` (mapped now if
+        new), read-only. Raises BadRequest (the segment does not exist, is not the size the
+        client says, or the frame does not fit in it) or Overloaded (the map limits)."""
+        if ref.offset + nbytes > ref.size:
+            raise BadRequest(
+                f"shm: a {nbytes}-byte frame at offset {ref.offset} ends past the segment's "
+                f"{ref.size} bytes"
+            )
+        key = (owner, ref.name)
+        seg = self._segments.get(key)
+        if seg is None or seg.size != ref.size:
+            seg = self._map(key, ref)
+        seg.last_used = self._clock()
+        self.stats.frames += 1
+        return memoryview(seg.map)[ref.offset : ref.offset + nbytes]
+
+    def hold(self, owner: str, name: str) -> None:
+        """A frame of this segment was admitted: it stays mapped until :meth:`release`."""
+        seg = self._segments.get((owner, name))
+        if seg is not None:
+            seg.users += 1
+
+    def release(self, owner: str, name: str) -> None:
+        """A frame of this segment was answered."""
+        seg = self._segments.get((owner, name))
+        if seg is not None and seg.users > 0:
+            seg.users -= 1
+            seg.last_used = self._clock()
+
+    def reclaim(self) -> int:
+        """Unmap the segments no frame uses that have idled ``idle_s``; returns how many."""
+        now = self._clock()
+        idle = [k for k, s in self._segments.items()
+                if not s.users and now - s.last_used >= self.config.idle_s]  # fmt: skip
+        for key in idle:
+            self._unmap(key)
+        self.stats.reclaimed += len(idle)
+        self._close_pending()
+        return len(idle)
+
+    def close(self) -> None:
+        """Unmap everything (the daemon's end)."""
+        for key in list(self._segments):
+            self._unmap(key)
+        self._close_pending()
+
+    @property
+    def segments(self) -> int:
+        return len(self._segments)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(s.size for s in self._segments.values())
+
+    # ------------------------------------------------------------------ internals
+    def _map(self, key: tuple[str, str], ref: ShmRef) -> _Segment:
+        old = self._segments.get(key)
+        if old is not None:
+            if old.users:
+                raise BadRequest(
+                    f"shm: segment {ref.name!r} was {old.size} bytes while frames of it are "
+                    f"in flight; a client must not resize a segment in use"
+                )
+            self._unmap(key)
+        cfg = self.config
+        if len(self._segments) >= cfg.max_segments:
+            self.reclaim()
+        if len(self._segments) >= cfg.max_segments:
+            raise Overloaded(f"shm: {cfg.max_segments} client segments are mapped, the most")
+        if self.mapped_bytes + ref.size > cfg.max_bytes:
+            self.reclaim()
+            if self.mapped_bytes + ref.size > cfg.max_bytes:
+                raise Overloaded(
+                    f"shm: mapping {ref.size} more bytes would pass the {cfg.max_bytes}-byte "
+                    f"budget of client segments"
+                )
+        path = os.path.join(self._root, ref.name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            why = "no such segment" if exc.errno == errno.ENOENT else exc.strerror
+            raise BadRequest(f"shm: cannot open segment {ref.name!r}: {why}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRequest(f"shm: {ref.name!r} is not a shared-memory segment")
+            if st.st_size != ref.size:
+                raise BadRequest(
+                    f"shm: segment {ref.name!r} is {st.st_size} bytes, the request says {ref.size}"
+                )
+            m = mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        seg = _Segment(ref.name, ref.size, m)
+        self._segments[key] = seg
+        if self.on_map is not None:
+            self.on_map(_address(m), ref.size)
+        log.info("shm_mapped", segment=ref.name, bytes=ref.size, client=key[0][:16])
+        return seg
+
+    def _unmap(self, key: tuple[str, str]) -> None:
+        m = self._segments.pop(key).map
+        if self.on_unmap is not None:
+            self.on_unmap(_address(m))
+        self.stats.closing.append(m)
+
+    def _close_pending(self) -> None:
+        """Close the maps of unmapped segments whose last frame view has gone (a view still
+        alive, e.g. a frame a worker thread holds, keeps its map until the next pass)."""
+        self.stats.closing = [m for m in self.stats.closing if not _closed(m)]
+
+
+def _closed(m: mmap.mmap) -> bool:
+    """Close ``m``; False while a view of it is still alive (try again later)."""
+    try:
+        m.close()
+    except BufferError:
+        return False
+    return True
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where ``m`` is mapped (a read-only map has no writable buffer for ctypes: numpy's)."""
+    return int(np.frombuffer(m, np.uint8, count=1).ctypes.data)

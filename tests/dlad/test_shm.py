@@ -1,0 +1,249 @@
+"""Shared-memory frames (docs/protocol.md, "Shared-memory frames"): the SDK's slots, the
+daemon's segment table, and every refusal a bad notification gets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import anyio
+import msgpack
+import numpy as np
+import pytest
+
+from dlad import protocol
+from dlad.config import ShmConfig, load_config
+from dlad.daemon import Daemon
+from dlad.errors import BadRequest, Overloaded, Status
+from dlad.shm import SHM_DIR, SharedFrames
+from dlad_client import AsyncClient, Client
+from dlad_client._core import ShmSlots
+from tests.dlad.serving import serve_in_thread
+from tests.dlad.test_daemon import CONFIG, IMAGE, dealer, recv, running
+from tests.dlad.test_metrics import wait_for
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason=f"needs {SHM_DIR} (Linux)")
+
+SLOT = 4 << 20  # fits the 640 x 480 x 3 demo image (921,600 B)
+
+
+def _infer_header(rid: int, shm: dict[str, object], image: np.ndarray = IMAGE) -> bytes:
+    h, w, _ = image.shape
+    header = {"v": 1, "kind": 1, "id": rid, "model": "demo", "shm": shm,
+              "image": {"height": h, "width": w, "format": "RGB", "dtype": "uint8"}}  # fmt: skip
+    return msgpack.packb(header)
+
+
+def test_frames_from_shared_memory_get_the_same_detections_as_inline(tmp_path: Path) -> None:
+    with running(tmp_path, mode="numeric", latency=500.0) as (daemon, ep):
+        with Client(ep) as plain:
+            inline = plain.detect(IMAGE)
+        with Client(ep, shm_slot_bytes=SLOT, max_in_flight=4) as client:
+            copied = client.detect(IMAGE)  # copied into a free slot once
+            frame = client.frame(IMAGE.shape)
+            assert frame is not None
+            frame[...] = IMAGE  # rendered in place: no copy at all
+            in_place = client.detect(frame)
+            handles = [client.submit(IMAGE) for _ in range(4)]
+            pipelined = [h.result() for h in handles]
+            assert client.shm is not None
+            assert client.shm.inline == 0
+            assert client.shm.free == 4  # every slot back once its reply came
+        assert daemon.frontend.shm is not None
+        assert daemon.frontend.shm.stats.frames == 6
+    for r in (copied, in_place, *pipelined):
+        np.testing.assert_array_equal(r.detections, inline.detections)
+    assert len(inline) > 0
+
+
+def test_the_async_client_sends_shared_memory_frames(tmp_path: Path) -> None:
+    async def main(ep: str) -> list[np.ndarray]:
+        async with AsyncClient(ep, shm_slot_bytes=SLOT, max_in_flight=3) as client:
+            async with anyio.create_task_group() as tg:
+                out: list[np.ndarray] = []
+
+                async def one() -> None:
+                    out.append((await client.detect(IMAGE)).detections)
+
+                for _ in range(6):
+                    tg.start_soon(one)
+            assert client.shm is not None
+            assert (client.shm.inline, client.shm.free) == (0, 3)
+            return out
+
+    with running(tmp_path, mode="numeric", latency=500.0) as (daemon, ep):
+        with Client(ep) as plain:
+            inline = plain.detect(IMAGE).detections
+        results = anyio.run(main, ep)
+        assert daemon.frontend.shm is not None
+        assert daemon.frontend.shm.stats.frames == 6
+    for det in results:
+        np.testing.assert_array_equal(det, inline)
+
+
+def test_a_frame_too_big_for_a_slot_or_with_every_slot_taken_goes_inline() -> None:
+    slots = ShmSlots(2, 4096)
+    try:
+        big = np.zeros((64, 64, 3), np.uint8)  # 12,288 B > one slot
+        assert slots.place(1, big) is None
+        small = np.ones((16, 16, 3), np.uint8)
+        a, b = slots.place(2, small), slots.place(3, small)
+        assert a is not None
+        assert b is not None
+        assert (a.offset, b.offset) == (0, 4096)
+        assert slots.place(4, small) is None  # both slots are the daemon's
+        assert slots.inline == 2
+        slots.answered(2)
+        c = slots.place(5, small)
+        assert c is not None
+        assert c.offset == 0  # the answered slot is reused
+        with open(os.path.join(SHM_DIR, slots.name), "rb") as f:  # what the daemon maps
+            written = np.frombuffer(f.read(small.nbytes), np.uint8)
+        np.testing.assert_array_equal(written, small.reshape(-1))
+    finally:
+        slots.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, slots.name))  # unlinked on close
+
+
+def test_a_client_for_another_host_cannot_ask_for_shared_memory() -> None:
+    with pytest.raises(ValueError, match="on this host"):
+        Client("tcp://10.1.2.3:5555", shm_slot_bytes=SLOT)
+    with pytest.raises(ValueError, match="needs shm_slot_bytes"):
+        Client("tcp://127.0.0.1:5555", shm_slots=4)
+    assert SharedFrames.peer_is_local("127.0.0.1")
+    assert SharedFrames.peer_is_local("::1")
+    assert SharedFrames.peer_is_local("localhost:0:0:1234")  # an ipc:// peer
+    assert not SharedFrames.peer_is_local("10.0.0.7")
+    assert not SharedFrames.peer_is_local("")
+
+
+@pytest.fixture
+def segment() -> object:
+    seg = shared_memory.SharedMemory(create=True, size=2 * SLOT)
+    np.frombuffer(seg.buf, np.uint8)[: IMAGE.nbytes] = IMAGE.reshape(-1)
+    yield seg
+    seg.close()
+    seg.unlink()
+
+
+@pytest.mark.parametrize(
+    ("shm", "frames", "field"),
+    [
+        ({"name": "dlad-no-such-segment", "offset": 0, "size": 2 * SLOT}, 1, "no such segment"),
+        ({"name": "{seg}", "offset": 2 * SLOT - 1000, "size": 2 * SLOT}, 1, "ends past"),
+        ({"name": "{seg}", "offset": 0, "size": SLOT}, 1, "the request says"),
+        ({"name": "{seg}", "offset": 2 * SLOT, "size": 2 * SLOT}, 1, "shm.offset"),
+        ({"name": "../etc/passwd", "offset": 0, "size": 4096}, 1, "shm.name"),
+        ({"name": ".hidden", "offset": 0, "size": 4096}, 1, "shm.name"),
+        ({"name": "{seg}", "offset": 0}, 1, "shm"),
+        ({"name": "{seg}", "offset": -1, "size": 2 * SLOT}, 1, "shm.offset"),
+        ({"name": "{seg}", "offset": 0, "size": 2 * SLOT}, 2, "frames"),
+        ({"name": "{seg}", "offset": 0, "size": 2 * SLOT, "extra": 1}, 1, "shm"),
+    ],
+)
+def test_a_bad_notification_is_a_bad_request_and_the_daemon_goes_on(
+    tmp_path: Path, segment: shared_memory.SharedMemory, shm: dict[str, object], frames: int,
+    field: str,
+) -> None:  # fmt: skip
+    shm = {k: (v.format(seg=segment.name) if isinstance(v, str) else v) for k, v in shm.items()}
+    header = _infer_header(41, shm)
+    with running(tmp_path) as (daemon, ep), dealer(ep) as sock:
+        sock.send_multipart([header] if frames == 1 else [header, IMAGE.tobytes()])
+        reply = recv(sock)
+        assert (reply.id, reply.status) == (41, Status.BAD_REQUEST)
+        assert field in reply.message, reply.message
+        # and a good notification on the same connection is served
+        good = {"name": segment.name, "offset": 0, "size": 2 * SLOT}
+        sock.send_multipart([_infer_header(42, good)])
+        ok = recv(sock)
+        assert (ok.id, ok.status) == (42, Status.OK), ok.message
+        assert daemon.frontend.pending == 0
+
+
+def test_a_daemon_with_shm_off_refuses_shared_memory_frames(
+    tmp_path: Path, segment: shared_memory.SharedMemory
+) -> None:
+    cfg = tmp_path / "off.toml"
+    fields = {"mode": "timing", "latency": 2000.0, "depth": 4, "scheduler": "", "faults0": "",
+              "faults1": ""}  # fmt: skip
+    cfg.write_text("[shm]\nenabled = false\n" + CONFIG.format(**fields))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        good = {"name": segment.name, "offset": 0, "size": 2 * SLOT}
+        sock.send_multipart([_infer_header(5, good)])
+        reply = recv(sock)
+    assert (reply.id, reply.status) == (5, Status.BAD_REQUEST)
+    assert "enabled = false" in reply.message
+
+
+def test_segments_stay_mapped_while_used_and_are_reclaimed_when_idle(
+    segment: shared_memory.SharedMemory,
+) -> None:
+    now = [100.0]
+    frames = SharedFrames(ShmConfig(idle_s=10.0, max_segments=1), clock=lambda: now[0])
+    ref = protocol.ShmRef(segment.name, 0, 2 * SLOT)
+    view = frames.resolve("client-a", ref, IMAGE.nbytes)
+    np.testing.assert_array_equal(np.frombuffer(view, np.uint8), IMAGE.reshape(-1))
+    assert view.readonly
+    frames.hold("client-a", segment.name)
+    del view
+    now[0] += 60.0
+    assert frames.reclaim() == 0  # a frame in flight keeps it mapped
+    # the segment budget is full: another client's segment is refused, not mapped
+    with pytest.raises(Overloaded, match="most"):
+        frames.resolve("client-b", ref, IMAGE.nbytes)
+    frames.release("client-a", segment.name)
+    now[0] += 9.0
+    assert frames.reclaim() == 0  # answered 9 s ago: not idle long enough
+    now[0] += 1.0
+    assert frames.reclaim() == 1
+    assert (frames.segments, frames.mapped_bytes, frames.stats.closing) == (0, 0, [])
+    frames.resolve("client-b", ref, IMAGE.nbytes)  # room again
+    frames.close()
+    with pytest.raises(BadRequest, match="ends past"):
+        frames.resolve("client-b", protocol.ShmRef(segment.name, 2 * SLOT - 10, 2 * SLOT), 11)
+
+
+def test_the_byte_budget_bounds_what_is_mapped(segment: shared_memory.SharedMemory) -> None:
+    frames = SharedFrames(ShmConfig(max_bytes=1 << 20))
+    with pytest.raises(Overloaded, match="budget"):
+        frames.resolve("c", protocol.ShmRef(segment.name, 0, 2 * SLOT), 100)
+    assert frames.segments == 0
+
+
+CRASHING_CLIENT = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from dlad_client import Client
+    c = Client(sys.argv[1], shm_slot_bytes=4 << 20)
+    c.submit(np.zeros((480, 640, 3), np.uint8))
+    print(c.shm.name, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_client_that_dies_leaves_nothing_mapped_or_linked(tmp_path: Path) -> None:
+    with running(tmp_path) as (daemon, ep):
+        shm = daemon.frontend.shm
+        assert shm is not None
+        shm.config = ShmConfig(idle_s=0.05)  # reclaimed at the next heartbeat once idle
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CRASHING_CLIENT, ep], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        proc.stdout.close()
+        wait_for(lambda: shm.stats.frames == 1)
+        os.kill(proc.pid, signal.SIGKILL)  # no close(), no reply read
+        proc.wait()
+        wait_for(lambda: shm.segments == 0 and not shm.stats.closing)
+        assert daemon.frontend.pending == 0
+    # the dead client's resource tracker unlinks its segment
+    wait_for(lambda: not os.path.exists(os.path.join(SHM_DIR, name)))
