@@ -93,9 +93,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def engine_cpu_seconds(pid: int) -> float:
-    """CPU seconds of ``pid``'s emulated-engine threads (named ``dla<N>-emulated`` for the OS):
-    the "hardware" an Orin has in silicon, not the daemon's own cost. They live as long as the
-    daemon, so a difference of two readings is their whole share of a run."""
+    """CPU seconds of ``pid``'s emulated-engine threads (named ``*-emulated`` for the OS: each
+    core's ``dla<N>-emulated``, and with GPU pre/post the ``fence-emulated`` poller and
+    ``fwait-emulated`` waiters through which the emulated core sees the GPU's fences): the
+    "hardware" an Orin has in silicon, where a DLA waits on an NvSciSync fence itself, not the
+    daemon's own cost. They live as long as the daemon, so a difference of two readings is
+    their whole share of a run."""
     total = 0.0
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile

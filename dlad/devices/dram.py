@@ -91,6 +91,7 @@ class Transfer:
     kind: EngineKind
     left_ns: float
     slowdown: float = 1.0
+    done_ns: int | None = None  # when its work was done, as :meth:`SharedDram.wait` projected
 
 
 class SharedDram:
@@ -176,6 +177,8 @@ class SharedDram:
                 left = transfer.left_ns - (now - self._last_ns) / transfer.slowdown
                 end = now + max(left * transfer.slowdown, 0.0)
                 if now >= end:
+                    # the work ran out before this wake-up (a sleeper wakes late): when it did
+                    transfer.done_ns = round(now + min(left * transfer.slowdown, 0.0))
                     return "done"
                 if deadline_ns is not None and now >= deadline_ns:
                     return "expired"

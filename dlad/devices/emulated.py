@@ -332,6 +332,7 @@ class EmulatedDlaCore:
         # Guarded by _cv (single reads elsewhere are fine under the GIL):
         self._queue: collections.deque[EmulatedTaskHandle] = collections.deque()
         self._in_flight = 0
+        self._free_at = 0  # when the last task ended in the model (the clock's ns)
         self._ids = itertools.count(1)
         self._module: EmulatedModule | None = None
         self._loading = False
@@ -625,7 +626,11 @@ class EmulatedDlaCore:
         for fence, value in task.wait:
             fence.on_reached(value, self._notify)
         outcome = self._wait_until(lambda: all(f.reached(v) for f, v in task.wait), deadline)
-        start = self._clock()
+        ready = self._clock()
+        # The engine's time is the model's, not the host thread's: a task queued behind another
+        # starts when that one ended in the model (a thread woken late must not stretch the
+        # engine's throughput); one that waited on a fence starts when the wait ended.
+        start = ready if task.wait else min(ready, max(handle.submit_ns, self._free_at))
         override = self._latency_override
         modelled = module.loadable.latency_us if override is None else override
         status, compute_ns = CudlaStatus.SUCCESS, 0
@@ -634,7 +639,8 @@ class EmulatedDlaCore:
         elif outcome == "done":
             # The modelled latency is the task's work alone; sharing the DRAM stretches it.
             dram = self._dram
-            transfer = None if dram is None else dram.begin("dla", modelled * 1e3)
+            ahead = ready - start  # modelled work already done before this thread got here
+            transfer = None if dram is None else dram.begin("dla", modelled * 1e3 - ahead)
             try:
                 if fault == "error":
                     status = (
@@ -642,7 +648,7 @@ class EmulatedDlaCore:
                     )
                 else:
                     status = self._compute(module, task)
-                    compute_ns = self._clock() - start
+                    compute_ns = self._clock() - ready
                 # Wait out the modelled time; a computation longer than it sets the time.
                 outcome = self._wait_work(start, modelled, deadline, dram, transfer)
             finally:
@@ -652,7 +658,15 @@ class EmulatedDlaCore:
             status = CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
         elif outcome == "aborted":
             status = ABORTED_STATUS
-        timing = TaskTiming(handle.submit_ns, start, self._clock(), modelled, compute_ns / 1e3)
+        end = self._clock()
+        if outcome == "done":
+            # when the work ended in the model (the thread wakes some time after that)
+            if dram is not None and transfer is not None and transfer.done_ns is not None:
+                end = min(end, max(transfer.done_ns, start + compute_ns))
+            elif dram is None:
+                end = min(end, start + max(round(modelled * _NS_PER_US), compute_ns))
+        self._free_at = end
+        timing = TaskTiming(handle.submit_ns, start, end, modelled, compute_ns / 1e3)
         self._finish(handle, status, timing)
 
     def _wait_work(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from dlad.devices.emulated import EmulatedFence
+from dlad.devices.emulated import EmulatedFence, name_os_thread
 from dlad.gpu.driver import GpuContext, _driver
 
 if TYPE_CHECKING:
@@ -104,6 +104,8 @@ class MappedFence(EmulatedFence):
         self._events.put((event, value))
 
     def _wait_events(self) -> None:
+        # The emulated core's hardware: a DLA waits on the GPU's fence in silicon.
+        name_os_thread("fwait-emulated")
         drv = _driver()
         self._ctx.make_current()
         while (item := self._events.get()) is not None:
@@ -162,6 +164,8 @@ class FencePoller:
             fence._advance(value)  # fence callbacks log their own failures
 
     def _run(self) -> None:
+        # The emulated core's hardware too (the syncpoint interrupt's stand-in).
+        name_os_thread("fence-emulated")
         last_progress = time.monotonic()
         while True:
             with self._cond:

@@ -476,14 +476,15 @@ class GpuPipeline:
         if graph is None:
             graph = self._graphs[key] = self._capture(n, head_ptrs, sizes)
         drv = _driver()
-        _check(drv.cuGraphLaunch(graph[1], self.stream), "cuGraphLaunch")  # records self.done
+        _check(drv.cuGraphLaunch(graph[1], self.stream), "cuGraphLaunch")
+        _check(drv.cuEventRecord(self.done, self.stream), "cuEventRecord")
         self._requested = [max_det] * n
 
     def _capture(
         self, n: int, head_ptrs: Sequence[int], sizes: Sequence[int]
     ) -> tuple[object, object]:
-        """Capture one frame of ``n`` images (settings copy, the four kernels, the result copy,
-        the completion event) as a CUDA graph: one launch per frame instead of seven calls."""
+        """Capture one frame of ``n`` images (settings copy, the four kernels, the result copy)
+        as a CUDA graph: one launch per frame instead of six calls."""
         p = self._post_params
         for i, ptr in enumerate(head_ptrs):
             p.heads[i] = ptr
@@ -514,8 +515,6 @@ class GpuPipeline:
                 drv.cuMemcpyDtoHAsync(self._out_host.host_ptr, self._out.ptr, nbytes, self.stream),
                 "cuMemcpyDtoHAsync",
             )
-            # The completion event is a node of the graph too: a frame is one driver call.
-            _check(drv.cuEventRecord(self.done, self.stream), "cuEventRecord")
         finally:
             graph = _check(drv.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         graph_exec = _check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
