@@ -177,12 +177,16 @@ def drive_bare(
     return _stats(lat, ok, 0, elapsed)
 
 
-def drive_sdk(endpoint: str, seconds: float, in_flight: int) -> dict[str, float]:
-    """The SDK: ``Client.submit`` keeps ``in_flight`` INFERs outstanding for ``seconds``."""
+def drive_sdk(endpoint: str, seconds: float, in_flight: int, shm: bool = False
+              ) -> dict[str, float]:  # fmt: skip
+    """The SDK: ``Client.submit`` keeps ``in_flight`` INFERs outstanding for ``seconds`` (with
+    ``shm``, each frame copied into a shared-memory slot and only its header sent)."""
     image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
     lat: list[float] = []
     ok = bad = 0
-    with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000) as c:
+    slot = image.nbytes if shm else None
+    with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000,
+                shm_slot_bytes=slot) as c:  # fmt: skip
         handles = deque((time.perf_counter_ns(), c.submit(image)) for _ in range(in_flight))
         warm_until = time.perf_counter() + 1.0
         end = warm_until + seconds
@@ -290,7 +294,7 @@ def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
     raise RuntimeError(f"server exited before {marker!r}")
 
 
-def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int
+def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int, shm: bool = False
              ) -> tuple[dict[str, float], float, float, Path | None]:  # fmt: skip
     """One dlad server measured: (stats, process CPU s/request, engine threads' CPU s/request,
     the profile's raw stacks or None)."""
@@ -313,11 +317,11 @@ def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int
             text=True,
         )
         wait_ready(proc, "listening")
-        name = _run_name(pre_post, backend)
+        name = _run_name(pre_post, backend, shm)
         raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
         spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
         cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-        r = drive_sdk(args.endpoint, args.seconds, args.in_flight)
+        r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
         cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
         engines = (engine_cpu_seconds(proc.pid) - eng0) / max(r["ok"], 1)
         if spy is not None:
@@ -327,8 +331,8 @@ def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int
     return r, cpu, engines, raw
 
 
-def _run_name(pre_post: str, backend: str) -> str:
-    return f"on-{backend}" if pre_post == "true" else "off"
+def _run_name(pre_post: str, backend: str, shm: bool = False) -> str:
+    return (f"on-{backend}" if pre_post == "true" else "off") + ("-shm" if shm else "")
 
 
 def main() -> None:
@@ -343,6 +347,10 @@ def main() -> None:
     ap.add_argument("--pre-post-backends", default="cpu", help="cpu and/or cuda, comma-separated")
     ap.add_argument("--profile", type=Path, help="profile each dlad run with py-spy into DIR")
     ap.add_argument(
+        "--shm", action="store_true",
+        help="also run each dlad server with shared-memory frames (docs/protocol.md)",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -350,7 +358,11 @@ def main() -> None:
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
-    runs = [("false", "cpu")] + [("true", b) for b in args.pre_post_backends.split(",")]
+    runs = [("false", "cpu", False)] + [
+        ("true", b, False) for b in args.pre_post_backends.split(",")
+    ]
+    if args.shm:
+        runs = [(p, b, shm) for p, b, _ in runs for shm in (False, True)]
     ratios: dict[str, list[tuple[float, float, float]]] = {_run_name(*r): [] for r in runs}
     for trial in range(args.trials):
         if args.trials > 1:
@@ -369,14 +381,15 @@ def main() -> None:
         # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
-        for pre_post, backend in runs:
-            r, cpu, engines, raw = run_dlad(args, pre_post, backend, trial)
-            name = _run_name(pre_post, backend)
+        for pre_post, backend, shm in runs:
+            r, cpu, engines, raw = run_dlad(args, pre_post, backend, trial, shm)
+            name = _run_name(pre_post, backend, shm)
             own = cpu - engines
             paced, paced_cpu = bare_ceiling(args.endpoint, args.seconds, args.in_flight, r["rate"])
             ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound))
             print(
-                f"dlad, pre/post {'on (' + backend + ')' if pre_post == 'true' else 'off'}: "
+                f"dlad, pre/post {'on (' + backend + ')' if pre_post == 'true' else 'off'}"
+                f"{', shared-memory frames' if shm else ''}: "
                 f"{r['rate']:.0f} req/s "
                 f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
                 f"p99 {r['p99_ms']:.2f} ms; process CPU {cpu * 1e3:.3f} ms/request, of which "
