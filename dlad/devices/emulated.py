@@ -121,6 +121,7 @@ class EmulatedFence(FenceCore):
         super().__init__()
         self.name = name
         self._promised = 0
+        self.advanced_ns = 0  # time.monotonic_ns() of the last rise of the value
 
     def __repr__(self) -> str:
         return f"<EmulatedFence {self.name} value={self._value}>"
@@ -144,7 +145,9 @@ class EmulatedFence(FenceCore):
     def _advance(self, value: int) -> None:
         """Raise the value to ``value`` (never lower it) and run the callbacks now due."""
         with self._cond:
-            self._value = max(self._value, value)
+            if value > self._value:
+                self._value = value
+                self.advanced_ns = time.monotonic_ns()
             due = self._due_locked()
         for callback in due:  # outside the lock: a callback may use this fence again
             run_fence_callback(callback)
@@ -610,6 +613,15 @@ class EmulatedDlaCore:
                 self._cv.wait(remaining / 1e9)
             return "done"
 
+    def _fences_rose(self, task: Task) -> int:
+        """When the last of ``task``'s wait fences rose (on this core's clock: its default,
+        the fences'; with another clock, now)."""
+        if not task.wait:
+            return 0
+        if self._clock is not time.monotonic_ns:
+            return self._clock()
+        return max(cast("EmulatedFence", f).advanced_ns for f, _ in task.wait)
+
     def _draw_fault(self) -> Literal["none", "error", "hang"]:
         if self._faults is None:
             return "none"
@@ -628,9 +640,9 @@ class EmulatedDlaCore:
         outcome = self._wait_until(lambda: all(f.reached(v) for f, v in task.wait), deadline)
         ready = self._clock()
         # The engine's time is the model's, not the host thread's: a task queued behind another
-        # starts when that one ended in the model (a thread woken late must not stretch the
-        # engine's throughput); one that waited on a fence starts when the wait ended.
-        start = ready if task.wait else min(ready, max(handle.submit_ns, self._free_at))
+        # starts when that one ended in the model, or when its last fence rose if later, so a
+        # thread woken late does not stretch the engine's throughput.
+        start = min(ready, max(handle.submit_ns, self._free_at, self._fences_rose(task)))
         override = self._latency_override
         modelled = module.loadable.latency_us if override is None else override
         status, compute_ns = CudlaStatus.SUCCESS, 0
