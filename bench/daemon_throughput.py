@@ -184,9 +184,10 @@ def drive_sdk(endpoint: str, seconds: float, in_flight: int, shm: bool = False
     image = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
     lat: list[float] = []
     ok = bad = 0
-    slot = image.nbytes if shm else None
+    # (shm_slot_bytes only when asked: a --before tree's SDK predates it)
+    extra = {"shm_slot_bytes": image.nbytes} if shm else {}
     with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000,
-                shm_slot_bytes=slot) as c:  # fmt: skip
+                **extra) as c:  # fmt: skip
         handles = deque((time.perf_counter_ns(), c.submit(image)) for _ in range(in_flight))
         warm_until = time.perf_counter() + 1.0
         end = warm_until + seconds

@@ -13,6 +13,9 @@ camera frame) frames, the SDK's ``Client`` keeps ``--in-flight`` INFERs outstand
 - ``shm``: the frame written into a shared-memory slot (``shm_slot_bytes``; the client copies
   each frame into its slot once, as a camera loop that did not render in place would) and only
   a header sent, over the ipc endpoint;
+- ``shm-in-place``: the same, the frame in a slot from ``Client.frame`` (a camera that renders
+  into the slot: the client copies nothing; the frame's content is written once per slot, what
+  a camera writes each time is the camera's cost, not the transport's);
 
 and, for the ceiling of each frame size, a bare pyzmq ROUTER answering 1-byte acks over tcp
 (``bench/daemon_throughput.py``'s). Reported per trial and as the median over trials: frames/s,
@@ -78,16 +81,29 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 """
 
 
-def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int, shm: bool
+def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int, mode: str
           ) -> tuple[float, int]:  # fmt: skip
     """Keep ``in_flight`` INFERs outstanding for ``seconds`` after 1 s of warm-up; returns
     (frames/s, frames answered OK in the measured window)."""
     image = np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
-    slot = int(np.prod(shape)) if shm else None
+    extra = {"shm_slot_bytes": image.nbytes} if mode.startswith("shm") else {}
     ok = 0
     with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000,
-                shm_slot_bytes=slot) as c:  # fmt: skip
-        handles = deque(c.submit(image) for _ in range(in_flight))
+                **extra) as c:  # fmt: skip
+        written: set[int] = set()
+
+        def frame() -> np.ndarray:
+            if mode != "shm-in-place":
+                return image
+            slot = c.frame(shape)
+            if slot is None:
+                raise RuntimeError("no free slot with one in flight fewer than slots")
+            if slot.ctypes.data not in written:  # the "camera" renders each slot once
+                slot[...] = image
+                written.add(slot.ctypes.data)
+            return slot
+
+        handles = deque(c.submit(frame()) for _ in range(in_flight))
         warm_until = time.perf_counter() + 1.0
         end = warm_until + seconds
         t_start = None
@@ -101,12 +117,12 @@ def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int,
             if now >= warm_until:
                 t_start = t_start or now
                 ok += good
-            handles.append(c.submit(image))
+            handles.append(c.submit(frame()))
         elapsed = time.perf_counter() - (t_start or warm_until)
         for handle in handles:
             with contextlib.suppress(DladError):
                 handle.result()
-        if shm and c.shm is not None and c.shm.inline:
+        if c.shm is not None and c.shm.inline:
             raise RuntimeError(f"{c.shm.inline} frames went inline: the slots ran out")
     return ok / elapsed, ok
 
@@ -125,7 +141,7 @@ def main() -> None:
         cfg = Path(tmp) / "dlad.toml"
         cfg.write_text(CONFIG.format(port=args.port, ipc=ipc))
         endpoints = {"tcp": f"tcp://127.0.0.1:{args.port}", "ipc": f"ipc://{ipc}",
-                     "shm": f"ipc://{ipc}"}  # fmt: skip
+                     "shm": f"ipc://{ipc}", "shm-in-place": f"ipc://{ipc}"}  # fmt: skip
         for trial in range(args.trials):
             print(f"--- trial {trial + 1} of {args.trials}")
             for label, shape in SIZES.items():
@@ -143,7 +159,7 @@ def main() -> None:
                     wait_ready(proc, "listening")
                     for transport, ep in endpoints.items():
                         cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-                        rate, n = drive(ep, shape, args.seconds, args.in_flight, transport == "shm")
+                        rate, n = drive(ep, shape, args.seconds, args.in_flight, transport)
                         own = cpu_seconds(proc.pid) - cpu0 - engine_cpu_seconds(proc.pid) + eng0
                         own /= max(n, 1)
                         rows.setdefault((label, transport), []).append((rate, own))
@@ -154,16 +170,17 @@ def main() -> None:
                     proc.wait(30)
     print(f"summary, median over {args.trials} trials [min, max]:")
     for label in SIZES:
-        for transport in ("bare tcp", "tcp", "ipc", "shm"):
+        for transport in ("bare tcp", "tcp", "ipc", "shm", "shm-in-place"):
             rates, cpus = (sorted(x) for x in zip(*rows[label, transport], strict=True))
             print(f"  {label} {transport:8s}: {statistics.median(rates):7.0f} frames/s "
                   f"[{rates[0]:.0f}, {rates[-1]:.0f}], CPU {statistics.median(cpus) * 1e3:.3f} "
                   f"ms/frame")  # fmt: skip
-        shm = [r for r, _ in rows[label, "shm"]]
-        for base in ("tcp", "bare tcp"):
-            ratio = sorted(s / r for s, (r, _) in zip(shm, rows[label, base], strict=True))
-            print(f"  {label} shm / {base}: {statistics.median(ratio):.2f} "
-                  f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
+        for mode in ("shm", "shm-in-place"):
+            shm = [r for r, _ in rows[label, mode]]
+            for base in ("tcp", "bare tcp"):
+                ratio = sorted(s / r for s, (r, _) in zip(shm, rows[label, base], strict=True))
+                print(f"  {label} {mode} / {base}: {statistics.median(ratio):.2f} "
+                      f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -7,6 +7,7 @@ it (the levels measured until then are still reported and written); 2 bad argume
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import math
 import platform
@@ -25,6 +26,7 @@ from dlad_bench import plots
 from dlad_bench.inputs import Frame, load_frames
 from dlad_bench.judge import EXIT_THRESHOLD, RateSearch, failures, parse_threshold
 from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement
+from dlad_bench.repeats import json_repeats, print_repeats, representative, spread
 from dlad_bench.report import print_table, write_csv, write_html, write_json
 from dlad_bench.runner import Level, Load, Settings, run_level
 from dlad_bench.schedule import ARRIVALS
@@ -154,6 +156,10 @@ def _parser() -> argparse.ArgumentParser:
         help="an open-loop send later than this behind schedule counts as late",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run each level N times (seeds seed..seed+N-1): mean, 95%% CI and CV "
+                        "of throughput and p99 over the trials; the tables, CSV, plots and "
+                        "thresholds show each level's median-throughput trial")  # fmt: skip
     p.add_argument("--csv", type=Path, default=None, help="write the results table as CSV")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
@@ -219,6 +225,7 @@ async def _bench(
     out = Console() if sys.stdout.isatty() else Console(width=200)  # a file gets whole rows
     endpoints = args.endpoint or ["tcp://127.0.0.1:5555"]
     levels: list[Level] = []
+    repeats: list[tuple[str, list[LevelResult]]] = []  # every trial of each level
     curve = None
     if args.curve_server_key or args.curve_key:
         if not (args.curve_server_key and args.curve_key):
@@ -257,12 +264,21 @@ async def _bench(
         try:
             for i, load in enumerate(_loads(loads, search, args)):
                 progress.level(i, load)
-                level = await run_level(c, load, settings, frames, on_window=progress.window)
+                trials: list[Level] = []
+                for t in range(args.repeat):
+                    trial = dataclasses.replace(settings, seed=settings.seed + t)
+                    trials.append(
+                        await run_level(c, load, trial, frames, on_window=progress.window)
+                    )
+                    gone = await _daemon_gone(c, trials[-1].result, args.connect_timeout_s)
+                    if gone:
+                        break
+                level = trials[representative([lv.result for lv in trials])]
                 levels.append(level)
+                repeats.append((load.label, [lv.result for lv in trials]))
                 r = level.result
                 if search is not None:
                     search.record(load.level, r)
-                gone = await _daemon_gone(c, r, args.connect_timeout_s)
                 if gone:
                     break
                 if r.late_fraction > 0.01:
@@ -277,6 +293,8 @@ async def _bench(
             progress.close()
     results = [lv.result for lv in levels]
     print_table(results, out)
+    if args.repeat > 1:
+        print_repeats(repeats, out)
     if search is not None:
         out.print(f"search: {search.summary()}")
     if gone:
@@ -301,7 +319,8 @@ async def _bench(
     if args.csv is not None:
         write_csv(args.csv, results)
     if args.json is not None:
-        write_json(args.json, results, meta)
+        spreads = [json_repeats(label, t) for label, t in repeats] if args.repeat > 1 else None
+        write_json(args.json, results, meta, spreads)
     failed = failures(args.thresholds, [(lv.load.label, lv.result) for lv in levels])
     if args.plots is not None or args.html is not None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -309,6 +328,7 @@ async def _bench(
             pngs = _plots(args, levels, folder)
             if args.html is not None:
                 notes = [f"search: {search.summary()}"] if search is not None else []
+                notes += _repeat_notes(repeats) if args.repeat > 1 else []
                 notes += [f"failed {line}" for line in failed]
                 notes += [f"the daemon stopped answering: {gone}"] if gone else []
                 write_html(args.html, results, meta, pngs, notes)
@@ -317,6 +337,20 @@ async def _bench(
     for line in failed:
         err.print(f"[red]dlad-bench: failed[/] {line}")
     return EXIT_THRESHOLD if failed else 0
+
+
+def _repeat_notes(repeats: list[tuple[str, list[LevelResult]]]) -> list[str]:
+    """One line per level for the HTML report: its trials' throughput and p99 spread."""
+    lines = []
+    for label, trials in repeats:
+        rate = spread([t.throughput_rps for t in trials])
+        p99 = spread([t.latency_ms["p99"] for t in trials])
+        lines.append(
+            f"{label}: over {len(trials)} trials ok/s {rate.mean:.1f} "
+            f"[{rate.ci95[0]:.1f}, {rate.ci95[1]:.1f}] (CV {100 * rate.cv:.1f}%), p99 "
+            f"{p99.mean:.2f} [{p99.ci95[0]:.2f}, {p99.ci95[1]:.2f}] ms (CV {100 * p99.cv:.1f}%)"
+        )
+    return lines
 
 
 def _loads(
@@ -403,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--deadline-ms must be >= 1")
         if args.slo_ms is not None and not args.slo_ms > 0:
             raise ValueError("--slo-ms must be > 0")
+        if args.repeat < 1:
+            raise ValueError("--repeat must be >= 1")
         args.thresholds = [parse_threshold(t) for t in args.fail_if]
         args.search = None
         if args.search_p99_ms is not None:

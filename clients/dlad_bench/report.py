@@ -2,7 +2,7 @@
 
 Both files have a fixed schema, tested: the CSV's columns are :data:`CSV_COLUMNS` in that order,
 whatever the daemon's devices (the per-device share is one ``device_share`` column of
-``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/3", "meta": {...}, "levels":
+``name=fraction`` pairs); the JSON is ``{"schema": "dlad-bench/4", "meta": {...}, "levels":
 [...]}`` where each level has the keys :data:`JSON_LEVEL_KEYS`. Times are milliseconds, rates
 requests per second; a value that does not apply (no OK reply, closed-loop offered rate) is
 empty in the CSV and ``null`` in the JSON.
@@ -29,7 +29,7 @@ __all__ = [
     "write_json",
 ]  # fmt: skip
 
-SCHEMA: Final = "dlad-bench/3"
+SCHEMA: Final = "dlad-bench/4"
 """2: ``device_batch`` (each device's mean batch size) added. 3: ``intended_latency_ms``
 (latency from each request's due time), ``slo_ms`` and ``slo_goodput_rps`` added."""
 LATENCY_KEYS: Final = ("p50", "p90", "p95", "p99", "p99_9", "max", "mean")
@@ -126,9 +126,18 @@ def json_level(r: LevelResult) -> dict[str, Any]:
     return {k: level[k] for k in JSON_LEVEL_KEYS}
 
 
-def write_json(path: Path, results: Sequence[LevelResult], meta: Mapping[str, Any]) -> None:
-    """Write ``{"schema", "meta", "levels"}``. Raises OSError."""
-    doc = {"schema": SCHEMA, "meta": dict(meta), "levels": [json_level(r) for r in results]}
+def write_json(
+    path: Path,
+    results: Sequence[LevelResult],
+    meta: Mapping[str, Any],
+    repeats: Sequence[Mapping[str, Any]] | None = None,
+) -> None:
+    """Write ``{"schema", "meta", "levels"}``, and ``"repeats"`` (each level's trials, from
+    ``dlad_bench.repeats.json_repeats``) when the levels were repeated. Raises OSError."""
+    doc: dict[str, Any] = {"schema": SCHEMA, "meta": dict(meta),
+                           "levels": [json_level(r) for r in results]}  # fmt: skip
+    if repeats is not None:
+        doc["repeats"] = list(repeats)
     path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 

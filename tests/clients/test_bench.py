@@ -188,7 +188,7 @@ def test_csv_json_schemas_and_plots(daemon: Daemon, tmp_path: Path) -> None:
     assert rows[0]["device_share"].split()[0].startswith("dla0=")
     write_json(tmp_path / "r.json", results, {"k": 1})
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["schema"] == "dlad-bench/3"
+    assert doc["schema"] == "dlad-bench/4"
     assert doc["meta"] == {"k": 1}
     for level in doc["levels"]:
         assert list(level) == EXPECTED_JSON
@@ -381,3 +381,44 @@ def test_the_html_report_is_one_file_that_needs_nothing_else(
         assert external not in text
     assert text.count("<tr><td>rate ") == 2  # a row per level
     assert "failed poisson 40/s: throughput&lt;100000" in text  # what failed, said there too
+
+
+def test_repeated_trials_report_each_levels_spread(
+    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _bench_args(daemon.bound[0], tmp_path, "--rate", "40:80:40", "--repeat", "3")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "over 3 trials: mean [95% bootstrap CI], CV" in out
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert len(doc["levels"]) == 2  # one row per level: its median-throughput trial
+    assert [r["load"] for r in doc["repeats"]] == ["poisson 40/s", "poisson 80/s"]
+    for rep, level in zip(doc["repeats"], doc["levels"], strict=True):
+        assert rep["trials"] == 3
+        rates = rep["throughput_rps"]
+        assert len(rates["values"]) == 3
+        assert level["throughput_rps"] == rates["values"][rep["representative"]]
+        assert sorted(rates["values"])[1] == level["throughput_rps"]
+        lo, hi = rates["ci95"]
+        assert min(rates["values"]) <= lo <= rates["mean"] <= hi <= max(rates["values"])
+        assert rates["cv"] >= 0
+        assert len(rep["p99_ms"]["values"]) == 3
+    with pytest.raises(SystemExit) as info:
+        main([*args[:-2], "--repeat", "0"])
+    assert info.value.code == 2
+
+
+def test_the_spread_of_known_values() -> None:
+    from dlad_bench.repeats import spread
+
+    s = spread([10.0, 12.0, 14.0])
+    assert s.mean == 12.0
+    assert s.cv == pytest.approx(2.0 / 12.0)  # sample std 2
+    assert 10.0 <= s.ci95[0] < 12.0 < s.ci95[1] <= 14.0
+    assert spread([10.0, 12.0, 14.0]).ci95 == s.ci95  # seeded: the same trials, the same CI
+    one = spread([5.0])
+    assert (one.mean, one.ci95) == (5.0, (5.0, 5.0))
+    assert math.isnan(one.cv)
+    none = spread([math.nan, math.nan])
+    assert math.isnan(none.mean)
+    assert none.as_dict()["mean"] is None  # JSON has no NaN
