@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -123,8 +124,9 @@ def test_a_client_for_another_host_cannot_ask_for_shared_memory() -> None:
 
 
 @pytest.fixture
-def segment() -> object:
+def segment() -> Iterator[shared_memory.SharedMemory]:
     seg = shared_memory.SharedMemory(create=True, size=2 * SLOT)
+    assert seg.buf is not None
     np.frombuffer(seg.buf, np.uint8)[: IMAGE.nbytes] = IMAGE.reshape(-1)
     yield seg
     seg.close()
