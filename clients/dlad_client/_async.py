@@ -55,7 +55,7 @@ from dlad_client._core import (
     _reply,
     _report,
     _result,
-    _shm_slots,
+    _shm_plan,
     _timed_out,
 )
 
@@ -152,7 +152,9 @@ class AsyncClient:
     ) -> None:
         self._endpoints = _endpoints(endpoints)
         _check_settings(timeout_s, max_in_flight, sndhwm, rcvhwm, linger)
-        self._shm = _shm_slots(self._endpoints, shm_slot_bytes, shm_slots, max_in_flight)
+        # Checked now, created on entry (a client never entered leaves no segment behind).
+        self._shm_plan = _shm_plan(self._endpoints, shm_slot_bytes, shm_slots, max_in_flight)
+        self._shm: ShmSlots | None = None
         self._timeout_s = float(timeout_s)
         self._max_in_flight = max_in_flight
         self._hwm = (sndhwm, rcvhwm)
@@ -163,7 +165,7 @@ class AsyncClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._slots: anyio.Semaphore | None = None  # made on entry, inside the event loop
-        self._calls: _Calls[_AsyncCall] = _Calls(None if self._shm is None else self._shm.answered)
+        self._calls: _Calls[_AsyncCall] = _Calls(self._shm_answered)
         self._ids = itertools.count(1)
         self._state: Literal["new", "open", "closed"] = "new"
         self._receive_scope: anyio.CancelScope | None = None
@@ -179,6 +181,8 @@ class AsyncClient:
             asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError("AsyncClient runs on asyncio only; trio is not supported") from None
+        if self._shm_plan is not None:
+            self._shm = ShmSlots(*self._shm_plan)  # OSError: /dev/shm refused it
         context = zmq.asyncio.Context() if self._given_context is None else self._given_context
         socket = context.socket(zmq.DEALER)
         task_group = anyio.create_task_group()
@@ -415,6 +419,10 @@ class AsyncClient:
             self._abandon(call, error)
             raise error
         return call
+
+    def _shm_answered(self, request_id: int) -> None:
+        if self._shm is not None:
+            self._shm.answered(request_id)
 
     def _unplace(self, message: Request) -> None:
         """A message not sent frees its shared-memory slot (were it sent after all, its late

@@ -293,10 +293,7 @@ class ShmSlots:
     """
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
-        if not (isinstance(slots, int) and slots >= 1):  # type: ignore[redundant-expr]
-            raise ValueError(f"shm slots must be an int >= 1, got {slots!r}")
-        if not (isinstance(slot_bytes, int) and slot_bytes >= 4096):  # type: ignore[redundant-expr]
-            raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {slot_bytes!r}")
+        _check_slots(slots, slot_bytes)
         from multiprocessing import shared_memory  # noqa: PLC0415 (only shm clients need it)
 
         self.slot_bytes = slot_bytes
@@ -376,11 +373,12 @@ class ShmSlots:
         return slot
 
 
-def _shm_slots(
+def _shm_plan(
     endpoints: Sequence[str], slot_bytes: int | None, slots: int | None, max_in_flight: int
-) -> ShmSlots | None:
-    """The client's shared-memory slots, if asked for. Raises ValueError for a bad size or an
-    endpoint on another host (a segment in this host's memory means nothing there)."""
+) -> tuple[int, int] | None:
+    """The client's shared-memory slots as (slots, bytes each), if asked for. Raises ValueError
+    for a bad size or an endpoint on another host (a segment in this host's memory means
+    nothing there)."""
     if slot_bytes is None:
         if slots is not None:
             raise ValueError("shm_slots needs shm_slot_bytes")
@@ -391,7 +389,24 @@ def _shm_slots(
             f"shared-memory frames need a daemon on this host (ipc:// or loopback tcp); "
             f"{remote[0]!r} is not"
         )
-    return ShmSlots(max_in_flight if slots is None else slots, slot_bytes)
+    count = max_in_flight if slots is None else slots
+    _check_slots(count, slot_bytes)
+    return count, slot_bytes
+
+
+def _check_slots(slots: object, slot_bytes: object) -> None:
+    if not (isinstance(slots, int) and slots >= 1):
+        raise ValueError(f"shm_slots must be an int >= 1, got {slots!r}")
+    if not (isinstance(slot_bytes, int) and slot_bytes >= 4096):
+        raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {slot_bytes!r}")
+
+
+def _shm_slots(
+    endpoints: Sequence[str], slot_bytes: int | None, slots: int | None, max_in_flight: int
+) -> ShmSlots | None:
+    """The client's shared-memory slots, if asked for (:func:`_shm_plan`'s checks first)."""
+    plan = _shm_plan(endpoints, slot_bytes, slots, max_in_flight)
+    return None if plan is None else ShmSlots(*plan)
 
 
 def _in_shm(slots: ShmSlots, request: InferRequest) -> InferRequest:

@@ -249,3 +249,23 @@ def test_a_client_that_dies_leaves_nothing_mapped_or_linked(tmp_path: Path) -> N
         assert daemon.frontend.pending == 0
     # the dead client's resource tracker unlinks its segment
     wait_for(lambda: not os.path.exists(os.path.join(SHM_DIR, name)))
+
+
+def test_an_async_client_makes_its_segment_on_entry_and_unlinks_it_on_exit(
+    tmp_path: Path,
+) -> None:
+    before = set(os.listdir(SHM_DIR))
+    client = AsyncClient("tcp://127.0.0.1:5555", shm_slot_bytes=SLOT, shm_slots=2)
+    assert client.shm is None  # nothing made before entry: nothing left if never entered
+    assert set(os.listdir(SHM_DIR)) == before
+
+    async def main() -> tuple[str, set[str]]:
+        async with client as c:
+            assert c.shm is not None
+            return c.shm.name, set(os.listdir(SHM_DIR))
+
+    name, during = anyio.run(main)
+    assert name in during
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    with pytest.raises(ValueError, match="shm_slots must be"):
+        AsyncClient("ipc:///tmp/x.sock", shm_slot_bytes=SLOT, shm_slots=0)
