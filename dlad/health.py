@@ -101,7 +101,10 @@ class HealthKeeper:
         return self._watch(name).quarantines
 
     def _watch(self, name: str) -> _Watch:
-        return self._watches.setdefault(name, _Watch())
+        w = self._watches.get(name)  # once per outcome: no _Watch built to be thrown away
+        if w is None:
+            w = self._watches[name] = _Watch()
+        return w
 
     async def observe(self, out: Outcome) -> bool:
         """Judge an outcome. Returns True when it was a probe's (no client waits for it)."""

@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the daemon's public key file, for [auth] mode = curve")  # fmt: skip
     p.add_argument("--curve-key", metavar="FILE",
                    help="this client's secret key file (its public key allowed there)")  # fmt: skip
+    p.add_argument("--shm-slots", type=int, default=0, metavar="N",
+                   help="send frames through N shared-memory slots (a daemon on this host: "
+                        "docs/protocol.md); frames past them go in the message")  # fmt: skip
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--concurrency", metavar="N|A:B:S", help="closed loop: requests in flight")
     mode.add_argument("--rate", metavar="R|A:B:S", help="open loop: mean requests per second")
@@ -236,9 +239,17 @@ async def _bench(
         except ValueError as exc:
             print(f"dlad-bench: {exc}", file=sys.stderr)
             return 2
-    client = AsyncClient(
-        endpoints, timeout_s=settings.timeout_s, max_in_flight=100_000, curve=curve
-    )
+    shm = {}
+    if args.shm_slots:
+        slot = max(f.nbytes for f in frames)
+        shm = {"shm_slot_bytes": max(slot, 4096), "shm_slots": args.shm_slots}
+    try:
+        client = AsyncClient(
+            endpoints, timeout_s=settings.timeout_s, max_in_flight=100_000, curve=curve, **shm
+        )
+    except ValueError as exc:  # e.g. shared memory with a daemon on another host
+        print(f"dlad-bench: {exc}", file=sys.stderr)
+        return 2
     async with client as c:
         try:
             status: DaemonStatus = await c.status(timeout_s=args.connect_timeout_s)
@@ -293,6 +304,9 @@ async def _bench(
             progress.close()
     results = [lv.result for lv in levels]
     print_table(results, out)
+    if client.shm is not None:
+        out.print(f"shared memory: {args.shm_slots} slots; {client.shm.inline} frames went in "
+                  "the message (every slot was the daemon's)")  # fmt: skip
     if args.repeat > 1:
         print_repeats(repeats, out)
     if search is not None:
@@ -305,6 +319,8 @@ async def _bench(
         )
     meta = {
         "endpoints": endpoints,
+        "shm_slots": args.shm_slots,
+        "shm_inline": None if client.shm is None else client.shm.inline,
         "daemon": status["name"],
         "daemon_version": status["version"],
         "devices": [d["name"] for d in status["devices"]],
@@ -439,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--slo-ms must be > 0")
         if args.repeat < 1:
             raise ValueError("--repeat must be >= 1")
+        if args.shm_slots < 0:
+            raise ValueError("--shm-slots must be >= 0")
         args.thresholds = [parse_threshold(t) for t in args.fail_if]
         args.search = None
         if args.search_p99_ms is not None:

@@ -422,3 +422,17 @@ def test_the_spread_of_known_values() -> None:
     none = spread([math.nan, math.nan])
     assert math.isnan(none.mean)
     assert none.as_dict()["mean"] is None  # JSON has no NaN
+
+
+def test_frames_can_go_through_shared_memory(daemon: Daemon, tmp_path: Path) -> None:
+    args = _bench_args(daemon.bound[0], tmp_path, "--concurrency", "4", "--shm-slots", "8")
+    assert main(args) == 0
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["meta"]["shm_slots"] == 8
+    assert doc["meta"]["shm_inline"] == 0  # 4 in flight never take more than the 8 slots
+    assert doc["levels"][0]["status_counts"]["OK"] > 0
+    shm = daemon.frontend.shm
+    assert shm is not None
+    assert shm.stats.frames >= doc["levels"][0]["status_counts"]["OK"]
+    remote = _bench_args("tcp://10.1.2.3:5555", tmp_path, "--rate", "10", "--shm-slots", "8")
+    assert main(remote) == 2  # a segment here means nothing to a daemon there
