@@ -1,7 +1,7 @@
 """The daemon at saturation vs the transport ceiling and the ideal device capacity, in one run.
 
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
-        [--pre-post-backends cpu[,cuda]] [--profile DIR] [--trials N]
+        [--pre-post-backends cpu[,cuda]] [--profile DIR] [--trials N] [--shm] [--before DIR]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -295,10 +295,12 @@ def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
     raise RuntimeError(f"server exited before {marker!r}")
 
 
-def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int, shm: bool = False
-             ) -> tuple[dict[str, float], float, float, Path | None]:  # fmt: skip
-    """One dlad server measured: (stats, process CPU s/request, engine threads' CPU s/request,
-    the profile's raw stacks or None)."""
+def run_dlad(
+    args: argparse.Namespace, pre_post: str, backend: str, trial: int, *, shm: bool = False,
+    tree: Path | None = None,
+) -> tuple[dict[str, float], float, float, Path | None]:  # fmt: skip
+    """One dlad server measured (``tree``: from that checkout's code): (stats, process CPU
+    s/request, engine threads' CPU s/request, the profile's raw stacks or None)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "dlad.toml"
         gpu = '[devices.gpu]\nkind = "gpu"\n' if backend == "cuda" else ""
@@ -311,14 +313,19 @@ def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int, 
                 gpu=gpu,
             )
         )
+        env = dict(os.environ)
+        if tree is not None:  # its own dlad (cwd first on sys.path for -m, then PYTHONPATH)
+            env["PYTHONPATH"] = f"{tree}{os.pathsep}{tree / 'clients'}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            cwd=tree,
+            env=env,
         )
         wait_ready(proc, "listening")
-        name = _run_name(pre_post, backend, shm)
+        name = _run_name(pre_post, backend, shm, tree)
         raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
         spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
         cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
@@ -332,8 +339,9 @@ def run_dlad(args: argparse.Namespace, pre_post: str, backend: str, trial: int, 
     return r, cpu, engines, raw
 
 
-def _run_name(pre_post: str, backend: str, shm: bool = False) -> str:
-    return (f"on-{backend}" if pre_post == "true" else "off") + ("-shm" if shm else "")
+def _run_name(pre_post: str, backend: str, shm: bool = False, tree: Path | None = None) -> str:
+    name = (f"on-{backend}" if pre_post == "true" else "off") + ("-shm" if shm else "")
+    return name if tree is None else f"before-{name}"
 
 
 def main() -> None:
@@ -348,6 +356,11 @@ def main() -> None:
     ap.add_argument("--pre-post-backends", default="cpu", help="cpu and/or cuda, comma-separated")
     ap.add_argument("--profile", type=Path, help="profile each dlad run with py-spy into DIR")
     ap.add_argument(
+        "--before", type=Path, metavar="DIR",
+        help="also run each server (frames in the message) from this checkout's code, "
+             "alternating with this code's in every trial (git worktree add DIR <commit>)",
+    )  # fmt: skip
+    ap.add_argument(
         "--shm", action="store_true",
         help="also run each dlad server with shared-memory frames (docs/protocol.md)",
     )  # fmt: skip
@@ -359,12 +372,15 @@ def main() -> None:
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
-    runs = [("false", "cpu", False)] + [
-        ("true", b, False) for b in args.pre_post_backends.split(",")
-    ]
-    if args.shm:
-        runs = [(p, b, shm) for p, b, _ in runs for shm in (False, True)]
-    ratios: dict[str, list[tuple[float, float, float]]] = {_run_name(*r): [] for r in runs}
+    base = [("false", "cpu")] + [("true", b) for b in args.pre_post_backends.split(",")]
+    runs: list[tuple[str, str, bool, Path | None]] = []
+    for pre_post, backend in base:
+        if args.before is not None:
+            runs.append((pre_post, backend, False, args.before.resolve()))
+        runs += [
+            (pre_post, backend, shm, None) for shm in ((False, True) if args.shm else (False,))
+        ]
+    ratios: dict[str, list[tuple[float, float, float, float]]] = {_run_name(*r): [] for r in runs}
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -382,14 +398,15 @@ def main() -> None:
         # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
-        for pre_post, backend, shm in runs:
-            r, cpu, engines, raw = run_dlad(args, pre_post, backend, trial, shm)
-            name = _run_name(pre_post, backend, shm)
+        for pre_post, backend, shm, tree in runs:
+            r, cpu, engines, raw = run_dlad(args, pre_post, backend, trial, shm=shm, tree=tree)
+            name = _run_name(pre_post, backend, shm, tree)
             own = cpu - engines
             paced, paced_cpu = bare_ceiling(args.endpoint, args.seconds, args.in_flight, r["rate"])
-            ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound))
+            ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu))
             print(
-                f"dlad, pre/post {'on (' + backend + ')' if pre_post == 'true' else 'off'}"
+                f"{'the --before code' if tree else 'dlad'}, pre/post "
+                f"{'on (' + backend + ')' if pre_post == 'true' else 'off'}"
                 f"{', shared-memory frames' if shm else ''}: "
                 f"{r['rate']:.0f} req/s "
                 f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
@@ -405,9 +422,10 @@ def main() -> None:
     if args.trials > 1:
         print(f"summary over {args.trials} trials (median [min, max]):")
         for name, rows in ratios.items():
-            cpu_r, paced_r, rate_r = (sorted(x) for x in zip(*rows, strict=True))
+            cpu_r, paced_r, rate_r, proc_r = (sorted(x) for x in zip(*rows, strict=True))
             print(
-                f"  dlad pre/post {name}: daemon's own CPU / bare server's at its ceiling "
+                f"  dlad pre/post {name}: process CPU {statistics.median(proc_r) * 1e3:.3f} "
+                f"ms/request; daemon's own CPU / bare server's at its ceiling "
                 f"{statistics.median(cpu_r):.2f} [{cpu_r[0]:.2f}, {cpu_r[-1]:.2f}], / paced "
                 f"to the same load {statistics.median(paced_r):.2f} [{paced_r[0]:.2f}, "
                 f"{paced_r[-1]:.2f}]; rate / min(ideal, ceiling) "
