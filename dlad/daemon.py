@@ -275,7 +275,9 @@ class Daemon:
         await executor.run(self._on_outcome)
 
     async def _on_outcome(self, out: Outcome) -> None:
-        probe = await self.health.observe(out)
+        # A client's job that succeeded has nothing for the health keeper to judge (probes have
+        # negative ids): the common case skips it.
+        probe = (out.error is not None or out.job_id < 0) and await self.health.observe(out)
         self._track_health(out.device)
         if not probe:
             await self.frontend.on_outcome(out)
