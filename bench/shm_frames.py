@@ -26,28 +26,21 @@ frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections import deque
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from daemon_throughput import (
     bare_ceiling,
     cpu_seconds,
+    drive_sdk,
     engine_cpu_seconds,
     wait_ready,
 )
-
-from dlad.errors import DladError
-from dlad_client import Client
 
 SIZES = {"1.35 MB (672x672)": (672, 672, 3), "6.2 MB (1920x1080)": (1080, 1920, 3)}
 CONFIG = """
@@ -83,48 +76,11 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 
 def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int, mode: str
           ) -> tuple[float, int]:  # fmt: skip
-    """Keep ``in_flight`` INFERs outstanding for ``seconds`` after 1 s of warm-up; returns
-    (frames/s, frames answered OK in the measured window)."""
-    image = np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
-    extra = {"shm_slot_bytes": image.nbytes} if mode.startswith("shm") else {}
-    ok = 0
-    with Client(endpoint, timeout_s=30.0, max_in_flight=in_flight, sndhwm=1000, rcvhwm=1000,
-                **extra) as c:  # fmt: skip
-        written: set[int] = set()
-
-        def frame() -> np.ndarray:
-            if mode != "shm-in-place":
-                return image
-            slot = c.frame(shape)
-            if slot is None:
-                raise RuntimeError("no free slot with one in flight fewer than slots")
-            if slot.ctypes.data not in written:  # the "camera" renders each slot once
-                slot[...] = image
-                written.add(slot.ctypes.data)
-            return slot
-
-        handles = deque(c.submit(frame()) for _ in range(in_flight))
-        warm_until = time.perf_counter() + 1.0
-        end = warm_until + seconds
-        t_start = None
-        while (now := time.perf_counter()) < end:
-            handle = handles.popleft()
-            try:
-                handle.result()
-                good = True
-            except DladError:
-                good = False
-            if now >= warm_until:
-                t_start = t_start or now
-                ok += good
-            handles.append(c.submit(frame()))
-        elapsed = time.perf_counter() - (t_start or warm_until)
-        for handle in handles:
-            with contextlib.suppress(DladError):
-                handle.result()
-        if c.shm is not None and c.shm.inline:
-            raise RuntimeError(f"{c.shm.inline} frames went inline: the slots ran out")
-    return ok / elapsed, ok
+    """Keep ``in_flight`` INFERs outstanding for ``seconds`` after 1 s of warm-up
+    (``drive_sdk``); returns (frames/s, frames answered OK in the measured window)."""
+    r = drive_sdk(endpoint, seconds, in_flight, mode.startswith("shm"), shape=shape,
+                  in_place=mode == "shm-in-place")  # fmt: skip
+    return r["rate"], int(r["ok"])
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
@@ -62,7 +62,6 @@ class ShmStats:
     mapped_bytes: int = 0
     frames: int = 0  # shared-memory frames resolved since start
     reclaimed: int = 0  # segments unmapped after idling
-    closing: list[mmap.mmap] = field(default_factory=list)  # unmapped once no view remains
 
 
 class SharedFrames:
@@ -78,6 +77,7 @@ class SharedFrames:
         self._clock = clock
         self._root = root
         self._segments: dict[tuple[str, str], _Segment] = {}
+        self._closing: list[mmap.mmap] = []  # unmapped, closed once no frame view remains
         self.stats = ShmStats()
         # Told of each mapping's base address and size, and of its end (the GPU registers
         # segments so that its pre-processing reads frames without a CPU copy).
@@ -142,6 +142,11 @@ class SharedFrames:
         return len(self._segments)
 
     @property
+    def closing(self) -> int:
+        """Maps of unmapped segments still waiting for their last frame view to go."""
+        return len(self._closing)
+
+    @property
     def mapped_bytes(self) -> int:
         return sum(s.size for s in self._segments.values())
 
@@ -195,12 +200,12 @@ class SharedFrames:
         m = self._segments.pop(key).map
         if self.on_unmap is not None:
             self.on_unmap(_address(m))
-        self.stats.closing.append(m)
+        self._closing.append(m)
 
     def _close_pending(self) -> None:
         """Close the maps of unmapped segments whose last frame view has gone (a view still
         alive, e.g. a frame a worker thread holds, keeps its map until the next pass)."""
-        self.stats.closing = [m for m in self.stats.closing if not _closed(m)]
+        self._closing = [m for m in self._closing if not _closed(m)]
 
 
 def _closed(m: mmap.mmap) -> bool:

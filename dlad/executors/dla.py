@@ -284,15 +284,9 @@ class DlaExecutor(Executor):
             geometry = self._pre(work, slot.inputs[0])
         t1 = time.monotonic_ns()
         out.pre_us = (t1 - t0) / 1e3
-        fence = slot.fence
-        target = fence.value + 1
         reached = threading.Event()
         try:
-            handle = self.dla.submit(
-                Task(
-                    self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),)
-                )
-            )
+            handle, fence, target = self._submit_now(slot)
         except DlaError as exc:
             out.error = DeviceFailed(f"{self.name}: {exc}")
             return out, None
@@ -395,9 +389,17 @@ class DlaExecutor(Executor):
         )
         return handle, geometry
 
-    async def _submit(self, slot: Slot) -> Any:
+    def _submit_now(self, slot: Slot) -> tuple[Any, Any, int]:
+        """Submit the slot's task, signalling the next value of its fence: (the task's handle,
+        the fence, that value). Raises DlaError."""
         fence = slot.fence
         target = fence.value + 1
+        handle = self.dla.submit(
+            Task(self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),))
+        )
+        return handle, fence, target
+
+    async def _submit(self, slot: Slot) -> Any:
         loop = asyncio.get_running_loop()
         reached: asyncio.Future[None] = loop.create_future()
 
@@ -408,9 +410,7 @@ class DlaExecutor(Executor):
         def on_reached() -> None:  # the core's thread (or this one, if already reached)
             loop.call_soon_threadsafe(settle)
 
-        handle = self.dla.submit(
-            Task(self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),))
-        )
+        handle, fence, target = self._submit_now(slot)
         fence.on_reached(target, on_reached)
         await reached
         return handle

@@ -204,7 +204,7 @@ def test_segments_stay_mapped_while_used_and_are_reclaimed_when_idle(
     assert frames.reclaim() == 0  # answered 9 s ago: not idle long enough
     now[0] += 1.0
     assert frames.reclaim() == 1
-    assert (frames.segments, frames.mapped_bytes, frames.stats.closing) == (0, 0, [])
+    assert (frames.segments, frames.mapped_bytes, frames.closing) == (0, 0, 0)
     frames.resolve("client-b", ref, IMAGE.nbytes)  # room again
     frames.close()
     with pytest.raises(BadRequest, match="ends past"):
@@ -220,13 +220,13 @@ def test_the_byte_budget_bounds_what_is_mapped(segment: shared_memory.SharedMemo
 
 CRASHING_CLIENT = textwrap.dedent(
     """
-    import sys, time
+    import sys
     import numpy as np
     from dlad_client import Client
     c = Client(sys.argv[1], shm_slot_bytes=4 << 20)
     c.submit(np.zeros((480, 640, 3), np.uint8))
     print(c.shm.name, flush=True)
-    time.sleep(60)
+    sys.stdin.read()  # until killed
     """
 )
 
@@ -237,15 +237,18 @@ def test_a_client_that_dies_leaves_nothing_mapped_or_linked(tmp_path: Path) -> N
         assert shm is not None
         shm.config = ShmConfig(idle_s=0.05)  # reclaimed at the next heartbeat once idle
         proc = subprocess.Popen(
-            [sys.executable, "-c", CRASHING_CLIENT, ep], stdout=subprocess.PIPE, text=True
-        )
+            [sys.executable, "-c", CRASHING_CLIENT, ep],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
         assert proc.stdout is not None
         name = proc.stdout.readline().strip()
         proc.stdout.close()
         wait_for(lambda: shm.stats.frames == 1)
         os.kill(proc.pid, signal.SIGKILL)  # no close(), no reply read
         proc.wait()
-        wait_for(lambda: shm.segments == 0 and not shm.stats.closing)
+        assert proc.stdin is not None
+        proc.stdin.close()
+        wait_for(lambda: shm.segments == 0 and not shm.closing)
         assert daemon.frontend.pending == 0
     # the dead client's resource tracker unlinks its segment
     wait_for(lambda: not os.path.exists(os.path.join(SHM_DIR, name)))
