@@ -65,6 +65,8 @@ def test_one_clients_stream_never_supersedes_anothers(tmp_path: Path) -> None:
     with slow_daemon(tmp_path) as ep, dealer(ep) as a, dealer(ep) as b:
         _fill_slots(ep, a)
         _infer(a, 1, stream="cam0")
+        # a's frame is queued before b's is sent: two connections are read in no set order
+        assert _status(a, 2)["queues"]["depth"] == 1
         _infer(b, 1, stream="cam0")  # same name, another client: its own stream
         report = _status(b, 2)
         assert (report["queues"]["depth"], report["queues"]["streams"]) == (2, 2)
