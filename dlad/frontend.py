@@ -77,6 +77,17 @@ class Counters:
     dropped: int = 0  # replies ZeroMQ could not queue (the client's queue full, or it gone)
 
 
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """An INFER_BATCH being answered: a result per image, sent in one reply once all are in."""
+
+    client: bytes
+    request_id: int
+    results: list[protocol.BatchResult | None]
+    waiting: int  # images not answered yet
+    jobs: list[int] = field(default_factory=list)  # its images' job ids (for CANCEL)
+
+
 @dataclass(slots=True)
 class _Asker:
     """Who is waiting for a job's reply, and the job (to place it again after a failure)."""
@@ -90,6 +101,8 @@ class _Asker:
     size: int  # the frame's bytes in the daemon's budget (0: in a client's shared memory)
     shm: str | None = None  # the shared-memory segment the frame lies in
     retried: bool = False
+    batch: _Batch | None = None  # the INFER_BATCH it is image ``index`` of
+    index: int = 0
 
 
 # The hot path's flags as plain ints: pyzmq's are enum flags, and combining those per call
@@ -150,6 +163,7 @@ class Frontend:
         self._next_job = 0
         self._askers: dict[int, _Asker] = {}  # job id -> who asked
         self._jobs: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
+        self._batches: dict[tuple[bytes, int], _Batch] = {}  # (client, request id) -> batch
         self._idle = anyio.Event()
         self._expiry_wake = anyio.Event()
         self._expiry_at: int | None = None  # when the expiry timer fires (None: no timer)
@@ -333,8 +347,9 @@ class Frontend:
                 self.metrics.observe_reply("", None, exc.status)
                 await self._reply_safely(client, protocol.error_reply(exc))
                 return
-            if isinstance(request, protocol.InferRequest):  # refused at admission
-                # an unknown model's name is the client's: a label "" keeps the series bounded
+            if isinstance(request, (protocol.InferRequest, protocol.InferBatchRequest)):
+                # refused at admission; an unknown model's name is the client's: a label ""
+                # keeps the series bounded
                 model = request.model if request.model in self._models else ""
                 self.metrics.observe_reply(model, None, exc.status)
             reply = protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind))
@@ -400,6 +415,9 @@ class Frontend:
         if isinstance(request, protocol.InferRequest):
             await self._infer(client, owner, request)
             return
+        if isinstance(request, protocol.InferBatchRequest):
+            await self._infer_batch(client, owner, request)
+            return
         self._spend_token(owner)  # STATUS and CANCEL: cheap, so rate-limited per client
         if isinstance(request, protocol.CancelRequest):
             await self._cancel(client, request)
@@ -408,22 +426,66 @@ class Frontend:
             reply = protocol.StatusReply(request.id, Status.OK, report=report)  # type: ignore[arg-type]
             await self._send(client, reply)
 
-    async def _infer(self, client: bytes, owner: str, req: protocol.InferRequest) -> None:
+    def _room(self, client: bytes, owner: str, request_id: int, frames: int, size: int) -> None:
+        """Refuse a request (of ``frames`` images, ``size`` bytes of them in the message) that
+        the daemon must not take at all: draining, its id in use, or past the client's cap or
+        the daemon's byte budget."""
         if not self._accepting():
             raise ShuttingDown("the daemon is shutting down")
-        key = (client, req.id)
-        if key in self._jobs:
-            raise BadRequest(f"request id {req.id} is already in flight on this connection")
+        key = (client, request_id)
+        if key in self._jobs or key in self._batches:
+            raise BadRequest(f"request id {request_id} is already in flight on this connection")
         f = self.config.frontend
         cap = f.max_in_flight_per_client
-        if self._in_flight[owner] >= cap:
-            raise Overloaded(f"this client has {cap} requests in flight, the most one may")
-        size = 0 if req.shm is not None else req.image.nbytes  # shared memory is the client's
+        if self._in_flight[owner] + frames > cap:
+            held = self._in_flight[owner]
+            more = "" if frames == 1 else f"; these {frames} images would pass it ({held} held)"
+            raise Overloaded(f"this client has {cap} requests in flight, the most one may{more}"
+                             if held >= cap else
+                             f"a client may have {cap} requests in flight{more}")  # fmt: skip
         if size and self._buffered + size > f.max_buffered_bytes:
             raise Overloaded(
                 f"the daemon holds {self._buffered} bytes of frames; this one would pass its "
                 f"budget of {f.max_buffered_bytes}"
             )
+
+    async def _infer(self, client: bytes, owner: str, req: protocol.InferRequest) -> None:
+        size = 0 if req.shm is not None else req.image.nbytes  # shared memory is the client's
+        self._room(client, owner, req.id, 1, size)
+        job_id = await self._admit(client, owner, req, size)
+        self._jobs[(client, req.id)] = job_id
+
+    async def _infer_batch(
+        self, client: bytes, owner: str, req: protocol.InferBatchRequest
+    ) -> None:
+        """Admit each image of an INFER_BATCH as an INFER of its own; one that is refused (full
+        queues, a model no device serves) gets its status in the reply, the others run."""
+        received = time.monotonic_ns()
+        images = req.images
+        size = sum(0 if item.shm is not None else item.image.nbytes for item in images)
+        self._room(client, owner, req.id, len(images), size)
+        batch = _Batch(client, req.id, [None] * len(images), len(images))
+        self._batches[(client, req.id)] = batch
+        for index, item in enumerate(images):
+            bytes_ = 0 if item.shm is not None else item.image.nbytes
+            try:
+                batch.jobs.append(await self._admit(client, owner, item, bytes_, batch, index))
+            except DladError as exc:
+                model = req.model if req.model in self._models else ""
+                self.metrics.observe_reply(model, None, exc.status)
+                total = (time.monotonic_ns() - received) // 1000
+                self._fill(batch, index, _failed(exc, None, total))
+
+    async def _admit(  # noqa: PLR0917
+        self,
+        client: bytes,
+        owner: str,
+        req: protocol.InferRequest,
+        size: int,
+        batch: _Batch | None = None,
+        index: int = 0,
+    ) -> int:
+        """Queue one image as a job (its room already checked); returns the job's id."""
         model = self._models.get(req.model)
         now = time.monotonic_ns()
         d = self.config.daemon
@@ -460,19 +522,25 @@ class Frontend:
                 "displaced by another client's frame: this client held the most of the full queues"
             ))  # fmt: skip
         shm = None if req.shm is None else req.shm.name
-        self._askers[job.id] = _Asker(client, req.id, req.model, now, job, owner, size, shm)
+        self._askers[job.id] = _Asker(
+            client, req.id, req.model, now, job, owner, size, shm, batch=batch, index=index
+        )
         if shm is not None and self.shm is not None:
             self.shm.hold(owner, shm)  # mapped until this frame is answered
         self._in_flight[owner] += 1
         self._buffered += size
-        self._jobs[key] = job.id
         if self._expiry_at is None or job.deadline_ns < self._expiry_at:
             self._expiry_wake.set()  # the timer must fire earlier (or start)
         for old in superseded:
             await self.answer(old.id, Cancelled("superseded by a newer frame of its stream"))
         self.executors[job.device].wake()
+        return job.id
 
     async def _cancel(self, client: bytes, req: protocol.CancelRequest) -> None:
+        batch = self._batches.get((client, req.id))
+        if batch is not None:
+            await self._cancel_batch(batch)
+            return
         job_id = self._jobs.get((client, req.id))
         if job_id is None:
             raise NotFound(f"request {req.id} is not queued")
@@ -482,6 +550,20 @@ class Frontend:
             raise NotFound(f"request {req.id} is already running (or answered)") from None
         await self.answer(job.id, Cancelled("cancelled by the client"))
         await self._send(client, protocol.CancelReply(req.id, Status.OK))
+
+    async def _cancel_batch(self, batch: _Batch) -> None:
+        """CANCEL of an INFER_BATCH: its images still queued are answered CANCELLED (in its
+        reply); OK if there was one, NOT_FOUND if all are running or answered."""
+        cancelled = []
+        for job_id in batch.jobs:
+            if job_id in self._askers:
+                with contextlib.suppress(NotFound):  # running: it gets its normal result
+                    cancelled.append(self.scheduler.cancel(job_id))
+        if not cancelled:
+            raise NotFound(f"request {batch.request_id} is already running (or answered)")
+        for job in cancelled:
+            await self.answer(job.id, Cancelled("cancelled by the client"))
+        await self._send(batch.client, protocol.CancelReply(batch.request_id, Status.OK))
 
     async def expiry_loop(self) -> None:
         """Answer queued jobs whose deadline passed, at their deadline (a timer, not a poll):
@@ -549,8 +631,22 @@ class Frontend:
             asker.model, out.device, Status.OK, queue_us=out.queue_us, device_us=out.device_us,
             total_us=total_us,
         )  # fmt: skip
+        if asker.batch is not None:
+            self._fill(asker.batch, asker.index, (0, "", out.device, timing, dets))
+            return
         frames = protocol.encode_infer_ok(asker.request_id, out.device, timing, dets)
         self._send_frames(asker.client, Status.OK, frames)
+
+    def _fill(self, batch: _Batch, index: int, result: protocol.BatchResult) -> None:
+        """Record image ``index``'s result; the last one sends the batch's reply."""
+        batch.results[index] = result
+        batch.waiting -= 1
+        if batch.waiting:
+            return
+        del self._batches[(batch.client, batch.request_id)]
+        results = cast("list[protocol.BatchResult]", batch.results)
+        self._send_frames(batch.client, Status.OK,
+                          protocol.encode_batch_reply(batch.request_id, results))  # fmt: skip
 
     def _retry(self, job_id: int, failed_on: str, err: DeviceFailed) -> bool:
         """Place a job that failed on ``failed_on`` once more, on another device of its model
@@ -603,6 +699,9 @@ class Frontend:
         )
         total = int((time.monotonic_ns() - asker.received_ns) / 1e3)
         self.metrics.observe_reply(asker.model, device, err.status, total_us=total)
+        if asker.batch is not None:
+            self._fill(asker.batch, asker.index, _failed(err, device, total))
+            return
         reply = protocol.InferReply(
             asker.request_id,
             err.status,
@@ -645,3 +744,12 @@ class Frontend:
         # a message that has arrived: wake the receive loop if it sleeps.
         if self._asleep and _waiting(sock):
             self._readable.set()
+
+
+def _failed(err: DladError, device: str | None, total_us: int) -> protocol.BatchResult:
+    """An image's result in an INFER_BATCH_REPLY for ``err``."""
+    timing = protocol.timing_fields(
+        queue_us=0, pre_us=0, device_us=0, post_us=0, total_us=total_us, start_ns=0, end_ns=0
+    )
+    message = err.message[: protocol.MAX_MESSAGE_CHARS] or err.status.name
+    return (int(err.status), message, device, timing, _NO_DETECTIONS)

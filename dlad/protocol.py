@@ -1,15 +1,18 @@
 """Wire protocol v1: every message dlad and its clients exchange, with strict encoders and decoders.
 
 Transport is ZeroMQ, DEALER (client) ↔ ROUTER (daemon). A message is a list of frames: one
-msgpack map (the header) followed by at most one payload frame. The ROUTER's identity frames are
+msgpack map (the header) followed by at most one payload frame (an INFER_BATCH and its reply:
+one per image). The ROUTER's identity frames are
 the frontend's business and never reach this module. ``docs/protocol.md`` is the specification
 (field tables, ranges, a byte-level example); this module is its implementation::
 
-    request            frames               reply                frames
-    INFER    (0x01)    header, image        INFER_REPLY  (0x81)  header, detections
-    CANCEL   (0x02)    header               CANCEL_REPLY (0x82)  header
-    STATUS   (0x03)    header               STATUS_REPLY (0x83)  header
-                                            ERROR_REPLY  (0x80)  header  (request kind unreadable)
+    request             frames                reply                     frames
+    INFER       (0x01)  header, image         INFER_REPLY       (0x81)  header, detections
+    CANCEL      (0x02)  header                CANCEL_REPLY      (0x82)  header
+    STATUS      (0x03)  header                STATUS_REPLY      (0x83)  header
+    INFER_BATCH (0x04)  header, an image per  INFER_BATCH_REPLY (0x84)  header, detections per
+                        image not in shm                                image
+                                              ERROR_REPLY       (0x80)  header (kind unreadable)
 
 A reply kind is its request kind with bit 7 set. Every reply carries ``status`` (a
 :class:`~dlad.errors.Status`) and ``message``.
@@ -60,14 +63,15 @@ if TYPE_CHECKING:
     import zmq
 
 __all__ = [
-    "CHANNELS", "DEFAULT_LIMITS", "MAX_BATCH", "MAX_DEADLINE_MS", "MAX_DET", "MAX_IMAGE_SIDE",
-    "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "MAX_REPLY_DEPTH", "MAX_REQUEST_DEPTH", "PRIORITY_MAX",
-    "PRIORITY_MIN", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CancelReply", "CancelRequest",
-    "DaemonState", "DaemonStatus", "DeviceLoad", "DeviceStatus", "ErrorReply", "Frame", "FrameLike",
-    "InferReply", "InferRequest", "Kind", "Limits", "LimitsStatus", "LoadStatus", "Message",
-    "ModelStatus", "PixelFormat", "QueueStatus", "Reply", "Request", "ShmRef", "ShmResolver",
-    "StatusReply", "StatusRequest", "Timing", "decode_reply", "decode_request", "encode",
-    "encode_infer_ok", "endpoint_error", "error_reply", "timing_fields",
+    "CHANNELS", "DEFAULT_LIMITS", "MAX_BATCH", "MAX_BATCH_IMAGES", "MAX_DEADLINE_MS", "MAX_DET",
+    "MAX_IMAGE_SIDE", "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "MAX_REPLY_DEPTH", "MAX_REQUEST_DEPTH",
+    "PRIORITY_MAX", "PRIORITY_MIN", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CancelReply",
+    "CancelRequest", "DaemonState", "DaemonStatus", "DeviceLoad", "DeviceStatus", "ErrorReply",
+    "Frame", "FrameLike", "InferBatchReply", "InferBatchRequest", "InferReply", "InferRequest",
+    "Kind", "Limits", "LimitsStatus", "LoadStatus", "Message", "ModelStatus", "PixelFormat",
+    "QueueStatus", "Reply", "Request", "ShmRef", "ShmResolver", "StatusReply", "StatusRequest",
+    "Timing", "decode_reply", "decode_request", "encode", "encode_batch_reply", "encode_infer_ok",
+    "endpoint_error", "error_reply", "timing_fields",
 ]  # fmt: skip
 
 PROTOCOL_VERSION: Final = 1
@@ -85,9 +89,12 @@ MAX_BATCH: Final = 64
 """The largest batch a device reports (``[devices.*] max_batch`` is at most this)."""
 MAX_IMAGE_SIDE: Final = 65_535
 """Absolute bound on image height and width; :class:`Limits` sets the operational one."""
-MAX_REQUEST_DEPTH: Final = 2
-"""How deeply a request's header nests: the header map, then ``image`` (every other field is a
-scalar). A deeper header is refused before anything walks it."""
+MAX_BATCH_IMAGES: Final = 16
+"""Most images one INFER_BATCH carries (a camera rig's frames of one instant)."""
+MAX_REQUEST_DEPTH: Final = 4
+"""How deeply a request's header nests: the header map, then ``image`` or ``shm`` (an
+INFER_BATCH: ``images``, an image's map, its ``shm``; every other field is a scalar). A deeper
+header is refused before anything walks it."""
 MAX_REPLY_DEPTH: Final = 8
 """How deeply a reply's header nests (a STATUS report's tables of lists of tables)."""
 MAX_NAME_CHARS: Final = 128
@@ -117,10 +124,12 @@ class Kind(enum.IntEnum):
     INFER = 0x01
     CANCEL = 0x02
     STATUS = 0x03
+    INFER_BATCH = 0x04
     ERROR_REPLY = 0x80
     INFER_REPLY = 0x81
     CANCEL_REPLY = 0x82
     STATUS_REPLY = 0x83
+    INFER_BATCH_REPLY = 0x84
 
     @property
     def is_reply(self) -> bool:
@@ -437,6 +446,47 @@ class InferRequest:
 
 _INFER_SCALARS: Final = ("id", "model", "stream", "priority", "deadline_ms", "conf", "iou",
                          "max_det")  # fmt: skip
+_SHARED_SCALARS: Final = ("priority", "deadline_ms", "conf", "iou", "max_det")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferBatchRequest:
+    """Run ``model`` on several images in one message (docs/protocol.md, INFER_BATCH): each of
+    ``images`` is an INFER of its own (its image, format, ``stream`` and shared-memory slot)
+    with this message's ``id`` and ``model`` and the same priority, deadline and thresholds.
+    The one reply carries a result per image, in order. Raises ProtocolError when there are
+    none or more than :data:`MAX_BATCH_IMAGES`, or the images disagree on a shared field.
+    """
+
+    id: int
+    model: str
+    images: tuple[InferRequest, ...]
+    kind: ClassVar[Kind] = Kind.INFER_BATCH
+
+    def __post_init__(self) -> None:
+        _set(self, "id", _int(self.id, "id", 0, _U64_MAX))
+        _set(self, "model", _name(self.model, "model"))
+        images: object = self.images
+        if not isinstance(images, (tuple, list)) or not 1 <= len(images) <= MAX_BATCH_IMAGES:
+            _fail("images", f"must be 1 to {MAX_BATCH_IMAGES} InferRequests")
+        _set(self, "images", tuple(images))
+        first = self.images[0]
+        for i, item in enumerate(self.images):
+            if not isinstance(item, InferRequest):
+                _fail(f"images[{i}]", f"must be an InferRequest, got {_show(item)}")
+            if item.id != self.id or item.model != self.model:
+                _fail(f"images[{i}]", "must have the batch's id and model")
+            for name in _SHARED_SCALARS:
+                if getattr(item, name) != getattr(first, name):
+                    _fail(f"images[{i}].{name}", "must be the same for every image of a batch")
+
+    @property
+    def priority(self) -> int:
+        return self.images[0].priority
+
+    @property
+    def deadline_ms(self) -> int | None:
+        return self.images[0].deadline_ms
 
 
 def _infer_fields(
@@ -562,6 +612,36 @@ class InferReply:
     @property
     def count(self) -> int:
         return int(self.detections.shape[0])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferBatchReply:
+    """The answer to an INFER_BATCH: with status OK, ``results`` has one :class:`InferReply`
+    per image, in the request's order, each with its own status (an image can be superseded
+    or refused while the others run); any other status refuses the whole batch and
+    ``results`` is empty. Raises ProtocolError when these rules are broken."""
+
+    id: int
+    status: Status
+    message: str = ""
+    results: tuple[InferReply, ...] = ()
+    kind: ClassVar[Kind] = Kind.INFER_BATCH_REPLY
+
+    def __post_init__(self) -> None:
+        _reply_envelope(self, self.id, self.status, self.message)
+        results: object = self.results
+        if not isinstance(results, (tuple, list)):
+            _fail("results", "must be a sequence of InferReply")
+        _set(self, "results", tuple(results))
+        if self.status != Status.OK:
+            if self.results:
+                _fail("results", "must be empty when status is not OK")
+            return
+        if not 1 <= len(self.results) <= MAX_BATCH_IMAGES:
+            _fail("results", f"must hold 1 to {MAX_BATCH_IMAGES} results when status is OK")
+        for i, item in enumerate(self.results):
+            if not isinstance(cast("object", item), InferReply) or item.id != self.id:
+                _fail(f"results[{i}]", "must be an InferReply with the batch's id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -785,14 +865,17 @@ def _reply_envelope(
         _fail("message", "must be empty when status is OK")
 
 
-_REPLY_CLASSES: Final[Mapping[int, type[InferReply | CancelReply | StatusReply]]] = {
+_REPLY_CLASSES: Final[
+    Mapping[int, type[InferReply | CancelReply | StatusReply | InferBatchReply]]
+] = {
     Kind.INFER: InferReply,
     Kind.CANCEL: CancelReply,
     Kind.STATUS: StatusReply,
+    Kind.INFER_BATCH: InferBatchReply,
 }
 
-Request: TypeAlias = "InferRequest | CancelRequest | StatusRequest"
-Reply: TypeAlias = "InferReply | CancelReply | StatusReply | ErrorReply"
+Request: TypeAlias = "InferRequest | CancelRequest | StatusRequest | InferBatchRequest"
+Reply: TypeAlias = "InferReply | CancelReply | StatusReply | ErrorReply | InferBatchReply"
 Message: TypeAlias = "Request | Reply"
 
 
@@ -836,19 +919,28 @@ def encode(message: Message) -> list[Frame]:
         if message.priority != PRIORITY_MIN:
             optional["priority"] = message.priority
         header |= {k: v for k, v in optional.items() if v is not None}
-        header["image"] = {
-            "height": message.height,
-            "width": message.width,
-            "format": message.format,
-            "dtype": "uint8",
-        }
+        header["image"] = _image_map(message)
         thresholds = {"conf": message.conf, "iou": message.iou, "max_det": message.max_det}
         header |= {k: v for k, v in thresholds.items() if v is not None}
         if message.shm is not None:  # the image is in the segment: no payload frame
-            ref = message.shm
-            header["shm"] = {"name": ref.name, "offset": ref.offset, "size": ref.size}
+            header["shm"] = _shm_map(message.shm)
             return [_pack(header)]
         return [_pack(header), message.image.data.cast("B")]
+    if isinstance(message, InferBatchRequest):
+        header["model"] = message.model
+        _shared_fields(header, message.images[0])
+        images, payloads = [], []
+        for item in message.images:
+            image = _image_map(item)
+            if item.stream is not None:
+                image["stream"] = item.stream
+            if item.shm is not None:
+                image["shm"] = _shm_map(item.shm)
+            else:
+                payloads.append(item.image.data.cast("B"))
+            images.append(image)
+        header["images"] = images
+        return [_pack(header), *payloads]
     if isinstance(message, (CancelRequest, StatusRequest)):
         if isinstance(message, StatusRequest) and message.load:
             header["load"] = True  # only when asked: a daemon older than the field refuses it
@@ -859,9 +951,65 @@ def encode(message: Message) -> list[Frame]:
         header["device"] = message.device
         header["timing"] = {name: getattr(message.timing, name) for name in _TIMING_FIELDS}
         return _with_detections(header, message.detections)
+    if isinstance(message, InferBatchReply):
+        results = [(int(r.status), r.message, r.device,
+                    {name: getattr(r.timing, name) for name in _TIMING_FIELDS}, r.detections)
+                   for r in message.results]  # fmt: skip
+        return _batch_frames(header, results)
     if isinstance(message, StatusReply):
         header["report"] = message.report
     return [_pack(header)]
+
+
+def _shared_fields(header: dict[str, Any], message: InferRequest) -> None:
+    """The fields an INFER and an INFER_BATCH share, where they differ from the default."""
+    if message.priority != PRIORITY_MIN:
+        header["priority"] = message.priority
+    optional = {"deadline_ms": message.deadline_ms, "conf": message.conf, "iou": message.iou,
+                "max_det": message.max_det}  # fmt: skip
+    header |= {k: v for k, v in optional.items() if v is not None}
+
+
+def _image_map(message: InferRequest) -> dict[str, Any]:
+    return {"height": message.height, "width": message.width, "format": message.format,
+            "dtype": "uint8"}  # fmt: skip
+
+
+def _shm_map(ref: ShmRef) -> dict[str, Any]:
+    return {"name": ref.name, "offset": ref.offset, "size": ref.size}
+
+
+BatchResult: TypeAlias = (
+    "tuple[int, str, str | None, dict[str, int | None], npt.NDArray[np.float32]]"
+)
+"""One image's part of an INFER_BATCH_REPLY: status, message, device, ``timing`` (from
+:func:`timing_fields`) and the ``N x 6`` float32 detections (none unless the status is OK)."""
+
+
+def _batch_frames(header: dict[str, Any], results: Sequence[BatchResult]) -> list[Frame]:
+    entries: list[dict[str, Any]] = []
+    payloads: list[Frame] = []
+    for status, message, device, timing, detections in results:
+        count = len(detections)
+        entries.append({"status": status, "message": message, "device": device,
+                        "timing": timing, "count": count})  # fmt: skip
+        if count:
+            payloads.append(np.ascontiguousarray(detections, dtype=_DETECTION).data.cast("B"))
+        else:
+            payloads.append(b"")
+    header["results"] = entries
+    return [_pack(header), *payloads]
+
+
+def encode_batch_reply(request_id: int, results: Sequence[BatchResult]) -> list[Frame]:
+    """The frames of an OK INFER_BATCH_REPLY from the daemon's own values, one entry per image
+    (see :data:`BatchResult`; ``message`` empty exactly when the status is OK), without building
+    an :class:`InferBatchReply` (decoding checks all of it)."""
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION, "kind": int(Kind.INFER_BATCH_REPLY), "id": request_id,
+        "status": int(Status.OK), "message": "",
+    }  # fmt: skip
+    return _batch_frames(header, results)
 
 
 def _with_detections(header: dict[str, Any], detections: npt.NDArray[np.float32]) -> list[Frame]:
@@ -914,8 +1062,8 @@ def encode_infer_ok(
 def _views(frames: object, limits: Limits) -> list[memoryview]:
     if not isinstance(frames, Sequence) or isinstance(frames, (bytes, bytearray, str)):
         _fail("frames", "a message is a list of frames")
-    if not 1 <= len(frames) <= 2:
-        _fail("frames", f"a v1 message has 1 or 2 frames, got {len(frames)}")
+    if not 1 <= len(frames) <= 1 + MAX_BATCH_IMAGES:
+        _fail("frames", f"a v1 message has 1 to {1 + MAX_BATCH_IMAGES} frames, got {len(frames)}")
     views = []
     for i, frame in enumerate(frames):
         try:
@@ -991,7 +1139,7 @@ def _open(
         want = 2 if kind in (Kind.INFER, Kind.INFER_REPLY) else 1
         if kind == Kind.INFER and "shm" in header:
             want = 1  # the image is in a shared-memory segment
-        if len(views) != want:
+        if len(views) != want and kind not in (Kind.INFER_BATCH, Kind.INFER_BATCH_REPLY):
             _fail("frames", f"{kind.name} has {want} frame(s), got {len(views)}")
         _keys(header, "", *_HEADER_FIELDS[kind])
     except ProtocolError as exc:
@@ -1016,11 +1164,64 @@ _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = 
                  ("stream", "priority", "deadline_ms", "conf", "iou", "max_det", "shm")),
     Kind.CANCEL: (_ENVELOPE, ()),
     Kind.STATUS: (_ENVELOPE, ("load",)),
+    Kind.INFER_BATCH: ((*_ENVELOPE, "model", "images"),
+                       ("priority", "deadline_ms", "conf", "iou", "max_det")),
     Kind.INFER_REPLY: ((*_REPLY_ENVELOPE, "device", "timing", "count"), ()),
+    Kind.INFER_BATCH_REPLY: ((*_REPLY_ENVELOPE, "results"), ()),
     Kind.CANCEL_REPLY: (_REPLY_ENVELOPE, ()),
     Kind.STATUS_REPLY: ((*_REPLY_ENVELOPE, "report"), ()),
     Kind.ERROR_REPLY: (_REPLY_ENVELOPE, ()),
 }  # fmt: skip
+
+
+def _image(  # noqa: PLR0917  # the hot path's one call per image: positional is cheaper
+    img: dict[str, Any],
+    raw_shm: object,
+    payload: memoryview | None,
+    limits: Limits,
+    shm: ShmResolver | None,
+    path: str = "",
+    frame: int = 1,
+) -> tuple[npt.NDArray[np.uint8], PixelFormat, ShmRef | None]:
+    """An INFER's image from its checked ``image`` map (``path`` prefixes the field names:
+    ``images[2].`` in a batch): a read-only view over ``payload`` (``frames[frame]``), or over
+    the shared-memory frame ``raw_shm`` names when ``payload`` is None."""
+    fmt = _choice(img["format"], f"{path}image.format", CHANNELS)
+    if img["dtype"] != "uint8":
+        _fail(f"{path}image.dtype", f"only 'uint8' is supported, got {_show(img['dtype'])}")
+    height = _int(img["height"], f"{path}image.height", 1, limits.max_height)
+    width = _int(img["width"], f"{path}image.width", 1, limits.max_width)
+    if height * width > limits.max_image_pixels:
+        over = f"{width}x{height} is over the limit of {limits.max_image_pixels} pixels"
+        _fail(f"{path}image", over)
+    channels = CHANNELS[fmt]
+    ref = None
+    if payload is None:  # a shared-memory frame
+        if shm is None:
+            _fail(f"{path}shm",
+                  "this daemon takes no shared-memory frames ([shm] enabled = false), "
+                  "or not from this connection (ipc:// and loopback tcp only)")  # fmt: skip
+        raw = _map(raw_shm, f"{path}shm")
+        _keys(raw, f"{path}shm.", ("name", "offset", "size"))
+        ref = ShmRef(raw["name"], raw["offset"], raw["size"])
+        payload = shm(ref, height * width * channels)
+    if payload.nbytes != height * width * channels:
+        need = height * width * channels
+        _fail(f"frames[{frame}]",
+              f"image payload is {payload.nbytes} bytes, the header says {need}")  # fmt: skip
+    image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
+    image.flags.writeable = False  # the daemon never writes into a client's frame
+    return image, cast("PixelFormat", fmt), ref
+
+
+def _scalars(h: dict[str, Any], stream: object) -> tuple[Any, ...]:
+    priority = h.get("priority")  # nil means the default, like absence
+    return _infer_fields(
+        h["id"], h["model"], stream=stream,
+        priority=PRIORITY_MIN if priority is None else priority,
+        deadline_ms=h.get("deadline_ms"), conf=h.get("conf"), iou=h.get("iou"),
+        max_det=h.get("max_det"),
+    )  # fmt: skip
 
 
 def _infer_request(
@@ -1028,36 +1229,40 @@ def _infer_request(
 ) -> InferRequest:
     img = _map(h["image"], "image")
     _keys(img, "image.", ("height", "width", "format", "dtype"))
-    fmt = _choice(img["format"], "image.format", CHANNELS)
-    if img["dtype"] != "uint8":
-        _fail("image.dtype", f"only 'uint8' is supported, got {_show(img['dtype'])}")
-    height = _int(img["height"], "image.height", 1, limits.max_height)
-    width = _int(img["width"], "image.width", 1, limits.max_width)
-    if height * width > limits.max_image_pixels:
-        _fail("image", f"{width}x{height} is over the limit of {limits.max_image_pixels} pixels")
-    channels = CHANNELS[fmt]
-    ref = None
-    if payload is None:  # a shared-memory frame
-        if shm is None:
-            _fail("shm", "this daemon takes no shared-memory frames ([shm] enabled = false), "
-                         "or not from this connection (ipc:// and loopback tcp only)")  # fmt: skip
-        raw = _map(h["shm"], "shm")
-        _keys(raw, "shm.", ("name", "offset", "size"))
-        ref = ShmRef(raw["name"], raw["offset"], raw["size"])
-        payload = shm(ref, height * width * channels)
-    if payload.nbytes != height * width * channels:
-        need = height * width * channels
-        _fail("frames[1]", f"image payload is {payload.nbytes} bytes, the header says {need}")
-    image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
-    image.flags.writeable = False  # the daemon never writes into a client's frame
-    priority = h.get("priority")  # nil means the default, like absence
-    scalars = _infer_fields(
-        h["id"], h["model"], stream=h.get("stream"),
-        priority=PRIORITY_MIN if priority is None else priority,
-        deadline_ms=h.get("deadline_ms"), conf=h.get("conf"), iou=h.get("iou"),
-        max_det=h.get("max_det"),
-    )  # fmt: skip
-    return InferRequest._decoded(image, cast("PixelFormat", fmt), scalars, ref)
+    image, fmt, ref = _image(img, h.get("shm"), payload, limits, shm)
+    return InferRequest._decoded(image, fmt, _scalars(h, h.get("stream")), ref)
+
+
+def _infer_batch(
+    h: dict[str, Any], payloads: list[memoryview], limits: Limits, shm: ShmResolver | None
+) -> InferBatchRequest:
+    raw: object = h["images"]
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_BATCH_IMAGES:
+        _fail("images", f"must be an array of 1 to {MAX_BATCH_IMAGES} image maps")
+    inline = sum(1 for item in raw if not (isinstance(item, dict) and "shm" in item))
+    if len(payloads) != inline:
+        _fail("frames", f"INFER_BATCH has {1 + inline} frame(s) (one per image not in shared "
+                        f"memory), got {1 + len(payloads)}")  # fmt: skip
+    images, frame = [], 1
+    for i, item in enumerate(raw):
+        path = f"images[{i}]."
+        img = _map(item, f"images[{i}]")
+        _keys(img, path, ("height", "width", "format", "dtype"), ("stream", "shm"))
+        payload = None if "shm" in img else payloads[frame - 1]
+        image, fmt, ref = _image(img, img.get("shm"), payload, limits, shm, path, frame)
+        frame += payload is not None
+        try:
+            scalars = _scalars(h, img.get("stream"))
+        except ProtocolError as exc:
+            if exc.field == "stream":
+                _fail(f"{path}stream", exc.message.removeprefix("stream: "))
+            raise
+        images.append(InferRequest._decoded(image, fmt, scalars, ref))
+    batch = object.__new__(InferBatchRequest)
+    _set(batch, "id", images[0].id)
+    _set(batch, "model", images[0].model)
+    _set(batch, "images", tuple(images))
+    return batch
 
 
 def decode_request(
@@ -1071,10 +1276,13 @@ def decode_request(
     names the problem, and ``request_id``/``request_kind`` hold what the header yielded, if
     anything; a DladError of ``shm``'s propagates, with the request's id attached.
     """
-    kind, h, views = _open(frames, limits, (Kind.INFER, Kind.CANCEL, Kind.STATUS), "request")
+    requests = (Kind.INFER, Kind.CANCEL, Kind.STATUS, Kind.INFER_BATCH)
+    kind, h, views = _open(frames, limits, requests, "request")
     try:
         if kind == Kind.INFER:
             return _infer_request(h, views[1] if len(views) == 2 else None, limits, shm)
+        if kind == Kind.INFER_BATCH:
+            return _infer_batch(h, views[1:], limits, shm)
         if kind == Kind.CANCEL:
             return CancelRequest(h["id"])
         load = h.get("load")  # nil means the default, like absence
@@ -1089,16 +1297,42 @@ def decode_request(
         raise
 
 
-def _infer_reply(h: dict[str, Any], payload: memoryview) -> InferReply:
-    timing = _map(h["timing"], "timing")
-    _keys(timing, "timing.", _TIMING_FIELDS)
-    count = _int(h["count"], "count", 0, MAX_DET)
+def _infer_reply(
+    h: dict[str, Any], payload: memoryview, rid: object = None, path: str = "", frame: int = 1
+) -> InferReply:
+    timing = _map(h["timing"], f"{path}timing")
+    _keys(timing, f"{path}timing.", _TIMING_FIELDS)
+    count = _int(h["count"], f"{path}count", 0, MAX_DET)
     if payload.nbytes != count * _DET_ROW_BYTES:
         need = count * _DET_ROW_BYTES
-        _fail("frames[1]", f"detections payload is {payload.nbytes} bytes, count says {need}")
+        _fail(f"frames[{frame}]",
+              f"detections payload is {payload.nbytes} bytes, count says {need}")  # fmt: skip
     det = np.frombuffer(payload, dtype=_DETECTION).reshape(count, 6)
     det.flags.writeable = False
-    return InferReply(h["id"], h["status"], h["message"], h["device"], Timing(**timing), det)
+    try:
+        return InferReply(cast("int", h["id"] if rid is None else rid), h["status"],
+                          h["message"], h["device"], Timing(**timing), det)  # fmt: skip
+    except ProtocolError as exc:
+        if not path:
+            raise
+        field = f"{path}{exc.field}"
+        raise ProtocolError(f"{path}{exc.message}", field=field) from None
+
+
+def _infer_batch_reply(h: dict[str, Any], payloads: list[memoryview]) -> InferBatchReply:
+    raw: object = h["results"]
+    if not isinstance(raw, list) or len(raw) > MAX_BATCH_IMAGES:
+        _fail("results", f"must be an array of at most {MAX_BATCH_IMAGES} result maps")
+    if len(payloads) != len(raw):
+        _fail("frames", f"INFER_BATCH_REPLY has {1 + len(raw)} frame(s) (one per result), "
+                        f"got {1 + len(payloads)}")  # fmt: skip
+    results = []
+    for i, item in enumerate(raw):
+        path = f"results[{i}]."
+        entry = _map(item, f"results[{i}]")
+        _keys(entry, path, ("status", "message", "device", "timing", "count"))
+        results.append(_infer_reply(entry, payloads[i], h["id"], path, i + 1))
+    return InferBatchReply(h["id"], h["status"], h["message"], tuple(results))
 
 
 def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Reply:
@@ -1107,11 +1341,14 @@ def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -
     An INFER_REPLY's detections are a read-only ``N x 6`` float32 view over ``frames[1]``.
     Raises ProtocolError for anything that is not a valid v1 reply (field named).
     """
-    replies = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY, Kind.ERROR_REPLY)
+    replies = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY, Kind.ERROR_REPLY,
+               Kind.INFER_BATCH_REPLY)  # fmt: skip
     kind, h, views = _open(frames, limits, replies, "reply")
     try:
         if kind == Kind.INFER_REPLY:
             return _infer_reply(h, views[1])
+        if kind == Kind.INFER_BATCH_REPLY:
+            return _infer_batch_reply(h, views[1:])
         if kind == Kind.STATUS_REPLY:
             return StatusReply(h["id"], h["status"], h["message"], h["report"])
         cls = CancelReply if kind == Kind.CANCEL_REPLY else ErrorReply
