@@ -1,7 +1,8 @@
 """dlad's client SDK: :class:`Client` (synchronous) and :class:`AsyncClient` (anyio on asyncio).
 
-Both send INFER, CANCEL and STATUS requests of wire protocol v1 (``docs/protocol.md``) over one
-ZeroMQ DEALER socket connected to one or more daemons, with many requests in flight::
+Both send INFER, INFER_BATCH, CANCEL and STATUS requests of wire protocol v1
+(``docs/protocol.md``) over one ZeroMQ DEALER socket connected to one or more daemons, with many
+requests in flight::
 
     from dlad_client import AsyncClient, Client, Overloaded
 
@@ -11,6 +12,8 @@ ZeroMQ DEALER socket connected to one or more daemons, with many requests in fli
             ...
         handles = [client.submit(frame, stream="cam0") for frame in frames]   # pipelined
         results = [h.result() for h in handles]
+        rig = client.detect_batch([left, right], streams=["left", "right"])  # one message:
+        # a Result or the error (Cancelled, Overloaded, ...) of each frame, in order
 
     async with AsyncClient(["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]) as client:
         result = await client.detect(image, pixel_format="BGR", deadline_ms=50)
@@ -46,12 +49,12 @@ from dlad.errors import (
 )
 from dlad.protocol import DaemonStatus, PixelFormat, Timing
 from dlad_client._async import AsyncClient, AsyncHandle
-from dlad_client._client import Client, Handle
+from dlad_client._client import BatchHandle, Client, Handle
 from dlad_client._core import ClientClosed, ClientTimeout, CurveKeys, Result
 
 __all__ = [
-    "AsyncClient", "AsyncHandle", "BadRequest", "Cancelled", "Client", "ClientClosed",
-    "ClientTimeout", "CurveKeys", "DaemonStatus", "DeadlineExceeded", "DeviceFailed", "DladError",
-    "Handle", "InternalError", "NotFound", "Overloaded", "PixelFormat", "ProtocolError", "Result",
-    "ShuttingDown", "Status", "Timing",
+    "AsyncClient", "AsyncHandle", "BadRequest", "BatchHandle", "Cancelled", "Client",
+    "ClientClosed", "ClientTimeout", "CurveKeys", "DaemonStatus", "DeadlineExceeded",
+    "DeviceFailed", "DladError", "Handle", "InternalError", "NotFound", "Overloaded", "PixelFormat",
+    "ProtocolError", "Result", "ShuttingDown", "Status", "Timing",
 ]  # fmt: skip

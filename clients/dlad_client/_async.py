@@ -21,12 +21,11 @@ import numpy.typing as npt
 import zmq
 import zmq.asyncio
 
-from dlad.errors import Cancelled, Status
+from dlad.errors import Cancelled, DladError, Status
 from dlad.protocol import (
     CancelReply,
     CancelRequest,
     DaemonStatus,
-    InferRequest,
     Kind,
     PixelFormat,
     Request,
@@ -37,11 +36,13 @@ from dlad_client._core import (
     DEFAULT_HWM,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_TIMEOUT_S,
+    INFERS,
     ClientClosed,
     ClientTimeout,
     CurveKeys,
     Result,
     ShmSlots,
+    _batch_results,
     _Call,
     _Calls,
     _check_settings,
@@ -50,6 +51,7 @@ from dlad_client._core import (
     _encode,
     _endpoints,
     _in_shm,
+    _infer_batch_request,
     _infer_request,
     _log,
     _reply,
@@ -165,6 +167,7 @@ class AsyncClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._slots: anyio.Semaphore | None = None  # made on entry, inside the event loop
+        self._batch_turn: anyio.Lock | None = None  # one batch at a time takes several slots
         self._calls: _Calls[_AsyncCall] = _Calls(self._shm_answered)
         self._ids = itertools.count(1)
         self._state: Literal["new", "open", "closed"] = "new"
@@ -187,6 +190,7 @@ class AsyncClient:
         socket = context.socket(zmq.DEALER)
         task_group = anyio.create_task_group()
         self._slots = anyio.Semaphore(self._max_in_flight)
+        self._batch_turn = anyio.Lock()
         try:
             _configure(socket, self._endpoints, *self._hwm, self._linger, curve=self._curve)
             self._context, self._socket = context, socket
@@ -306,6 +310,42 @@ class AsyncClient:
         )  # fmt: skip
         return AsyncHandle(self, call)
 
+    async def detect_batch(
+        self,
+        images: Sequence[npt.NDArray[np.uint8]],
+        *,
+        model: str = "demo",
+        pixel_format: PixelFormat | None = None,
+        streams: Sequence[str | None] | None = None,
+        priority: int = 0,
+        deadline_ms: int | None = None,
+        conf: float | None = None,
+        iou: float | None = None,
+        max_det: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Result | DladError]:
+        """Run ``model`` on several frames in one message and wait for them all:
+        :meth:`Client.detect_batch <dlad_client.Client.detect_batch>`, each image's Result or
+        error in order. It first waits for room for all its images in flight. Cancelling the
+        calling task withdraws the batch (a CANCEL is sent) and re-raises the cancellation.
+
+        Raises:
+            TypeError, ValueError: not 1 to ``min(16, max_in_flight)`` valid images, or
+                ``streams`` of another length; nothing is sent.
+            BadRequest, Overloaded, ShuttingDown: the daemon refused the whole batch.
+            ClientTimeout, ClientClosed, RuntimeError: as :meth:`detect`.
+        """
+        self._check()
+        timeout = self._timeout(timeout_s)
+        request = _infer_batch_request(
+            next(self._ids), images, model=model, pixel_format=pixel_format, streams=streams,
+            priority=priority, deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
+            max_in_flight=self._max_in_flight,
+        )  # fmt: skip
+        call = await self._start(request, Kind.INFER_BATCH_REPLY, timeout, len(request.images))
+        await self._wait(call, withdraw_on_cancel=True)
+        return _batch_results(call)
+
     async def cancel(self, handle: AsyncHandle, *, timeout_s: float | None = None) -> bool:
         """Ask the daemon to drop a queued INFER, and wait for its answer.
 
@@ -375,25 +415,19 @@ class AsyncClient:
         self._check()
         return None if self._shm is None else self._shm.frame(shape)
 
-    async def _start(self, message: Request, kind: Kind, timeout_s: float) -> _AsyncCall:
+    async def _start(
+        self, message: Request, kind: Kind, timeout_s: float, images: int = 1
+    ) -> _AsyncCall:
         until = anyio.current_time() + timeout_s
         release = None
-        if kind is Kind.INFER_REPLY and self._slots is not None:
-            with anyio.CancelScope(deadline=until) as scope:
-                await self._slots.acquire()
-            if scope.cancelled_caught:
-                raise ClientTimeout(
-                    f"{self._max_in_flight} requests stayed in flight for {timeout_s:g} s; "
-                    f"request {message.id} was not sent",
-                    request_id=message.id,
-                )
-            release = self._slots.release
+        if kind in INFERS and self._slots is not None:
+            release = await self._take_slots(message.id, images, until, timeout_s)
             if self._state != "open":  # closed while this task waited for the slot
                 release()
                 self._check()
-        if self._shm is not None and isinstance(message, InferRequest):
+        if self._shm is not None:
             message = _in_shm(self._shm, message)  # a slot is free once in-flight room is
-        call = _AsyncCall(message.id, kind, until, timeout_s, release=release)
+        call = _AsyncCall(message.id, kind, until, timeout_s, release=release, images=images)
         # Registered before sending: the reply may be taken in before the send returns.
         self._calls.add(call)
         if self._receive_scope is not None and until < self._receive_scope.deadline:
@@ -419,6 +453,42 @@ class AsyncClient:
             self._abandon(call, error)
             raise error
         return call
+
+    async def _take_slots(
+        self, request_id: int, images: int, until: float, timeout_s: float
+    ) -> Callable[[], None]:
+        """Take ``images`` of the ``max_in_flight`` slots (a batch takes its turn, so that two
+        batches never each hold part of what both need); returns what gives them back."""
+        slots, turn = self._slots, self._batch_turn
+        assert slots is not None
+        assert turn is not None
+        taken = 0
+
+        def release() -> None:
+            for _ in range(taken):
+                slots.release()
+
+        try:
+            with anyio.CancelScope(deadline=until) as scope:
+                if images == 1:
+                    await slots.acquire()
+                    taken = 1
+                else:
+                    async with turn:
+                        while taken < images:
+                            await slots.acquire()
+                            taken += 1
+        except BaseException:  # the calling task cancelled: what it took goes back
+            release()
+            raise
+        if scope.cancelled_caught:
+            release()
+            raise ClientTimeout(
+                f"{self._max_in_flight} requests stayed in flight for {timeout_s:g} s; "
+                f"request {request_id} was not sent",
+                request_id=request_id,
+            )
+        return release
 
     def _shm_answered(self, request_id: int) -> None:
         if self._shm is not None:
@@ -451,7 +521,7 @@ class AsyncClient:
         """
         if (
             self._calls.finish(call, error)
-            and call.kind is Kind.INFER_REPLY
+            and call.kind in INFERS
             and self._calls.get(Kind.CANCEL_REPLY, call.id) is None
             and self._state == "open"
             and self._task_group is not None

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from dlad.errors import Status
+from dlad.errors import DladError, Status
 from dlad.protocol import (
     CancelReply,
     CancelRequest,
@@ -33,11 +33,13 @@ from dlad_client._core import (
     DEFAULT_HWM,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_TIMEOUT_S,
+    INFERS,
     ClientClosed,
     ClientTimeout,
     CurveKeys,
     Result,
     ShmSlots,
+    _batch_results,
     _Call,
     _Calls,
     _check_settings,
@@ -46,6 +48,7 @@ from dlad_client._core import (
     _encode,
     _endpoints,
     _in_shm,
+    _infer_batch_request,
     _infer_request,
     _log,
     _reply,
@@ -55,7 +58,7 @@ from dlad_client._core import (
     _timed_out,
 )
 
-__all__ = ["Client", "Handle"]
+__all__ = ["BatchHandle", "Client", "Handle"]
 
 
 def _ms(seconds: float) -> int:
@@ -112,23 +115,71 @@ class Handle:
             ValueError: ``timeout`` is negative or not finite.
             RuntimeError: called from another thread than the client's.
         """
-        call = self._call
-        if call.outcome is None:
-            client = self._client
-            client._check()
-            until = call.deadline
-            if timeout is not None:
-                if not (math.isfinite(timeout) and timeout >= 0):
-                    raise ValueError(f"timeout must be finite and >= 0, got {timeout!r}")
-                until = min(until, time.monotonic() + timeout)
-            if not client._pump(until, lambda: call.outcome is not None):
-                if until < call.deadline:
-                    raise ClientTimeout(
-                        f"request {call.id} not answered within {timeout} s (still in flight)",
-                        request_id=call.id,
-                    )
-                client._abandon(call, _timed_out(call))
-        return _result(call)
+        _settle(self._client, self._call, timeout)
+        return _result(self._call)
+
+
+@final
+class BatchHandle:
+    """A submitted INFER_BATCH (from :meth:`Client.submit_batch`): the way to its results.
+
+    Belongs to its client and so to that client's thread.
+    """
+
+    __slots__ = ("_call", "_client")
+
+    def __init__(self, client: Client, call: _Call) -> None:
+        self._client = client
+        self._call = call
+
+    def __repr__(self) -> str:
+        state = "done" if self._call.outcome is not None else "pending"
+        return f"<BatchHandle request_id={self._call.id} images={self._call.images} {state}>"
+
+    @property
+    def request_id(self) -> int:
+        """The batch's id on the wire."""
+        return self._call.id
+
+    def done(self) -> bool:
+        """:meth:`Handle.done`."""
+        if self._call.outcome is None and not self._client.closed:
+            self._client._check_thread()
+            self._client._pump(0.0, lambda: self._call.outcome is not None)
+        return self._call.outcome is not None
+
+    def result(self, timeout: float | None = None) -> list[Result | DladError]:
+        """Wait for the reply and return each image's outcome, in order: its :class:`Result`,
+        or the error its status names (``Cancelled`` for a frame superseded by a newer one of
+        its stream, ``Overloaded`` for one the full queues refused, ...): one image's failure
+        is not the others'. Waits as :meth:`Handle.result` does.
+
+        Raises:
+            DladError: the daemon refused the whole batch (``Overloaded``: past the client's
+                in-flight cap on the daemon, ``BadRequest``, ``ShuttingDown``).
+            ClientTimeout, ClientClosed, ValueError, RuntimeError: as :meth:`Handle.result`.
+        """
+        _settle(self._client, self._call, timeout)
+        return _batch_results(self._call)
+
+
+def _settle(client: Client, call: _Call, timeout: float | None) -> None:
+    """Wait for ``call``'s outcome (see :meth:`Handle.result`); abandon it at its deadline."""
+    if call.outcome is not None:
+        return
+    client._check()
+    until = call.deadline
+    if timeout is not None:
+        if not (math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"timeout must be finite and >= 0, got {timeout!r}")
+        until = min(until, time.monotonic() + timeout)
+    if not client._pump(until, lambda: call.outcome is not None):
+        if until < call.deadline:
+            raise ClientTimeout(
+                f"request {call.id} not answered within {timeout} s (still in flight)",
+                request_id=call.id,
+            )
+        client._abandon(call, _timed_out(call))
 
 
 @final
@@ -333,15 +384,78 @@ class Client:
             next(self._ids), image, model=model, pixel_format=pixel_format, stream=stream,
             priority=priority, deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
         )  # fmt: skip
+        return Handle(self, self._send_infer(request, Kind.INFER_REPLY, 1, timeout))
+
+    def detect_batch(
+        self,
+        images: Sequence[npt.NDArray[np.uint8]],
+        *,
+        model: str = "demo",
+        pixel_format: PixelFormat | None = None,
+        streams: Sequence[str | None] | None = None,
+        priority: int = 0,
+        deadline_ms: int | None = None,
+        conf: float | None = None,
+        iou: float | None = None,
+        max_det: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Result | DladError]:
+        """Run ``model`` on several frames in one message and wait for them all
+        (``submit_batch(...).result()``): e.g. the frames of a camera rig taken at one instant.
+
+        Each image is an INFER of its own on the daemon (any engine may run it) and counts
+        against ``max_in_flight``; ``streams`` names each image's stream (or None). The other
+        arguments are :meth:`detect`'s, for every image. Returns each image's Result or error,
+        in order (:meth:`BatchHandle.result`).
+
+        Raises:
+            TypeError, ValueError: not a sequence of 1 to ``min(16, max_in_flight)`` valid
+                images, or ``streams`` of another length; nothing is sent.
+            BadRequest, Overloaded, ShuttingDown: the daemon refused the whole batch.
+            ClientTimeout, ClientClosed, RuntimeError: as :meth:`detect`.
+        """
+        return self.submit_batch(
+            images, model=model, pixel_format=pixel_format, streams=streams, priority=priority,
+            deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det, timeout_s=timeout_s,
+        ).result()  # fmt: skip
+
+    def submit_batch(
+        self,
+        images: Sequence[npt.NDArray[np.uint8]],
+        *,
+        model: str = "demo",
+        pixel_format: PixelFormat | None = None,
+        streams: Sequence[str | None] | None = None,
+        priority: int = 0,
+        deadline_ms: int | None = None,
+        conf: float | None = None,
+        iou: float | None = None,
+        max_det: int | None = None,
+        timeout_s: float | None = None,
+    ) -> BatchHandle:
+        """Send an INFER_BATCH without waiting for its reply; :meth:`BatchHandle.result` waits
+        for it. The arguments are :meth:`detect_batch`'s; it first waits for room for all its
+        images in flight. Raises as :meth:`submit` does."""
+        self._check()
+        timeout = self._timeout_s if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
+        request = _infer_batch_request(
+            next(self._ids), images, model=model, pixel_format=pixel_format, streams=streams,
+            priority=priority, deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
+            max_in_flight=self._max_in_flight,
+        )  # fmt: skip
+        n = len(request.images)
+        return BatchHandle(self, self._send_infer(request, Kind.INFER_BATCH_REPLY, n, timeout))
+
+    def _send_infer(self, request: Request, kind: Kind, images: int, timeout: float) -> _Call:
         if self._shm is None:
-            return Handle(self, self._start(request, Kind.INFER_REPLY, timeout))
-        # First wait for room in flight (replies free slots), then take a slot.
-        self._wait_room(request.id, timeout)
+            return self._start(request, kind, timeout, images)
+        # First wait for room in flight (replies free slots), then take slots.
+        self._wait_room(request.id, timeout, images)
         request = _in_shm(self._shm, request)
         try:
-            return Handle(self, self._start(request, Kind.INFER_REPLY, timeout))
+            return self._start(request, kind, timeout, images)
         except BaseException:
-            self._shm.unplace(request.id)  # never sent: its slot is free again
+            self._shm.unplace(request.id)  # never sent: its slots are free again
             raise
 
     def cancel(self, handle: Handle, *, timeout_s: float | None = None) -> bool:
@@ -402,11 +516,11 @@ class Client:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _wait_room(self, request_id: int, timeout_s: float) -> None:
-        """Read replies until fewer than ``max_in_flight`` INFERs are in flight."""
+    def _wait_room(self, request_id: int, timeout_s: float, images: int = 1) -> None:
+        """Read replies until ``images`` more images keep ``max_in_flight`` in flight."""
         if not self._pump(
             time.monotonic() + timeout_s,
-            lambda: self._calls.pending(Kind.INFER_REPLY) < self._max_in_flight,
+            lambda: self._calls.has_room(images, self._max_in_flight),
         ):
             raise ClientTimeout(
                 f"{self._max_in_flight} requests stayed in flight for {timeout_s:g} s; "
@@ -414,10 +528,10 @@ class Client:
                 request_id=request_id,
             )
 
-    def _start(self, message: Request, kind: Kind, timeout_s: float) -> _Call:
+    def _start(self, message: Request, kind: Kind, timeout_s: float, images: int = 1) -> _Call:
         until = time.monotonic() + timeout_s
-        if kind is Kind.INFER_REPLY:
-            self._wait_room(message.id, timeout_s)
+        if kind in INFERS:
+            self._wait_room(message.id, timeout_s, images)
         frames = _encode(message)
         while True:
             try:
@@ -435,7 +549,7 @@ class Client:
                     ) from None
                 if self._socket.poll(_ms(remaining), zmq.POLLIN | zmq.POLLOUT) & zmq.POLLIN:
                     self._receive_ready()
-        call = _Call(message.id, kind, until, timeout_s)
+        call = _Call(message.id, kind, until, timeout_s, images=images)
         self._calls.add(call)
         return call
 
@@ -475,7 +589,7 @@ class Client:
         sent only if the socket takes it at once: a CANCEL is an optimisation, never a wait."""
         if (
             self._calls.finish(call, error)
-            and call.kind is Kind.INFER_REPLY
+            and call.kind in INFERS
             and self._calls.get(Kind.CANCEL_REPLY, call.id) is None
         ):
             try:

@@ -28,21 +28,24 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar, final
+from typing import Any, Final, Generic, TypeVar, cast, final
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
-from dlad.errors import InternalError, ProtocolError, Status, error_for
+from dlad.errors import DladError, InternalError, ProtocolError, Status, error_for
 from dlad.protocol import (
     CHANNELS,
     DEFAULT_LIMITS,
+    MAX_BATCH_IMAGES,
     CancelReply,
     DaemonStatus,
     ErrorReply,
     Frame,
     FrameLike,
+    InferBatchReply,
+    InferBatchRequest,
     InferReply,
     InferRequest,
     Kind,
@@ -66,6 +69,9 @@ MAX_REPLY_BYTES: Final = 1 << 20
 plus 1000 detections of 24 bytes, so a peer sending more is not a dlad daemon."""
 
 _log = logging.getLogger("dlad_client")
+
+Outcome = InferReply | CancelReply | StatusReply | InferBatchReply | Exception
+"""What settles a call: its reply, or the error that ended it."""
 
 
 class ClientTimeout(TimeoutError):
@@ -157,6 +163,42 @@ def _endpoints(endpoints: str | Sequence[str]) -> tuple[str, ...]:
         if problem is not None:
             raise ValueError(problem)
     return out
+
+
+def _infer_batch_request(
+    request_id: int,
+    images: Sequence[npt.NDArray[np.uint8]],
+    *,
+    model: str,
+    pixel_format: PixelFormat | None,
+    streams: Sequence[str | None] | None,
+    priority: int,
+    deadline_ms: int | None,
+    conf: float | None,
+    iou: float | None,
+    max_det: int | None,
+    max_in_flight: int,
+) -> InferBatchRequest:
+    """:func:`_infer_request`'s checks for each image of an INFER_BATCH (``streams``: one name
+    or None per image). Raises TypeError/ValueError for a bad image, an empty or too long list
+    (more than ``MAX_BATCH_IMAGES``, or than the client's ``max_in_flight``), or ``streams`` of
+    another length; ProtocolError for another field."""
+    if isinstance(cast("object", images), np.ndarray) or not isinstance(images, Sequence):
+        raise TypeError("images must be a sequence of numpy arrays (one batch of frames)")
+    most = min(MAX_BATCH_IMAGES, max_in_flight)
+    if not 1 <= len(images) <= most:
+        raise ValueError(f"a batch has 1 to {most} images (MAX_BATCH_IMAGES and the client's "
+                         f"max_in_flight), got {len(images)}")  # fmt: skip
+    names = [None] * len(images) if streams is None else list(streams)
+    if len(names) != len(images):
+        raise ValueError(f"streams has {len(names)} names for {len(images)} images")
+    fields = {"model": model, "pixel_format": pixel_format, "priority": priority,
+              "deadline_ms": deadline_ms, "conf": conf, "iou": iou, "max_det": max_det}  # fmt: skip
+    items = tuple(
+        _infer_request(request_id, image, stream=stream, **fields)  # type: ignore[arg-type]
+        for image, stream in zip(images, names, strict=True)
+    )
+    return InferBatchRequest(request_id, model, items)
 
 
 def _encode(message: Request) -> list[Frame]:
@@ -306,7 +348,7 @@ class ShmSlots:
         self._buffer = np.frombuffer(buf, np.uint8)
         self._free = list(range(slots - 1, -1, -1))
         self._reserved: set[int] = set()  # handed out by frame(), not yet submitted
-        self._busy: dict[int, int] = {}  # request id -> slot
+        self._busy: dict[int, list[int]] = {}  # request id -> its slots (a batch has several)
         self.inline = 0  # frames sent in the message because no slot was free or big enough
 
     @property
@@ -341,7 +383,7 @@ class ShmSlots:
             self._buffer[start : start + image.nbytes] = image.reshape(-1)
         else:
             self._reserved.discard(slot)
-        self._busy[request_id] = slot
+        self._busy.setdefault(request_id, []).append(slot)
         return ShmRef(self.name, slot * self.slot_bytes, self.size)
 
     def unplace(self, request_id: int) -> None:
@@ -349,10 +391,8 @@ class ShmSlots:
         self.answered(request_id)
 
     def answered(self, request_id: int) -> None:
-        """The daemon answered ``request_id``: its slot is free."""
-        slot = self._busy.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
+        """The daemon answered ``request_id``: its slots are free."""
+        self._free.extend(self._busy.pop(request_id, ()))
 
     def close(self) -> None:
         """Unlink the segment (the daemon's mapping, if any, stays valid until it unmaps)."""
@@ -409,8 +449,14 @@ def _shm_slots(
     return None if plan is None else ShmSlots(*plan)
 
 
-def _in_shm(slots: ShmSlots, request: InferRequest) -> InferRequest:
-    """``request`` with its image in a shared-memory slot, or as it is (inline) if none fits."""
+def _in_shm(slots: ShmSlots, request: Request) -> Request:
+    """``request`` with its image (an INFER_BATCH: each image) in a shared-memory slot, or
+    as it is (inline) where none fits; other requests as they are."""
+    if isinstance(request, InferBatchRequest):
+        items = tuple(_in_shm(slots, item) for item in request.images)
+        return dataclasses.replace(request, images=items)  # type: ignore[arg-type]
+    if not isinstance(request, InferRequest):
+        return request
     ref = slots.place(request.id, request.image)
     return request if ref is None else dataclasses.replace(request, shm=ref)
 
@@ -426,15 +472,19 @@ class _Call:
     kind: Kind  # the reply kind that answers it
     deadline: float  # on the owning client's clock
     timeout: float  # seconds from sending to ``deadline``, for messages
-    outcome: InferReply | CancelReply | StatusReply | Exception | None = None
+    outcome: Outcome | None = None
+    images: int = 1  # an INFER_BATCH's: how many of the client's in-flight images it holds
 
     def settled(self) -> None:
         """Called once, right after ``outcome`` is set."""
 
 
 C = TypeVar("C", bound=_Call)
-R = TypeVar("R", InferReply, CancelReply, StatusReply)
-_REPLY_KINDS: Final = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY)
+R = TypeVar("R", InferReply, CancelReply, StatusReply, InferBatchReply)
+_REPLY_KINDS: Final = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY,
+                       Kind.INFER_BATCH_REPLY)  # fmt: skip
+INFERS: Final = (Kind.INFER_REPLY, Kind.INFER_BATCH_REPLY)
+"""The reply kinds of requests that hold images in flight (and get a CANCEL when abandoned)."""
 
 
 class _Calls(Generic[C]):
@@ -449,6 +499,7 @@ class _Calls(Generic[C]):
         self._on_answer = on_answer
         self._calls: dict[tuple[Kind, int], C] = {}
         self._counts: Counter[Kind] = Counter()
+        self.images = 0  # images in flight: INFERs, and each INFER_BATCH's images
         self._heap: list[tuple[float, int, C]] = []
         self._seq = itertools.count()
 
@@ -457,6 +508,10 @@ class _Calls(Generic[C]):
 
     def pending(self, kind: Kind) -> int:
         return self._counts[kind]
+
+    def has_room(self, images: int, most: int) -> bool:
+        """Whether ``images`` more images keep the client within ``most`` in flight."""
+        return self.images + images <= most
 
     def get(self, kind: Kind, request_id: int) -> C | None:
         return self._calls.get((kind, request_id))
@@ -467,6 +522,8 @@ class _Calls(Generic[C]):
             raise InternalError(f"request id {call.id} is already in flight")
         self._calls[key] = call
         self._counts[call.kind] += 1
+        if call.kind in INFERS:
+            self.images += call.images
         # Answered calls stay in the heap until their deadline; rebuild it when they dominate,
         # so it stays proportional to what is in flight (amortised O(1) per call).
         if len(self._heap) > 2 * len(self._calls) + 1024:
@@ -474,7 +531,7 @@ class _Calls(Generic[C]):
             heapq.heapify(self._heap)
         heapq.heappush(self._heap, (call.deadline, next(self._seq), call))
 
-    def finish(self, call: C, outcome: InferReply | CancelReply | StatusReply | Exception) -> bool:
+    def finish(self, call: C, outcome: Outcome) -> bool:
         """Settle ``call`` unless it already is; returns whether this call settled it."""
         if call.outcome is not None:
             return False
@@ -483,6 +540,8 @@ class _Calls(Generic[C]):
         if self._calls.get(key) is call:
             del self._calls[key]
             self._counts[call.kind] -= 1
+            if call.kind in INFERS:
+                self.images -= call.images
         call.settled()
         return True
 
@@ -531,7 +590,9 @@ class _Calls(Generic[C]):
             for call in targets:
                 self.finish(call, exc)
             return
-        answered_id = reply.id if isinstance(reply, (InferReply, ErrorReply)) else None
+        answered_id = (
+            reply.id if isinstance(reply, (InferReply, ErrorReply, InferBatchReply)) else None
+        )
         if self._on_answer is not None and answered_id is not None:
             self._on_answer(answered_id)
         if isinstance(reply, ErrorReply):
@@ -567,6 +628,18 @@ def _result(call: _Call) -> Result:
     return Result(reply.id, reply.detections, reply.device, reply.timing)
 
 
+def _batch_results(call: _Call) -> list[Result | DladError]:
+    """An INFER_BATCH's outcome per image, in order: its Result, or the error its status names
+    (a superseded or refused image does not fail the others); a refusal of the whole batch
+    raises, as :func:`_reply` does."""
+    reply = _reply(call, InferBatchReply)
+    return [
+        Result(r.id, r.detections, r.device, r.timing) if r.status == Status.OK
+        else error_for(r.status, r.message, request_id=r.id)
+        for r in reply.results
+    ]  # fmt: skip
+
+
 def _report(call: _Call) -> DaemonStatus:
     report = _reply(call, StatusReply).report
     if report is None:  # StatusReply guarantees a report with OK
@@ -575,8 +648,9 @@ def _report(call: _Call) -> DaemonStatus:
 
 
 def _timed_out(call: _Call) -> ClientTimeout:
-    what = {Kind.INFER_REPLY: "INFER", Kind.CANCEL_REPLY: "CANCEL", Kind.STATUS_REPLY: "STATUS"}
-    sent_cancel = "; a CANCEL was sent" if call.kind is Kind.INFER_REPLY else ""
+    what = {Kind.INFER_REPLY: "INFER", Kind.CANCEL_REPLY: "CANCEL", Kind.STATUS_REPLY: "STATUS",
+            Kind.INFER_BATCH_REPLY: "INFER_BATCH"}  # fmt: skip
+    sent_cancel = "; a CANCEL was sent" if call.kind in INFERS else ""
     return ClientTimeout(
         f"{what.get(call.kind, call.kind.name)} request {call.id} was not answered "
         f"within {call.timeout:g} s{sent_cancel}",

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
 from dlad import protocol
-from dlad.errors import Status
+from dlad.errors import DladError, NotFound, Overloaded, Status
+from dlad_client import AsyncClient, Client, Result
 from tests.dlad.test_daemon import IMAGE, _status, dealer, recv, running
 from tests.dlad.test_fairness import slow_daemon
 
@@ -120,3 +122,80 @@ def test_a_malformed_batch_is_a_bad_request_with_its_id(tmp_path: Path) -> None:
             assert (reply.id, reply.status) == (12, Status.BAD_REQUEST)
             assert why in reply.message, reply.message
         assert _status(sock, 13)["state"] == "RUNNING"
+
+
+# ------------------------------------------------------------------------------ the SDK
+
+SLOT = 4 << 20  # fits the 640 x 480 x 3 demo image
+
+
+def test_the_sdk_sends_batches_inline_and_in_shared_memory(tmp_path: Path) -> None:
+    frames = [IMAGE, SMALL, IMAGE]
+    with running(tmp_path, mode="numeric", latency=500.0) as (daemon, ep):
+        with Client(ep) as plain:
+            singles = [plain.detect(f).detections for f in frames]
+            inline = plain.detect_batch(frames)
+        # two slots for three images: the third goes in the message, beside the other two
+        with Client(ep, shm_slot_bytes=SLOT, shm_slots=2, max_in_flight=6) as client:
+            handles = [client.submit_batch(frames, streams=["l", "m", None]) for _ in range(2)]
+            assert client.in_flight == 2
+            pipelined = [h.result() for h in handles]
+            assert client.shm is not None
+            assert client.shm.free == 2  # both slots back with the batch's one reply
+            assert client.shm.inline == 4  # the first batch's third, the second's three
+        assert daemon.frontend.shm is not None
+        assert daemon.frontend.shm.stats.frames == 2
+    for results in (inline, *pipelined):
+        assert len(results) == 3
+        for got, want in zip(results, singles, strict=True):
+            assert isinstance(got, Result)
+            np.testing.assert_array_equal(got.detections, want)
+
+
+def test_the_async_sdk_sends_batches_and_counts_their_images_in_flight(tmp_path: Path) -> None:
+    async def main(ep: str) -> list[list[Result | DladError]]:
+        async with AsyncClient(ep, shm_slot_bytes=SLOT, max_in_flight=5) as client:
+            out: list[list[Result | DladError]] = []
+
+            async def rig() -> None:  # three batches of three: at most one holds slots at once
+                out.append(await client.detect_batch([SMALL] * 3, deadline_ms=5000))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(rig)
+            assert client.shm is not None
+            assert (client.shm.inline, client.shm.free) == (0, 5)
+            return out
+
+    with running(tmp_path, mode="numeric", latency=500.0) as (_, ep):
+        with Client(ep) as plain:
+            want = plain.detect(SMALL).detections
+        batches = anyio.run(main, ep)
+    assert len(batches) == 3
+    for results in batches:
+        for got in results:
+            assert isinstance(got, Result)
+            np.testing.assert_array_equal(got.detections, want)
+
+
+def test_a_refused_image_is_its_error_and_a_refused_batch_raises(tmp_path: Path) -> None:
+    with slow_daemon(tmp_path, cap=3) as ep, Client(ep, timeout_s=30.0) as client:
+        results = client.detect_batch([SMALL, SMALL], model="nope")
+        assert [type(r) for r in results] == [NotFound, NotFound]
+        with pytest.raises(Overloaded, match="a client may have 3 requests in flight"):
+            client.detect_batch([SMALL] * 4)
+
+
+def test_bad_batches_raise_before_anything_is_sent(tmp_path: Path) -> None:
+    with running(tmp_path) as (daemon, ep), Client(ep, max_in_flight=4) as client:
+        for images, error, why in [
+            ([], ValueError, "1 to 4 images"),
+            ([SMALL] * 5, ValueError, "1 to 4 images"),  # more than max_in_flight
+            (SMALL, TypeError, "sequence of numpy arrays"),
+            ([SMALL, np.zeros((2, 2), np.float32)], ValueError, "uint8"),
+        ]:
+            with pytest.raises(error, match=why):
+                client.detect_batch(images)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="streams has 1 names for 2 images"):
+            client.detect_batch([SMALL, SMALL], streams=["a"])
+        assert daemon.counters.received == 0
