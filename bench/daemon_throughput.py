@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -185,11 +186,15 @@ def drive_sdk(
     *,
     shape: tuple[int, ...] = FRAME,
     in_place: bool = False,
+    batch: int = 1,
 ) -> dict[str, float]:
     """The SDK: ``Client.submit`` keeps ``in_flight`` INFERs outstanding for ``seconds`` after
     1 s of warm-up. With ``shm``, each frame is copied into a shared-memory slot and only its
     header sent; with ``in_place`` too, frames are rendered into ``Client.frame`` slots (each
-    slot written once: what a camera writes is the camera's cost, not the transport's)."""
+    slot written once: what a camera writes is the camera's cost, not the transport's). With
+    ``batch`` > 1, ``Client.submit_batch`` sends that many frames a message (INFER_BATCH),
+    ``in_flight // batch`` messages outstanding; the counts and the rate are of frames, the
+    latencies of messages."""
     image = np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
     lat: list[float] = []
     ok = bad = 0
@@ -210,23 +215,34 @@ def drive_sdk(
                 written.add(slot.ctypes.data)
             return slot
 
-        handles = deque((time.perf_counter_ns(), c.submit(frame())) for _ in range(in_flight))
+        def send() -> Any:
+            if batch == 1:
+                return c.submit(frame())
+            return c.submit_batch([frame() for _ in range(batch)])
+
+        def outcome(handle: Any) -> int:  # frames answered OK
+            if batch == 1:
+                handle.result()
+                return 1
+            return sum(not isinstance(r, DladError) for r in handle.result())
+
+        messages = max(in_flight // batch, 1)
+        handles = deque((time.perf_counter_ns(), send()) for _ in range(messages))
         warm_until = time.perf_counter() + 1.0
         end = warm_until + seconds
         t_start = None
         while (now := time.perf_counter()) < end:
             t0, handle = handles.popleft()
             try:
-                handle.result()
-                good = True
+                good = outcome(handle)
             except DladError:
-                good = False
+                good = 0
             if now >= warm_until:
                 t_start = t_start or now
                 lat.append((time.perf_counter_ns() - t0) / 1e6)
                 ok += good
-                bad += not good
-            handles.append((time.perf_counter_ns(), c.submit(frame())))
+                bad += batch - good
+            handles.append((time.perf_counter_ns(), send()))
         elapsed = time.perf_counter() - (t_start or warm_until)
         for _, handle in handles:
             with contextlib.suppress(DladError):

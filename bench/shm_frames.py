@@ -1,6 +1,6 @@
 """Frames through dlad over tcp, ipc and shared memory, in one run, at two frame sizes.
 
-    python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16]
+    python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16] [--batches 1,4]
 
 One dlad process serves tcp loopback and an ipc socket, with two emulated DLA cores in timing
 mode at 50 µs a frame (40,000 frames/s together: the devices are never the bottleneck) and
@@ -18,9 +18,11 @@ camera frame) frames, the SDK's ``Client`` keeps ``--in-flight`` INFERs outstand
   a camera writes each time is the camera's cost, not the transport's);
 
 and, for the ceiling of each frame size, a bare pyzmq ROUTER answering 1-byte acks over tcp
-(``bench/daemon_throughput.py``'s). Reported per trial and as the median over trials: frames/s,
-the daemon's CPU per frame (its process, without the emulated cores' threads), and shm's
-frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
+(``bench/daemon_throughput.py``'s). ``--batches``: the dlad runs are repeated for each batch
+size, the client sending that many frames a message (INFER_BATCH, ``Client.submit_batch``;
+1: one INFER a frame), over every transport alike. Reported per trial and as the median over
+trials: frames/s, the daemon's CPU per frame (its process, without the emulated cores'
+threads), and shm's frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
 """
 
 from __future__ import annotations
@@ -74,12 +76,12 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 """
 
 
-def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int, mode: str
-          ) -> tuple[float, int]:  # fmt: skip
-    """Keep ``in_flight`` INFERs outstanding for ``seconds`` after 1 s of warm-up
-    (``drive_sdk``); returns (frames/s, frames answered OK in the measured window)."""
+def drive(endpoint: str, shape: tuple[int, ...], seconds: float, in_flight: int, mode: str, *,
+          batch: int = 1) -> tuple[float, int]:  # fmt: skip
+    """Keep ``in_flight`` frames outstanding for ``seconds`` after 1 s of warm-up, ``batch``
+    a message (``drive_sdk``); returns (frames/s, frames answered OK in the measured window)."""
     r = drive_sdk(endpoint, seconds, in_flight, mode.startswith("shm"), shape=shape,
-                  in_place=mode == "shm-in-place")  # fmt: skip
+                  in_place=mode == "shm-in-place", batch=batch)  # fmt: skip
     return r["rate"], int(r["ok"])
 
 
@@ -89,7 +91,10 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--port", type=int, default=5597)
+    ap.add_argument("--batches", default="1", help="frames a message, comma-separated")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = [(t, b) for b in batches for t in ("tcp", "ipc", "shm", "shm-in-place")]
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,31 +118,42 @@ def main() -> None:
                 )  # fmt: skip
                 try:
                     wait_ready(proc, "listening")
-                    for transport, ep in endpoints.items():
+                    for transport, batch in modes:
+                        ep = endpoints[transport]
                         cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-                        rate, n = drive(ep, shape, args.seconds, args.in_flight, transport)
+                        rate, n = drive(ep, shape, args.seconds, args.in_flight, transport,
+                                        batch=batch)  # fmt: skip
                         own = cpu_seconds(proc.pid) - cpu0 - engine_cpu_seconds(proc.pid) + eng0
                         own /= max(n, 1)
-                        rows.setdefault((label, transport), []).append((rate, own))
-                        print(f"{label}: dlad over {transport} {rate:.0f} frames/s, daemon CPU "
+                        name = _name(transport, batch)
+                        rows.setdefault((label, name), []).append((rate, own))
+                        print(f"{label}: dlad over {name} {rate:.0f} frames/s, daemon CPU "
                               f"{own * 1e3:.3f} ms/frame")  # fmt: skip
                 finally:
                     proc.terminate()
                     proc.wait(30)
     print(f"summary, median over {args.trials} trials [min, max]:")
     for label in SIZES:
-        for transport in ("bare tcp", "tcp", "ipc", "shm", "shm-in-place"):
-            rates, cpus = (sorted(x) for x in zip(*rows[label, transport], strict=True))
-            print(f"  {label} {transport:8s}: {statistics.median(rates):7.0f} frames/s "
+        for name in ("bare tcp", *(_name(t, b) for t, b in modes)):
+            rates, cpus = (sorted(x) for x in zip(*rows[label, name], strict=True))
+            print(f"  {label} {name:8s}: {statistics.median(rates):7.0f} frames/s "
                   f"[{rates[0]:.0f}, {rates[-1]:.0f}], CPU {statistics.median(cpus) * 1e3:.3f} "
                   f"ms/frame")  # fmt: skip
-        for mode in ("shm", "shm-in-place"):
-            shm = [r for r, _ in rows[label, mode]]
-            for base in ("tcp", "bare tcp"):
+        for mode, batch in modes:
+            if not mode.startswith("shm"):
+                continue
+            shm = [r for r, _ in rows[label, _name(mode, batch)]]
+            # against tcp at the same batch size, against tcp one frame a message (what a
+            # client without either extension gets), and against the bare ceiling
+            for base in dict.fromkeys((_name("tcp", batch), "tcp", "bare tcp")):
                 ratio = sorted(s / r for s, (r, _) in zip(shm, rows[label, base], strict=True))
-                print(f"  {label} {mode} / {base}: {statistics.median(ratio):.2f} "
+                print(f"  {label} {_name(mode, batch)} / {base}: {statistics.median(ratio):.2f} "
                       f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def _name(transport: str, batch: int) -> str:
+    return transport if batch == 1 else f"{transport} x{batch}"
 
 
 if __name__ == "__main__":
