@@ -1,8 +1,9 @@
 """The frontend: the daemon's only contact with clients.
 
 It owns the ROUTER socket: it decodes every message (a malformed one costs its sender one typed
-reply and the daemon nothing), admits INFERs into the scheduler as jobs, answers CANCEL and
-STATUS, and turns every outcome into exactly one reply. It alone knows who asked: a job carries
+reply and the daemon nothing), admits INFERs into the scheduler as jobs (an INFER_BATCH's
+images one job each, their results gathered into one reply), answers CANCEL and STATUS, and
+turns every outcome into exactly one reply. It alone knows who asked: a job carries
 only a :class:`~dlad.executors.base.Request`; the frontend keeps, per job id, the client's
 routing id and request id, and executors report back by job id.
 

@@ -30,9 +30,10 @@ from dlad.errors import ProtocolError
 
 __all__ = ["CampaignResult", "campaign", "messages"]
 
-_KINDS = (protocol.Kind.INFER, protocol.Kind.CANCEL, protocol.Kind.STATUS)
+_KINDS = (protocol.Kind.INFER, protocol.Kind.CANCEL, protocol.Kind.STATUS,
+          protocol.Kind.INFER_BATCH)  # fmt: skip
 _FIELDS = ("v", "kind", "id", "model", "image", "stream", "priority", "deadline_ms", "conf",
-           "iou", "max_det", "load")  # fmt: skip
+           "iou", "max_det", "load", "images", "shm")  # fmt: skip
 _IMAGE_FIELDS = ("height", "width", "format", "dtype")
 
 
@@ -79,20 +80,31 @@ def _nest(depth: int) -> object:
     return value
 
 
-def _valid(rng: random.Random, width: int, height: int) -> tuple[dict[str, Any], bytes | None]:
+def _valid(rng: random.Random, width: int, height: int) -> tuple[dict[str, Any], list[bytes]]:
+    """A valid request and its payload frames."""
     kind = rng.choice(_KINDS)
     header: dict[str, Any] = {"v": 1, "kind": int(kind), "id": rng.randrange(2**20)}
-    if kind == protocol.Kind.INFER:
-        fmt = rng.choice(list(protocol.CHANNELS))
-        channels = protocol.CHANNELS[fmt]
+    if kind in (protocol.Kind.INFER, protocol.Kind.INFER_BATCH):
         header["model"] = "demo"
-        header["image"] = {"height": height, "width": width, "format": fmt, "dtype": "uint8"}
-        if rng.random() < 0.3:
-            header["stream"] = f"cam{rng.randrange(4)}"
-        return header, bytes(width * height * channels)
+        images, payloads = [], []
+        for _ in range(1 if kind == protocol.Kind.INFER else rng.randrange(1, 4)):
+            fmt = rng.choice(list(protocol.CHANNELS))
+            image = {"height": height, "width": width, "format": fmt, "dtype": "uint8"}
+            if rng.random() < 0.3:
+                image["stream"] = f"cam{rng.randrange(4)}"
+            images.append(image)
+            payloads.append(bytes(width * height * protocol.CHANNELS[fmt]))
+        if kind == protocol.Kind.INFER_BATCH:
+            header["images"] = images
+        else:
+            stream = images[0].pop("stream", None)
+            header["image"] = images[0]
+            if stream is not None:
+                header["stream"] = stream
+        return header, payloads
     if kind == protocol.Kind.STATUS and rng.random() < 0.5:
         header["load"] = rng.random() < 0.5
-    return header, None
+    return header, []
 
 
 def _mutate_header(rng: random.Random, header: dict[str, Any], max_bytes: int) -> None:
@@ -101,9 +113,12 @@ def _mutate_header(rng: random.Random, header: dict[str, Any], max_bytes: int) -
         del header[rng.choice(list(header))]
     elif pick == 1:
         header[rng.choice([*_FIELDS, "zz", "", "\x00"])] = _odd_value(rng, max_bytes)
-    elif pick == 2 and isinstance(header.get("image"), dict):
-        image = header["image"]
-        key = rng.choice([*_IMAGE_FIELDS, "extra"])
+    elif pick == 2 and (isinstance(header.get("image"), dict) or header.get("images")):
+        images = header.get("images")
+        image = rng.choice(images) if isinstance(images, list) else header["image"]
+        if not isinstance(image, dict):
+            return
+        key = rng.choice([*_IMAGE_FIELDS, "extra", "stream", "shm"])
         image[key] = rng.choice(
             [_odd_value(rng, max_bytes), 0, 1, 4096, 4097, 65536, -3, "rgba", "float32"]
         )
@@ -156,7 +171,7 @@ def _mutate_bytes(rng: random.Random, data: bytes) -> bytes:
     return bytes(raw)
 
 
-def _mutate_payload(rng: random.Random, payload: bytes | None, max_bytes: int) -> bytes | None:
+def _mutate_payload(rng: random.Random, payload: bytes | None, max_bytes: int) -> bytes:
     pick = rng.randrange(4)
     if payload is None or pick == 0:
         return bytes(rng.randrange(0, 64))
@@ -174,7 +189,7 @@ def messages(
     ``max_message_bytes`` in all. About one in eight is left valid."""
     rng = random.Random(seed)
     while True:
-        header, payload = _valid(rng, width, height)
+        header, payloads = _valid(rng, width, height)
         mutations = 0 if rng.random() < 0.125 else rng.randrange(1, 4)
         for _ in range(mutations):
             _mutate_header(rng, header, max_message_bytes)
@@ -182,8 +197,10 @@ def messages(
         if mutations and rng.random() < 0.25:
             packed = _mutate_bytes(rng, packed)
         if mutations and rng.random() < 0.2:
-            payload = _mutate_payload(rng, payload, max_message_bytes)
-        frames = [packed] if payload is None else [packed, payload]
+            at = rng.randrange(len(payloads) + 1)  # one of them, or one more
+            old = payloads[at] if at < len(payloads) else None
+            payloads[at : at + 1] = [_mutate_payload(rng, old, max_message_bytes)]
+        frames = [packed, *payloads]
         if mutations and rng.random() < 0.05:  # frame count
             frames = rng.choice([[packed, b"", b""], [packed, b"x", b"y", b"z"], [b""]])
         if sum(map(len, frames)) >= 2 * max_message_bytes:  # the ZeroMQ guard would drop it

@@ -157,8 +157,9 @@ def test_both_cores_under_load_and_every_request_answered_once(tmp_path: Path) -
 
 
 def test_deadline_expiry_and_cancel(tmp_path: Path) -> None:
-    with running(tmp_path, latency=50_000.0, depth=8) as (_, ep), dealer(ep) as sock:
-        for i in range(8):  # 4 start at once (2 cores x 2 slots, 50 ms each), 4 wait
+    # 1 s tasks: 102 is still queued when its CANCEL arrives, however slow the machine
+    with running(tmp_path, latency=1_000_000.0, depth=8) as (_, ep), dealer(ep) as sock:
+        for i in range(8):  # 4 start at once (2 cores x 2 slots, 1 s each), 4 wait
             sock.send_multipart(
                 protocol.encode(protocol.InferRequest(i, "demo", IMAGE, deadline_ms=20)), copy=False
             )
@@ -170,7 +171,7 @@ def test_deadline_expiry_and_cancel(tmp_path: Path) -> None:
     by = {(type(r).__name__, r.id): r for r in replies}
     assert len(by) == 12
     expired = [r for r in replies if r.status == Status.DEADLINE_EXCEEDED]
-    assert len(expired) >= 4  # those queued behind 50 ms tasks with a 20 ms budget
+    assert len(expired) >= 4  # those queued behind 1 s tasks with a 20 ms budget
     assert by[("CancelReply", 102)].status == Status.OK
     assert by[("InferReply", 102)].status == Status.CANCELLED
     # Expired while queued: it never ran, so no device is named (the issue 13 review found
@@ -523,7 +524,7 @@ def test_consecutive_failures_quarantine_a_core_and_a_probe_returns_it(tmp_path:
     seed = _seed_ok_then_fail3_then_ok()
     faults = (
         f"[devices.dla0.faults]\nerror_rate = 0.5\nseed = {seed}\n[health]\nquarantine_after = 3\n"
-        "probe_after_s = 0.2"
+        "probe_after_s = 30.0"  # the test starts the probe itself, once it has seen the quarantine
     )
     daemon = _one_core(tmp_path, 500.0, faults)
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:
@@ -539,6 +540,13 @@ def test_consecutive_failures_quarantine_a_core_and_a_probe_returns_it(tmp_path:
         refused = recv(sock)  # answered at once, without a task
         assert refused.status == Status.DEVICE_FAILED
         assert "no healthy device serves model 'demo'" in refused.message
+
+        def probe_now() -> None:  # on the daemon's loop: the rest is over
+            daemon.health._watches["dla0"].probe_at_ns = 0
+            daemon.health._wake.set()
+
+        assert daemon._loop is not None
+        daemon._loop.call_soon_threadsafe(probe_now)
         while dev["state"] != "serving":  # the probe (task 4, which passes) returns it
             (dev,) = _status(sock, 31)["devices"]
         assert dev["healthy"] is True

@@ -299,8 +299,9 @@ def test_server_routes_and_closes() -> None:
 
 
 def test_ready_flips_as_devices_warm_and_when_draining(tmp_path: Path) -> None:
-    # 400 ms per task: the warm-up task keeps both devices "warming" long enough to be seen
-    with serving(tmp_path, latency=400_000.0) as daemon:
+    # 3 s per task: the warm-up task keeps both devices "warming" long enough to be seen, and
+    # the drain open for the GETs below, however loaded the machine
+    with serving(tmp_path, latency=3_000_000.0) as daemon:
         status, body = get(url(daemon, "/health/ready"))
         assert status == 503
         assert set(json.loads(body)["devices"].values()) <= {"loading", "warming"}

@@ -685,3 +685,97 @@ def test_a_header_nested_past_its_limit_is_refused_with_its_id(depth: int) -> No
     if depth > protocol.MAX_REPLY_DEPTH:
         with pytest.raises(ProtocolError, match="nests deeper than the 8 levels"):
             protocol.decode_reply([reply])
+
+
+# ------------------------------------------------------------------------------ INFER_BATCH
+
+
+def _items(rid: int, n: int, **fields: Any) -> tuple[InferRequest, ...]:
+    return tuple(
+        InferRequest(rid, "demo", np.full((2, 3, 3), i, np.uint8), stream=f"cam{i}", **fields)
+        for i in range(n)
+    )
+
+
+def test_a_batch_round_trips_with_each_images_stream_and_shared_memory_slot() -> None:
+    ref = protocol.ShmRef("seg", 64, 4096)
+    first, second, third = _items(9, 3, deadline_ms=50, conf=0.5)
+    second = InferRequest(9, "demo", second.image, stream="cam1", deadline_ms=50, conf=0.5,
+                          shm=ref)  # fmt: skip
+    items = (first, second, third)
+    frames = encode(protocol.InferBatchRequest(9, "demo", items))
+    assert len(frames) == 3  # the header and the two images not in shared memory
+    header = msgpack.unpackb(frames[0])
+    assert header["images"][1]["shm"] == {"name": "seg", "offset": 64, "size": 4096}
+    assert (header["deadline_ms"], header["conf"]) == (50, 0.5)
+    seen = []
+
+    def resolve(r: protocol.ShmRef, nbytes: int) -> memoryview:
+        seen.append((r, nbytes))
+        return memoryview(bytes(nbytes))
+
+    got = decode_request(frames, shm=resolve)
+    assert isinstance(got, protocol.InferBatchRequest)
+    assert seen == [(ref, 18)]
+    assert [i.stream for i in got.images] == ["cam0", "cam1", "cam2"]
+    assert [i.shm for i in got.images] == [None, ref, None]
+    np.testing.assert_array_equal(got.images[2].image, items[2].image)
+    assert (got.id, got.model, got.images[0].deadline_ms, got.images[2].conf) == (
+        9,
+        "demo",
+        50,
+        0.5,
+    )
+
+
+def test_a_batch_must_hold_one_to_sixteen_images_that_agree() -> None:
+    with pytest.raises(ProtocolError, match="images: must be 1 to 16"):
+        protocol.InferBatchRequest(1, "demo", ())
+    with pytest.raises(ProtocolError, match="images: must be 1 to 16"):
+        protocol.InferBatchRequest(1, "demo", _items(1, 17))
+    with pytest.raises(ProtocolError, match=r"images\[1\]: must have the batch's id"):
+        protocol.InferBatchRequest(1, "demo", (*_items(1, 1), *_items(2, 1)))
+    mixed = (*_items(1, 1, priority=3), *_items(1, 1))
+    with pytest.raises(ProtocolError, match=r"images\[1\].priority: must be the same"):
+        protocol.InferBatchRequest(1, "demo", mixed)
+
+
+def test_a_batch_reply_round_trips_and_only_ok_carries_results() -> None:
+    ok = InferReply(4, Status.OK, device="dla1", timing=Timing(1, 2, 3, 4, 10, 5, 9),
+                    detections=np.arange(12, dtype=np.float32).reshape(2, 6))  # fmt: skip
+    gone = InferReply(4, Status.CANCELLED, "superseded by a newer frame of its stream")
+    frames = encode(protocol.InferBatchReply(4, Status.OK, results=(ok, gone)))
+    assert len(frames) == 3
+    got = decode_reply(frames)
+    assert isinstance(got, protocol.InferBatchReply)
+    _assert_same_reply(ok, got.results[0])
+    _assert_same_reply(gone, got.results[1])
+    batch_kind = int(Kind.INFER_BATCH)
+    refusal = protocol.error_reply(Overloaded("full"), request_id=4, request_kind=batch_kind)
+    refused = decode_reply(encode(refusal))
+    assert isinstance(refused, protocol.InferBatchReply)
+    assert (refused.status, refused.results) == (Status.OVERLOADED, ())
+    with pytest.raises(ProtocolError, match="results: must be empty when status is not OK"):
+        protocol.InferBatchReply(4, Status.OVERLOADED, "full", (gone,))
+    with pytest.raises(ProtocolError, match="results: must hold 1 to 16"):
+        protocol.InferBatchReply(4, Status.OK)
+    with pytest.raises(ProtocolError, match=r"results\[0\]: must be an InferReply with the batch"):
+        protocol.InferBatchReply(5, Status.OK, results=(ok,))
+
+
+def test_a_batch_reply_with_a_bad_result_names_it() -> None:
+    frames = protocol.encode_batch_reply(6, [
+        (0, "", "dla0", protocol.timing_fields(queue_us=0, pre_us=0, device_us=1, post_us=0,
+                                              total_us=1, start_ns=1, end_ns=2),
+         np.zeros((1, 6), np.float32)),
+    ])  # fmt: skip
+    header = msgpack.unpackb(frames[0])
+    header["results"][0]["count"] = 2
+    with pytest.raises(ProtocolError, match=r"frames\[1\]: detections payload is 24 bytes"):
+        decode_reply([msgpack.packb(header), frames[1]])
+    header["results"][0] |= {"count": 1, "device": 7}
+    with pytest.raises(ProtocolError, match=r"results\[0\]\.device") as info:
+        decode_reply([msgpack.packb(header), frames[1]])
+    assert info.value.request_id == 6
+    with pytest.raises(ProtocolError, match="INFER_BATCH_REPLY has 2 frame"):
+        decode_reply([frames[0]])
