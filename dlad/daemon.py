@@ -39,6 +39,7 @@ from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.scheduler import Scheduler
+from dlad.systemd import Notifier
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService
@@ -62,6 +63,8 @@ class Daemon:
         endpoints: override ``plan.endpoints`` (tests bind ``tcp://127.0.0.1:0``-style ports).
         pre_post: override ``pre_post.enabled`` of the config.
         metrics_port: override ``metrics.port`` (0: any free port, see ``metrics_server.port``).
+        notifier: where readiness, the watchdog and the drain are told (``Type=notify`` under
+            systemd); by default from ``$NOTIFY_SOCKET``, doing nothing without it.
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class Daemon:
         endpoints: Sequence[str] | None = None,
         pre_post: bool | None = None,
         metrics_port: int | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.plan = plan
+        self.notifier = Notifier() if notifier is None else notifier
         self.config: Config = plan.config
         self.endpoints = tuple(endpoints or plan.endpoints)
         self.pre_post = plan.config.pre_post.enabled if pre_post is None else pre_post
@@ -210,6 +215,8 @@ class Daemon:
                 gc.freeze()
                 self.ready.set()
                 log.info("listening", endpoints=self.bound, devices=list(self.executors))
+                self.notifier.ready(f"serving {', '.join(self.executors) or 'no devices'} on "
+                                    f"{', '.join(self.bound)}")  # fmt: skip
                 await self._stop.wait()
                 await self._drain()
                 # Go on answering a while (INFER: SHUTTING_DOWN), so that clients still sending
@@ -305,7 +312,13 @@ class Daemon:
         """Every ``metrics.heartbeat_s``: prove the loop turns (``/health/live``) and sample the
         queues and devices into the gauges (the scrape itself never touches them)."""
         keys_checked = time.monotonic()
+        watchdog_s = self.notifier.watchdog_s
+        if watchdog_s is not None and self.config.metrics.heartbeat_s > watchdog_s / 2:
+            log.warning("watchdog_too_short", watchdog_s=watchdog_s,
+                        heartbeat_s=self.config.metrics.heartbeat_s,
+                        fix="WatchdogSec at least twice [metrics] heartbeat_s")  # fmt: skip
         while True:
+            self.notifier.watchdog()  # the loop turns: systemd's watchdog is fed
             self.metrics.daemon_state(self.state.value)
             keys = self.frontend.client_keys
             if keys is not None and time.monotonic() - keys_checked >= self.config.auth.reload_s:
@@ -333,6 +346,7 @@ class Daemon:
 
     async def _drain(self) -> None:
         self.state = State.DRAINING
+        self.notifier.stopping(f"draining (at most {self.config.daemon.drain_timeout_s:g} s)")
         log.info("draining", queued=self._scheduler.queued(), pending=self.frontend.pending)
         await self.frontend.drain(self.config.daemon.drain_timeout_s)
 

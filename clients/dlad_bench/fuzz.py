@@ -107,17 +107,21 @@ def _valid(rng: random.Random, width: int, height: int) -> tuple[dict[str, Any],
     return header, []
 
 
+def _image_maps(header: dict[str, Any]) -> list[dict[str, Any]]:
+    """The header's image maps still intact (an INFER's ``image``, an INFER_BATCH's ``images``)."""
+    images = header.get("images")
+    found = [header.get("image"), *(images if isinstance(images, list) else [])]
+    return [m for m in found if isinstance(m, dict)]
+
+
 def _mutate_header(rng: random.Random, header: dict[str, Any], max_bytes: int) -> None:
     pick = rng.randrange(6)
     if pick == 0 and header:
         del header[rng.choice(list(header))]
     elif pick == 1:
         header[rng.choice([*_FIELDS, "zz", "", "\x00"])] = _odd_value(rng, max_bytes)
-    elif pick == 2 and (isinstance(header.get("image"), dict) or header.get("images")):
-        images = header.get("images")
-        image = rng.choice(images) if isinstance(images, list) else header["image"]
-        if not isinstance(image, dict):
-            return
+    elif pick == 2 and (maps := _image_maps(header)):
+        image = rng.choice(maps)
         key = rng.choice([*_IMAGE_FIELDS, "extra", "stream", "shm"])
         image[key] = rng.choice(
             [_odd_value(rng, max_bytes), 0, 1, 4096, 4097, 65536, -3, "rgba", "float32"]
