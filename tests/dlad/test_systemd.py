@@ -74,8 +74,12 @@ def test_without_a_notify_socket_nothing_is_sent_and_a_dead_manager_costs_one_wa
     quiet = Notifier({})
     assert (quiet.enabled, quiet.watchdog_s) == (False, None)
     quiet.ready("serving")  # nothing to send to: no error
-    assert Notifier({"NOTIFY_SOCKET": "@abstract", "WATCHDOG_USEC": "5000000",
-                     "WATCHDOG_PID": "1"}).watchdog_s is None  # another process's watchdog
+    assert (
+        Notifier(
+            {"NOTIFY_SOCKET": "@abstract", "WATCHDOG_USEC": "5000000", "WATCHDOG_PID": "1"}
+        ).watchdog_s
+        is None
+    )  # another process's watchdog
     gone = Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody")})
     from structlog.testing import capture_logs
 
@@ -103,4 +107,4 @@ def test_the_unit_file_verifies(tmp_path: Path) -> None:
     run = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                          text=True, check=False)  # fmt: skip
     problems = [line for line in run.stderr.splitlines() if str(unit) in line]
-    assert run.returncode == 0 and not problems, run.stderr
+    assert (run.returncode, problems) == (0, []), run.stderr
