@@ -54,7 +54,11 @@ def spread(values: Sequence[float], *, seed: int = 0) -> Spread:
     rng = np.random.default_rng(seed)
     means = rng.choice(x, size=(RESAMPLES, x.size), replace=True).mean(axis=1)
     lo, hi = np.percentile(means, [2.5, 97.5])
-    return Spread(tuple(values), mean, cv, (float(lo), float(hi)))
+    # A resample of one value n times averages back to it only up to rounding: the interval
+    # of a mean lies within the values, and the mean within it, exactly.
+    lo = min(max(float(lo), float(x.min())), mean)
+    hi = max(min(float(hi), float(x.max())), mean)
+    return Spread(tuple(values), mean, cv, (lo, hi))
 
 
 def representative(trials: Sequence[LevelResult]) -> int:
