@@ -18,6 +18,10 @@ requests in flight::
     async with AsyncClient(["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]) as client:
         result = await client.detect(image, pixel_format="BGR", deadline_ms=50)
 
+    # many daemons (a fleet of Orins): least-loaded choice, retries, a circuit breaker
+    async with AsyncFleet(resolve="dlad.dlad.svc.cluster.local:5555") as fleet:
+        result = await fleet.detect(image, stream="cam0")
+
 Errors: a non-OK reply raises the class of :mod:`dlad.errors` for its status (the same classes
 the daemon uses, re-exported here), so ``except Overloaded`` means what the daemon meant::
 
@@ -51,10 +55,12 @@ from dlad.protocol import DaemonStatus, PixelFormat, Timing
 from dlad_client._async import AsyncClient, AsyncHandle
 from dlad_client._client import BatchHandle, Client, Handle
 from dlad_client._core import ClientClosed, ClientTimeout, CurveKeys, Result
+from dlad_client._fleet import AsyncFleet, Fleet, FleetHandle, MemberState
 
 __all__ = [
-    "AsyncClient", "AsyncHandle", "BadRequest", "BatchHandle", "Cancelled", "Client",
+    "AsyncClient", "AsyncFleet", "AsyncHandle", "BadRequest", "BatchHandle", "Cancelled", "Client",
     "ClientClosed", "ClientTimeout", "CurveKeys", "DaemonStatus", "DeadlineExceeded",
-    "DeviceFailed", "DladError", "Handle", "InternalError", "NotFound", "Overloaded", "PixelFormat",
-    "ProtocolError", "Result", "ShuttingDown", "Status", "Timing",
+    "DeviceFailed", "DladError", "Fleet", "FleetHandle", "Handle", "InternalError", "MemberState",
+    "NotFound", "Overloaded", "PixelFormat", "ProtocolError", "Result", "ShuttingDown", "Status",
+    "Timing",
 ]  # fmt: skip

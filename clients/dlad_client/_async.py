@@ -371,8 +371,9 @@ class AsyncClient:
         await self._wait(call, withdraw_on_cancel=False)
         return _reply(call, CancelReply).status == Status.OK
 
-    async def status(self, *, timeout_s: float | None = None) -> DaemonStatus:
-        """The STATUS report of one daemon (the next one in turn with several endpoints).
+    async def status(self, *, load: bool = False, timeout_s: float | None = None) -> DaemonStatus:
+        """The STATUS report of one daemon (the next one in turn with several endpoints); with
+        ``load``, its recent load too (``report["load"]``).
 
         Raises:
             DladError: the daemon answered with a non-OK status (its class).
@@ -381,7 +382,8 @@ class AsyncClient:
         """
         self._check()
         timeout = self._timeout(timeout_s)
-        call = await self._start(StatusRequest(next(self._ids)), Kind.STATUS_REPLY, timeout)
+        request = StatusRequest(next(self._ids), load=load)
+        call = await self._start(request, Kind.STATUS_REPLY, timeout)
         await self._wait(call, withdraw_on_cancel=False)
         return _report(call)
 

@@ -485,9 +485,10 @@ class Client:
         self._await(call)
         return _reply(call, CancelReply).status == Status.OK
 
-    def status(self, *, timeout_s: float | None = None) -> DaemonStatus:
+    def status(self, *, load: bool = False, timeout_s: float | None = None) -> DaemonStatus:
         """The STATUS report of one daemon (with several endpoints, the next one in turn;
-        ``report["name"]`` says which): state, readiness, devices, models, queue depth.
+        ``report["name"]`` says which): state, readiness, devices, models, queue depth; with
+        ``load``, its recent load too (``report["load"]``: rates, p50/p99, busy ratios).
 
         Raises:
             DladError: the daemon answered with a non-OK status (its class).
@@ -496,7 +497,8 @@ class Client:
         """
         self._check()
         timeout = self._timeout_s if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
-        call = self._start(StatusRequest(next(self._ids)), Kind.STATUS_REPLY, timeout)
+        request = StatusRequest(next(self._ids), load=load)
+        call = self._start(request, Kind.STATUS_REPLY, timeout)
         self._await(call)
         return _report(call)
 

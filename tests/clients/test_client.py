@@ -439,7 +439,7 @@ def test_public_surface_is_explicit_documented_and_final() -> None:
         if inspect.isclass(obj) and issubclass(obj, errors.DladError):
             assert obj is getattr(errors, name)  # the daemon's own classes, not copies
     for cls in (sdk.Client, sdk.AsyncClient, sdk.Handle, sdk.AsyncHandle, sdk.BatchHandle,
-                sdk.Result):  # fmt: skip
+                sdk.Result, sdk.AsyncFleet, sdk.Fleet, sdk.FleetHandle):  # fmt: skip
         assert getattr(cls, "__final__", False), cls
         assert cls.__doc__
         for member_name, member in vars(cls).items():
@@ -450,6 +450,7 @@ def test_public_surface_is_explicit_documented_and_final() -> None:
     raising += [sdk.AsyncClient.detect, sdk.AsyncClient.submit, sdk.AsyncClient.cancel]
     raising += [sdk.AsyncClient.status, sdk.Handle.result, sdk.AsyncHandle.result]
     raising += [sdk.Client.detect_batch, sdk.AsyncClient.detect_batch, sdk.BatchHandle.result]
+    raising += [sdk.AsyncFleet.detect, sdk.Fleet.detect, sdk.Fleet.submit, sdk.FleetHandle.result]
     for method in raising:
         assert "Raises:" in (method.__doc__ or ""), method.__qualname__
     assert issubclass(sdk.ClientTimeout, TimeoutError)
