@@ -12,21 +12,24 @@ the client (docs/fleet.md):
   at it (an exponentially weighted mean).
 - **Choice**: power of two choices. Two members are drawn at random among the available ones
   and the one with the smaller expected wait (latency times 1 + outstanding work per engine) gets
-  the frame; this avoids both herding onto one "best" daemon and the blindness of round robin.
+  the frame, unless some member's wait is under half of it (two slow daemons drawn together);
+  this avoids both herding onto one "best" daemon and the blindness of round robin.
 - **Streams** stay on the member that took their first frame while it is available (its
   ``stream`` is the daemon's latest-frame-wins unit, and an engine's caches stay warm).
 - **Retries**: an answer that says another daemon may do better (``OVERLOADED``,
   ``DEVICE_FAILED``, ``SHUTTING_DOWN``) or no answer within ``attempt_timeout_s`` is retried on
   another member, after a jittered exponential backoff, within the request's own ``timeout_s``.
-- **Circuit breaker**: a member that misses ``breaker_after`` heartbeats or attempts in a row is
-  taken out of the choice for ``breaker_open_s`` (doubling up to ``breaker_max_s``) and its
-  frames in flight are retried elsewhere at once; it returns when a STATUS is answered again.
+- **Circuit breaker**: a member that misses ``breaker_after`` heartbeats or attempts in a row, or
+  whose connection drops (the daemon's process died), is taken out of the choice for
+  ``breaker_open_s`` (doubling up to ``breaker_max_s``) and its frames in flight are retried
+  elsewhere at once; it returns when a STATUS is answered again.
 
 The wire protocol is unchanged: a fleet is many v1 connections.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import socket
@@ -43,7 +46,9 @@ import anyio.abc
 import anyio.from_thread
 import numpy as np
 import numpy.typing as npt
+import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dlad.errors import DeviceFailed, DladError, Overloaded, ShuttingDown
 from dlad.protocol import DaemonStatus, PixelFormat, endpoint_error
@@ -90,6 +95,7 @@ class _Member:
     closing: anyio.Event  # set: its task leaves the client's context (the client closes)
     in_flight: int = 0
     queued: int = 0
+    capacity: int = 1  # its queues' bound at the last STATUS
     engines: int = 1
     latency_s: float = 0.0
     prior_s: float = 0.0  # the daemon's own p50 from its STATUS load, until replies come
@@ -321,6 +327,8 @@ class AsyncFleet:
             except RETRYABLE as exc:
                 outcome = exc
                 member.draining |= isinstance(exc, ShuttingDown)
+                if isinstance(exc, Overloaded):  # full: so it looks until its next STATUS
+                    member.queued = max(member.queued, member.capacity)
             except ClientTimeout as exc:
                 outcome = exc
                 self._missed(member)
@@ -360,7 +368,12 @@ class AsyncFleet:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(candidates, 2)
-        return a if a.cost() <= b.cost() else b
+        pick = a if a.cost() <= b.cost() else b
+        # Two slow daemons drawn together would still get the frame: a member at less than
+        # half the cost takes it instead (the choice stays spread: each frame sent raises its
+        # member's cost at once, and ties and near-ties stay with the random pair).
+        best = min(candidates, key=_Member.cost)
+        return best if 2 * best.cost() < pick.cost() else pick
 
     def _remember(self, stream: str, endpoint: str) -> None:
         self._streams[stream] = endpoint
@@ -409,10 +422,30 @@ class AsyncFleet:
         """One member's client, entered and left in a task of its own (anyio's rule)."""
         client = AsyncClient(endpoint, timeout_s=self._timeout_s, context=self._context,
                              **self._client_settings)  # fmt: skip
-        async with client:
+        async with client, anyio.create_task_group() as tg:
             member = _Member(endpoint, client, anyio.Event())
+            tg.start_soon(self._watch_connection, member)
             task_status.started(member)
             await member.closing.wait()
+            tg.cancel_scope.cancel()
+
+    async def _watch_connection(self, member: _Member) -> None:
+        """A daemon whose connection drops (its process died: the kernel closed the socket) is
+        out at once, not at its next missed heartbeat; its frames in flight go elsewhere."""
+        sock = member.client._socket  # the member's DEALER (same package)
+        if sock is None:
+            return
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    member.failures = max(member.failures, self._breaker_after - 1)
+                    self._missed(member)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -450,6 +483,7 @@ class AsyncFleet:
             member.rest_s = 0.0  # it answers again: the next trip rests the base time
         devices = report["devices"]
         member.engines = max(1, sum(1 for d in devices if d.get("healthy", True)))
+        member.capacity = max(1, report["queues"]["capacity"])
         member.queued = report["queues"]["depth"] + sum(d["in_flight"] for d in devices)
         member.queued = max(member.queued - member.in_flight, 0)  # its own count is exact
         member.draining = report["state"] != "RUNNING"

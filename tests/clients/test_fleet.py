@@ -4,6 +4,9 @@ that stops answering (its frames in flight go elsewhere at once), and follows DN
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -268,3 +271,54 @@ def test_bad_settings_raise_value_error() -> None:
         AsyncFleet(["127.0.0.1:5555"])
     with pytest.raises(ValueError, match="max_attempts"):
         AsyncFleet(["tcp://127.0.0.1:5555"], max_attempts=0)
+
+
+def test_frames_at_a_daemon_whose_process_dies_are_retried_at_once(tmp_path: Path) -> None:
+    """SIGKILL closes the daemon's sockets: the connection's drop takes it out of the fleet
+    and its frames in flight go to another daemon, long before a heartbeat or an attempt
+    timeout could tell (both are set far out here)."""
+    with socket.socket() as probe:  # a free port for the daemon's process
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = tmp_path / "dies.toml"
+    text = CONFIG.format(name="dies", latency=3_000_000.0, depth=8)  # 3 s a frame
+    text = text.replace("tcp://127.0.0.1:5555", f"tcp://127.0.0.1:{port}")
+    cfg.write_text(text.replace('mode = "timing"', 'mode = "timing"\ntask_timeout_ms = 60000.0'))
+    command = [sys.executable, "-m", "dlad.cli", "--config", str(cfg)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        next(line for line in proc.stdout if "listening" in line)
+        endpoint = f"tcp://127.0.0.1:{port}"
+
+        async def main(survivor: str) -> tuple[int, float]:
+            fleet = AsyncFleet([endpoint, survivor], heartbeat_s=30.0, attempt_timeout_s=30.0,
+                               timeout_s=60.0, seed=4)  # fmt: skip
+            async with fleet:
+                fleet._members[endpoint].prior_s = 1e-6  # it looks fastest: frames go there
+                results: list[Result] = []
+
+                async def one() -> None:
+                    results.append(await fleet.detect(IMAGE))
+
+                async with anyio.create_task_group() as tg:
+                    for _ in range(4):
+                        tg.start_soon(one)
+                    while fleet._members[endpoint].in_flight < 2:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                    proc.kill()
+                    killed = anyio.current_time()
+                took = anyio.current_time() - killed
+                sent = {m.endpoint: m.sent for m in fleet.members}[endpoint]
+                assert len(results) == 4
+                return sent, took
+
+        with daemons(tmp_path, (1_000.0, 8)) as (survivor,):
+            sent, took = anyio.run(main, survivor)
+        assert sent >= 2
+        assert took < 2.5  # before the frames there would end (3 s), not the 30 s timeouts
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
