@@ -124,13 +124,26 @@ class _Member:
                            self.sent, self.ok)  # fmt: skip
 
 
-def dns_endpoints(name: str) -> Callable[[], list[str]]:
-    """A resolver for ``AsyncFleet(resolve=...)``: ``"host:port"`` (a headless Service's name,
-    e.g. ``"dlad.dlad.svc.cluster.local:5555"``) to one ``tcp://address:port`` per A/AAAA
-    record, looked up at each call. Raises ValueError for a name without a port."""
+def dns_endpoints(
+    name: str, *, nameserver: tuple[str, int] | None = None
+) -> Callable[[], list[str]]:
+    """A resolver for ``AsyncFleet(resolve=...)``, looked up at each call:
+
+    - ``"host:port"`` (a headless Service's name, e.g. ``"dlad.dlad.svc.cluster.local:5555"``):
+      one ``tcp://address:port`` per A/AAAA record (the system's resolver);
+    - ``"_service._proto.name"`` (an SRV name, e.g. ``"_zmq._tcp.dlad.dlad.svc.cluster.local"``,
+      the Service's named port): one ``tcp://target:port`` per SRV record, each target's
+      addresses resolved (dnspython; ``nameserver`` overrides the system's).
+
+    Raises ValueError for a name of neither form; a lookup that fails raises OSError (the
+    fleet then keeps the members it has)."""
+    if name.startswith("_"):
+        return _srv_endpoints(name, nameserver)
     host, _, port = name.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"resolve must be 'host:port', got {name!r}")
+        raise ValueError(
+            f"resolve must be 'host:port' or an SRV name '_svc._tcp.host', got {name!r}"
+        )
 
     def resolve() -> list[str]:
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
@@ -139,6 +152,34 @@ def dns_endpoints(name: str) -> Callable[[], list[str]]:
             ip = address[0]
             found.append(f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else
                          f"tcp://{ip}:{port}")  # fmt: skip
+        return sorted(set(found))
+
+    return resolve
+
+
+def _srv_endpoints(name: str, nameserver: tuple[str, int] | None) -> Callable[[], list[str]]:
+    try:
+        import dns.exception  # noqa: PLC0415 (SRV names only: dnspython is the fleet extra)
+        import dns.rdatatype  # noqa: PLC0415
+        import dns.resolver  # noqa: PLC0415
+    except ImportError:
+        raise ValueError("SRV names need dnspython (pip install 'dlad[fleet]')") from None
+    resolver = dns.resolver.Resolver(configure=nameserver is None)
+    if nameserver is not None:
+        resolver.nameservers, resolver.port = [nameserver[0]], nameserver[1]
+
+    def resolve() -> list[str]:
+        try:
+            answer = resolver.resolve(name, "SRV", lifetime=5.0)
+        except dns.exception.DNSException as exc:
+            raise OSError(f"SRV lookup of {name!r} failed: {exc}") from None
+        found = []
+        for record in answer:
+            target = record.target.to_text(omit_final_dot=True)
+            additional = [r for rrset in answer.response.additional if rrset.name == record.target
+                          for r in rrset if r.rdtype == dns.rdatatype.A]  # fmt: skip
+            addresses = [r.address for r in additional] or [target]
+            found += [f"tcp://{a}:{record.port}" for a in addresses]
         return sorted(set(found))
 
     return resolve

@@ -322,3 +322,53 @@ def test_frames_at_a_daemon_whose_process_dies_are_retried_at_once(tmp_path: Pat
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@contextmanager
+def srv_server(records: dict[str, list[tuple[str, int, str]]]) -> Iterator[tuple[str, int]]:
+    """A DNS server on loopback answering SRV queries: name -> [(target, port, address)], the
+    targets' A records in the additional section (as a headless Service's DNS does)."""
+    import dns.message
+    import dns.rdataclass
+    import dns.rdatatype
+    import dns.rrset
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                wire, peer = sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            query = dns.message.from_wire(wire)
+            reply = dns.message.make_response(query)
+            qname = query.question[0].name.to_text()
+            for target, port, address in records.get(qname, []):
+                reply.answer.append(dns.rrset.from_text(
+                    qname, 5, "IN", "SRV", f"0 50 {port} {target}"))  # fmt: skip
+                reply.additional.append(dns.rrset.from_text(target, 5, "IN", "A", address))
+            sock.sendto(reply.to_wire(), peer)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield sock.getsockname()
+    finally:
+        stop.set()
+        thread.join()
+        sock.close()
+
+
+def test_srv_names_resolve_to_each_records_address_and_port() -> None:
+    name = "_zmq._tcp.dlad.dlad.svc.cluster.local."
+    pods = [("pod-a.dlad.dlad.svc.cluster.local.", 5555, "10.42.0.7"),
+            ("pod-b.dlad.dlad.svc.cluster.local.", 5556, "10.42.1.9")]  # fmt: skip
+    with srv_server({name: pods}) as server:
+        found = dns_endpoints(name.rstrip("."), nameserver=server)()
+        assert found == ["tcp://10.42.0.7:5555", "tcp://10.42.1.9:5556"]
+        with pytest.raises(OSError, match="SRV lookup"):
+            dns_endpoints("_zmq._tcp.nobody.local", nameserver=server)()
