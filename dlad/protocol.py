@@ -38,6 +38,7 @@ import re
 import reprlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -216,16 +217,19 @@ def _show(value: object) -> str:
 def _nesting(value: object, limit: int) -> int:
     """How deeply ``value``'s lists and maps nest (a scalar 0, ``[]`` 1), counted without
     recursion, up to ``limit + 1`` (a deeper value is not walked further)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
+    nested = (list, tuple, dict)
+    if not isinstance(value, nested):
+        return 0
+    deepest, stack = 1, [(value, 1)]
+    while stack:  # only containers are pushed: a header is mostly scalars
         item, depth = stack.pop()
-        if isinstance(item, (list, tuple, dict)):
-            deepest = max(deepest, depth)
+        if depth > deepest:
+            deepest = depth
             if depth > limit:
                 return depth
-            stack.extend(
-                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
-            )
+        inner = depth + 1
+        stack.extend((v, inner) for v in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(v, nested))  # fmt: skip
     return deepest
 
 
@@ -435,6 +439,17 @@ class InferRequest:
             _set(request, name, value)
         return request
 
+    def in_shared_memory(self, ref: ShmRef) -> InferRequest:
+        """This request with its image at ``ref`` (its fields were checked when it was built:
+        the copy is not checked again)."""
+        if not isinstance(cast("object", ref), ShmRef):
+            _fail("shm", f"must be a ShmRef, got {_show(ref)}")
+        moved = object.__new__(InferRequest)
+        for name in _REQUEST_FIELDS:
+            _set(moved, name, getattr(self, name))
+        _set(moved, "shm", ref)
+        return moved
+
     @property
     def height(self) -> int:
         return int(self.image.shape[0])
@@ -444,6 +459,7 @@ class InferRequest:
         return int(self.image.shape[1])
 
 
+_REQUEST_FIELDS: Final = tuple(f.name for f in dataclass_fields(InferRequest))
 _INFER_SCALARS: Final = ("id", "model", "stream", "priority", "deadline_ms", "conf", "iou",
                          "max_det")  # fmt: skip
 _SHARED_SCALARS: Final = ("priority", "deadline_ms", "conf", "iou", "max_det")
@@ -479,6 +495,21 @@ class InferBatchRequest:
             for name in _SHARED_SCALARS:
                 if getattr(item, name) != getattr(first, name):
                     _fail(f"images[{i}].{name}", "must be the same for every image of a batch")
+
+    def with_images(self, images: tuple[InferRequest, ...]) -> InferBatchRequest:
+        """This batch with ``images`` in place of its own: each the same request with at most
+        its ``shm`` changed (an image moved into a slot), which is all that is checked here."""
+        fields = [n for n in _REQUEST_FIELDS if n not in ("shm", "image")]
+        if len(images) != len(self.images) or any(
+            getattr(new, n) != getattr(old, n) or new.image is not old.image
+            for new, old in zip(images, self.images, strict=False) for n in fields
+        ):  # fmt: skip
+            _fail("images", "must be this batch's images, each with at most its shm changed")
+        moved = object.__new__(InferBatchRequest)
+        _set(moved, "id", self.id)
+        _set(moved, "model", self.model)
+        _set(moved, "images", tuple(images))
+        return moved
 
     @property
     def priority(self) -> int:

@@ -18,7 +18,6 @@ up a send waits (within the request's timeout) instead of filling a queue nobody
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import heapq
 import itertools
 import logging
@@ -454,11 +453,11 @@ def _in_shm(slots: ShmSlots, request: Request) -> Request:
     as it is (inline) where none fits; other requests as they are."""
     if isinstance(request, InferBatchRequest):
         items = tuple(_in_shm(slots, item) for item in request.images)
-        return dataclasses.replace(request, images=items)  # type: ignore[arg-type]
+        return request.with_images(cast("tuple[InferRequest, ...]", items))
     if not isinstance(request, InferRequest):
         return request
     ref = slots.place(request.id, request.image)
-    return request if ref is None else dataclasses.replace(request, shm=ref)
+    return request if ref is None else request.in_shared_memory(ref)
 
 
 # ------------------------------------------------------------------------------ pending calls

@@ -779,3 +779,28 @@ def test_a_batch_reply_with_a_bad_result_names_it() -> None:
     assert info.value.request_id == 6
     with pytest.raises(ProtocolError, match="INFER_BATCH_REPLY has 2 frame"):
         decode_reply([frames[0]])
+
+
+def test_moving_a_checked_request_into_shared_memory_keeps_everything_else() -> None:
+    ref = protocol.ShmRef("seg", 0, 4096)
+    items = _items(3, 2, conf=0.4, max_det=7)
+    moved = items[0].in_shared_memory(ref)
+    assert moved.shm == ref
+    assert (moved.id, moved.stream, moved.conf, moved.max_det, moved.image is items[0].image) == (
+        3, "cam0", 0.4, 7, True)  # fmt: skip
+    with pytest.raises(ProtocolError, match="shm: must be a ShmRef"):
+        items[0].in_shared_memory({"name": "seg"})  # type: ignore[arg-type]
+    batch = protocol.InferBatchRequest(3, "demo", items)
+    assert batch.with_images((moved, items[1])).images[0].shm == ref
+    other = InferRequest(3, "demo", items[1].image, stream="elsewhere", conf=0.4, max_det=7)
+    with pytest.raises(ProtocolError, match="at most its shm changed"):
+        batch.with_images((moved, other))
+    with pytest.raises(ProtocolError, match="at most its shm changed"):
+        batch.with_images((moved,))
+
+
+@pytest.mark.parametrize(("value", "depth"), [
+    (1, 0), ([], 1), ({"a": 1, "b": [2, {"c": []}]}, 4), ([[1], 2, [[3]]], 3),
+])  # fmt: skip
+def test_nesting_counts_containers_only(value: object, depth: int) -> None:
+    assert protocol._nesting(value, 10) == depth
