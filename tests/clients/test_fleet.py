@@ -372,3 +372,35 @@ def test_srv_names_resolve_to_each_records_address_and_port() -> None:
         assert found == ["tcp://10.42.0.7:5555", "tcp://10.42.1.9:5556"]
         with pytest.raises(OSError, match="SRV lookup"):
             dns_endpoints("_zmq._tcp.nobody.local", nameserver=server)()
+
+
+def test_a_daemon_that_drains_hands_its_queued_frames_to_the_others(tmp_path: Path) -> None:
+    """A rolling update: one daemon drains (SIGTERM's path). Its queued frames come back
+    SHUTTING_DOWN and are sent elsewhere, it gets no new ones, and every frame is answered."""
+    cfg = tmp_path / "drains.toml"
+    cfg.write_text(CONFIG.format(name="drains", latency=400_000.0, depth=8))
+    draining = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+
+    async def main(doomed: str, survivor: str) -> tuple[list[Result], int, bool]:
+        fleet = AsyncFleet([doomed, survivor], heartbeat_s=0.2, timeout_s=30.0, seed=8)
+        async with fleet:
+            fleet._members[doomed].prior_s = 1e-6  # it looks fastest: frames queue there
+            results: list[Result] = []
+
+            async def one() -> None:
+                results.append(await fleet.detect(IMAGE))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(6):
+                    tg.start_soon(one)
+                while fleet._members[doomed].in_flight < 4:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                draining.stop_threadsafe()  # two run on, the rest are answered SHUTTING_DOWN
+            (member,) = [m for m in fleet.members if m.endpoint == doomed]
+            return results, fleet.retries, member.available
+
+    with serve_in_thread(draining) as doomed, daemons(tmp_path, (1_000.0, 16)) as (survivor,):
+        results, retries, available = anyio.run(main, doomed, survivor)
+    assert len(results) == 6
+    assert retries >= 1
+    assert not available  # draining: out of the choice
