@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -67,6 +67,32 @@ def daemons(tmp_path: Path, *specs: tuple[float, int]) -> Iterator[list[str]]:
 
 def _by_endpoint(fleet: AsyncFleet | Fleet) -> dict[str, int]:
     return {m.endpoint: m.ok for m in fleet.members}
+
+
+async def _until(holds: Callable[[], bool]) -> None:
+    """Poll the fleet's state until ``holds()`` (fails the test after 10 s)."""
+    with anyio.fail_after(10):
+        while not holds():  # noqa: ASYNC110  # state of the fleet's own, not an event
+            await anyio.sleep(0.01)
+
+
+async def _pile_onto(
+    fleet: AsyncFleet, endpoint: str, frames: int, held: int, then: Callable[[], object]
+) -> list[Result]:
+    """Send ``frames`` at once, ``endpoint`` made to look fastest so that they go there; once
+    it holds ``held`` of them, ``then()`` (the daemon dies, drains...); returns the results."""
+    fleet._members[endpoint].prior_s = 1e-6
+    results: list[Result] = []
+
+    async def one() -> None:
+        results.append(await fleet.detect(IMAGE))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(frames):
+            tg.start_soon(one)
+        await _until(lambda: fleet._members[endpoint].in_flight >= held)
+        then()
+    return results
 
 
 def test_frames_go_mostly_where_the_wait_is_shortest(tmp_path: Path) -> None:
@@ -214,9 +240,7 @@ def test_members_follow_what_the_resolver_says(tmp_path: Path) -> None:
         async with fleet:
             assert [m.endpoint for m in fleet.members] == [endpoints[0]]
             current[:] = endpoints[1:]  # a rollout: the first pod leaves, two come
-            with anyio.fail_after(10):
-                while [m.endpoint for m in fleet.members] != sorted(endpoints[1:]):  # noqa: ASYNC110
-                    await anyio.sleep(0.05)
+            await _until(lambda: [m.endpoint for m in fleet.members] == sorted(endpoints[1:]))
             for _ in range(6):
                 await fleet.detect(IMAGE)
             assert sum(m.ok for m in fleet.members) == 6
@@ -295,20 +319,14 @@ def test_frames_at_a_daemon_whose_process_dies_are_retried_at_once(tmp_path: Pat
             fleet = AsyncFleet([endpoint, survivor], heartbeat_s=30.0, attempt_timeout_s=30.0,
                                timeout_s=60.0, seed=4)  # fmt: skip
             async with fleet:
-                fleet._members[endpoint].prior_s = 1e-6  # it looks fastest: frames go there
-                results: list[Result] = []
+                killed: list[float] = []
 
-                async def one() -> None:
-                    results.append(await fleet.detect(IMAGE))
-
-                async with anyio.create_task_group() as tg:
-                    for _ in range(4):
-                        tg.start_soon(one)
-                    while fleet._members[endpoint].in_flight < 2:  # noqa: ASYNC110
-                        await anyio.sleep(0.01)
+                def kill() -> None:
                     proc.kill()
-                    killed = anyio.current_time()
-                took = anyio.current_time() - killed
+                    killed.append(anyio.current_time())
+
+                results = await _pile_onto(fleet, endpoint, 4, 2, kill)
+                took = anyio.current_time() - killed[0]
                 sent = {m.endpoint: m.sent for m in fleet.members}[endpoint]
                 assert len(results) == 4
                 return sent, took
@@ -384,18 +402,8 @@ def test_a_daemon_that_drains_hands_its_queued_frames_to_the_others(tmp_path: Pa
     async def main(doomed: str, survivor: str) -> tuple[list[Result], int, bool]:
         fleet = AsyncFleet([doomed, survivor], heartbeat_s=0.2, timeout_s=30.0, seed=8)
         async with fleet:
-            fleet._members[doomed].prior_s = 1e-6  # it looks fastest: frames queue there
-            results: list[Result] = []
-
-            async def one() -> None:
-                results.append(await fleet.detect(IMAGE))
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(6):
-                    tg.start_soon(one)
-                while fleet._members[doomed].in_flight < 4:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
-                draining.stop_threadsafe()  # two run on, the rest are answered SHUTTING_DOWN
+            # once it holds four: the one running goes on, the rest are answered SHUTTING_DOWN
+            results = await _pile_onto(fleet, doomed, 6, 4, draining.stop_threadsafe)
             (member,) = [m for m in fleet.members if m.endpoint == doomed]
             return results, fleet.retries, member.available
 
