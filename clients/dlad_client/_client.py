@@ -69,12 +69,9 @@ def _ms(seconds: float) -> int:
 # ------------------------------------------------------------------------------ Client
 
 
-@final
-class Handle:
-    """A submitted INFER (from :meth:`Client.submit`): the way to its :class:`Result`.
-
-    Belongs to its client and so to that client's thread.
-    """
+class _Pending:
+    """What :class:`Handle` and :class:`BatchHandle` share: a call of one client (and so of
+    that client's thread) and the way to wait for its outcome."""
 
     __slots__ = ("_call", "_client")
 
@@ -84,7 +81,7 @@ class Handle:
 
     def __repr__(self) -> str:
         state = "done" if self._call.outcome is not None else "pending"
-        return f"<Handle request_id={self._call.id} {state}>"
+        return f"<{type(self).__name__} request_id={self._call.id} {state}>"
 
     @property
     def request_id(self) -> int:
@@ -98,6 +95,16 @@ class Handle:
             self._client._check_thread()
             self._client._pump(0.0, lambda: self._call.outcome is not None)
         return self._call.outcome is not None
+
+
+@final
+class Handle(_Pending):
+    """A submitted INFER (from :meth:`Client.submit`): the way to its :class:`Result`.
+
+    Belongs to its client and so to that client's thread.
+    """
+
+    __slots__ = ()
 
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the reply and return the detections.
@@ -120,33 +127,13 @@ class Handle:
 
 
 @final
-class BatchHandle:
+class BatchHandle(_Pending):
     """A submitted INFER_BATCH (from :meth:`Client.submit_batch`): the way to its results.
 
     Belongs to its client and so to that client's thread.
     """
 
-    __slots__ = ("_call", "_client")
-
-    def __init__(self, client: Client, call: _Call) -> None:
-        self._client = client
-        self._call = call
-
-    def __repr__(self) -> str:
-        state = "done" if self._call.outcome is not None else "pending"
-        return f"<BatchHandle request_id={self._call.id} images={self._call.images} {state}>"
-
-    @property
-    def request_id(self) -> int:
-        """The batch's id on the wire."""
-        return self._call.id
-
-    def done(self) -> bool:
-        """:meth:`Handle.done`."""
-        if self._call.outcome is None and not self._client.closed:
-            self._client._check_thread()
-            self._client._pump(0.0, lambda: self._call.outcome is not None)
-        return self._call.outcome is not None
+    __slots__ = ()
 
     def result(self, timeout: float | None = None) -> list[Result | DladError]:
         """Wait for the reply and return each image's outcome, in order: its :class:`Result`,
