@@ -108,6 +108,32 @@ def engine_cpu_seconds(pid: int) -> float:
     return total
 
 
+def thread_cpu(pid: int) -> dict[tuple[int, str], float]:
+    """CPU seconds of each of ``pid``'s threads, keyed by (tid, name); the main thread (the
+    event loop) is named ``loop``."""
+    out: dict[tuple[int, str], float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            tid = int(task.name)
+            name = "loop" if tid == pid else (task / "comm").read_text().strip()
+            out[tid, name] = _stat_cpu(task / "stat")
+    return out
+
+
+def thread_breakdown(
+    before: dict[tuple[int, str], float], after: dict[tuple[int, str], float], requests: int
+) -> str:
+    """The CPU per request of each thread name (threads of one name summed: a pool's workers,
+    the driver's helpers), highest first: where a run's CPU went, native code included."""
+    by_name: Counter[str] = Counter()
+    for key, cpu in after.items():
+        by_name[key[1]] += cpu - before.get(key, 0.0)
+    n = max(requests, 1)
+    return ", ".join(
+        f"{name} {cpu / n * 1e3:.3f}" for name, cpu in by_name.most_common() if cpu > 0
+    )
+
+
 def _stat_cpu(stat: Path) -> float:
     fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -282,11 +308,12 @@ def bare_ceiling(
 
 def start_profile(pid: int, raw: Path, seconds: float) -> subprocess.Popen[bytes]:
     """py-spy sampling ``pid`` for ``seconds`` (the measured window, not the start-up) into
-    ``raw`` as collapsed stacks, every thread, 200 samples a second."""
+    ``raw`` as collapsed stacks, every thread, 200 samples a second, without pausing it (a
+    paused daemon serves less and its profile is of another load)."""
     raw.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         ["py-spy", "record", "--pid", str(pid), "--duration", str(math.ceil(seconds)),
-         "--rate", "200", "--threads", "--format", "raw", "--output", str(raw)],
+         "--rate", "200", "--threads", "--nonblocking", "--format", "raw", "--output", str(raw)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -295,16 +322,23 @@ WAITS = frozenset({"Condition.wait", "EpollSelector.select", "Event.wait", "slee
 """Innermost frames that block (py-spy can count a timed wait as running: dropped)."""
 
 
-def top_functions(raw: Path, n: int = 15) -> str:
+LOOP = "_main (cli.py)"
+"""A frame only the event loop's thread has (the daemon's entry point)."""
+
+
+def top_functions(raw: Path, n: int = 15, only: str | None = None) -> str:
     """The ``n`` functions with the most samples in py-spy's raw (collapsed) stacks: by self
     time (the innermost frame) and inclusive (anywhere on the stack, once per sample); samples
-    blocked in a wait (:data:`WAITS`) are left out."""
+    blocked in a wait (:data:`WAITS`) are left out. ``only``: the samples of stacks holding
+    that frame (:data:`LOOP`: the event loop's thread)."""
     selfs: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     total = waits = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = [_short(f) for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        if only is not None and only not in frames:
+            continue
         k = int(count)
         if not frames or frames[-1].partition(" (")[0] in WAITS:
             waits += k
@@ -338,9 +372,10 @@ def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
 def run_dlad(
     args: argparse.Namespace, pre_post: str, backend: str, trial: int, *, shm: bool = False,
     tree: Path | None = None,
-) -> tuple[dict[str, float], float, float, Path | None]:  # fmt: skip
+) -> tuple[dict[str, float], float, float, Path | None, str]:  # fmt: skip
     """One dlad server measured (``tree``: from that checkout's code): (stats, process CPU
-    s/request, engine threads' CPU s/request, the profile's raw stacks or None)."""
+    s/request, engine threads' CPU s/request, the profile's raw stacks or None, the CPU per
+    request of each thread name)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "dlad.toml"
         gpu = '[devices.gpu]\nkind = "gpu"\n' if backend == "cuda" else ""
@@ -369,14 +404,16 @@ def run_dlad(
         raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
         spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
         cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-        r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
+        threads0 = thread_cpu(proc.pid)
+        r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
         cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
         engines = (engine_cpu_seconds(proc.pid) - eng0) / max(r["ok"], 1)
+        threads = thread_breakdown(threads0, thread_cpu(proc.pid), int(r["ok"]))
         if spy is not None:
             spy.wait(60)
         proc.terminate()
         proc.wait(30)
-    return r, cpu, engines, raw
+    return r, cpu, engines, raw, threads
 
 
 def _run_name(pre_post: str, backend: str, shm: bool = False, tree: Path | None = None) -> str:
@@ -403,6 +440,11 @@ def main() -> None:
     ap.add_argument(
         "--shm", action="store_true",
         help="also run each dlad server with shared-memory frames (docs/protocol.md)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--batch", type=int, default=1,
+        help="frames per message from dlad's client (INFER_BATCH when > 1; the bare server "
+             "always gets one frame a message)",
     )  # fmt: skip
     ap.add_argument(
         "--trials", type=int, default=1,
@@ -439,7 +481,9 @@ def main() -> None:
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
         for pre_post, backend, shm, tree in runs:
-            r, cpu, engines, raw = run_dlad(args, pre_post, backend, trial, shm=shm, tree=tree)
+            r, cpu, engines, raw, threads = run_dlad(
+                args, pre_post, backend, trial, shm=shm, tree=tree
+            )
             name = _run_name(pre_post, backend, shm, tree)
             own = cpu - engines
             paced, paced_cpu = bare_ceiling(args.endpoint, args.seconds, args.in_flight, r["rate"])
@@ -455,10 +499,12 @@ def main() -> None:
                 f"{own * 1e3:.3f} = {own / bare_cpu:.2f} x the bare pyzmq server's "
                 f"{bare_cpu * 1e3:.3f}; errors {r['errors']}\n"
                 f"  the bare server paced to the same load: {paced['rate']:.0f} frames/s, CPU "
-                f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that"
+                f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that\n"
+                f"  CPU ms/request by thread: {threads}"
             )
             if raw is not None:
                 print(f"profile of dlad, pre/post {name} ({raw}):\n{top_functions(raw)}")
+                print(f"  the event loop's thread alone:\n{top_functions(raw, 30, LOOP)}")
     if args.trials > 1:
         print(f"summary over {args.trials} trials (median [min, max]):")
         for name, rows in ratios.items():

@@ -245,6 +245,7 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     wall1 = wall(post1_sync, 500, warm=20)
     wall1_spin = wall(post1_spin, 500, warm=20)
     gpu1 = Events(ctx, pipe1.stream).time_us(post1, 1000)
+    stages = stage_times(ctx, pipe1, ptrs)
     wall8 = wall(post8_sync, 200, warm=10) / batch
     gpu8 = Events(ctx, pipe8.stream).time_us(post8, 300) / batch
     ref_us = wall(lambda: postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry,
@@ -294,6 +295,7 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
         "dlad_batch1_wall_us": wall1,
         "dlad_batch1_wall_spin_us": wall1_spin,
         "dlad_batch1_gpu_us": gpu1,
+        "dlad_batch1_gpu_stages_us": stages,
         f"dlad_batch{batch}_wall_per_frame_us": wall8,
         f"dlad_batch{batch}_gpu_per_frame_us": gpu8,
         "torchvision_wall_us": tv_wall,
@@ -307,6 +309,29 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     pipe8.close()
     for b in bufs:
         b.free()
+
+
+def stage_times(ctx: GpuContext, pipe: GpuPipeline, ptrs: list[int]) -> dict[str, float]:
+    """Where the batch-1 frame's GPU time goes, warm: the frame's graph (settings already on
+    the device) cut after each kernel, timed back to back; each stage is the difference from
+    the cut before (the first cut holds only the memset that stands in for the sort's reset
+    of the candidate counter)."""
+    drv = _driver()
+    sizes = [h.nbytes for h in pipe.heads]
+    cuts: list[float] = []
+    for kernels in range(5):
+        graph, exe = pipe._capture(1, ptrs, sizes, copy=False, kernels=kernels)
+
+        def run(exe: Any = exe) -> None:
+            _check(drv.cuGraphLaunch(exe, pipe.stream), "cuGraphLaunch")
+
+        cuts.append(Events(ctx, pipe.stream).time_us(run, 1000))
+        _check(drv.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
+        _check(drv.cuGraphDestroy(graph), "cuGraphDestroy")
+    names = ("memset", "decode", "select_sort", "mask", "scan")
+    out = {f"cut_after_{n}": t for n, t in zip(names, cuts, strict=True)}
+    out |= {n: cuts[i] - cuts[i - 1] for i, n in enumerate(names) if i}
+    return out
 
 
 def bench_fence(ctx: GpuContext, results: dict[str, Any]) -> None:

@@ -4,7 +4,9 @@
 # tests:  the GPU tests and the shared-memory tests (the host is a second x86 ISA);
 # gpu:    bench/gpu_prepost.py (pre/post kernels vs baselines; batch-1 post, sleeping and polling);
 # daemon: bench/daemon_throughput.py, pre/post off, CPU and CUDA, 3 trials, then one profiled run;
-# daemon-shm: the same, pre/post off and CUDA, frames in the message and in shared memory;
+# daemon-shm: the same, pre/post off and CUDA, frames in the message and in shared memory
+#         ($TRIALS trials, default 3; $BATCH frames a message, default 1);
+# profile-shm: one run of each of those, profiled (py-spy), with the CPU by thread;
 # shm:    bench/shm_frames.py (tcp / ipc / shared memory, 1.35 MB and 6.2 MB frames, 3 trials).
 set -uo pipefail
 source bench/h200_env.sh
@@ -28,7 +30,12 @@ for part in "$@"; do
             --pre-post-backends cuda --profile "$out/profile" 2>&1 | tee "$out/profile.txt" ;;
     daemon-shm)
         timeout 400 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
-            --pre-post-backends cuda --shm --trials 3 2>&1 | tee "$out/throughput_shm.txt" ;;
+            --pre-post-backends cuda --shm --trials "${TRIALS:-3}" --batch "${BATCH:-1}" 2>&1 \
+            | tee "$out/throughput_shm.txt" ;;
+    profile-shm)
+        timeout 200 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
+            --pre-post-backends cuda --shm --profile /tmp/profile 2>&1 \
+            | tee "$out/profile_shm.txt" ;;
     shm)
         timeout 500 python3 bench/shm_frames.py --seconds 4 --trials 3 2>&1 | tee "$out/shm.txt" ;;
     esac

@@ -25,8 +25,10 @@ image math runs on threads, numerics on the core.
 With a GPU (``gpu`` given), step 2 becomes one chain queued at once, from the loop (the calls
 only enqueue work), on the slot's CUDA stream and fenced to the DLA task (``dlad.gpu``): upload
 → pre kernel → the GPU signals the slot's ``ready`` fence → the task (waiting on ``ready``) runs
-and signals ``done`` → the stream waits on ``done`` → post kernels → result copy. One worker
-thread waits for the chain's end; the CPU never waits between pre and post. ``pre_us`` is then
+and signals ``done`` → the stream waits on ``done`` → post kernels, which write the results to
+pinned host memory. The slot's own thread (:class:`dlad.waiter.Waiter`: one hand-over each way,
+about half of ``anyio.to_thread``'s CPU) waits for the chain's end; the CPU never waits between
+pre and post. ``pre_us`` is then
 submission to task start and ``post_us`` task end to result, both as seen by the host.
 """
 
@@ -55,6 +57,7 @@ from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_
 from dlad.loadable import DataType, Loadable
 from dlad.protocol import MAX_DET
 from dlad.scheduler import Job, Scheduler
+from dlad.waiter import Waiter
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService, GpuSlot
@@ -76,6 +79,7 @@ class Slot:
     outputs: list[Any]
     fence: Any
     gpu: GpuSlot | None = None
+    waiter: Waiter | None = None  # with ``gpu``: the thread that sleeps until a chain's end
 
 
 class DlaExecutor(Executor):
@@ -178,6 +182,7 @@ class DlaExecutor(Executor):
                 slot.gpu = self.gpu.slot_for(
                     self.dla, self.loadable, slot.inputs, slot.outputs, max_det=MAX_DET
                 )
+                slot.waiter = Waiter(f"{self.name}-gpu-wait")
             except DlaError as exc:
                 # e.g. a cudla core in deterministic-semaphore mode, which cannot take a
                 # GPU-signalled fence: this worker pre/post-processes on the CPU instead.
@@ -186,6 +191,9 @@ class DlaExecutor(Executor):
         return slot
 
     def close(self) -> None:
+        for slot in self.slots:
+            if slot.waiter is not None:
+                slot.waiter.close()
         self.dla.close(force=True)
 
     async def warm_up(self) -> float:
@@ -245,8 +253,8 @@ class DlaExecutor(Executor):
         return Outcome(job.id, self.name, error=DeadlineExceeded("deadline passed while queued"))
 
     async def _execute(self, job: Job[Request], slot: Slot) -> Outcome:
-        if slot.gpu is not None:
-            return await self._execute_gpu(job, slot, slot.gpu)
+        if slot.gpu is not None and slot.waiter is not None:  # both or neither
+            return await self._execute_gpu(job, slot, slot.gpu, slot.waiter)
         if not self.pre_post:
             return await self._execute_bare(job, slot)
         out, handle = await anyio.to_thread.run_sync(
@@ -305,7 +313,9 @@ class DlaExecutor(Executor):
         out.post_us = (time.monotonic_ns() - t2) / 1e3
         return out, handle
 
-    async def _execute_gpu(self, job: Job[Request], slot: Slot, gpu: GpuSlot) -> Outcome:
+    async def _execute_gpu(
+        self, job: Job[Request], slot: Slot, gpu: GpuSlot, waiter: Waiter
+    ) -> Outcome:
         work = job.payload
         out = Outcome(job.id, self.name)
         t0 = time.monotonic_ns()
@@ -317,8 +327,9 @@ class DlaExecutor(Executor):
         except DlaError as exc:
             out.error = self.failed(DeviceFailed(f"{self.name}: {exc}"))
             return out
-        # Waits for the whole chain (pre, DLA, post) on a thread of its own, not the limiter's.
-        (result,) = await anyio.to_thread.run_sync(gpu.pipeline.synchronize)
+        # Waits for the whole chain (pre, DLA, post) on the slot's own thread (one hand-over
+        # each way: dlad.waiter).
+        (result,) = await waiter.run(gpu.pipeline.synchronize)
         t_end = time.monotonic_ns()
         ok = self._settle(out, handle)
         if handle.timing is not None:

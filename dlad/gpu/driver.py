@@ -60,10 +60,17 @@ class CudaError(RuntimeError):
         super().__init__(f"{call} failed ({code}){': ' + detail if detail else ''}")
 
 
-def _driver() -> Any:
-    from cuda.bindings import driver
+_DRIVER: Any = None
 
-    return driver
+
+def _driver() -> Any:
+    """cuda-python's driver module (imported on first use: the daemon runs without it)."""
+    global _DRIVER  # noqa: PLW0603 (a cached import, set once)
+    if _DRIVER is None:
+        from cuda.bindings import driver
+
+        _DRIVER = driver
+    return _DRIVER
 
 
 def _check(result: Any, call: str) -> Any:
@@ -386,9 +393,8 @@ def launch(  # noqa: PLR0917 (the CUDA launch tuple, in cuLaunchKernel's order)
 ) -> None:
     """Launch ``kernel`` with one by-value struct argument. Raises CudaError."""
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    _check(
-        _driver().cuLaunchKernel(
-            kernel.function, *grid, *block, smem, stream, ctypes.addressof(argv), 0
-        ),
-        f"cuLaunchKernel({kernel.name})",
+    result = _driver().cuLaunchKernel(
+        kernel.function, *grid, *block, smem, stream, ctypes.addressof(argv), 0
     )
+    if int(result[0]) != 0:  # the call's name is formatted only when it failed
+        _check(result, f"cuLaunchKernel({kernel.name})")

@@ -64,6 +64,9 @@ class MappedFence(EmulatedFence):
         self._poller = poller
         self._events: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
+        # Events the waiter has seen fire, for the next signals (one per frame otherwise: a
+        # create and a destroy each).
+        self._spare: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     @property
     def word(self) -> int:
@@ -94,7 +97,10 @@ class MappedFence(EmulatedFence):
         and promises; CudaError when queueing fails."""
         self._reserve(value, "cuStreamWriteValue32")
         pipeline.signal(self.device_ptr, value)
-        event = self._ctx.event(blocking=True)
+        try:
+            event = self._spare.get_nowait()
+        except queue.Empty:
+            event = self._ctx.event(blocking=True)
         pipeline.record(event)  # recorded before the waiter can wait on it
         if self._waiter is None:
             self._waiter = threading.Thread(
@@ -113,7 +119,9 @@ class MappedFence(EmulatedFence):
             err = drv.cuEventSynchronize(event)[0]
             if int(err) != 0:  # the stream failed: release the task anyway, it will fail too
                 log.error("gpu_fence_event_failed", fence=self.name, error=str(err))
-            drv.cuEventDestroy(event)
+                drv.cuEventDestroy(event)
+            else:
+                self._spare.put(event)
             self._advance(value)
 
     def free(self) -> None:
@@ -122,6 +130,12 @@ class MappedFence(EmulatedFence):
             self._events.put(None)
             self._waiter.join()
             self._waiter = None
+        drv = _driver()
+        while True:
+            try:
+                drv.cuEventDestroy(self._spare.get_nowait())
+            except queue.Empty:  # noqa: PERF203 (teardown)
+                break
         self._memory.free()
 
 

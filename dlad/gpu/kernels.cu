@@ -192,6 +192,66 @@ __device__ __forceinline__ void emit(const PostParams& p, int b, float x1, float
     p.keys[at] = ((u64)(0xFFFFFFFFu - __float_as_uint(score)) << 32) | order;
 }
 
+// The 32 bytes of channel group g at one cell (16 fp16 lanes of CHW16, 32 int8 lanes of CHW32),
+// as eight words; two 16-byte loads when the block is 16-byte aligned.
+__device__ __forceinline__ void group_words(const PostParams& p, int level, const void* base,
+                                            int g, int iy, int ix, u32 w[8]) {
+    long long off = (((long long)g * p.head_h[level] + iy) * p.head_w[level] + ix) * 32;
+    const char* at = reinterpret_cast<const char*>(base) + off;
+    if ((reinterpret_cast<unsigned long long>(at) & 15) == 0) {
+        uint4 lo = reinterpret_cast<const uint4*>(at)[0], hi = reinterpret_cast<const uint4*>(at)[1];
+        w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
+        w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
+    } else {
+        const u32* v = reinterpret_cast<const u32*>(at);  // heads are at least 4-byte aligned
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = v[i];
+    }
+}
+
+// Lane l of a group's words, as head_value computes it: LANES 32 is CHW32 int8, 16 CHW16 fp16.
+template <int LANES>
+__device__ __forceinline__ float lane_value(const PostParams& p, int level, const u32 w[8], int l) {
+    if (LANES == 32) {
+        i8 q = (i8)((w[l >> 2] >> ((l & 3) * 8)) & 0xFF);
+        return __fmul_rn((float)q, p.head_scale[level]);
+    }
+    return half_to_float((u16)((w[l >> 1] >> ((l & 1) * 16)) & 0xFFFF));
+}
+
+// fn(k, value) for the class logits k = 0 .. nc - 1 of the channels from c0, in class order,
+// read a channel group (32 bytes) at a time, four groups' loads in flight together. Every
+// index into the words is a constant after unrolling: they stay in registers.
+template <int LANES, typename F>
+__device__ __forceinline__ void classes_by_group(const PostParams& p, int level, const void* base,
+                                                 int c0, int iy, int ix, F& fn) {
+    const int g_last = (c0 + p.nc - 1) / LANES;
+    for (int g0 = c0 / LANES; g0 <= g_last; g0 += 4) {
+        u32 w[4][8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (g0 + q <= g_last) group_words(p, level, base, g0 + q, iy, ix, w[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (g0 + q > g_last) break;
+            int k0 = (g0 + q) * LANES - c0;  // the class of lane 0
+#pragma unroll
+            for (int l = 0; l < LANES; ++l) {
+                int k = k0 + l;
+                if (k >= 0 && k < p.nc) fn(k, lane_value<LANES>(p, level, w[q], l));
+            }
+        }
+    }
+}
+
+template <typename F>
+__device__ __forceinline__ void for_each_class(const PostParams& p, int level, const void* base,
+                                               int c0, int iy, int ix, F fn) {
+    if (p.head_scale[level] > 0.0f) classes_by_group<32>(p, level, base, c0, iy, ix, fn);
+    else classes_by_group<16>(p, level, base, c0, iy, ix, fn);
+}
+
 // dlad.imaging.post.decode: one thread per (level, anchor, cell); grid.y = image.
 extern "C" __global__ void post_decode(const PostParams p) {
     const FrameParams f = *p.frame;
@@ -225,19 +285,16 @@ extern "C" __global__ void post_decode(const PostParams p) {
     if (!(isfinite(x1) && isfinite(y1) && isfinite(x2) && isfinite(y2))) return;
     if (f.multi_label) {
         u32 order0 = (u32)(t) * (u32)p.nc;
-#pragma unroll 8
-        for (int k = 0; k < p.nc; ++k) {
-            float conf = __fmul_rn(obj, sigmoidf(head_value(p, level, base, ch + 5 + k, iy, ix)));
+        for_each_class(p, level, base, ch + 5, iy, ix, [&](int k, float v) {
+            float conf = __fmul_rn(obj, sigmoidf(v));
             if (conf > f.conf) emit(p, b, x1, y1, x2, y2, conf, k, order0 + k);
-        }
+        });
     } else {
         int best = 0;
-        float best_logit = head_value(p, level, base, ch + 5, iy, ix);
-#pragma unroll 16
-        for (int k = 1; k < p.nc; ++k) {  // unrolled: the loads go out together
-            float v = head_value(p, level, base, ch + 5 + k, iy, ix);
-            if (v > best_logit) { best_logit = v; best = k; }  // first maximum wins ties
-        }
+        float best_logit = 0.0f;  // set by class 0
+        for_each_class(p, level, base, ch + 5, iy, ix, [&](int k, float v) {
+            if (k == 0 || v > best_logit) { best_logit = v; best = k; }  // first maximum wins
+        });
         float conf = __fmul_rn(obj, sigmoidf(best_logit));
         if (conf > f.conf) emit(p, b, x1, y1, x2, y2, conf, best, (u32)t);
     }

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from dlad.gpu.driver import (
     DeviceBuffer,
     GpuContext,
     HostBuffer,
+    Kernel,
     _check,
     _driver,
     launch,
@@ -239,6 +240,7 @@ class GpuPipeline:
         self._scan_smem = _SCAN_ROWS * _SCAN_ROWS // 8 + 4 * max(max_det, 1)
         ctx.set_max_dynamic_smem(ctx.kernels["post_scan"], self._scan_smem)
         self.stream = ctx.stream()
+        self._geq = _driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ  # looked up once
         self.done = ctx.event(blocking=True)  # the waiting thread sleeps, it does not spin
         self._image: DeviceBuffer | None = None
         self._owned: list[DeviceBuffer | HostBuffer] = []
@@ -253,7 +255,9 @@ class GpuPipeline:
         self._mask = self._dev(batch * SORT_CAPACITY * _MASK_WORDS * 8)
         self._kept_m = self._dev(batch * 4)
         self._out_floats = 4 + 6 * max_det
-        self._out = self._dev(batch * self._out_floats * 4)
+        # The kernels write each image's record straight into pinned, device-mapped host memory
+        # (a few KB of posted writes): no copy node, and the results are in host memory when
+        # the last kernel ends.
         self._out_host = self._host(batch * self._out_floats * 4)
         # Per-frame settings and geometries: written here in pinned memory, copied to the GPU
         # by the first node of the frame's graph.
@@ -265,7 +269,14 @@ class GpuPipeline:
             self._frame_host.host_ptr + ctypes.sizeof(FrameParams)
         )
         self._graphs: dict[tuple[object, ...], tuple[object, object]] = {}
+        # The settings and geometries the device copy holds (None: none yet). A frame that
+        # asks for the same launches its graph without the copy node.
+        self._copied: tuple[object, ...] | None = None
         self._pre_params = PreParams()
+        # The last pre-processing's settings, kernel and grid (the fields are set for them).
+        self._pre_key: tuple[object, ...] | None = None
+        self._pre_kernel: Kernel | None = None
+        self._pre_grid = (1, 1, 1)
         self._post_params = PostParams()
         self._fill_static(self._post_params)
         self._requested: list[int] = []
@@ -285,7 +296,7 @@ class GpuPipeline:
         self._cells = cells
         p.cands, p.keys, p.counts = self._cands.ptr, self._keys.ptr, self._counts.ptr
         p.sorted, p.mask, p.kept_m = self._sorted.ptr, self._mask.ptr, self._kept_m.ptr
-        p.out = self._out.ptr
+        p.out = self._out_host.device_ptr
         p.frame = self._frame_dev.ptr
         p.geoms = self._frame_dev.ptr + ctypes.sizeof(FrameParams)
         p.nl, p.na, p.nc = len(self.heads), na, self.nc
@@ -361,13 +372,19 @@ class GpuPipeline:
 
         Raises ValueError for a shape that does not match ``pixel_format`` or ``geometry``.
         """
+        p = self._pre_params
+        key = (tuple(src_shape), pixel_format, geometry, dst_ptr, input_scale, pad_value)
+        if key == self._pre_key and self._pre_kernel is not None:  # a camera's: only src moves
+            p.src = src_ptr
+            launch(self._pre_kernel, self._pre_grid, (32, 8, 1), p, self.stream)
+            return
         h, w = int(src_shape[0]), int(src_shape[1])
         c = 1 if len(src_shape) == 2 else int(src_shape[2])
         if (pixel_format == "GRAY") != (c == 1) or c not in (1, 3):
             raise ValueError(f"image shape {src_shape} does not match {pixel_format}")
         if (geometry.src_w, geometry.src_h) != (w, h):
             raise ValueError("geometry was computed for another image size")
-        p = self._pre_params
+        self._pre_key = None  # until the fields below are all written
         p.src, p.dst = src_ptr, dst_ptr
         p.src_w, p.src_h, p.src_pitch, p.src_c = w, h, w * c, c
         p.bgr = int(pixel_format == "BGR")
@@ -385,6 +402,7 @@ class GpuPipeline:
             p.dst_pitch_px = geometry.dst_w
             kernel, width = self.ctx.kernels["pre_chw16_f16"], geometry.dst_w
         grid = (-(-width // 32), -(-geometry.dst_h // 8), 1)
+        self._pre_kernel, self._pre_grid, self._pre_key = kernel, grid, key
         launch(kernel, grid, (32, 8, 1), p, self.stream)
 
     # ------------------------------------------------------------------------- fences
@@ -406,9 +424,8 @@ class GpuPipeline:
         """Queue a wait until the fence word at ``device_ptr`` reaches ``value`` (wrap-safe
         32-bit ``>=``): the stream's later work starts only after the fence's producer."""
         drv = _driver()
-        flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         _check(
-            drv.cuStreamWaitValue32(self.stream, device_ptr, value & 0xFFFFFFFF, flags),
+            drv.cuStreamWaitValue32(self.stream, device_ptr, value & 0xFFFFFFFF, self._geq),
             "cuStreamWaitValue32",
         )
 
@@ -442,8 +459,9 @@ class GpuPipeline:
     ) -> None:
         """Queue decode → top-``max_candidates`` → NMS → back-projection for
         ``len(geometries)`` images whose heads start at ``head_ptrs`` (image ``b`` at
-        ``ptr + b * head_image_bytes``, default: each head's :attr:`HeadSpec.nbytes`), then the
-        copy of the results to host memory and the completion event. NMS over at most 1,024
+        ``ptr + b * head_image_bytes``, default: each head's :attr:`HeadSpec.nbytes`), the results
+        written straight to pinned host memory, then the completion event (the settings are
+        copied to the GPU only when they differ from the last frame's). NMS over at most 1,024
         candidates runs as a fixed point of at most ``nms_rounds`` parallel rounds, then (if it
         has not converged: a long suppression chain) as a sequential walk; both are exact.
 
@@ -458,33 +476,49 @@ class GpuPipeline:
         if not 0 <= max_det <= self.max_det or not 1 <= max_candidates <= SORT_CAPACITY:
             raise ValueError(f"max_det must be <= {self.max_det}, max_candidates in 1..8192")
         sizes = head_image_bytes or [h.nbytes for h in self.heads]
-        # The previous frame of this pipeline is done (one frame at a time), so its graph no
-        # longer reads the pinned settings.
-        for b, g in enumerate(geometries):
-            geo = self._geoms[b]
-            geo.scale, geo.pad_x, geo.pad_y, geo.src_w, geo.src_h = (
-                g.scale, g.pad_x, g.pad_y, g.src_w, g.src_h
-            )  # fmt: skip
-        f = self._frame
-        f.conf = float(np.float32(conf_threshold))
-        f.obj_cut = float(_logit_cut(conf_threshold))
-        f.iou = float(iou_threshold)
-        f.max_det, f.multi_label = max_det, int(multi_label)
-        f.max_candidates, f.nms_rounds = max_candidates, nms_rounds
-        key = (n, tuple(head_ptrs), tuple(sizes))
+        settings = (conf_threshold, iou_threshold, max_det, multi_label, max_candidates,
+                    nms_rounds, *geometries)  # fmt: skip
+        copy = settings != self._copied
+        if copy:
+            # The previous frame of this pipeline is done (one frame at a time), so its graph
+            # no longer reads the pinned settings.
+            for b, g in enumerate(geometries):
+                geo = self._geoms[b]
+                geo.scale, geo.pad_x, geo.pad_y, geo.src_w, geo.src_h = (
+                    g.scale, g.pad_x, g.pad_y, g.src_w, g.src_h
+                )  # fmt: skip
+            f = self._frame
+            f.conf = float(np.float32(conf_threshold))
+            f.obj_cut = float(_logit_cut(conf_threshold))
+            f.iou = float(iou_threshold)
+            f.max_det, f.multi_label = max_det, int(multi_label)
+            f.max_candidates, f.nms_rounds = max_candidates, nms_rounds
+            self._copied = None  # until the launch that copies them is queued
+        key = (n, tuple(head_ptrs), tuple(sizes), copy)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(n, head_ptrs, sizes)
+            graph = self._graphs[key] = self._capture(n, head_ptrs, sizes, copy=copy)
         drv = _driver()
         _check(drv.cuGraphLaunch(graph[1], self.stream), "cuGraphLaunch")
+        if copy:
+            self._copied = settings
         _check(drv.cuEventRecord(self.done, self.stream), "cuEventRecord")
         self._requested = [max_det] * n
 
     def _capture(
-        self, n: int, head_ptrs: Sequence[int], sizes: Sequence[int]
+        self,
+        n: int,
+        head_ptrs: Sequence[int],
+        sizes: Sequence[int],
+        *,
+        copy: bool = True,
+        kernels: int = 4,
     ) -> tuple[object, object]:
-        """Capture one frame of ``n`` images (settings copy, the four kernels, the result copy)
-        as a CUDA graph: one launch per frame instead of six calls."""
+        """Capture one frame of ``n`` images (the settings copy unless ``copy`` is false, then
+        the four kernels, which write the results to host memory) as a CUDA graph: one launch
+        per frame instead of five calls. ``kernels`` < 4 captures only the first ones (a
+        benchmark times the stages by difference); without ``post_select_sort`` a memset resets
+        the candidate counters in its place."""
         p = self._post_params
         for i, ptr in enumerate(head_ptrs):
             p.heads[i] = ptr
@@ -494,27 +528,27 @@ class GpuPipeline:
         mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         _check(drv.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:
-            _check(
-                drv.cuMemcpyHtoDAsync(
-                    self._frame_dev.ptr, self._frame_host.host_ptr, self._frame_bytes, self.stream
-                ),
-                "cuMemcpyHtoDAsync",
-            )
-            k = self.ctx.kernels
-            cells = self._cells
-            launch(k["post_decode"], (-(-cells // 256), n, 1), (256, 1, 1), p, self.stream)
-            launch(
-                k["post_select_sort"], (n, 1, 1), (_SORT_THREADS, 1, 1), p, self.stream, _SORT_SMEM
-            )
-            launch(k["post_mask"], (2 * self.ctx.sm_count, n, 1), (256, 1, 1), p, self.stream)
-            launch(
-                k["post_scan"], (n, 1, 1), (_SCAN_THREADS, 1, 1), p, self.stream, self._scan_smem
-            )
-            nbytes = n * self._out_floats * 4  # every image's record, whatever its max_det
-            _check(
-                drv.cuMemcpyDtoHAsync(self._out_host.host_ptr, self._out.ptr, nbytes, self.stream),
-                "cuMemcpyDtoHAsync",
-            )
+            if copy:
+                _check(
+                    drv.cuMemcpyHtoDAsync(
+                        self._frame_dev.ptr, self._frame_host.host_ptr, self._frame_bytes,
+                        self.stream,
+                    ),
+                    "cuMemcpyHtoDAsync",
+                )  # fmt: skip
+            k, s = self.ctx.kernels, self.stream
+            stages: list[Callable[[], None]] = [
+                lambda: launch(k["post_decode"], (-(-self._cells // 256), n, 1), (256, 1, 1), p, s),
+                lambda: launch(k["post_select_sort"], (n, 1, 1), (_SORT_THREADS, 1, 1), p, s,
+                               _SORT_SMEM),
+                lambda: launch(k["post_mask"], (2 * self.ctx.sm_count, n, 1), (256, 1, 1), p, s),
+                lambda: launch(k["post_scan"], (n, 1, 1), (_SCAN_THREADS, 1, 1), p, s,
+                               self._scan_smem),
+            ]  # fmt: skip
+            for stage in stages[:kernels]:
+                stage()
+            if kernels < 2:
+                _check(drv.cuMemsetD32Async(self._counts.ptr, 0, n, s), "cuMemsetD32Async")
         finally:
             graph = _check(drv.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         graph_exec = _check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")

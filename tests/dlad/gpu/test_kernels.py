@@ -151,18 +151,27 @@ def _heads(
     return raws, specs, packed
 
 
-def _canonical(det: np.ndarray) -> np.ndarray:
-    """``det`` in score order, detections of equal float32 score by class then box: the GPU
-    ranks float32 scores and the reference float64 ones, so two scores equal in float32 may
-    come in either order (found by hypothesis on the H200, seed 1159353050)."""
-    order = np.lexsort((det[:, 3], det[:, 2], det[:, 1], det[:, 0], det[:, 5], -det[:, 4]))
+def _near_ties(scores: np.ndarray) -> np.ndarray:
+    """Group ids of score-ordered detections: a new group starts where the score drops by more
+    than the comparison's tolerance. The GPU's expf and numpy's exp differ by an ulp or two, so
+    scores that are equal in exact arithmetic (int8 heads quantise many logits to one value)
+    can rank either way (found by hypothesis on the H200, seed 1159353050)."""
+    drops = -np.diff(scores) > 1e-5 * np.abs(scores[1:]) + 1e-7
+    return np.concatenate([[0], np.cumsum(drops)])[: len(scores)]
+
+
+def _canonical(det: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """``det`` (score-ordered) with each group of near-tied scores ordered by class, then box."""
+    order = np.lexsort((det[:, 3], det[:, 2], det[:, 1], det[:, 0], det[:, 5], groups))
     return det[order]
 
 
 def _compare(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.shape == expected.shape, (got.shape, expected.shape)
     assert np.all(np.diff(got[:, 4]) <= 0), "the GPU's detections are not in score order"
-    got, expected = _canonical(got), _canonical(expected)
+    expected = expected[np.argsort(-expected[:, 4], kind="stable")]
+    groups = _near_ties(expected[:, 4])
+    got, expected = _canonical(got, groups), _canonical(expected, groups)
     np.testing.assert_array_equal(got[:, 5], expected[:, 5])
     np.testing.assert_allclose(got[:, 4], expected[:, 4], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got[:, :4], expected[:, :4], rtol=1e-5, atol=1e-3)
@@ -200,7 +209,7 @@ def _run_post(
     int8=st.booleans(),
     max_det=st.sampled_from([1, 100, 300]),
 )
-# int8 heads tie scores exactly: equal detections came in another order (H200, 2026-12-01)
+# int8 heads tie scores: near-equal detections came in another order (H200, 2026-12-01)
 @example(seed=1_159_353_050, canvas=256, nc=3, obj_mean=3.0, conf=0.001, iou=0.3,
          multi_label=False, int8=True, max_det=100)  # fmt: skip
 def test_post_matches_reference(
