@@ -399,20 +399,22 @@ def run_dlad(
             cwd=tree,
             env=env,
         )
-        wait_ready(proc, "listening")
-        name = _run_name(pre_post, backend, shm, tree)
-        raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
-        spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
-        cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-        threads0 = thread_cpu(proc.pid)
-        r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
-        cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
-        engines = (engine_cpu_seconds(proc.pid) - eng0) / max(r["ok"], 1)
-        threads = thread_breakdown(threads0, thread_cpu(proc.pid), int(r["ok"]))
-        if spy is not None:
-            spy.wait(60)
-        proc.terminate()
-        proc.wait(30)
+        try:  # the daemon goes, whatever fails (a later run needs its port)
+            wait_ready(proc, "listening")
+            name = _run_name(pre_post, backend, shm, tree)
+            raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
+            spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
+            cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
+            threads0 = thread_cpu(proc.pid)
+            r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
+            cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
+            engines = (engine_cpu_seconds(proc.pid) - eng0) / max(r["ok"], 1)
+            threads = thread_breakdown(threads0, thread_cpu(proc.pid), int(r["ok"]))
+            if spy is not None:
+                spy.wait(60)
+        finally:
+            proc.terminate()
+            proc.wait(30)
     return r, cpu, engines, raw, threads
 
 
