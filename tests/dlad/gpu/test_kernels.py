@@ -116,6 +116,33 @@ def test_pre_1080p_bgr_to_672(ctx: GpuContext, dev: Device) -> None:
     assert not got[..., 3].any()  # the fourth channel is zero
 
 
+def test_one_pipeline_pre_processes_frames_that_change(ctx: GpuContext, dev: Device) -> None:
+    # The pre kernel's fields are rewritten only when a frame's shape, format, geometry, target
+    # or scale change: a camera's next frame reuses them, and any change must still take.
+    rng = np.random.default_rng(9)
+    frames = [((120, 200, 3), "RGB", 0.0078125), ((120, 200, 3), "RGB", 0.0078125),
+              ((120, 200, 3), "BGR", 0.0078125), ((300, 90, 3), "BGR", 0.0078125),
+              ((300, 90), "GRAY", 0.0042), ((300, 90), "GRAY", 0.0042),
+              ((120, 200, 3), "RGB", 0.0078125)]  # fmt: skip
+    canvas = (96, 160)
+    heads = [HeadSpec(18, canvas[0] // 8, canvas[1] // 8, 8)]
+    pipe = GpuPipeline(ctx, canvas, heads, YOLOV5_ANCHORS[:1])
+    try:
+        h, w = canvas
+        shape = (h, hwc4_layout(3, h, w, 1)[0], 4)
+        dst = dev.empty(int(np.prod(shape)))
+        from cuda.bindings import driver
+
+        for image_shape, fmt, scale in frames:
+            image = rng.integers(0, 256, size=image_shape, dtype=np.uint8)
+            expected, geometry = _reference_pre(image, fmt, canvas, scale)
+            pipe.pre(dev.put(image), image.shape, fmt, geometry, dst, input_scale=scale)  # type: ignore[arg-type]
+            assert int(driver.cuStreamSynchronize(pipe.stream)[0]) == 0
+            np.testing.assert_array_equal(dev.get(dst, shape, np.int8), expected)
+    finally:
+        pipe.close()
+
+
 # ------------------------------------------------------------------------------- post
 
 
@@ -315,5 +342,31 @@ def test_frames_reuse_the_pipeline(ctx: GpuContext, dev: Device) -> None:
             pipe.post(ptrs, [geometry])
             (r,) = pipe.synchronize()
             _compare(r.detections, expected)
+    finally:
+        pipe.close()
+
+
+def test_changed_settings_reach_the_gpu_and_repeated_ones_are_not_copied(
+    ctx: GpuContext, dev: Device
+) -> None:
+    # A frame whose settings and geometry equal the last frame's launches the graph without
+    # the settings copy; any change must still reach the kernels.
+    rng = np.random.default_rng(15)
+    raws, specs, packed = _heads(rng, 256, 3, -2.0, False)
+    _, wide = letterbox(np.zeros((200, 400, 3), np.uint8), 256)
+    _, tall = letterbox(np.zeros((400, 200, 3), np.uint8), 256)
+    pipe = GpuPipeline(ctx, (256, 256), specs, YOLOV5_ANCHORS)
+    try:
+        ptrs = [dev.put(p[None]) for p in packed]
+        frames = [(wide, 0.25, 0.45), (wide, 0.25, 0.45), (wide, 0.5, 0.45), (wide, 0.5, 0.3),
+                  (tall, 0.5, 0.3), (wide, 0.25, 0.45), (wide, 0.25, 0.45)]  # fmt: skip
+        for geometry, conf, iou in frames:
+            kw = {"conf_threshold": conf, "iou_threshold": iou, "max_det": 300}
+            pipe.post(ptrs, [geometry], **kw)  # type: ignore[arg-type]
+            (r,) = pipe.synchronize()
+            expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, **kw)  # type: ignore[arg-type]
+            _compare(r.detections, expected)
+        copies = sorted(bool(key[-1]) for key in pipe._graphs)
+        assert copies == [False, True], "one graph with the settings copy, one without"
     finally:
         pipe.close()
