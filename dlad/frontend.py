@@ -271,8 +271,9 @@ class Frontend:
         readable = self._readable
         loop.add_reader(sock.FD, readable.set)
         try:
+            more = _waiting(sock)
             while True:
-                if not _waiting(sock):
+                if not more:
                     # ZeroMQ's fd is edge-triggered: sleep only once the socket itself says no
                     # message waits (a send may take the edge meanwhile: _send_frames re-checks).
                     readable.clear()
@@ -281,15 +282,20 @@ class Frontend:
                         await readable.wait()
                     finally:
                         self._asleep = False
+                    more = _waiting(sock)
                     continue
                 try:
                     frames = sock.recv_multipart(_NOBLOCK, copy=False)
                 except zmq.Again:  # the message went (a peer's connection closed meanwhile)
+                    more = _waiting(sock)
                     continue
                 await self._handle(frames)
-                # Under a flood this loop would find a message at every read and run alone; the
-                # executors' tasks, which dispatch and answer, would never. Yield after each.
-                await asyncio.sleep(0)
+                more = _waiting(sock)
+                if more:
+                    # Under a flood this loop would find a message at every read and run alone;
+                    # the executors' tasks, which dispatch and answer, would never. Yield
+                    # before the next (with none waiting, the wait above yields).
+                    await asyncio.sleep(0)
         finally:
             loop.remove_reader(sock.FD)
 

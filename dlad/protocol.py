@@ -1166,7 +1166,7 @@ def _open(
         code = _int(raw_kind, "kind", 0, 255)
         if code not in kinds:
             _fail("kind", f"{code} is not a {role} kind")
-        kind = Kind(code)
+        kind = _KINDS[code]
         want = 2 if kind in (Kind.INFER, Kind.INFER_REPLY) else 1
         if kind == Kind.INFER and "shm" in header:
             want = 1  # the image is in a shared-memory segment
@@ -1187,6 +1187,7 @@ def _attach(exc: ProtocolError, rid: object, raw_kind: object) -> None:
         exc.request_kind = raw_kind
 
 
+_KINDS: Final[Mapping[int, Kind]] = {int(k): k for k in Kind}  # a dict lookup, not Enum()
 _ENVELOPE: Final = ("v", "kind", "id")
 _REPLY_ENVELOPE: Final = (*_ENVELOPE, "status", "message")
 _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = {
