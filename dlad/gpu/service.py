@@ -298,8 +298,9 @@ class GpuService:
             src = p.upload(image)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=1.0)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=None)
-            p.post(slot.head_ptrs, [geometry], max_det=min(1, p.max_det))
-            p.synchronize()
+            for _ in range(2):  # the frame's graph with its settings copy, then without
+                p.post(slot.head_ptrs, [geometry], max_det=min(1, p.max_det))
+                p.synchronize()
         finally:
             scratch.free()
 
