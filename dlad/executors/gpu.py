@@ -42,7 +42,7 @@ copies its heads so that the next batch may run on the engine while this one is 
 ``pre_us`` is then batch start to engine start and ``post_us`` engine end to results, as the host
 saw them (the engine's span placed on the host clock through CUDA events: its end is the moment
 the results were seen, less the GPU time from engine end to result copy); ``device_us`` the
-engine's GPU time. Every batch size's kernels and graphs run once at warm-up (CUDA's lazy
+engine's GPU time. Every batch size's kernels and graphs run at warm-up (CUDA's lazy
 loading would otherwise stall the first batch of each size). The emulated engine (no device I/O)
 and hosts without CUDA take the numpy path above.
 
