@@ -100,12 +100,7 @@ def engine_cpu_seconds(pid: int) -> float:
     "hardware" an Orin has in silicon, where a DLA waits on an NvSciSync fence itself, not the
     daemon's own cost. They live as long as the daemon, so a difference of two readings is
     their whole share of a run."""
-    total = 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            if (task / "comm").read_text().strip().endswith("-emulated"):
-                total += _stat_cpu(task / "stat")
-    return total
+    return _engines(thread_cpu(pid))
 
 
 def thread_cpu(pid: int) -> dict[tuple[int, str], float]:
@@ -118,6 +113,10 @@ def thread_cpu(pid: int) -> dict[tuple[int, str], float]:
             name = "loop" if tid == pid else (task / "comm").read_text().strip()
             out[tid, name] = _stat_cpu(task / "stat")
     return out
+
+
+def _engines(threads: dict[tuple[int, str], float]) -> float:
+    return sum(cpu for (_, name), cpu in threads.items() if name.endswith("-emulated"))
 
 
 def thread_breakdown(
@@ -404,12 +403,12 @@ def run_dlad(
             name = _run_name(pre_post, backend, shm, tree)
             raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
             spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
-            cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-            threads0 = thread_cpu(proc.pid)
+            cpu0, threads0 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
-            cpu = (cpu_seconds(proc.pid) - cpu0) / max(r["ok"], 1)
-            engines = (engine_cpu_seconds(proc.pid) - eng0) / max(r["ok"], 1)
-            threads = thread_breakdown(threads0, thread_cpu(proc.pid), int(r["ok"]))
+            cpu1, threads1 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
+            cpu = (cpu1 - cpu0) / max(r["ok"], 1)
+            engines = (_engines(threads1) - _engines(threads0)) / max(r["ok"], 1)
+            threads = thread_breakdown(threads0, threads1, int(r["ok"]))
             if spy is not None:
                 spy.wait(60)
         finally:

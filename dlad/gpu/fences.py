@@ -130,12 +130,8 @@ class MappedFence(EmulatedFence):
             self._events.put(None)
             self._waiter.join()
             self._waiter = None
-        drv = _driver()
-        while True:
-            try:
-                drv.cuEventDestroy(self._spare.get_nowait())
-            except queue.Empty:  # noqa: PERF203 (teardown)
-                break
+        while not self._spare.empty():  # the waiter has stopped: nothing adds to it now
+            _driver().cuEventDestroy(self._spare.get_nowait())
         self._memory.free()
 
 
