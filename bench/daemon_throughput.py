@@ -1,7 +1,8 @@
 """The daemon at saturation vs the transport ceiling and the ideal device capacity, in one run.
 
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
-        [--pre-post-backends cpu[,cuda]] [--profile DIR] [--trials N] [--shm] [--before DIR]
+        [--pre-post-backends cpu[,cuda]|none] [--profile DIR] [--trials N] [--shm] [--before DIR]
+        [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -370,16 +371,17 @@ def wait_ready(proc: subprocess.Popen[str], marker: str) -> None:
 
 def run_dlad(
     args: argparse.Namespace, pre_post: str, backend: str, trial: int, *, shm: bool = False,
-    tree: Path | None = None,
+    tree: Path | None = None, variant: str | None = None,
 ) -> tuple[dict[str, float], float, float, Path | None, str]:  # fmt: skip
-    """One dlad server measured (``tree``: from that checkout's code): (stats, process CPU
-    s/request, engine threads' CPU s/request, the profile's raw stacks or None, the CPU per
-    request of each thread name)."""
+    """One dlad server measured (``tree``: from that checkout's code; ``variant``: a
+    ``--variant``, None for the config as it is): (stats, process CPU s/request, engine
+    threads' CPU s/request, the profile's raw stacks or None, the CPU per request of each
+    thread name)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "dlad.toml"
         gpu = '[devices.gpu]\nkind = "gpu"\n' if backend == "cuda" else ""
         cfg.write_text(
-            CONFIG.format(
+            _with_variant(variant, CONFIG).format(
                 endpoint=args.endpoint,
                 pre_post=pre_post,
                 latency=args.latency_us,
@@ -400,7 +402,7 @@ def run_dlad(
         )
         try:  # the daemon goes, whatever fails (a later run needs its port)
             wait_ready(proc, "listening")
-            name = _run_name(pre_post, backend, shm, tree)
+            name = _run_name(pre_post, backend, shm, tree, variant)
             raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
             spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
             cpu0, threads0 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
@@ -417,9 +419,28 @@ def run_dlad(
     return r, cpu, engines, raw, threads
 
 
-def _run_name(pre_post: str, backend: str, shm: bool = False, tree: Path | None = None) -> str:
+def _run_name(
+    pre_post: str, backend: str, shm: bool = False, tree: Path | None = None,
+    variant: str | None = None,
+) -> str:  # fmt: skip
     name = (f"on-{backend}" if pre_post == "true" else "off") + ("-shm" if shm else "")
+    name += "" if variant is None else f"-{variant.partition(':')[0]}"
     return name if tree is None else f"before-{name}"
+
+
+def _with_variant(variant: str | None, config: str) -> str:
+    """``config`` with a ``--variant``'s key set (``NAME:SECTION.KEY=VALUE``, VALUE in TOML:
+    ``'asyncio:daemon.event_loop="asyncio"'``); the section must be one the config has."""
+    if variant is None:
+        return config
+    _, _, setting = variant.partition(":")
+    where, _, value = setting.partition("=")
+    section, _, key = where.rpartition(".")
+    header = f"[{section}]\n"
+    if not key or not value or header not in config:
+        raise SystemExit(f"--variant {variant!r}: want NAME:SECTION.KEY=VALUE, a section of ours")
+    value = value.replace("{", "{{").replace("}", "}}")  # the config is a format string
+    return config.replace(header, f"{header}{key} = {value}\n", 1)
 
 
 def main() -> None:
@@ -431,7 +452,10 @@ def main() -> None:
     ap.add_argument(
         "--transports", default="tcp,ipc", help="bare-pyzmq ceilings to measure (tcp and/or ipc)"
     )
-    ap.add_argument("--pre-post-backends", default="cpu", help="cpu and/or cuda, comma-separated")
+    ap.add_argument(
+        "--pre-post-backends", default="cpu",
+        help="cpu and/or cuda, comma-separated; none: pre/post off only",
+    )  # fmt: skip
     ap.add_argument("--profile", type=Path, help="profile each dlad run with py-spy into DIR")
     ap.add_argument(
         "--before", type=Path, metavar="DIR",
@@ -448,6 +472,12 @@ def main() -> None:
              "always gets one frame a message)",
     )  # fmt: skip
     ap.add_argument(
+        "--variant", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE",
+        help="also run each dlad server with this config key set (VALUE in TOML), alternating "
+             "with the config as it is in every trial; repeatable. E.g. "
+             "'asyncio:daemon.event_loop=\"asyncio\"'",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -455,13 +485,17 @@ def main() -> None:
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
-    base = [("false", "cpu")] + [("true", b) for b in args.pre_post_backends.split(",")]
-    runs: list[tuple[str, str, bool, Path | None]] = []
+    backends = [b for b in args.pre_post_backends.split(",") if b != "none"]
+    base = [("false", "cpu")] + [("true", b) for b in backends]
+    variants: list[str | None] = [None, *args.variant]
+    runs: list[tuple[str, str, bool, Path | None, str | None]] = []
     for pre_post, backend in base:
         if args.before is not None:
-            runs.append((pre_post, backend, False, args.before.resolve()))
+            runs.append((pre_post, backend, False, args.before.resolve(), None))
         runs += [
-            (pre_post, backend, shm, None) for shm in ((False, True) if args.shm else (False,))
+            (pre_post, backend, shm, None, variant)
+            for shm in ((False, True) if args.shm else (False,))
+            for variant in variants
         ]
     ratios: dict[str, list[tuple[float, float, float, float]]] = {_run_name(*r): [] for r in runs}
     for trial in range(args.trials):
@@ -481,18 +515,19 @@ def main() -> None:
         # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
-        for pre_post, backend, shm, tree in runs:
+        for pre_post, backend, shm, tree, variant in runs:
             r, cpu, engines, raw, threads = run_dlad(
-                args, pre_post, backend, trial, shm=shm, tree=tree
+                args, pre_post, backend, trial, shm=shm, tree=tree, variant=variant
             )
-            name = _run_name(pre_post, backend, shm, tree)
+            name = _run_name(pre_post, backend, shm, tree, variant)
             own = cpu - engines
             paced, paced_cpu = bare_ceiling(args.endpoint, args.seconds, args.in_flight, r["rate"])
             ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu))
             print(
                 f"{'the --before code' if tree else 'dlad'}, pre/post "
                 f"{'on (' + backend + ')' if pre_post == 'true' else 'off'}"
-                f"{', shared-memory frames' if shm else ''}: "
+                f"{', shared-memory frames' if shm else ''}"
+                f"{'' if variant is None else ', variant ' + variant}: "
                 f"{r['rate']:.0f} req/s "
                 f"= {r['rate'] / bound:.3f} x min(ideal, ceiling); p50 {r['p50_ms']:.2f} ms, "
                 f"p99 {r['p99_ms']:.2f} ms; process CPU {cpu * 1e3:.3f} ms/request, of which "

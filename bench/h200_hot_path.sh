@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 14's H200 measurements (the lean hot path, shared-memory frames, GPU post latency):
-#   run(command="bash bench/h200_hot_path.sh tests|gpu|daemon|shm", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/h200_hot_path.sh tests|gpu|daemon|daemon-shm|profile-shm|frames|shm", carry=[".whl"], timeout_s=600)
 # tests:  the GPU tests and the shared-memory tests (the host is a second x86 ISA);
 # gpu:    bench/gpu_prepost.py (pre/post kernels vs baselines; batch-1 post, sleeping and polling);
 # daemon: bench/daemon_throughput.py, pre/post off, CPU and CUDA, 3 trials, then one profiled run;
 # daemon-shm: the same, pre/post off and CUDA, frames in the message and in shared memory
-#         ($TRIALS trials, default 3; $BATCH frames a message, default 1);
+#         ($TRIALS trials, default 3; $BATCH frames a message, default 1; $VARIANTS: the
+#         daemon_throughput --variant values, ';'-separated, each also run, alternating);
 # profile-shm: one run of each of those, profiled (py-spy), with the CPU by thread;
+# frames: bench/gpu_frames.py (a frame's way into the pre kernel: CPU, GPU and wall per frame);
 # shm:    bench/shm_frames.py (tcp / ipc / shared memory, 1.35 MB and 6.2 MB frames, 3 trials).
 set -uo pipefail
 source bench/h200_env.sh
@@ -29,13 +31,18 @@ for part in "$@"; do
         timeout 120 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
             --pre-post-backends cuda --profile "$out/profile" 2>&1 | tee "$out/profile.txt" ;;
     daemon-shm)
-        timeout 400 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
-            --pre-post-backends cuda --shm --trials "${TRIALS:-3}" --batch "${BATCH:-1}" 2>&1 \
-            | tee "$out/throughput_shm.txt" ;;
+        variants=()
+        IFS=';' read -ra found <<< "${VARIANTS:-}"
+        for v in "${found[@]}"; do variants+=(--variant "$v"); done
+        timeout 540 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
+            --pre-post-backends cuda --shm --trials "${TRIALS:-3}" --batch "${BATCH:-1}" \
+            "${variants[@]}" 2>&1 | tee "$out/throughput_shm.txt" ;;
     profile-shm)
         timeout 200 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
             --pre-post-backends cuda --shm --profile /tmp/profile 2>&1 \
             | tee "$out/profile_shm.txt" ;;
+    frames)
+        timeout 200 python3 bench/gpu_frames.py --json "$out/frames.json" 2>&1 | tail -20 ;;
     shm)
         timeout 500 python3 bench/shm_frames.py --seconds 4 --trials 3 2>&1 | tee "$out/shm.txt" ;;
     esac

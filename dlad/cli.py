@@ -246,8 +246,20 @@ def _main(argv: Sequence[str] | None) -> int:
 
     from dlad.daemon import run
 
+    options: dict[str, Any] = {}
+    if config.daemon.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print(
+                f"dlad: {args.config}: [daemon] event_loop is 'uvloop', which is not installed "
+                "(pip install uvloop), or set event_loop = 'asyncio'",
+                file=sys.stderr,
+            )
+            return 2
+        options["loop_factory"] = uvloop.new_event_loop
     try:
-        anyio.run(run, plan)
+        anyio.run(run, plan, backend_options=options)
     except KeyboardInterrupt:  # a forced exit
         return 1
     except Exception as exc:  # a StartupError is told plainly; anything else is re-raised

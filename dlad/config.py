@@ -166,6 +166,9 @@ class DaemonConfig:
     """After the drain, how long the frontend goes on answering (INFER: SHUTTING_DOWN) before it
     closes the socket, and how long queued replies then have to leave (>= 0). Every message the
     daemon reads is answered; clients learn to go elsewhere before the port closes."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The event loop the daemon runs on: ``uvloop`` (libuv's loop, a dependency on Linux and
+    macOS: less CPU per message, docs/BENCHMARKS.md §9.8) or Python's own ``asyncio``."""
 
     def __post_init__(self) -> None:
         _text(self.name, "name")
@@ -311,6 +314,11 @@ class PrePostConfig:
     enabled: bool = True
     """Off only to benchmark the daemon's own path: images are not letterboxed into the DLA
     input, heads are not decoded, and replies carry no detections."""
+    gpu_frames: Literal["auto", "in-place", "copy"] = "auto"
+    """cuda only: how the pre kernel of a DLA's frame reaches the image. ``in-place``: it reads
+    host memory: a shared-memory frame where the client wrote it, a frame from a message after
+    one CPU copy into pinned memory. ``copy``: the frame is DMA-copied to device memory first
+    (from a message: staged by the driver). ``auto``: in-place (docs/gpu.md says why)."""
 
     def __post_init__(self) -> None:
         _at_least_one(self.threads, "threads")

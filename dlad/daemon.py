@@ -214,7 +214,8 @@ class Daemon:
                 gc.collect()
                 gc.freeze()
                 self.ready.set()
-                log.info("listening", endpoints=self.bound, devices=list(self.executors))
+                log.info("listening", endpoints=self.bound, devices=list(self.executors),
+                         event_loop=_loop_name())  # fmt: skip
                 self.notifier.ready(f"serving {', '.join(self.executors) or 'no devices'} on "
                                     f"{', '.join(self.bound)}")  # fmt: skip
                 await self._stop.wait()
@@ -257,7 +258,9 @@ class Daemon:
             fe = self.config.frontend
             biggest = fe.max_image_width * fe.max_image_height * 3
             self._gpu = await anyio.to_thread.run_sync(
-                functools.partial(GpuService, max_image_bytes=biggest)
+                functools.partial(
+                    GpuService, max_image_bytes=biggest, frames=self.config.pre_post.gpu_frames
+                )
             )
 
     async def _serve_executor(self, executor: Executor) -> None:
@@ -447,3 +450,9 @@ async def run(plan: Plan) -> None:
         tg.start_soon(watch_signals)
         await daemon.serve()
         tg.cancel_scope.cancel()
+
+
+def _loop_name() -> str:
+    """The running event loop's kind, for the log: ``uvloop`` or ``asyncio``."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"

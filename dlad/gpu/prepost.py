@@ -194,11 +194,14 @@ class GpuPipeline:
         batch: images per :meth:`post` call at most.
         max_det: largest ``max_det`` a frame may ask for.
         cand_capacity: candidates stored per image after the confidence test.
-        max_image_bytes: the largest image :meth:`upload` takes, allocated now (0: grow on
-            demand). The daemon sets it: growing frees and allocates device memory, which waits
-            for the whole GPU, and a stream of another slot may be waiting on a DLA task that in
-            turn waits on a fence this one's host thread would signal: a stall that only the DLA
-            task's timeout ends.
+        max_image_bytes: the largest image :meth:`upload` (or :meth:`stage`) takes, allocated
+            now (0: grow on demand). The daemon sets it: growing frees and allocates device
+            memory, which waits for the whole GPU, and a stream of another slot may be waiting
+            on a DLA task that in turn waits on a fence this one's host thread would signal: a
+            stall that only the DLA task's timeout ends.
+        staging: frames are brought to the pre kernel by :meth:`stage` (a CPU copy into
+            pinned, device-mapped host memory that the kernel reads in place), so the
+            ``max_image_bytes`` are allocated there instead of in device memory.
 
     Raises ValueError for shapes the kernels do not take (more than 4 levels or anchors per
     level, heads whose channels are not ``na * (5 + nc)``), CudaError when allocation fails.
@@ -215,6 +218,7 @@ class GpuPipeline:
         max_det: int = 300,
         cand_capacity: int = 1 << 17,
         max_image_bytes: int = 0,
+        staging: bool = False,
     ) -> None:
         anc = np.asarray(anchors, dtype=np.float32)
         if anc.ndim != 3 or anc.shape[2] != 2 or not 1 <= anc.shape[0] <= MAX_LEVELS:
@@ -243,9 +247,13 @@ class GpuPipeline:
         self._geq = _driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ  # looked up once
         self.done = ctx.event(blocking=True)  # the waiting thread sleeps, it does not spin
         self._image: DeviceBuffer | None = None
+        self._staging: HostBuffer | None = None
         self._owned: list[DeviceBuffer | HostBuffer] = []
         self._image_fixed = max_image_bytes > 0
-        if self._image_fixed:
+        self._max_image_bytes = max_image_bytes
+        if self._image_fixed and staging:
+            self._staging = ctx.host_alloc(max_image_bytes)
+        elif self._image_fixed:
             self._image = ctx.alloc(max_image_bytes, zero=False)
         cap = batch * cand_capacity
         self._cands = self._dev(cap * _CANDIDATE_BYTES)
@@ -325,6 +333,8 @@ class GpuPipeline:
             buf.free()
         if self._image is not None:
             self._image.free()
+        if self._staging is not None:
+            self._staging.free()
         drv.cuEventDestroy(self.done)
         drv.cuStreamDestroy(self.stream)
 
@@ -354,6 +364,29 @@ class GpuPipeline:
             "cuMemcpyHtoDAsync",
         )
         return self._image.ptr
+
+    def stage(self, image: npt.NDArray[np.uint8]) -> int:
+        """Copy ``image`` (C-contiguous uint8) into the pipeline's pinned, device-mapped host
+        buffer and return the buffer's device address, from which the pre kernel reads it in
+        place: one CPU copy, no copy call to the driver. The buffer grows when needed (never
+        with ``max_image_bytes`` set: a larger image is then a ValueError). The frame staged
+        before must have been pre-processed (one frame at a time: a caller that waits for
+        each frame's end, as a DLA slot does)."""
+        if image.dtype != np.uint8 or not image.flags.c_contiguous:
+            raise ValueError("image must be a C-contiguous uint8 array")
+        if self._image_fixed and image.nbytes > self._max_image_bytes:
+            raise ValueError(
+                f"an image of {image.nbytes} B exceeds this pipeline's {self._max_image_bytes} B"
+            )
+        buf = self._staging
+        if buf is None or buf.array.nbytes < image.nbytes:
+            if buf is not None:
+                _check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+                buf.free()
+            size = self._max_image_bytes if self._image_fixed else image.nbytes
+            buf = self._staging = self.ctx.host_alloc(size)
+        np.copyto(buf.array[: image.nbytes], image.reshape(-1))
+        return buf.device_ptr
 
     def pre(
         self,

@@ -43,6 +43,10 @@ __all__ = ["GpuService", "GpuSlot", "select_backend"]
 
 log = structlog.get_logger("dlad.gpu")
 
+AUTO_IN_PLACE_DISCRETE = True
+"""``gpu_frames = "auto"`` on a discrete GPU: read frames in place too. Measured on the H200
+(docs/BENCHMARKS.md §9.8, ``bench/gpu_frames.py``): ..."""
+
 
 def select_backend(
     requested: Literal["auto", "cpu", "cuda"], gpu_configured: bool
@@ -131,7 +135,12 @@ class GpuService:
     """
 
     def __init__(
-        self, device_index: int = 0, cache_dir: Path | None = None, *, max_image_bytes: int = 0
+        self,
+        device_index: int = 0,
+        cache_dir: Path | None = None,
+        *,
+        max_image_bytes: int = 0,
+        frames: Literal["auto", "in-place", "copy"] = "auto",
     ) -> None:
         self.ctx = GpuContext(device_index, cache_dir)
         self.max_image_bytes = max_image_bytes
@@ -142,9 +151,14 @@ class GpuService:
         self._host: dict[int, HostBuffer] = {}
         self._slots: list[GpuSlot] = []
         self._frames: dict[int, tuple[int, int]] = {}  # host base -> (bytes, device address)
-        self.read_frames_in_place = self.ctx.integrated
-        """Pre-process registered frames straight from host memory (an integrated GPU's own
-        DRAM); else they are DMA-copied to the GPU first, without a CPU copy."""
+        self.read_frames_in_place = frames == "in-place" or (
+            frames == "auto" and (self.ctx.integrated or AUTO_IN_PLACE_DISCRETE)
+        )
+        """How a DLA slot's pre kernel reaches a frame (``[pre_post] gpu_frames``). True: in
+        host memory, in place: a registered shared-memory frame where the client wrote it,
+        a frame from a message after one CPU copy into the slot's pinned buffer
+        (:meth:`GpuPipeline.stage`). False: DMA-copied to device memory first (a frame from a
+        message staged by the driver, a registered one without a CPU copy)."""
 
     def register_frames(self, address: int, nbytes: int) -> None:
         """Register a client's shared-memory segment (mapped by ``dlad.shm``) with the GPU, so
@@ -285,7 +299,7 @@ class GpuService:
         h, w = loadable.image_size
         return GpuPipeline(
             self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det,
-            max_image_bytes=self.max_image_bytes,
+            max_image_bytes=self.max_image_bytes, staging=self.read_frames_in_place,
         )  # fmt: skip
 
     def _warm_up(self, slot: GpuSlot, loadable: Loadable) -> None:
@@ -295,7 +309,7 @@ class GpuService:
         h, w = loadable.image_size
         scratch = self.ctx.alloc(h * (w + 16) * 32)  # fits both input layouts
         try:
-            src = p.upload(image)
+            src = p.stage(image) if self.read_frames_in_place else p.upload(image)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=1.0)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=None)
             for _ in range(2):  # the frame's graph with its settings copy, then without

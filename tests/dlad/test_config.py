@@ -284,6 +284,8 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ("max_deadline_ms = 60000.0", "max_deadline_ms = -1.0", "daemon.max_deadline_ms", "> 0"),
         ("drain_timeout_s = 10.0", "drain_timeout_s = 0", "daemon.drain_timeout_s", "> 0"),
         ('name = "dlad"', 'name = " "', "daemon.name", "non-empty"),
+        ('event_loop = "uvloop"', 'event_loop = "trio"', "daemon.event_loop",
+         "must be one of 'uvloop', 'asyncio', got a string 'trio'"),
         ("port = 9464", "port = 0", "metrics.port", "1-65535"),
         ('["dla0", "dla1", "gpu"]', '["dla0", "dla7"]', "models.demo.devices[1]",
          "no device 'dla7'"),

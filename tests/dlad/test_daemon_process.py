@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(90)
 
 CONFIG = """
 [daemon]
+event_loop = "{loop}"
 drain_timeout_s = 20.0
 default_deadline_ms = 30000.0
 [frontend]
@@ -47,11 +48,14 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 
 
 @contextmanager
-def _daemon(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], zmq.Socket]]:
-    """A ``dlad`` process on an ipc endpoint and a DEALER connected to it; both cleaned up."""
+def _daemon(
+    tmp_path: Path, loop: str = "uvloop"
+) -> Iterator[tuple[subprocess.Popen[str], zmq.Socket]]:
+    """A ``dlad`` process on an ipc endpoint and a DEALER connected to it; both cleaned up.
+    ``loop``: its ``[daemon] event_loop``, which its readiness line must name."""
     endpoint = f"ipc://{tmp_path}/dlad.sock"
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(CONFIG.format(endpoint=endpoint))
+    cfg.write_text(CONFIG.format(endpoint=endpoint, loop=loop))
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
         stdout=subprocess.PIPE,
@@ -65,6 +69,7 @@ def _daemon(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], zmq.Socket]
     try:
         for line in proc.stdout:  # readiness is announced, not slept on
             if "listening" in line:
+                assert f"event_loop={loop}" in line, line
                 break
         else:
             raise AssertionError(f"dlad exited with {proc.wait()} before listening")
@@ -88,8 +93,9 @@ def _infer_then_status(sock: zmq.Socket, n: int, image: np.ndarray) -> None:
     assert protocol.decode_reply(sock.recv_multipart()).id == 100
 
 
-def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
-    with _daemon(tmp_path) as (proc, sock):
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_sigterm_drains_then_exits_cleanly(tmp_path: Path, loop: str) -> None:
+    with _daemon(tmp_path, loop) as (proc, sock):
         _infer_then_status(sock, 12, np.zeros((64, 64, 3), np.uint8))  # 4 run, 8 queue
         proc.send_signal(signal.SIGTERM)
         replies = []

@@ -195,43 +195,57 @@ def test_a_bounded_pipeline_never_grows_its_upload_buffer(service: GpuService) -
     loadable = read_loadable(DEMO / "fp16_heads.dla0.emu", expect_core=0)
     heads = [HeadSpec(d.c, d.h, d.w, s) for d, s in zip(loadable.outputs, loadable.strides,
                                                          strict=True)]  # fmt: skip
-    pipe = GpuPipeline(
-        service.ctx, loadable.image_size, heads, loadable.anchors_px, max_image_bytes=48 * 64 * 3
-    )
-    try:
-        first = pipe.upload(np.zeros((48, 64, 3), np.uint8))
-        assert pipe.upload(np.zeros((8, 8, 3), np.uint8)) == first  # the same buffer
-        with pytest.raises(ValueError, match="exceeds"):
-            pipe.upload(np.zeros((49, 64, 3), np.uint8))
-    finally:
-        pipe.close()
+    for staging in (False, True):  # device memory filled by DMA; pinned memory read in place
+        pipe = GpuPipeline(
+            service.ctx, loadable.image_size, heads, loadable.anchors_px,
+            max_image_bytes=48 * 64 * 3, staging=staging,
+        )  # fmt: skip
+        bring = pipe.stage if staging else pipe.upload
+        try:
+            first = bring(np.zeros((48, 64, 3), np.uint8))
+            assert bring(np.zeros((8, 8, 3), np.uint8)) == first  # the same buffer
+            with pytest.raises(ValueError, match="exceeds"):
+                bring(np.zeros((49, 64, 3), np.uint8))
+        finally:
+            pipe.close()
     assert service.max_image_bytes == 0  # this fixture's service grows on demand
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["dma", "in-place"])
-def test_shared_memory_frames_reach_the_gpu_chain_registered(
-    tmp_path: Path, service: GpuService, in_place: bool
+@pytest.mark.parametrize("frames", ["copy", "in-place"])
+def test_frames_reach_the_gpu_chain_copied_or_in_place(
+    tmp_path: Path, service: GpuService, frames: str
 ) -> None:
-    """A client's segment is registered with the GPU when the daemon maps it: its frames are
-    DMA-copied (a discrete GPU) or read in place by the pre kernel (an integrated one; forced
-    here on the H200), and the detections equal those of frames sent in the message."""
+    """``[pre_post] gpu_frames``: a frame is DMA-copied to the GPU (``copy``), or the pre kernel
+    reads it in host memory (``in-place``): from a message, after a CPU copy into the slot's
+    pinned buffer; from a client's segment, registered with the GPU when the daemon maps it,
+    where the client wrote it. Every way gives the detections of the CPU reference path, for
+    frames of two sizes in turn (a slot's buffer holds the largest admitted image)."""
     del service  # only for the skip: the daemon opens its own context
     cfg = tmp_path / "shm.toml"
-    cfg.write_text(CONFIG.format(backend="cuda"))
+    text = CONFIG.format(backend="cuda").replace(
+        "[pre_post]\n", f'[pre_post]\ngpu_frames = "{frames}"\n'
+    )
+    cfg.write_text(text)
+    big = np.ascontiguousarray(np.asarray(Image.open(IMAGES[0]).convert("RGB")))
+    small = np.ascontiguousarray(big[::2, ::3])
+    with running(tmp_path, "cpu") as endpoint, Client(endpoint, timeout_s=30) as client:
+        want = [client.detect(im, conf=0.01).detections.copy() for im in (big, small)]
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
-    rgb = np.ascontiguousarray(np.asarray(Image.open(IMAGES[0]).convert("RGB")))
     with serve_in_thread(daemon, start_timeout=120) as endpoint:
         gpu = daemon._gpu
         assert gpu is not None
-        gpu.read_frames_in_place = in_place
+        assert gpu.read_frames_in_place == (frames == "in-place")
         with Client(endpoint, timeout_s=30) as client:
-            inline = client.detect(rgb, conf=0.01).detections.copy()
-        with Client(endpoint, timeout_s=30, shm_slot_bytes=rgb.nbytes, shm_slots=2) as client:
-            shared = [client.detect(rgb, conf=0.01).detections.copy() for _ in range(3)]
+            inline = [client.detect(im, conf=0.01).detections.copy() for im in (big, small, big)]
+        with Client(endpoint, timeout_s=30, shm_slot_bytes=big.nbytes, shm_slots=2) as client:
+            shared = [client.detect(im, conf=0.01).detections.copy() for im in (big, small, big)]
             assert gpu._frames  # the segment is registered while mapped
         shm = daemon.frontend.shm
         assert shm is not None
         assert shm.stats.frames == 3
-    assert len(inline) > 0
-    for d in shared:
-        np.testing.assert_array_equal(d, inline)
+    assert min(len(w) for w in want) > 0
+    for got in (inline, shared):
+        for d, w in zip(got, [want[0], want[1], want[0]], strict=True):
+            assert d.shape == w.shape
+            np.testing.assert_array_equal(d[:, 5], w[:, 5])
+            np.testing.assert_allclose(d[:, :5], w[:, :5], rtol=1e-5, atol=1e-3)
