@@ -318,7 +318,9 @@ class PrePostConfig:
     """cuda only: how the pre kernel of a DLA's frame reaches the image. ``in-place``: it reads
     host memory: a shared-memory frame where the client wrote it, a frame from a message after
     one CPU copy into pinned memory. ``copy``: the frame is DMA-copied to device memory first
-    (from a message: staged by the driver). ``auto``: in-place (docs/gpu.md says why)."""
+    (from a message: staged by the driver). ``auto``: a shared-memory frame in place; a frame
+    from a message in place on an integrated GPU (an Orin's), copied on a discrete one, where
+    the DMA is faster at the same CPU cost (docs/BENCHMARKS.md §9.8)."""
 
     def __post_init__(self) -> None:
         _at_least_one(self.threads, "threads")

@@ -375,11 +375,11 @@ class DlaExecutor(Executor):
         geometry = letterbox_geometry(w, h, self.loadable.image_size)
         pipe = gpu.pipeline
         service = self.gpu
-        if service is not None and service.read_frames_in_place:
-            # read in place: a shared-memory frame where the client wrote it, else one CPU
-            # copy into the slot's pinned buffer
-            at = service.frame_device_ptr(image)
-            src = at if at is not None else pipe.stage(image)
+        at = None if service is None else service.frame_device_ptr(image)
+        if at is not None and service is not None and service.read_frames_in_place:
+            src = at  # a shared-memory frame, read where the client wrote it
+        elif service is not None and service.stage_frames:
+            src = pipe.stage(image)  # one CPU copy into pinned memory the kernel reads
         else:
             src = pipe.upload(image)  # DMA from a registered segment; else staged by the driver
         int8 = self.module.inputs[0].data_type == DataType.INT8

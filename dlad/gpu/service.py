@@ -43,10 +43,6 @@ __all__ = ["GpuService", "GpuSlot", "select_backend"]
 
 log = structlog.get_logger("dlad.gpu")
 
-AUTO_IN_PLACE_DISCRETE = True
-"""``gpu_frames = "auto"`` on a discrete GPU: read frames in place too. Measured on the H200
-(docs/BENCHMARKS.md §9.8, ``bench/gpu_frames.py``): ..."""
-
 
 def select_backend(
     requested: Literal["auto", "cpu", "cuda"], gpu_configured: bool
@@ -151,14 +147,18 @@ class GpuService:
         self._host: dict[int, HostBuffer] = {}
         self._slots: list[GpuSlot] = []
         self._frames: dict[int, tuple[int, int]] = {}  # host base -> (bytes, device address)
-        self.read_frames_in_place = frames == "in-place" or (
-            frames == "auto" and (self.ctx.integrated or AUTO_IN_PLACE_DISCRETE)
-        )
-        """How a DLA slot's pre kernel reaches a frame (``[pre_post] gpu_frames``). True: in
-        host memory, in place: a registered shared-memory frame where the client wrote it,
-        a frame from a message after one CPU copy into the slot's pinned buffer
-        (:meth:`GpuPipeline.stage`). False: DMA-copied to device memory first (a frame from a
-        message staged by the driver, a registered one without a CPU copy)."""
+        # How a DLA slot's pre kernel reaches a frame ([pre_post] gpu_frames; measured in
+        # docs/BENCHMARKS.md §9.8): "auto" reads a registered frame in place on any GPU (one
+        # driver call fewer), and stages a frame from a message only on an integrated GPU,
+        # whose "device memory" is the same DRAM: a discrete GPU copies it faster by DMA, at
+        # the same CPU cost as the CPU's own copy.
+        self.read_frames_in_place = frames != "copy"
+        """A registered shared-memory frame is read where the client wrote it; else it is
+        DMA-copied to device memory first (no CPU copy either way)."""
+        self.stage_frames = frames == "in-place" or (frames == "auto" and self.ctx.integrated)
+        """A frame from a message is copied by the CPU into the slot's pinned buffer, which the
+        pre kernel reads in place (:meth:`GpuPipeline.stage`); else the driver stages it into
+        a DMA to device memory."""
 
     def register_frames(self, address: int, nbytes: int) -> None:
         """Register a client's shared-memory segment (mapped by ``dlad.shm``) with the GPU, so
@@ -299,7 +299,7 @@ class GpuService:
         h, w = loadable.image_size
         return GpuPipeline(
             self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det,
-            max_image_bytes=self.max_image_bytes, staging=self.read_frames_in_place,
+            max_image_bytes=self.max_image_bytes, staging=self.stage_frames,
         )  # fmt: skip
 
     def _warm_up(self, slot: GpuSlot, loadable: Loadable) -> None:
@@ -309,7 +309,7 @@ class GpuService:
         h, w = loadable.image_size
         scratch = self.ctx.alloc(h * (w + 16) * 32)  # fits both input layouts
         try:
-            src = p.stage(image) if self.read_frames_in_place else p.upload(image)
+            src = p.stage(image) if self.stage_frames else p.upload(image)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=1.0)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=None)
             for _ in range(2):  # the frame's graph with its settings copy, then without

@@ -286,6 +286,8 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ('name = "dlad"', 'name = " "', "daemon.name", "non-empty"),
         ('event_loop = "uvloop"', 'event_loop = "trio"', "daemon.event_loop",
          "must be one of 'uvloop', 'asyncio', got a string 'trio'"),
+        ('gpu_frames = "auto"', 'gpu_frames = "zero-copy"', "pre_post.gpu_frames",
+         "must be one of 'auto', 'in-place', 'copy'"),
         ("port = 9464", "port = 0", "metrics.port", "1-65535"),
         ('["dla0", "dla1", "gpu"]', '["dla0", "dla7"]', "models.demo.devices[1]",
          "no device 'dla7'"),

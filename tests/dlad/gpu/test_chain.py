@@ -211,15 +211,16 @@ def test_a_bounded_pipeline_never_grows_its_upload_buffer(service: GpuService) -
     assert service.max_image_bytes == 0  # this fixture's service grows on demand
 
 
-@pytest.mark.parametrize("frames", ["copy", "in-place"])
+@pytest.mark.parametrize("frames", ["copy", "in-place", "auto"])
 def test_frames_reach_the_gpu_chain_copied_or_in_place(
     tmp_path: Path, service: GpuService, frames: str
 ) -> None:
     """``[pre_post] gpu_frames``: a frame is DMA-copied to the GPU (``copy``), or the pre kernel
-    reads it in host memory (``in-place``): from a message, after a CPU copy into the slot's
-    pinned buffer; from a client's segment, registered with the GPU when the daemon maps it,
-    where the client wrote it. Every way gives the detections of the CPU reference path, for
-    frames of two sizes in turn (a slot's buffer holds the largest admitted image)."""
+    reads it in host memory (``in-place``; ``auto`` mixes the two): from a message, after a
+    CPU copy into the slot's pinned buffer; from a client's segment, registered with the GPU
+    when the daemon maps it, where the client wrote it. Every way gives the detections of the
+    CPU reference path, for frames of two sizes in turn (a slot's buffer holds the largest
+    admitted image)."""
     del service  # only for the skip: the daemon opens its own context
     cfg = tmp_path / "shm.toml"
     text = CONFIG.format(backend="cuda").replace(
@@ -234,7 +235,9 @@ def test_frames_reach_the_gpu_chain_copied_or_in_place(
     with serve_in_thread(daemon, start_timeout=120) as endpoint:
         gpu = daemon._gpu
         assert gpu is not None
-        assert gpu.read_frames_in_place == (frames == "in-place")
+        assert gpu.read_frames_in_place == (frames != "copy")
+        integrated = gpu.ctx.integrated  # auto: message frames in place on an Orin only
+        assert gpu.stage_frames == (frames == "in-place" or (frames == "auto" and integrated))
         with Client(endpoint, timeout_s=30) as client:
             inline = [client.detect(im, conf=0.01).detections.copy() for im in (big, small, big)]
         with Client(endpoint, timeout_s=30, shm_slot_bytes=big.nbytes, shm_slots=2) as client:
