@@ -1,6 +1,7 @@
 """Frames through dlad over tcp, ipc and shared memory, in one run, at two frame sizes.
 
     python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16] [--batches 1,4]
+        [--event-loops uvloop,asyncio]
 
 One dlad process serves tcp loopback and an ipc socket, with two emulated DLA cores in timing
 mode at 50 µs a frame (40,000 frames/s together: the devices are never the bottleneck) and
@@ -23,6 +24,8 @@ size, the client sending that many frames a message (INFER_BATCH, ``Client.submi
 1: one INFER a frame), over every transport alike. Reported per trial and as the median over
 trials: frames/s, the daemon's CPU per frame (its process, without the emulated cores'
 threads), and shm's frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
+``--event-loops``: the daemon is run on each (``[daemon] event_loop``) in every trial, each
+loop's ratios against tcp on the same loop.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ SIZES = {"1.35 MB (672x672)": (672, 672, 3), "6.2 MB (1920x1080)": (1080, 1920, 
 CONFIG = """
 [daemon]
 default_deadline_ms = 60000.0
+event_loop = "{loop}"
 [frontend]
 endpoints = ["tcp://127.0.0.1:{port}", "ipc://{ipc}"]
 sndhwm = 1000
@@ -92,15 +96,25 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--port", type=int, default=5597)
     ap.add_argument("--batches", default="1", help="frames a message, comma-separated")
+    ap.add_argument(
+        "--event-loops", default="uvloop",
+        help="the daemon's [daemon] event_loop, comma-separated: each is run in every trial, "
+             "its own ratios beside the others'",
+    )  # fmt: skip
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    modes = [(t, b) for b in batches for t in ("tcp", "ipc", "shm", "shm-in-place")]
+    loops = args.event_loops.split(",")
+    modes = [
+        (t, b, loop)
+        for loop in loops
+        for b in batches
+        for t in ("tcp", "ipc", "shm", "shm-in-place")
+    ]
+    named = len(loops) > 1  # the loop in each row's name
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ipc = f"{tmp}/dlad.sock"
-        cfg = Path(tmp) / "dlad.toml"
-        cfg.write_text(CONFIG.format(port=args.port, ipc=ipc))
         endpoints = {"tcp": f"tcp://127.0.0.1:{args.port}", "ipc": f"ipc://{ipc}",
                      "shm": f"ipc://{ipc}", "shm-in-place": f"ipc://{ipc}"}  # fmt: skip
         for trial in range(args.trials):
@@ -112,48 +126,57 @@ def main() -> None:
                 rows.setdefault((label, "bare tcp"), []).append((bare["rate"], bare_cpu))
                 print(f"{label}: bare pyzmq over tcp {bare['rate']:.0f} frames/s, server CPU "
                       f"{bare_cpu * 1e3:.3f} ms/frame")  # fmt: skip
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                )  # fmt: skip
-                try:
-                    wait_ready(proc, "listening")
-                    for transport, batch in modes:
-                        ep = endpoints[transport]
-                        cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
-                        rate, n = drive(ep, shape, args.seconds, args.in_flight, transport,
-                                        batch=batch)  # fmt: skip
-                        own = cpu_seconds(proc.pid) - cpu0 - engine_cpu_seconds(proc.pid) + eng0
-                        own /= max(n, 1)
-                        name = _name(transport, batch)
-                        rows.setdefault((label, name), []).append((rate, own))
-                        print(f"{label}: dlad over {name} {rate:.0f} frames/s, daemon CPU "
-                              f"{own * 1e3:.3f} ms/frame")  # fmt: skip
-                finally:
-                    proc.terminate()
-                    proc.wait(30)
+                for loop in loops:
+                    cfg = Path(tmp) / f"dlad-{loop}.toml"
+                    cfg.write_text(CONFIG.format(port=args.port, ipc=ipc, loop=loop))
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    )  # fmt: skip
+                    try:
+                        wait_ready(proc, "listening")
+                        for transport, batch, _ in (m for m in modes if m[2] == loop):
+                            ep = endpoints[transport]
+                            cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
+                            rate, n = drive(ep, shape, args.seconds, args.in_flight, transport,
+                                            batch=batch)  # fmt: skip
+                            own = cpu_seconds(proc.pid) - cpu0
+                            own = (own - engine_cpu_seconds(proc.pid) + eng0) / max(n, 1)
+                            name = _name(transport, batch, loop if named else None)
+                            rows.setdefault((label, name), []).append((rate, own))
+                            print(f"{label}: dlad over {name} {rate:.0f} frames/s, daemon CPU "
+                                  f"{own * 1e3:.3f} ms/frame")  # fmt: skip
+                    finally:
+                        proc.terminate()
+                        proc.wait(30)
     print(f"summary, median over {args.trials} trials [min, max]:")
     for label in SIZES:
-        for name in ("bare tcp", *(_name(t, b) for t, b in modes)):
+        names = [_name(t, b, loop if named else None) for t, b, loop in modes]
+        for name in ("bare tcp", *names):
             rates, cpus = (sorted(x) for x in zip(*rows[label, name], strict=True))
             print(f"  {label} {name:8s}: {statistics.median(rates):7.0f} frames/s "
                   f"[{rates[0]:.0f}, {rates[-1]:.0f}], CPU {statistics.median(cpus) * 1e3:.3f} "
                   f"ms/frame")  # fmt: skip
-        for mode, batch in modes:
+        for mode, batch, loop in modes:
             if not mode.startswith("shm"):
                 continue
-            shm = [r for r, _ in rows[label, _name(mode, batch)]]
+            tag = loop if named else None
+            shm = [r for r, _ in rows[label, _name(mode, batch, tag)]]
             # against tcp at the same batch size, against tcp one frame a message (what a
-            # client without either extension gets), and against the bare ceiling
-            for base in dict.fromkeys((_name("tcp", batch), "tcp", "bare tcp")):
+            # client without either extension gets), both on the same loop, and against the
+            # bare ceiling
+            for base in dict.fromkeys((_name("tcp", batch, tag), _name("tcp", 1, tag),
+                                       "bare tcp")):  # fmt: skip
                 ratio = sorted(s / r for s, (r, _) in zip(shm, rows[label, base], strict=True))
-                print(f"  {label} {_name(mode, batch)} / {base}: {statistics.median(ratio):.2f} "
-                      f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
+                mid = statistics.median(ratio)
+                print(f"  {label} {_name(mode, batch, tag)} / {base}: "
+                      f"{mid:.2f} [{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
-def _name(transport: str, batch: int) -> str:
-    return transport if batch == 1 else f"{transport} x{batch}"
+def _name(transport: str, batch: int, loop: str | None = None) -> str:
+    name = transport if batch == 1 else f"{transport} x{batch}"
+    return name if loop is None else f"{name} [{loop}]"
 
 
 if __name__ == "__main__":

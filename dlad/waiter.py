@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from dlad.devices.emulated import name_os_thread
+
 __all__ = ["Waiter"]
 
 _T = TypeVar("_T")
@@ -77,6 +79,7 @@ class Waiter:
                 self._thread.start()
 
     def _serve(self) -> None:
+        name_os_thread(self.name)  # the OS's name too: per-thread CPU tells it apart
         while (item := self._calls.get()) is not None:
             fn, done, loop = item
             result: Any = None
