@@ -478,6 +478,11 @@ def main() -> None:
              "'asyncio:daemon.event_loop=\"asyncio\"'",
     )  # fmt: skip
     ap.add_argument(
+        "--only", default="",
+        help="run only the dlad servers of these names, comma-separated (as the summary names "
+             "them: off, off-shm, on-cuda-shm-asyncio, ...); empty: all",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -497,6 +502,9 @@ def main() -> None:
             for shm in ((False, True) if args.shm else (False,))
             for variant in variants
         ]
+    if args.only:
+        keep = set(args.only.split(","))
+        runs = [r for r in runs if _run_name(*r) in keep]
     ratios: dict[str, list[tuple[float, float, float, float]]] = {_run_name(*r): [] for r in runs}
     for trial in range(args.trials):
         if args.trials > 1:
