@@ -125,6 +125,8 @@ class GpuSlot:
 
 class GpuService:
     """Owns the GPU context and everything allocated from it; :meth:`close` frees it all.
+    ``frames``: how a DLA slot's pre kernel reaches a frame (``[pre_post] gpu_frames``; see
+    :attr:`read_frames_in_place` and :attr:`stage_frames`).
 
     Raises CudaError (from :class:`GpuContext`) when the GPU cannot be opened or the kernels do
     not build.
