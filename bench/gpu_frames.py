@@ -29,18 +29,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 
-from dlad.gpu.driver import GpuContext, _check, _driver, probe
+from dlad.gpu.driver import GpuContext, _check, _driver
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
 from dlad.imaging.post import YOLOV5_ANCHORS
 from dlad.imaging.pre import hwc4_layout, letterbox_geometry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_prepost import open_gpu
 
 SIZE = 672
 SCALE = 0.0078125
@@ -143,19 +146,11 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    found = probe()
-    if not found.available:
-        raise SystemExit(f"needs a GPU: {found.reason}")
-    ctx = GpuContext(0)
+    ctx, results = open_gpu()
+    results["frames_per_trial"] = args.frames
     pitch = hwc4_layout(3, SIZE, SIZE, 1)[0]
     dst = ctx.alloc(SIZE * pitch * 4)
     pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
-    results: dict[str, Any] = {
-        "gpu": found.describe(),
-        "host": platform.node(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "frames_per_trial": args.frames,
-    }
     for label, shape in SHAPES.items():
         enqueues, free = ways(ctx, pipe, shape, dst.ptr)
         trials: dict[str, list[dict[str, float]]] = {name: [] for name in enqueues}

@@ -372,22 +372,28 @@ def bench_fence(ctx: GpuContext, results: dict[str, Any]) -> None:
     poller.close()
 
 
+def open_gpu() -> tuple[GpuContext, dict[str, Any]]:
+    """The GPU's context and the results' header (the GPU, the host, the date); exits when
+    there is no GPU."""
+    found = probe()
+    if not found.available:
+        raise SystemExit(f"needs a GPU: {found.reason}")
+    header = {
+        "gpu": found.describe(),
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    return GpuContext(0), header
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    found = probe()
-    if not found.available:
-        raise SystemExit(f"needs a GPU: {found.reason}")
-    ctx = GpuContext(0)
+    ctx, results = open_gpu()
     stream = ctx.stream()
     bw = copy_bandwidth(ctx, stream)
-    results: dict[str, Any] = {
-        "gpu": found.describe(),
-        "host": platform.node(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "d2d_copy_GBps": bw / 1e9,
-    }
+    results["d2d_copy_GBps"] = bw / 1e9
     bench_pre(ctx, results, bw)
     bench_post(ctx, results, bw)
     bench_fence(ctx, results)

@@ -375,8 +375,9 @@ class DlaExecutor(Executor):
         geometry = letterbox_geometry(w, h, self.loadable.image_size)
         pipe = gpu.pipeline
         service = self.gpu
-        at = None if service is None else service.frame_device_ptr(image)
-        if at is not None and service is not None and service.read_frames_in_place:
+        in_place = service is not None and service.read_frames_in_place
+        at = service.frame_device_ptr(image) if in_place and service is not None else None
+        if at is not None:
             src = at  # a shared-memory frame, read where the client wrote it
         elif service is not None and service.stage_frames:
             src = pipe.stage(image)  # one CPU copy into pinned memory the kernel reads
