@@ -1,7 +1,7 @@
 """Frames through dlad over tcp, ipc and shared memory, in one run, at two frame sizes.
 
     python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16] [--batches 1,4]
-        [--event-loops uvloop,asyncio]
+        [--event-loops uvloop,asyncio] [--sizes 672x672,1080]
 
 One dlad process serves tcp loopback and an ipc socket, with two emulated DLA cores in timing
 mode at 50 µs a frame (40,000 frames/s together: the devices are never the bottleneck) and
@@ -101,7 +101,12 @@ def main() -> None:
         help="the daemon's [daemon] event_loop, comma-separated: each is run in every trial, "
              "its own ratios beside the others'",
     )  # fmt: skip
+    ap.add_argument(
+        "--sizes", default=",".join(SIZES),
+        help="frame sizes to run, comma-separated, of: " + ", ".join(SIZES),
+    )  # fmt: skip
     args = ap.parse_args()
+    sizes = {label: SIZES[label] for label in _sizes(args.sizes)}
     batches = [int(b) for b in args.batches.split(",")]
     loops = args.event_loops.split(",")
     modes = [
@@ -119,7 +124,7 @@ def main() -> None:
                      "shm": f"ipc://{ipc}", "shm-in-place": f"ipc://{ipc}"}  # fmt: skip
         for trial in range(args.trials):
             print(f"--- trial {trial + 1} of {args.trials}")
-            for label, shape in SIZES.items():
+            for label, shape in sizes.items():
                 bare, bare_cpu = bare_ceiling(
                     "tcp://127.0.0.1:5596", args.seconds, args.in_flight, frame=shape
                 )
@@ -150,7 +155,7 @@ def main() -> None:
                         proc.terminate()
                         proc.wait(30)
     print(f"summary, median over {args.trials} trials [min, max]:")
-    for label in SIZES:
+    for label in sizes:
         names = [_name(t, b, loop if named else None) for t, b, loop in modes]
         for name in ("bare tcp", *names):
             rates, cpus = (sorted(x) for x in zip(*rows[label, name], strict=True))
@@ -172,6 +177,18 @@ def main() -> None:
                 print(f"  {label} {_name(mode, batch, tag)} / {base}: "
                       f"{mid:.2f} [{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def _sizes(value: str) -> list[str]:
+    """The ``--sizes`` labels: each a key of SIZES, or a part of one that names only it (e.g.
+    ``672x672``, ``1080``)."""
+    labels = []
+    for part in value.split(","):
+        found = [label for label in SIZES if part.strip() in label]
+        if len(found) != 1:
+            raise SystemExit(f"--sizes: {part!r} names {len(found)} of: {', '.join(SIZES)}")
+        labels.append(found[0])
+    return labels
 
 
 def _name(transport: str, batch: int, loop: str | None = None) -> str:
