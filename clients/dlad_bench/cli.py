@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-slots", type=int, default=0, metavar="N",
                    help="send frames through N shared-memory slots (a daemon on this host: "
                         "docs/protocol.md); frames past them go in the message")  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="frames a message (INFER_BATCH, as perf_analyzer's -b): the level counts "
+                        "messages, every rate and count in the results frames; not with "
+                        "--streams (default 1)")  # fmt: skip
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--concurrency", metavar="N|A:B:S", help="closed loop: requests in flight")
     mode.add_argument("--rate", metavar="R|A:B:S", help="open loop: mean requests per second")
@@ -320,6 +324,7 @@ async def _bench(
     meta = {
         "endpoints": endpoints,
         "shm_slots": args.shm_slots,
+        "batch": args.batch,
         "shm_inline": None if client.shm is None else client.shm.inline,
         "daemon": status["name"],
         "daemon_version": status["version"],
@@ -447,8 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             duration_s=args.duration,
             slo_ms=args.slo_ms,
+            batch=args.batch,
         )
         settings.check()
+        if args.streams is not None and args.batch > 1:
+            raise ValueError("--batch: camera streams send one frame a message")
         if args.deadline_ms is not None and args.deadline_ms < 1:
             raise ValueError("--deadline-ms must be >= 1")
         if args.slo_ms is not None and not args.slo_ms > 0:

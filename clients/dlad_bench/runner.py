@@ -10,6 +10,11 @@ Three load shapes (:class:`Load`):
   its camera's frame periods, so the daemon's "latest frame wins" and deadline shedding act as
   they would on real cameras.
 
+With ``Settings.batch`` > 1 each request is an INFER_BATCH of that many frames (perf_analyzer's
+``-b``): the level counts messages (in flight, or sent a second) and every record is a frame, so
+rates, counts and latencies are per frame (a frame's latency is its message's). Camera streams
+send one frame a message.
+
 Open-loop send times are computed before the level starts (:mod:`dlad_bench.schedule`); the
 sender only sleeps until each one and sends without waiting for replies, so a slow daemon cannot
 slow the generator. When the generator itself falls behind, each record's ``sent - scheduled``
@@ -28,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dlad.errors import DladError
+from dlad.protocol import MAX_BATCH_IMAGES
 from dlad_bench.measure import CLIENT_TIMEOUT, LevelResult, Measurement, Record, summarize
 from dlad_bench.measure import window_stats as _window_stats
 from dlad_bench.schedule import Arrivals, arrival_times, camera_fps, camera_times
@@ -99,6 +105,7 @@ class Settings:
     seed: int = 0
     duration_s: float | None = None  # measure each level this long (ceil(d / window_s) windows)
     slo_ms: float | None = None  # a latency objective: goodput counts OK replies within it
+    batch: int = 1  # frames a message (INFER_BATCH when > 1); the level counts messages
 
     @property
     def trials(self) -> int:
@@ -130,6 +137,8 @@ class Settings:
             raise ValueError(f"warmup_s must be >= 0, got {self.warmup_s!r}")
         if self.window_count is not None and self.window_count < 1:
             raise ValueError(f"window_count must be >= 1, got {self.window_count!r}")
+        if not 1 <= self.batch <= MAX_BATCH_IMAGES:
+            raise ValueError(f"batch must be an int in [1, {MAX_BATCH_IMAGES}], got {self.batch!r}")
 
 
 @dataclass
@@ -169,8 +178,10 @@ class _Run:
             return self.load.frame_deadline_ms
         return self.settings.deadline_ms
 
-    def _finish(self, rec: Record, outcome: Result | BaseException) -> None:
-        rec.done = self.now()
+    def _finish(
+        self, rec: Record, outcome: Result | BaseException, at: float | None = None
+    ) -> None:
+        rec.done = self.now() if at is None else at  # ``at``: a message's frames, answered at once
         if isinstance(outcome, Result):
             t = outcome.timing
             rec.status = "OK"
@@ -186,9 +197,40 @@ class _Run:
         if self._want is not None and self.done >= self._want[0]:
             self._want[1].set()
 
+    def _frames_at(self, i: int) -> list[npt.NDArray[np.uint8]]:
+        """The frames of message ``i`` (``batch`` of them, in turn through the inputs)."""
+        b, n = self.settings.batch, len(self.frames)
+        return [self.frames[(i * b + j) % n] for j in range(b)]
+
+    async def _batch_call(self, recs: list[Record], images: list[npt.NDArray[np.uint8]],
+                          deadline: int | None) -> None:  # fmt: skip
+        """One INFER_BATCH: each frame's record gets its own outcome (the whole message's
+        error, when the daemon refused it or the client timed out)."""
+        try:
+            outcomes = await self.client.detect_batch(
+                images, model=self.settings.model, deadline_ms=deadline,
+                timeout_s=self.settings.timeout_s,
+            )  # fmt: skip
+        except (DladError, ClientTimeout) as exc:
+            at = self.now()
+            for rec in recs:
+                self._finish(rec, exc, at)
+        else:
+            at = self.now()
+            for rec, outcome in zip(recs, outcomes, strict=True):
+                self._finish(rec, outcome, at)
+
     async def _closed_worker(self, index: int, stride: int) -> None:
         i = index
         deadline = self._deadline(False)
+        if self.settings.batch > 1:
+            while True:
+                sent = self.now()
+                recs = [Record(math.nan, sent, deadline_ms=deadline or math.nan)
+                        for _ in range(self.settings.batch)]  # fmt: skip
+                self.records.extend(recs)
+                await self._batch_call(recs, self._frames_at(i), deadline)
+                i += stride
         while True:
             frame = self.frames[i % len(self.frames)]
             i += stride
@@ -227,6 +269,13 @@ class _Run:
             stream = int(streams[i]) if streams is not None else -1
             if stream >= 0:
                 deadline = per_stream[stream]
+            if self.settings.batch > 1:  # (never with streams: run_level refuses it)
+                sent = self.now()
+                recs = [Record(due, sent, deadline_ms=deadline or math.nan)
+                        for _ in range(self.settings.batch)]  # fmt: skip
+                self.records.extend(recs)
+                tg.start_soon(self._batch_call, recs, self._frames_at(i), deadline)
+                continue
             rec = Record(due, self.now(), stream=stream, deadline_ms=deadline or math.nan)
             self.records.append(rec)
             try:
@@ -309,10 +358,13 @@ async def run_level(
         raise ValueError(f"concurrency must be an int >= 1, got {load.level!r}")
     if load.mode == "streams" and not (load.level >= 1 and float(load.level).is_integer()):
         raise ValueError(f"streams must be an int >= 1, got {load.level!r}")
+    if load.mode == "streams" and settings.batch > 1:
+        raise ValueError("camera streams send one frame a message: batch needs concurrency or rate")
     run = _Run(client, load, settings, frames)
     measurement = await run.run(on_window)
     result = summarize(
-        run.records, mode=load.mode, level=load.level, offered_rps=load.offered_rps,
+        run.records, mode=load.mode, level=load.level,
+        offered_rps=load.offered_rps * settings.batch,  # frames a second
         measurement=measurement, late_tolerance_ms=settings.late_tolerance_ms,
         slo_ms=settings.slo_ms,
     )  # fmt: skip

@@ -10,6 +10,7 @@ what order and how many, never how fast (how punctually sends leave and what rat
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -91,6 +92,54 @@ def test_open_loop_poisson_sends_the_schedule(daemon: Daemon) -> None:
     assert r.offered_rps == rate
     assert 0 < r.requests <= len(sent)  # the measured windows' requests (after warm-up)
     assert sum(r.status_counts.values()) == r.requests  # every one has an outcome
+
+
+def _messages(level: Level, batch: int) -> list[list[Any]]:
+    """The level's records cut into its messages (each message's records are appended
+    together), checked to be one message each: sent together, answered together."""
+    recs = level.records
+    assert len(recs) % batch == 0
+    groups = [recs[i : i + batch] for i in range(0, len(recs), batch)]
+    for g in groups:
+        assert len({r.sent for r in g}) == 1
+        done = {r.done for r in g}
+        assert len(done) == 1 or all(math.isnan(d) for d in done)
+    return groups
+
+
+def test_closed_loop_batches_send_one_message_of_b_frames(daemon: Daemon) -> None:
+    received = daemon.frontend.counters.received
+    level = run(daemon.bound[0], Load("concurrency", 2), dataclasses.replace(QUICK, batch=4))
+    messages = _messages(level, 4)
+    # the daemon got one message per four frames (and a CANCEL for each still in flight at the
+    # end), not four INFERs
+    got = daemon.frontend.counters.received - received
+    assert len(messages) <= got <= len(messages) + 2
+    probes = sorted({r.sent for r in level.records})
+    in_flight = [sum(1 for r in level.records if r.sent <= t < r.done) for t in probes]
+    assert max(in_flight) == 8  # two messages of four
+    r = level.result
+    assert r.status_counts["OK"] == r.requests > 0
+    assert r.requests % 4 == 0  # frames counted, a message's four in the same window
+    assert set(r.device_share) == {"dla0", "dla1"}  # a message's frames spread over the cores
+
+
+def test_open_loop_batches_offer_frames(daemon: Daemon) -> None:
+    settings = Settings(warmup_s=0.3, window_s=0.5, stability_pct=50.0, max_trials=3, batch=3)
+    level = run(daemon.bound[0], Load("rate", 50.0, "constant"), settings)
+    messages = _messages(level, 3)
+    due = np.sort([g[0].scheduled for g in messages])
+    np.testing.assert_allclose(np.diff(due), 1 / 50.0, rtol=1e-9)  # 50 messages a second
+    assert all(r.scheduled == g[0].scheduled for g in messages for r in g)
+    r = level.result
+    assert r.offered_rps == 150.0  # frames a second
+    assert r.requests % 3 == 0
+    assert sum(r.status_counts.values()) == r.requests
+
+
+def test_camera_streams_do_not_batch(daemon: Daemon) -> None:
+    with pytest.raises(ValueError, match="one frame a message"):
+        run(daemon.bound[0], Load("streams", 2), dataclasses.replace(QUICK, batch=2))
 
 
 def test_open_loop_constant_rate(daemon: Daemon) -> None:
@@ -253,6 +302,9 @@ def test_unreachable_daemon_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
         ["--rate", "10", "--input", "/nonexistent/dir"],
         ["--rate", "10", "--stability-windows", "5", "--max-trials", "3"],
         ["--rate", "10", "--concurrency", "2"],
+        ["--rate", "10", "--batch", "0"],
+        ["--rate", "10", "--batch", "17"],
+        ["--streams", "2", "--batch", "2"],
     ],
 )
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -439,3 +491,19 @@ def test_frames_can_go_through_shared_memory(daemon: Daemon, tmp_path: Path) -> 
     assert shm.stats.frames >= doc["levels"][0]["status_counts"]["OK"]
     remote = _bench_args("tcp://10.1.2.3:5555", tmp_path, "--rate", "10", "--shm-slots", "8")
     assert main(remote) == 2  # a segment here means nothing to a daemon there
+
+
+def test_batches_of_shared_memory_frames_from_the_cli(daemon: Daemon, tmp_path: Path) -> None:
+    args = _bench_args(daemon.bound[0], tmp_path, "--concurrency", "2", "--batch", "4",
+                       "--shm-slots", "16")  # fmt: skip
+    frames_before = daemon.frontend.shm.stats.frames if daemon.frontend.shm else 0
+    assert main(args) == 0
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["meta"]["batch"] == 4
+    assert doc["meta"]["shm_inline"] == 0  # 8 frames in flight never take more than 16 slots
+    ok = doc["levels"][0]["status_counts"]["OK"]
+    assert ok > 0
+    assert ok % 4 == 0
+    shm = daemon.frontend.shm
+    assert shm is not None
+    assert shm.stats.frames - frames_before >= ok  # every frame of every batch in a slot
