@@ -308,6 +308,9 @@ async def _bench(
             progress.close()
     results = [lv.result for lv in levels]
     print_table(results, out)
+    if args.batch > 1:
+        out.print(f"batches: {args.batch} frames a message (INFER_BATCH); each level counts "
+                  "messages, every rate, count and latency above is of frames")  # fmt: skip
     if client.shm is not None:
         out.print(f"shared memory: {args.shm_slots} slots; {client.shm.inline} frames went in "
                   "the message (every slot was the daemon's)")  # fmt: skip

@@ -493,11 +493,14 @@ def test_frames_can_go_through_shared_memory(daemon: Daemon, tmp_path: Path) -> 
     assert main(remote) == 2  # a segment here means nothing to a daemon there
 
 
-def test_batches_of_shared_memory_frames_from_the_cli(daemon: Daemon, tmp_path: Path) -> None:
+def test_batches_of_shared_memory_frames_from_the_cli(
+    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = _bench_args(daemon.bound[0], tmp_path, "--concurrency", "2", "--batch", "4",
                        "--shm-slots", "16")  # fmt: skip
     frames_before = daemon.frontend.shm.stats.frames if daemon.frontend.shm else 0
     assert main(args) == 0
+    assert "4 frames a message" in capsys.readouterr().out  # the table says what it counts
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["meta"]["batch"] == 4
     assert doc["meta"]["shm_inline"] == 0  # 8 frames in flight never take more than 16 slots
