@@ -202,10 +202,13 @@ class _Run:
         b, n = self.settings.batch, len(self.frames)
         return [self.frames[(i * b + j) % n] for j in range(b)]
 
-    async def _batch_call(self, recs: list[Record], images: list[npt.NDArray[np.uint8]],
-                          deadline: int | None) -> None:  # fmt: skip
-        """One INFER_BATCH: each frame's record gets its own outcome (the whole message's
-        error, when the daemon refused it or the client timed out)."""
+    async def _batch_call(self, i: int, due: float, deadline: int | None) -> None:
+        """Message ``i`` as one INFER_BATCH, due at ``due`` (NaN: closed loop): a record per
+        frame, each with its own outcome (the whole message's error, when the daemon refused it
+        or the client timed out)."""
+        sent, images = self.now(), self._frames_at(i)
+        recs = [Record(due, sent, deadline_ms=deadline or math.nan) for _ in images]
+        self.records.extend(recs)
         try:
             outcomes = await self.client.detect_batch(
                 images, model=self.settings.model, deadline_ms=deadline,
@@ -225,11 +228,7 @@ class _Run:
         deadline = self._deadline(False)
         if self.settings.batch > 1:
             while True:
-                sent = self.now()
-                recs = [Record(math.nan, sent, deadline_ms=deadline or math.nan)
-                        for _ in range(self.settings.batch)]  # fmt: skip
-                self.records.extend(recs)
-                await self._batch_call(recs, self._frames_at(i), deadline)
+                await self._batch_call(i, math.nan, deadline)
                 i += stride
         while True:
             frame = self.frames[i % len(self.frames)]
@@ -270,11 +269,7 @@ class _Run:
             if stream >= 0:
                 deadline = per_stream[stream]
             if self.settings.batch > 1:  # (never with streams: run_level refuses it)
-                sent = self.now()
-                recs = [Record(due, sent, deadline_ms=deadline or math.nan)
-                        for _ in range(self.settings.batch)]  # fmt: skip
-                self.records.extend(recs)
-                tg.start_soon(self._batch_call, recs, self._frames_at(i), deadline)
+                tg.start_soon(self._batch_call, i, due, deadline)
                 continue
             rec = Record(due, self.now(), stream=stream, deadline_ms=deadline or math.nan)
             self.records.append(rec)
