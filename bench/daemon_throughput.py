@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -104,16 +105,43 @@ def engine_cpu_seconds(pid: int) -> float:
     return _engines(thread_cpu(pid))
 
 
-def thread_cpu(pid: int) -> dict[tuple[int, str], float]:
-    """CPU seconds of each of ``pid``'s threads, keyed by (tid, name); the main thread (the
-    event loop) is named ``loop``."""
+def thread_cpu(pid: int, *, kernel: bool = False) -> dict[tuple[int, str], float]:
+    """CPU seconds of each of ``pid``'s threads (``kernel``: only those spent in the kernel,
+    system calls and what the hypervisor charges to them), keyed by (tid, name); the main
+    thread (the event loop) is named ``loop``."""
     out: dict[tuple[int, str], float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             tid = int(task.name)
             name = "loop" if tid == pid else (task / "comm").read_text().strip()
-            out[tid, name] = _stat_cpu(task / "stat")
+            out[tid, name] = _stat_cpu(task / "stat", kernel=kernel)
     return out
+
+
+def thread_switches(pid: int) -> dict[tuple[int, str], int]:
+    """Context switches of each of ``pid``'s threads so far, voluntary and not together (each
+    is a sleep and a wake-up: a wait for work, a lock, or the GIL), keyed as :func:`thread_cpu`."""
+    out: dict[tuple[int, str], int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            tid = int(task.name)
+            name = "loop" if tid == pid else (task / "comm").read_text().strip()
+            status = (task / "status").read_text().splitlines()
+            out[tid, name] = sum(
+                int(line.split()[1]) for line in status if "ctxt_switches:" in line
+            )
+    return out
+
+
+def switch_breakdown(
+    before: dict[tuple[int, str], int], after: dict[tuple[int, str], int], requests: int
+) -> str:
+    """The context switches per request of each thread name, most first."""
+    by_name: Counter[str] = Counter()
+    for key, n in after.items():
+        by_name[key[1]] += n - before.get(key, 0)
+    per = max(requests, 1)
+    return ", ".join(f"{name} {n / per:.2f}" for name, n in by_name.most_common() if n > 0)
 
 
 def _engines(threads: dict[tuple[int, str], float]) -> float:
@@ -121,22 +149,36 @@ def _engines(threads: dict[tuple[int, str], float]) -> float:
 
 
 def thread_breakdown(
-    before: dict[tuple[int, str], float], after: dict[tuple[int, str], float], requests: int
+    before: dict[tuple[int, str], float],
+    after: dict[tuple[int, str], float],
+    requests: int,
+    kernel: tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]] | None = None,
 ) -> str:
     """The CPU per request of each thread name (threads of one name summed: a pool's workers,
-    the driver's helpers), highest first: where a run's CPU went, native code included."""
+    the driver's helpers), highest first: where a run's CPU went, native code included. With
+    ``kernel`` (the same readings of kernel time), each with its kernel share."""
     by_name: Counter[str] = Counter()
+    in_kernel: Counter[str] = Counter()
     for key, cpu in after.items():
         by_name[key[1]] += cpu - before.get(key, 0.0)
+        if kernel is not None:
+            in_kernel[key[1]] += kernel[1].get(key, 0.0) - kernel[0].get(key, 0.0)
     n = max(requests, 1)
+
+    def share(name: str, cpu: float) -> str:
+        return "" if kernel is None else f" ({in_kernel[name] / cpu:.0%} kernel)"
+
     return ", ".join(
-        f"{name} {cpu / n * 1e3:.3f}" for name, cpu in by_name.most_common() if cpu > 0
+        f"{name} {cpu / n * 1e3:.3f}{share(name, cpu)}"
+        for name, cpu in by_name.most_common()
+        if cpu > 0
     )
 
 
-def _stat_cpu(stat: Path) -> float:
+def _stat_cpu(stat: Path, *, kernel: bool = False) -> float:
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) if kernel else int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _stats(lat: list[float], ok: int, bad: int, elapsed: float) -> dict[str, float]:
@@ -288,13 +330,35 @@ def bare_ceiling(
     """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame).
     With ``rate``, the same server paced to that load (a server's CPU per frame grows as its
     load falls: fewer messages share each wake-up)."""
+    stats, cpu, _ = bare_server(endpoint, seconds, in_flight, rate, frame)
+    return stats, cpu
+
+
+def bare_server(
+    endpoint: str,
+    seconds: float,
+    in_flight: int,
+    rate: float | None = None,
+    frame: tuple[int, ...] = FRAME,
+) -> tuple[dict[str, float], float, str]:
+    """:func:`bare_ceiling`, and the server's CPU and context switches per frame by thread."""
     echo = subprocess.Popen(
         [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
     )
     wait_ready(echo, "ready")
-    cpu0 = cpu_seconds(echo.pid)
+    pid = echo.pid
+    cpu0, threads0, kernel0, switches0 = (
+        cpu_seconds(pid), thread_cpu(pid), thread_cpu(pid, kernel=True), thread_switches(pid)
+    )  # fmt: skip
     stats = drive_bare(endpoint, seconds, in_flight, rate, frame)
-    cpu = (cpu_seconds(echo.pid) - cpu0) / max(stats["ok"], 1)
+    cpu1, threads1, kernel1, switches1 = (
+        cpu_seconds(pid), thread_cpu(pid), thread_cpu(pid, kernel=True), thread_switches(pid)
+    )  # fmt: skip
+    n = int(stats["ok"])
+    cpu = (cpu1 - cpu0) / max(n, 1)
+    by_thread = thread_breakdown(threads0, threads1, n, (kernel0, kernel1))
+    threads = (f"CPU ms/frame by thread: {by_thread}; context switches a frame: "
+               f"{switch_breakdown(switches0, switches1, n)}")  # fmt: skip
     ctx = zmq.Context()
     stop = ctx.socket(zmq.DEALER)
     stop.linger = 0
@@ -303,7 +367,7 @@ def bare_ceiling(
     echo.wait(10)
     stop.close(0)
     ctx.term()
-    return stats, cpu
+    return stats, cpu, threads
 
 
 def start_profile(pid: int, raw: Path, seconds: float) -> subprocess.Popen[bytes]:
@@ -406,17 +470,37 @@ def run_dlad(
             raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
             spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
             cpu0, threads0 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
+            switches0, kernel0 = thread_switches(proc.pid), thread_cpu(proc.pid, kernel=True)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
             cpu1, threads1 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
+            switches1, kernel1 = thread_switches(proc.pid), thread_cpu(proc.pid, kernel=True)
             cpu = (cpu1 - cpu0) / max(r["ok"], 1)
             engines = (_engines(threads1) - _engines(threads0)) / max(r["ok"], 1)
-            threads = thread_breakdown(threads0, threads1, int(r["ok"]))
+            threads = thread_breakdown(threads0, threads1, int(r["ok"]), (kernel0, kernel1))
+            threads += "\n  context switches a request by thread: " + switch_breakdown(
+                switches0, switches1, int(r["ok"])
+            )
             if spy is not None:
                 spy.wait(60)
         finally:
             proc.terminate()
             proc.wait(30)
+        threads += _deferred_reads(proc.stdout.read() if proc.stdout else "")
     return r, cpu, engines, raw, threads
+
+
+def _deferred_reads(log: str) -> str:
+    """What the daemon's last log line says of its reads under load (``defer_reads_ms``),
+    per reply over its whole run: sleeps with the socket unwatched, and those a device's
+    completion ended by reading a waiting message."""
+    counts = {k: re.search(rf"{k}=(\d+)", log) for k in
+              ("replied", "deferred_sleeps", "read_at_completion")}  # fmt: skip
+    if not all(counts.values()):
+        return ""
+    replied, deferred, at_completion = (int(m.group(1)) for m in counts.values() if m)
+    n = max(replied, 1)
+    return (f"\n  reads under load (defer_reads_ms): {deferred / n:.2f} sleeps a reply with the "
+            f"socket unwatched, {at_completion / n:.2f} ended by a completion")  # fmt: skip
 
 
 def _run_name(
@@ -513,12 +597,13 @@ def main() -> None:
         for transport in args.transports.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 ep = args.endpoint if transport == "tcp" else f"ipc://{tmp}/echo.sock"
-                ceilings[transport] = bare_ceiling(ep, args.seconds, args.in_flight)
-            stats, cpu = ceilings[transport]
+                stats, cpu, bare_threads = bare_server(ep, args.seconds, args.in_flight)
+            ceilings[transport] = stats, cpu
             print(
                 f"bare pyzmq ROUTER/DEALER over {transport}, 1.35 MB frames, {args.in_flight} "
                 f"in flight: {stats['rate']:.0f} frames/s, p50 {stats['p50_ms']:.2f} ms, "
-                f"p99 {stats['p99_ms']:.2f} ms, server CPU {cpu * 1e3:.3f} ms/frame"
+                f"p99 {stats['p99_ms']:.2f} ms, server CPU {cpu * 1e3:.3f} ms/frame\n"
+                f"  {bare_threads}"
             )
         # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
@@ -529,7 +614,9 @@ def main() -> None:
             )
             name = _run_name(pre_post, backend, shm, tree, variant)
             own = cpu - engines
-            paced, paced_cpu = bare_ceiling(args.endpoint, args.seconds, args.in_flight, r["rate"])
+            paced, paced_cpu, paced_threads = bare_server(
+                args.endpoint, args.seconds, args.in_flight, r["rate"]
+            )
             ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu))
             print(
                 f"{'the --before code' if tree else 'dlad'}, pre/post "
@@ -544,6 +631,7 @@ def main() -> None:
                 f"{bare_cpu * 1e3:.3f}; errors {r['errors']}\n"
                 f"  the bare server paced to the same load: {paced['rate']:.0f} frames/s, CPU "
                 f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that\n"
+                f"    its {paced_threads}\n"
                 f"  CPU ms/request by thread: {threads}"
             )
             if raw is not None:
