@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -485,22 +484,7 @@ def run_dlad(
         finally:
             proc.terminate()
             proc.wait(30)
-        threads += _deferred_reads(proc.stdout.read() if proc.stdout else "")
     return r, cpu, engines, raw, threads
-
-
-def _deferred_reads(log: str) -> str:
-    """What the daemon's last log line says of its reads under load (``defer_reads_ms``),
-    per reply over its whole run: sleeps with the socket unwatched, and those a device's
-    completion ended by reading a waiting message."""
-    counts = {k: re.search(rf"{k}=(\d+)", log) for k in
-              ("replied", "deferred_sleeps", "read_at_completion")}  # fmt: skip
-    if not all(counts.values()):
-        return ""
-    replied, deferred, at_completion = (int(m.group(1)) for m in counts.values() if m)
-    n = max(replied, 1)
-    return (f"\n  reads under load (defer_reads_ms): {deferred / n:.2f} sleeps a reply with the "
-            f"socket unwatched, {at_completion / n:.2f} ended by a completion")  # fmt: skip
 
 
 def _run_name(

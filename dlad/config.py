@@ -230,14 +230,6 @@ class FrontendConfig:
     """The widest image an INFER request may carry, in pixels (>= 1)."""
     max_image_height: int = 4096
     """The tallest image an INFER request may carry, in pixels (>= 1)."""
-    defer_reads_ms: float = 5.0
-    """Reads under load. While every device has work running and a full batch queued behind
-    it, and one of them is due to finish within this many milliseconds, the daemon stops
-    watching the socket and reads what has come in when a device finishes (at the latest this
-    long after it last looked): a frame then wakes the daemon once, for its result, instead of
-    twice (docs/BENCHMARKS.md §9.10). A message waits at most this long unread. A request read
-    so is timed (``total_us``, its deadline) from when the daemon last looked, not from when
-    it was read. 0 always watches (0 to 100)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.endpoints), "endpoints", "needs at least one endpoint")
@@ -255,8 +247,6 @@ class FrontendConfig:
         _positive(self.cheap_requests_per_s, "cheap_requests_per_s")
         _positive(self.heartbeat_s, "heartbeat_s")
         _positive(self.handshake_timeout_s, "handshake_timeout_s")
-        _check(0 <= self.defer_reads_ms <= 100, "defer_reads_ms",
-               f"must be 0 to 100 (ms), got {self.defer_reads_ms}")  # fmt: skip
         _check(0 <= self.ipc_mode <= 0o777 and not self.ipc_mode & 0o111, "ipc_mode",
                f"permission bits, no execute (e.g. 0o660), got {oct(self.ipc_mode)}")  # fmt: skip
         largest = self.max_image_width * self.max_image_height * 3

@@ -235,9 +235,7 @@ class Daemon:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.frontend.close(linger_ms=int(self.config.daemon.close_linger_ms))
-            c = self.counters
-            log.info("stopped", replied=c.replied, deferred_sleeps=c.deferred,
-                     read_at_completion=c.read_at_completion)  # fmt: skip
+            log.info("stopped", replied=self.counters.replied)
             self.stopped.set()
 
     async def _start_gpu(self) -> None:

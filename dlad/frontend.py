@@ -76,8 +76,6 @@ class Counters:
     replied: int = 0  # replies sent or dropped
     by_status: dict[str, int] = field(default_factory=dict)
     dropped: int = 0  # replies ZeroMQ could not queue (the client's queue full, or it gone)
-    deferred: int = 0  # sleeps with the socket unwatched (defer_reads_ms: under load)
-    read_at_completion: int = 0  # of those, ended by a device finishing with a message waiting
 
 
 @dataclass(slots=True, eq=False)
@@ -163,9 +161,6 @@ class Frontend:
         self._socket: zmq.Socket[bytes] | None = None
         self._readable = asyncio.Event()  # the socket's fd fired, or a send may have hidden input
         self._asleep = False  # the receive loop waits on _readable
-        self._defer_ns = int(config.frontend.defer_reads_ms * 1e6)
-        self._unread_since: int | None = None  # the loop last looked then (socket unwatched)
-        self._look_again: asyncio.TimerHandle | None = None  # ends that sleep at the latest
         self._next_job = 0
         self._askers: dict[int, _Asker] = {}  # job id -> who asked
         self._jobs: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
@@ -274,9 +269,7 @@ class Frontend:
         assert sock is not None  # opened before the loop starts
         loop = asyncio.get_running_loop()
         readable = self._readable
-        fd = sock.FD
-        loop.add_reader(fd, readable.set)
-        watching = True
+        loop.add_reader(sock.FD, readable.set)
         try:
             more = _waiting(sock)
             while True:
@@ -284,27 +277,12 @@ class Frontend:
                     # ZeroMQ's fd is edge-triggered: sleep only once the socket itself says no
                     # message waits (a send may take the edge meanwhile: _send_frames re-checks).
                     readable.clear()
-                    defer = self._defer_s()
-                    if defer and watching:
-                        loop.remove_reader(fd)  # read when a device finishes (defer_reads_ms)
-                    elif not defer and not watching:
-                        loop.add_reader(fd, readable.set)
-                    watching = not defer
-                    if defer:
-                        self.counters.deferred += 1
-                        self._unread_since = time.monotonic_ns()
-                        self._look_again = loop.call_later(defer, readable.set)
                     self._asleep = True
                     try:
                         await readable.wait()
                     finally:
                         self._asleep = False
-                        if self._look_again is not None:
-                            self._look_again.cancel()
-                            self._look_again = None
                     more = _waiting(sock)
-                    if not more:
-                        self._unread_since = None
                     continue
                 try:
                     frames = sock.recv_multipart(_NOBLOCK, copy=False)
@@ -318,50 +296,8 @@ class Frontend:
                     # the executors' tasks, which dispatch and answer, would never. Yield
                     # before the next (with none waiting, the wait above yields).
                     await asyncio.sleep(0)
-                else:
-                    self._unread_since = None
         finally:
-            if watching:
-                loop.remove_reader(fd)
-
-    def _defer_s(self) -> float:
-        """How long the receive loop may leave the socket unwatched now (``defer_reads_ms``):
-        while every device is busy with a full batch queued and one is due to finish within
-        that time (or overran its estimate by less), a message read now would wait for that
-        completion anyway, which wakes the loop and reads it. 0: watch."""
-        limit = self._defer_ns
-        if not limit:
-            return 0.0
-        end = self.scheduler.saturated_until()
-        if end is None or abs(end - time.monotonic_ns()) > limit:
-            return 0.0
-        return limit / 1e9
-
-    def _arrived(self) -> int:
-        """When the message being handled came in, as far as the daemon can tell: now, or, read
-        after a sleep with the socket unwatched, when the loop last looked (``defer_reads_ms``:
-        the request is timed and its deadline counted from then, never from later)."""
-        since = self._unread_since
-        return time.monotonic_ns() if since is None else since
-
-    def _recheck(self) -> None:
-        """After a device finished: if the receive loop sleeps with the socket unwatched, wake
-        it when a message waits; else this was a look, and the sleep may last ``defer_reads_ms``
-        from now (a message that comes later has waited less)."""
-        timer = self._look_again
-        if timer is None or self._readable.is_set():
-            return
-        sock = self._socket
-        assert sock is not None  # open while the receive loop sleeps
-        if _waiting(sock):
-            self.counters.read_at_completion += 1
-            self._readable.set()
-            return
-        timer.cancel()
-        self._unread_since = time.monotonic_ns()
-        self._look_again = asyncio.get_running_loop().call_later(
-            self._defer_ns / 1e9, self._readable.set
-        )
+            loop.remove_reader(sock.FD)
 
     async def watch_connections(self) -> None:
         """Count the socket's connections from its monitor events, for the connection cap and
@@ -531,7 +467,7 @@ class Frontend:
     ) -> None:
         """Admit each image of an INFER_BATCH as an INFER of its own; one that is refused (full
         queues, a model no device serves) gets its status in the reply, the others run."""
-        received = self._arrived()
+        received = time.monotonic_ns()
         images = req.images
         size = sum(0 if item.shm is not None else item.image.nbytes for item in images)
         self._room(client, owner, req.id, len(images), size)
@@ -558,7 +494,7 @@ class Frontend:
     ) -> int:
         """Queue one image as a job (its room already checked); returns the job's id."""
         model = self._models.get(req.model)
-        now = self._arrived()
+        now = time.monotonic_ns()
         d = self.config.daemon
         budget_ms = min(float(req.deadline_ms or d.default_deadline_ms), d.max_deadline_ms)
         work = Request(
@@ -675,12 +611,7 @@ class Frontend:
 
     async def on_outcome(self, out: Outcome) -> None:
         """Reply to the client that asked for ``out``'s job (an executor's result); a job that
-        failed on its device is first retried once on another (``[health] retry``). Then read
-        what waits, if the socket is left unwatched under load (a device has just finished)."""
-        await self._reply_to(out)
-        self._recheck()
-
-    async def _reply_to(self, out: Outcome) -> None:
+        failed on its device is first retried once on another (``[health] retry``)."""
         if out.error is not None:
             err = out.error if isinstance(out.error, DladError) else InternalError(str(out.error))
             if isinstance(err, DeviceFailed) and self._retry(out.job_id, out.device, err):
@@ -818,9 +749,7 @@ class Frontend:
                 )
         # A send processes the socket's pending commands, which can consume the fd's edge for
         # a message that has arrived: wake the receive loop if it sleeps.
-        if self._asleep and not self._readable.is_set() and _waiting(sock):
-            if self._look_again is not None:
-                self.counters.read_at_completion += 1
+        if self._asleep and _waiting(sock):
             self._readable.set()
 
 

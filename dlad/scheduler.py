@@ -571,21 +571,6 @@ class Scheduler(Generic[P]):
     def in_flight(self, device: str) -> int:
         return len(self._devices[device].running)
 
-    def saturated_until(self) -> int | None:
-        """When the earliest running task is expected to end (clock ns, perhaps past), if every
-        device in placement has work running and a full batch queued behind it: a job admitted
-        before then could start no earlier than that completion, wherever it went. None when
-        some device could take a job now (or none is in placement)."""
-        end: int | None = None
-        for d in self._devices.values():
-            if not d.available:
-                continue
-            if d.depth < d.max_batch or not d.running:
-                return None
-            first = min(start + est for start, est, _ in d.running.values())
-            end = first if end is None else min(end, first)
-        return end
-
     def service_us(self, device: str, batch: int = 1) -> float:
         """The current service-time estimate of ``device`` at batch size ``batch``."""
         return self._devices[device].curve(batch) / 1e3

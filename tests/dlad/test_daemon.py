@@ -24,7 +24,6 @@ from dlad.daemon import Daemon
 from dlad.errors import Status
 from dlad.models import DEMO
 from tests.dlad.serving import serve_in_thread
-from tests.dlad.test_metrics import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +34,6 @@ default_deadline_ms = 5000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
 cheap_requests_per_s = 100000.0  # the tests poll STATUS
-{frontend}
 [devices.dla0]
 kind = "dla"
 core = 0
@@ -70,7 +68,6 @@ def running(
     depth: int = 4,
     error_rate: float = 0.0,
     scheduler: str = "",
-    frontend: str = "",
 ) -> Iterator[tuple[Daemon, str]]:
     cfg = tmp_path / "dlad.toml"
     faults = {
@@ -82,14 +79,7 @@ def running(
         for core in (0, 1)
     }
     cfg.write_text(
-        CONFIG.format(
-            mode=mode,
-            latency=latency,
-            depth=depth,
-            scheduler=scheduler,
-            frontend=frontend,
-            **faults,
-        )
+        CONFIG.format(mode=mode, latency=latency, depth=depth, scheduler=scheduler, **faults)
     )
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with serve_in_thread(daemon) as endpoint:
@@ -164,43 +154,6 @@ def test_both_cores_under_load_and_every_request_answered_once(tmp_path: Path) -
     devices = Counter(r.device for r in replies if r.status == Status.OK)
     assert devices["dla0"] > 0
     assert devices["dla1"] > 0
-
-
-@pytest.mark.parametrize("defer_ms", [100.0, 0.0])
-def test_under_load_the_socket_is_read_when_a_core_finishes(
-    tmp_path: Path, defer_ms: float
-) -> None:
-    """With every core busy and its next job queued, the daemon leaves the socket unwatched and
-    reads what came in when a core finishes (``defer_reads_ms``); a CANCEL and a STATUS sent
-    meanwhile are answered, and every request once. With 0 it always watches."""
-    n = 40  # 2 cores x 2 slots of 20 ms run, 36 wait: both queues hold jobs for ~180 ms
-    with (
-        running(tmp_path, latency=20_000.0, depth=20, frontend=f"defer_reads_ms = {defer_ms}")
-        as (daemon, ep),
-        dealer(ep) as sock,
-    ):  # fmt: skip
-        for i in range(n):
-            sock.send_multipart(protocol.encode(protocol.InferRequest(i, "demo", IMAGE)))
-        if defer_ms:  # the queues filled and the socket is left unwatched
-            wait_for(lambda: daemon.counters.deferred > 0)
-        sock.send_multipart(protocol.encode(protocol.CancelRequest(n - 1)))
-        sock.send_multipart(protocol.encode(protocol.StatusRequest(100)))
-        replies = [recv(sock) for _ in range(n + 2)]
-        counters = daemon.counters
-    by = {(type(r).__name__, r.id): r for r in replies}
-    assert len(by) == n + 2
-    assert by[("StatusReply", 100)].status == Status.OK
-    cancel, last = by[("CancelReply", n - 1)], by[("InferReply", n - 1)]
-    # Cancelled while queued, or read once it had started: either way one consistent answer.
-    assert (cancel.status, last.status) in {
-        (Status.OK, Status.CANCELLED), (Status.NOT_FOUND, Status.OK)
-    }  # fmt: skip
-    assert all(by[("InferReply", i)].status == Status.OK for i in range(n - 1))
-    if defer_ms:
-        assert counters.deferred > 0
-        assert counters.read_at_completion > 0  # the CANCEL, read when a core finished
-    else:
-        assert counters.deferred == counters.read_at_completion == 0
 
 
 def test_deadline_expiry_and_cancel(tmp_path: Path) -> None:
@@ -307,7 +260,7 @@ def test_after_the_drain_the_daemon_answers_until_the_socket_closes(tmp_path: Pa
     the socket closed got no reply. Now the frontend goes on answering (SHUTTING_DOWN)."""
     cfg = tmp_path / "dlad.toml"
     text = CONFIG.format(mode="timing", latency=500.0, depth=4, scheduler="", faults0="",
-                         faults1="", frontend="")  # fmt: skip
+                         faults1="")  # fmt: skip
     cfg.write_text(text.replace("[daemon]\n", "[daemon]\nclose_linger_ms = 3000.0\n"))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:

@@ -531,37 +531,3 @@ def test_interference_counts_an_engines_modelled_work_not_its_host_time() -> Non
     _run_gpu_batch(s, 8)
     s.admit(Job(2, "m", 10**12, None))
     assert s.queued("dla0") == 1
-
-
-def test_saturated_until_needs_every_device_busy_with_a_full_batch_queued() -> None:
-    """``saturated_until`` (the frontend's ``defer_reads_ms``): the earliest running task's
-    expected end, only while every device in placement runs work and has a full batch queued
-    behind it; a quarantined device does not count."""
-    clock = FakeClock()
-    s: Scheduler[None] = Scheduler(clock)
-    s.add_device("dla0", ["a"], capacity=4, service_us=1000.0)
-    s.add_device("gpu", ["g"], capacity=8, service_us=3000.0, max_batch=2,
-                 batch_service_us={2: 4000.0})  # fmt: skip
-    ids = iter(range(100))
-
-    def admit(model: str) -> None:
-        s.admit(Job(next(ids), model, 10**12, None))
-
-    assert s.saturated_until() is None  # idle
-    admit("a")
-    running, _ = s.next_job("dla0")  # runs from 0, due at 1 ms
-    admit("a")  # dla0's next job waits
-    assert s.saturated_until() is None  # the GPU is idle
-    clock.now = 100_000
-    admit("g")
-    admit("g")
-    assert len(s.next_batch("gpu").jobs) == 2  # a batch of two from 0.1 ms, due at 4.1 ms
-    admit("g")
-    assert s.saturated_until() is None  # one job queued: the GPU's next batch is not full
-    admit("g")
-    assert s.saturated_until() == 1_000_000  # dla0's task ends first
-    assert len(s.set_available("gpu", False)) == 2  # quarantined: out of the reckoning
-    assert s.saturated_until() == 1_000_000
-    assert running is not None
-    s.finished("dla0", running, 1000.0)
-    assert s.saturated_until() is None  # dla0 runs nothing (its queued job waits to start)

@@ -172,7 +172,7 @@ def test_a_daemon_with_shm_off_refuses_shared_memory_frames(
 ) -> None:
     cfg = tmp_path / "off.toml"
     fields = {"mode": "timing", "latency": 2000.0, "depth": 4, "scheduler": "", "faults0": "",
-              "faults1": "", "frontend": ""}  # fmt: skip
+              "faults1": ""}  # fmt: skip
     cfg.write_text("[shm]\nenabled = false\n" + CONFIG.format(**fields))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:

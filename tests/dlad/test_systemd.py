@@ -50,7 +50,7 @@ def test_ready_then_the_watchdog_from_the_heartbeat_then_stopping(
 ) -> None:
     cfg = tmp_path / "dlad.toml"
     text = CONFIG.format(depth=4, mode="timing", latency=2000.0, faults0="", faults1="",
-                         scheduler="", frontend="")  # fmt: skip
+                         scheduler="")  # fmt: skip
     cfg.write_text(text + "\n[metrics]\nenabled = false\nheartbeat_s = 0.05\n")
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "1000000",
            "WATCHDOG_PID": str(os.getpid())}  # fmt: skip
