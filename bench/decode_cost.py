@@ -2,10 +2,12 @@
 of an INFER (the frame in the message, and a shared-memory INFER's header alone) against
 msgpack's unpack of the same header, in the same run, µs a call (process CPU).
 
-    python bench/decode_cost.py [--calls 20000] [--trials 3]
+    python bench/decode_cost.py [--calls 20000] [--trials 3] [--gaps-ms 0.2,2]
 
 Warm means back to back, the interpreter's caches hot: in the daemon each request is decoded
-after the loop wakes, in colder caches (BENCHMARKS §9.9).
+after the loop wakes, in colder caches (BENCHMARKS §9.9). ``--gaps-ms`` measures that too: the
+same calls, each after the thread slept that long (the calling thread's CPU for the call
+alone, the sleep not counted), as the daemon's loop sleeps between frames at its load.
 """
 
 from __future__ import annotations
@@ -41,11 +43,24 @@ def _cost_us(fn: Callable[[], Any], calls: int) -> float:
     return (time.process_time() - t) / calls * 1e6
 
 
+def _after_sleep_us(fn: Callable[[], Any], calls: int, gap_s: float) -> float:
+    """The calling thread's CPU for ``fn`` alone, each call after sleeping ``gap_s``."""
+    spent = 0
+    for _ in range(calls):
+        time.sleep(gap_s)
+        t = time.thread_time_ns()
+        fn()
+        spent += time.thread_time_ns() - t
+    return spent / calls / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--gaps-ms", default="", help="also after sleeps of these ms, e.g. 0.2,2")
     args = ap.parse_args()
+    gaps = [float(g) for g in args.gaps_ms.split(",") if g]
     image = np.zeros((672, 672, 3), np.uint8)
     inline = protocol.encode(protocol.InferRequest(7, "demo", image, format="RGB"))
     header = bytes(inline[0])
@@ -60,14 +75,24 @@ def main() -> None:
     cases["decode_request, INFER, frame in shared memory"] = lambda: protocol.decode_request(
         in_shm, LIMITS, _shm_resolver
     )
-    rows: dict[str, list[float]] = {name: [] for name in cases}
+    runs = [(name, gap) for name in cases for gap in [0.0, *gaps]]
+    rows: dict[tuple[str, float], list[float]] = {run: [] for run in runs}
+    slept = max(200, args.calls // 50)  # fewer: each waits for its sleep
     for _ in range(args.trials):
-        for name, fn in cases.items():  # alternated in every trial
-            rows[name].append(_cost_us(fn, args.calls))
-    print(f"µs a call, median of {args.trials} trials of {args.calls} [min, max]:")
-    for name, values in rows.items():
+        for name, gap in runs:  # alternated in every trial
+            fn = cases[name]
+            cost = _cost_us(fn, args.calls) if not gap else _after_sleep_us(fn, slept, gap / 1e3)
+            rows[name, gap].append(cost)
+    print(f"µs a call, median of {args.trials} trials [min, max] ({args.calls} calls back to "
+          f"back; {slept} after each sleep):")  # fmt: skip
+    for (name, gap), values in rows.items():
         values.sort()
-        print(f"  {name:48s} {statistics.median(values):7.2f} [{values[0]:.2f}, {values[-1]:.2f}]")
+        median = statistics.median(values)
+        label, times = name, ""
+        if gap:
+            label = f"  the same, each after a {gap:g} ms sleep"
+            times = f"  x{median / statistics.median(rows[name, 0.0]):.1f} back to back's"
+        print(f"  {label:48s} {median:7.2f} [{values[0]:.2f}, {values[-1]:.2f}]{times}")
 
 
 if __name__ == "__main__":
