@@ -18,7 +18,9 @@ frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER
 Reported: achieved requests/s, the ratio to min(ideal device capacity, transport ceiling),
 p50/p99 latency, and the server process's CPU seconds per request (from /proc): in all, and
 the daemon's own, without its emulated cores' threads (work a DLA does in silicon), as a ratio
-to the bare server's.
+to the bare server's. For dlad and the bare server alike, each thread's CPU per request with
+its kernel share, and its context switches per request (``/proc/PID/task/*/status``): a
+switch is a sleep and a wake-up, for work, a lock or the GIL (BENCHMARKS §9.10).
 
 ``--profile DIR`` runs each dlad server under py-spy (``pip install py-spy``; it samples the
 process from outside, on-CPU samples only, every thread) and prints, per run, the functions
