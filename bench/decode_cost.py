@@ -54,13 +54,25 @@ def _after_sleep_us(fn: Callable[[], Any], calls: int, gap_s: float) -> float:
     return spent / calls / 1e3
 
 
+def _gaps(text: str) -> list[float]:
+    """``--gaps-ms``: comma-separated sleeps in ms, each above 0."""
+    try:
+        gaps = [float(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want ms like 0.2,2, got {text!r}") from None
+    if not all(0 < g <= 1000 for g in gaps):
+        raise argparse.ArgumentTypeError(f"each gap must be in (0, 1000] ms, got {text!r}")
+    return gaps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--gaps-ms", default="", help="also after sleeps of these ms, e.g. 0.2,2")
+    ap.add_argument("--gaps-ms", type=_gaps, default=[],
+                    help="also after sleeps of these ms, e.g. 0.2,2")  # fmt: skip
     args = ap.parse_args()
-    gaps = [float(g) for g in args.gaps_ms.split(",") if g]
+    gaps: list[float] = args.gaps_ms
     image = np.zeros((672, 672, 3), np.uint8)
     inline = protocol.encode(protocol.InferRequest(7, "demo", image, format="RGB"))
     header = bytes(inline[0])
