@@ -371,14 +371,19 @@ def bare_server(
     return stats, cpu, threads
 
 
-def start_profile(pid: int, raw: Path, seconds: float) -> subprocess.Popen[bytes]:
+def start_profile(
+    pid: int, raw: Path, seconds: float, *, gil: bool = False
+) -> subprocess.Popen[bytes]:
     """py-spy sampling ``pid`` for ``seconds`` (the measured window, not the start-up) into
     ``raw`` as collapsed stacks, every thread, 200 samples a second, without pausing it (a
-    paused daemon serves less and its profile is of another load)."""
+    paused daemon serves less and its profile is of another load). ``gil``: only samples of a
+    thread holding the GIL (a thread waiting for it is left out: py-spy counts that wait as
+    running)."""
     raw.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         ["py-spy", "record", "--pid", str(pid), "--duration", str(math.ceil(seconds)),
-         "--rate", "200", "--threads", "--nonblocking", "--format", "raw", "--output", str(raw)],
+         "--rate", "200", "--threads", "--nonblocking", "--format", "raw", "--output", str(raw),
+         *(["--gil"] if gil else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -469,7 +474,11 @@ def run_dlad(
             wait_ready(proc, "listening")
             name = _run_name(pre_post, backend, shm, tree, variant)
             raw = args.profile / f"dlad-pre-post-{name}-{trial}.txt" if args.profile else None
-            spy = None if raw is None else start_profile(proc.pid, raw, args.seconds + 1)
+            spy = (
+                None
+                if raw is None
+                else start_profile(proc.pid, raw, args.seconds + 1, gil=args.profile_gil)
+            )
             cpu0, threads0 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
             switches0, kernel0 = thread_switches(proc.pid), thread_cpu(proc.pid, kernel=True)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
@@ -527,6 +536,10 @@ def main() -> None:
         help="cpu and/or cuda, comma-separated; none: pre/post off only",
     )  # fmt: skip
     ap.add_argument("--profile", type=Path, help="profile each dlad run with py-spy into DIR")
+    ap.add_argument(
+        "--profile-gil", action="store_true",
+        help="with --profile: only samples holding the GIL (BENCHMARKS 9.10)",
+    )  # fmt: skip
     ap.add_argument(
         "--before", type=Path, metavar="DIR",
         help="also run each server (frames in the message) from this checkout's code, "
