@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,83 +104,68 @@ def engine_cpu_seconds(pid: int) -> float:
     "hardware" an Orin has in silicon, where a DLA waits on an NvSciSync fence itself, not the
     daemon's own cost. They live as long as the daemon, so a difference of two readings is
     their whole share of a run."""
-    return _engines(thread_cpu(pid))
+    return _engines(read_threads(pid))
 
 
-def thread_cpu(pid: int, *, kernel: bool = False) -> dict[tuple[int, str], float]:
-    """CPU seconds of each of ``pid``'s threads (``kernel``: only those spent in the kernel,
-    system calls and what the hypervisor charges to them), keyed by (tid, name); the main
-    thread (the event loop) is named ``loop``."""
-    out: dict[tuple[int, str], float] = {}
+@dataclass(frozen=True, slots=True)
+class ThreadReading:
+    """One thread's counters so far (``/proc/PID/task/TID``): CPU seconds, those spent in the
+    kernel (system calls and what the hypervisor charges to them), and context switches,
+    voluntary and not (each a sleep and a wake-up: a wait for work, a lock, or the GIL)."""
+
+    cpu: float
+    kernel: float
+    switches: int
+
+
+Threads = dict[tuple[int, str], ThreadReading]
+"""Readings keyed by (tid, name); the main thread (the event loop) is named ``loop``."""
+
+
+def read_threads(pid: int) -> Threads:
+    """Each of ``pid``'s threads' :class:`ThreadReading`, read once."""
+    out: Threads = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
             tid = int(task.name)
             name = "loop" if tid == pid else (task / "comm").read_text().strip()
-            out[tid, name] = _stat_cpu(task / "stat", kernel=kernel)
-    return out
-
-
-def thread_switches(pid: int) -> dict[tuple[int, str], int]:
-    """Context switches of each of ``pid``'s threads so far, voluntary and not together (each
-    is a sleep and a wake-up: a wait for work, a lock, or the GIL), keyed as :func:`thread_cpu`."""
-    out: dict[tuple[int, str], int] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            tid = int(task.name)
-            name = "loop" if tid == pid else (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            user, system = int(fields[11]), int(fields[12])
             status = (task / "status").read_text().splitlines()
-            out[tid, name] = sum(
-                int(line.split()[1]) for line in status if "ctxt_switches:" in line
-            )
+            switches = sum(int(line.split()[1]) for line in status if "ctxt_switches:" in line)
+            out[tid, name] = ThreadReading((user + system) / tick, system / tick, switches)
     return out
 
 
-def switch_breakdown(
-    before: dict[tuple[int, str], int], after: dict[tuple[int, str], int], requests: int
-) -> str:
-    """The context switches per request of each thread name, most first."""
-    by_name: Counter[str] = Counter()
-    for key, n in after.items():
-        by_name[key[1]] += n - before.get(key, 0)
-    per = max(requests, 1)
-    return ", ".join(f"{name} {n / per:.2f}" for name, n in by_name.most_common() if n > 0)
+def _engines(threads: Threads) -> float:
+    return sum(r.cpu for (_, name), r in threads.items() if name.endswith("-emulated"))
 
 
-def _engines(threads: dict[tuple[int, str], float]) -> float:
-    return sum(cpu for (_, name), cpu in threads.items() if name.endswith("-emulated"))
-
-
-def thread_breakdown(
-    before: dict[tuple[int, str], float],
-    after: dict[tuple[int, str], float],
-    requests: int,
-    kernel: tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]] | None = None,
-) -> str:
-    """The CPU per request of each thread name (threads of one name summed: a pool's workers,
-    the driver's helpers), highest first: where a run's CPU went, native code included. With
-    ``kernel`` (the same readings of kernel time), each with its kernel share."""
-    by_name: Counter[str] = Counter()
-    in_kernel: Counter[str] = Counter()
-    for key, cpu in after.items():
-        by_name[key[1]] += cpu - before.get(key, 0.0)
-        if kernel is not None:
-            in_kernel[key[1]] += kernel[1].get(key, 0.0) - kernel[0].get(key, 0.0)
+def thread_report(before: Threads, after: Threads, requests: int, unit: str = "request") -> str:
+    """Per ``unit``, each thread name's CPU (threads of one name summed: a pool's workers, the
+    driver's helpers) with its kernel share, highest first, and its context switches, most
+    first: where a run's CPU went, native code included."""
+    cpu: Counter[str] = Counter()
+    kernel: Counter[str] = Counter()
+    switches: Counter[str] = Counter()
+    zero = ThreadReading(0.0, 0.0, 0)
+    for key, r in after.items():
+        was = before.get(key, zero)
+        cpu[key[1]] += r.cpu - was.cpu
+        kernel[key[1]] += r.kernel - was.kernel
+        switches[key[1]] += r.switches - was.switches
     n = max(requests, 1)
-
-    def share(name: str, cpu: float) -> str:
-        return "" if kernel is None else f" ({in_kernel[name] / cpu:.0%} kernel)"
-
-    return ", ".join(
-        f"{name} {cpu / n * 1e3:.3f}{share(name, cpu)}"
-        for name, cpu in by_name.most_common()
-        if cpu > 0
-    )
+    by_cpu = ", ".join(f"{name} {c / n * 1e3:.3f} ({kernel[name] / c:.0%} kernel)"
+                       for name, c in cpu.most_common() if c > 0)  # fmt: skip
+    by_switches = ", ".join(f"{name} {k / n:.2f}" for name, k in switches.most_common() if k > 0)
+    return (f"CPU ms/{unit} by thread: {by_cpu}\n"
+            f"  context switches a {unit} by thread: {by_switches}")  # fmt: skip
 
 
-def _stat_cpu(stat: Path, *, kernel: bool = False) -> float:
+def _stat_cpu(stat: Path) -> float:
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    ticks = int(fields[12]) if kernel else int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stats(lat: list[float], ok: int, bad: int, elapsed: float) -> dict[str, float]:
@@ -327,39 +313,20 @@ def bare_ceiling(
     in_flight: int,
     rate: float | None = None,
     frame: tuple[int, ...] = FRAME,
-) -> tuple[dict[str, float], float]:
-    """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame).
-    With ``rate``, the same server paced to that load (a server's CPU per frame grows as its
-    load falls: fewer messages share each wake-up)."""
-    stats, cpu, _ = bare_server(endpoint, seconds, in_flight, rate, frame)
-    return stats, cpu
-
-
-def bare_server(
-    endpoint: str,
-    seconds: float,
-    in_flight: int,
-    rate: float | None = None,
-    frame: tuple[int, ...] = FRAME,
 ) -> tuple[dict[str, float], float, str]:
-    """:func:`bare_ceiling`, and the server's CPU and context switches per frame by thread."""
+    """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame, its
+    :func:`thread_report`). With ``rate``, the same server paced to that load (a server's CPU
+    per frame grows as its load falls: fewer messages share each wake-up)."""
     echo = subprocess.Popen(
         [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
     )
     wait_ready(echo, "ready")
-    pid = echo.pid
-    cpu0, threads0, kernel0, switches0 = (
-        cpu_seconds(pid), thread_cpu(pid), thread_cpu(pid, kernel=True), thread_switches(pid)
-    )  # fmt: skip
+    cpu0, threads0 = cpu_seconds(echo.pid), read_threads(echo.pid)
     stats = drive_bare(endpoint, seconds, in_flight, rate, frame)
-    cpu1, threads1, kernel1, switches1 = (
-        cpu_seconds(pid), thread_cpu(pid), thread_cpu(pid, kernel=True), thread_switches(pid)
-    )  # fmt: skip
+    cpu1, threads1 = cpu_seconds(echo.pid), read_threads(echo.pid)
     n = int(stats["ok"])
     cpu = (cpu1 - cpu0) / max(n, 1)
-    by_thread = thread_breakdown(threads0, threads1, n, (kernel0, kernel1))
-    threads = (f"CPU ms/frame by thread: {by_thread}; context switches a frame: "
-               f"{switch_breakdown(switches0, switches1, n)}")  # fmt: skip
+    threads = thread_report(threads0, threads1, n, unit="frame")
     ctx = zmq.Context()
     stop = ctx.socket(zmq.DEALER)
     stop.linger = 0
@@ -479,17 +446,12 @@ def run_dlad(
                 if raw is None
                 else start_profile(proc.pid, raw, args.seconds + 1, gil=args.profile_gil)
             )
-            cpu0, threads0 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
-            switches0, kernel0 = thread_switches(proc.pid), thread_cpu(proc.pid, kernel=True)
+            cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
-            cpu1, threads1 = cpu_seconds(proc.pid), thread_cpu(proc.pid)
-            switches1, kernel1 = thread_switches(proc.pid), thread_cpu(proc.pid, kernel=True)
+            cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
             cpu = (cpu1 - cpu0) / max(r["ok"], 1)
             engines = (_engines(threads1) - _engines(threads0)) / max(r["ok"], 1)
-            threads = thread_breakdown(threads0, threads1, int(r["ok"]), (kernel0, kernel1))
-            threads += "\n  context switches a request by thread: " + switch_breakdown(
-                switches0, switches1, int(r["ok"])
-            )
+            threads = thread_report(threads0, threads1, int(r["ok"]))
             if spy is not None:
                 spy.wait(60)
         finally:
@@ -596,7 +558,7 @@ def main() -> None:
         for transport in args.transports.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 ep = args.endpoint if transport == "tcp" else f"ipc://{tmp}/echo.sock"
-                stats, cpu, bare_threads = bare_server(ep, args.seconds, args.in_flight)
+                stats, cpu, bare_threads = bare_ceiling(ep, args.seconds, args.in_flight)
             ceilings[transport] = stats, cpu
             print(
                 f"bare pyzmq ROUTER/DEALER over {transport}, 1.35 MB frames, {args.in_flight} "
@@ -613,9 +575,10 @@ def main() -> None:
             )
             name = _run_name(pre_post, backend, shm, tree, variant)
             own = cpu - engines
-            paced, paced_cpu, paced_threads = bare_server(
+            paced, paced_cpu, paced_threads = bare_ceiling(
                 args.endpoint, args.seconds, args.in_flight, r["rate"]
             )
+            paced_threads = paced_threads.replace("\n  ", "\n    its ")
             ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu))
             print(
                 f"{'the --before code' if tree else 'dlad'}, pre/post "
@@ -631,7 +594,7 @@ def main() -> None:
                 f"  the bare server paced to the same load: {paced['rate']:.0f} frames/s, CPU "
                 f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that\n"
                 f"    its {paced_threads}\n"
-                f"  CPU ms/request by thread: {threads}"
+                f"  {threads}"
             )
             if raw is not None:
                 print(f"profile of dlad, pre/post {name} ({raw}):\n{top_functions(raw)}")

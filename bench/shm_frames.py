@@ -125,7 +125,7 @@ def main() -> None:
         for trial in range(args.trials):
             print(f"--- trial {trial + 1} of {args.trials}")
             for label, shape in sizes.items():
-                bare, bare_cpu = bare_ceiling(
+                bare, bare_cpu, _ = bare_ceiling(
                     "tcp://127.0.0.1:5596", args.seconds, args.in_flight, frame=shape
                 )
                 rows.setdefault((label, "bare tcp"), []).append((bare["rate"], bare_cpu))
