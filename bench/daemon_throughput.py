@@ -92,6 +92,29 @@ while True:
     s.send_multipart([f[0], b"k"])
 """
 
+HELD_SERVER = """
+import math, sys, time, zmq
+from collections import deque
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.SNDHWM, 1000)
+s.setsockopt(zmq.RCVHWM, 1000); s.bind(sys.argv[1]); hold = float(sys.argv[2]) / 1e6
+held = deque()  # (when its ack is due, the message: its frame stays alive until then)
+print("ready", flush=True)
+while True:
+    timeout = None if not held else math.ceil(max(held[0][0] - time.perf_counter(), 0) * 1e3)
+    if s.poll(timeout):
+        while True:
+            try:
+                f = s.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(f) == 2 and f[1].bytes == b"stop":
+                sys.exit(0)
+            held.append((time.perf_counter() + hold, f))
+    now = time.perf_counter()
+    while held and held[0][0] <= now:
+        s.send_multipart([held.popleft()[1][0], b"k"])
+"""
+
 
 def cpu_seconds(pid: int) -> float:
     return _stat_cpu(Path(f"/proc/{pid}/stat"))
@@ -116,6 +139,7 @@ class ThreadReading:
     cpu: float
     kernel: float
     switches: int
+    involuntary: int = 0  # of ``switches``: preempted while runnable (the CPU was wanted)
 
 
 Threads = dict[tuple[int, str], ThreadReading]
@@ -133,8 +157,12 @@ def read_threads(pid: int) -> Threads:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
             user, system = int(fields[11]), int(fields[12])
             status = (task / "status").read_text().splitlines()
-            switches = sum(int(line.split()[1]) for line in status if "ctxt_switches:" in line)
-            out[tid, name] = ThreadReading((user + system) / tick, system / tick, switches)
+            counts = {k: int(v) for k, _, v in (line.partition(":") for line in status)
+                      if k.endswith("ctxt_switches")}  # fmt: skip
+            forced = counts.get("nonvoluntary_ctxt_switches", 0)
+            out[tid, name] = ThreadReading(
+                (user + system) / tick, system / tick, sum(counts.values()), forced
+            )
     return out
 
 
@@ -149,16 +177,19 @@ def thread_report(before: Threads, after: Threads, requests: int, unit: str = "r
     cpu: Counter[str] = Counter()
     kernel: Counter[str] = Counter()
     switches: Counter[str] = Counter()
+    forced: Counter[str] = Counter()
     zero = ThreadReading(0.0, 0.0, 0)
     for key, r in after.items():
         was = before.get(key, zero)
         cpu[key[1]] += r.cpu - was.cpu
         kernel[key[1]] += r.kernel - was.kernel
         switches[key[1]] += r.switches - was.switches
+        forced[key[1]] += r.involuntary - was.involuntary
     n = max(requests, 1)
     by_cpu = ", ".join(f"{name} {c / n * 1e3:.3f} ({kernel[name] / c:.0%} kernel)"
                        for name, c in cpu.most_common() if c > 0)  # fmt: skip
-    by_switches = ", ".join(f"{name} {k / n:.2f}" for name, k in switches.most_common() if k > 0)
+    by_switches = ", ".join(f"{name} {k / n:.2f} ({forced[name] / n:.2f} preempted)"
+                            for name, k in switches.most_common() if k > 0)  # fmt: skip
     return (f"CPU ms/{unit} by thread: {by_cpu}\n"
             f"  context switches a {unit} by thread: {by_switches}")  # fmt: skip
 
@@ -313,12 +344,17 @@ def bare_ceiling(
     in_flight: int,
     rate: float | None = None,
     frame: tuple[int, ...] = FRAME,
+    *,
+    hold_us: float = 0.0,
 ) -> tuple[dict[str, float], float, str]:
     """The transport ceiling: a bare ROUTER answering 1-byte acks; (stats, CPU s per frame, its
     :func:`thread_report`). With ``rate``, the same server paced to that load (a server's CPU
-    per frame grows as its load falls: fewer messages share each wake-up)."""
+    per frame grows as its load falls: fewer messages share each wake-up). With ``hold_us``,
+    each ack leaves that long after its frame came, from a wake-up of its own, as a server's
+    whose work takes an engine's time (whole ms: ``zmq_poll``'s resolution)."""
+    code, extra = (HELD_SERVER, [str(hold_us)]) if hold_us else (ECHO_SERVER, [])
     echo = subprocess.Popen(
-        [sys.executable, "-c", ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, endpoint, *extra], stdout=subprocess.PIPE, text=True
     )
     wait_ready(echo, "ready")
     cpu0, threads0 = cpu_seconds(echo.pid), read_threads(echo.pid)
@@ -528,6 +564,12 @@ def main() -> None:
              "them: off, off-shm, on-cuda-shm-asyncio, ...); empty: all",
     )  # fmt: skip
     ap.add_argument(
+        "--held", action="store_true",
+        help="also a bare server paced to dlad's load that acks each frame --latency-us after "
+             "it came (the cost of a reply sent from a wake-up of its own, which any server of "
+             "an engine pays and an echo does not)",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -550,7 +592,9 @@ def main() -> None:
     if args.only:
         keep = set(args.only.split(","))
         runs = [r for r in runs if _run_name(*r) in keep]
-    ratios: dict[str, list[tuple[float, float, float, float]]] = {_run_name(*r): [] for r in runs}
+    ratios: dict[str, list[tuple[float, float, float, float, float]]] = {
+        _run_name(*r): [] for r in runs
+    }
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -579,7 +623,21 @@ def main() -> None:
                 args.endpoint, args.seconds, args.in_flight, r["rate"]
             )
             paced_threads = paced_threads.replace("\n  ", "\n    its ")
-            ratios[name].append((own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu))
+            held_line, held_cpu = "", math.nan
+            if args.held:
+                held, held_cpu, held_threads = bare_ceiling(
+                    args.endpoint, args.seconds, args.in_flight, r["rate"],
+                    hold_us=args.latency_us,
+                )  # fmt: skip
+                held_threads = held_threads.replace("\n  ", "\n    its ")
+                held_line = (
+                    f"  the bare server paced so, each ack {args.latency_us:.0f} us after its "
+                    f"frame: {held['rate']:.0f} frames/s, CPU {held_cpu * 1e3:.3f} ms/frame: "
+                    f"dlad's own = {own / held_cpu:.2f} x that\n    its {held_threads}\n"
+                )
+            ratios[name].append(
+                (own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu, own / held_cpu)
+            )
             print(
                 f"{'the --before code' if tree else 'dlad'}, pre/post "
                 f"{'on (' + backend + ')' if pre_post == 'true' else 'off'}"
@@ -594,6 +652,7 @@ def main() -> None:
                 f"  the bare server paced to the same load: {paced['rate']:.0f} frames/s, CPU "
                 f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that\n"
                 f"    its {paced_threads}\n"
+                f"{held_line}"
                 f"  {threads}"
             )
             if raw is not None:
@@ -602,13 +661,17 @@ def main() -> None:
     if args.trials > 1:
         print(f"summary over {args.trials} trials (median [min, max]):")
         for name, rows in ratios.items():
-            cpu_r, paced_r, rate_r, proc_r = (sorted(x) for x in zip(*rows, strict=True))
+            cpu_r, paced_r, rate_r, proc_r, held_r = (sorted(x) for x in zip(*rows, strict=True))
+            held_text = "" if not args.held else (
+                f", / paced and acking {args.latency_us:.0f} us late "
+                f"{statistics.median(held_r):.2f} [{held_r[0]:.2f}, {held_r[-1]:.2f}]"
+            )  # fmt: skip
             print(
                 f"  dlad pre/post {name}: process CPU {statistics.median(proc_r) * 1e3:.3f} "
                 f"ms/request; daemon's own CPU / bare server's at its ceiling "
                 f"{statistics.median(cpu_r):.2f} [{cpu_r[0]:.2f}, {cpu_r[-1]:.2f}], / paced "
                 f"to the same load {statistics.median(paced_r):.2f} [{paced_r[0]:.2f}, "
-                f"{paced_r[-1]:.2f}]; rate / min(ideal, ceiling) "
+                f"{paced_r[-1]:.2f}]{held_text}; rate / min(ideal, ceiling) "
                 f"{statistics.median(rate_r):.3f} [{rate_r[0]:.3f}, {rate_r[-1]:.3f}]"
             )
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -336,9 +336,15 @@ class Scheduler(Generic[P]):
         return self._pins.get((owner, stream))
 
     def _choose(self, job: Job[P], open_: Sequence[_Device], now: int) -> _Device:
+        # Each device's work in flight, read once (the interference term reads the others').
+        flying = self._devices.values() if self._interference else open_
+        left = {d.name: self._in_flight_ns(d, now) for d in flying}
         # A device whose tasks fail needs 1 / (1 - f) attempts a success: it must not win
         # frames because failing is quick.
-        ends = {d.name: self._completion(d, now) / (1 - min(d.fail_rate, 0.95)) for d in open_}
+        ends = {
+            d.name: (left[d.name] + d.work_ns(d.depth + 1)) / (1 - min(d.fail_rate, 0.95))
+            for d in open_
+        }
         if self.policy == "throughput":
             return min(
                 open_,
@@ -346,26 +352,26 @@ class Scheduler(Generic[P]):
             )
         if not self._interference:
             return min(open_, key=lambda d: (ends[d.name], d.name))
-        cost = {d.name: ends[d.name] + self._induced_ns(d, now) for d in open_}
+        cost = {d.name: ends[d.name] + self._induced_ns(d, left) for d in open_}
         return min(
             open_, key=lambda d: (now + ends[d.name] > job.deadline_ns, cost[d.name], d.name)
         )
 
-    def _induced_ns(self, d: _Device, now: int) -> float:
+    def _induced_ns(self, d: _Device, left: Mapping[str, float]) -> float:
         """How much a job placed on ``d`` delays the jobs of the other devices, summed: while
         ``d`` runs the extra time the job costs it, each other device with work outstanding runs
         ``interference[its kind, d's kind]`` slower, which pushes back every job it holds
         (first order: the overlap times the coefficient, per job held). The extra time is on
         ``d``'s registered curve (the engine's modelled or measured work), not the learned one:
         what an emulated core spends computing on the host beyond its model contends for no
-        DRAM."""
+        DRAM. ``left``: each device's work in flight (:meth:`_in_flight_ns`)."""
         extra = d.work_ns(d.depth + 1, d.seed) - d.work_ns(d.depth, d.seed)
         total = 0.0
         for e in self._devices.values():
             k = self._interference.get((e.kind, d.kind), 0.0) if e is not d else 0.0
             held = e.depth + len(e.running)
-            if k > 0 and held:
-                total += held * k * min(extra, self._completion(e, now, extra_jobs=0))
+            if k > 0 and held:  # until e's current work is done
+                total += held * k * min(extra, left[e.name] + e.work_ns(e.depth))
         return total
 
     def _pinned(self, stream: tuple[str, str], candidates: Sequence[_Device]) -> _Device:
@@ -392,13 +398,13 @@ class Scheduler(Generic[P]):
             self._devices[forgotten].pinned -= 1
         return chosen
 
-    def _completion(self, d: _Device, now: int, extra_jobs: int = 1) -> float:
-        """How long from ``now`` until a job admitted to ``d`` would finish (``extra_jobs=0``:
-        until ``d``'s current work is done): what is in flight, then the queue and this job in
-        batches."""
+    @staticmethod
+    def _in_flight_ns(d: _Device, now: int) -> float:
+        """How long from ``now`` until ``d``'s tasks in flight are estimated done (a batch's
+        jobs share one task). A job admitted to ``d`` would finish this plus the queue's work
+        and its own, in batches, later."""
         tasks = {task: start + est for start, est, task in d.running.values()}
-        remaining = sum(max(end - now, 0) for end in tasks.values())
-        return remaining + d.work_ns(d.depth + extra_jobs)
+        return sum(max(end - now, 0) for end in tasks.values())
 
     # ------------------------------------------------------------------------ dispatch
     def next_job(self, device: str) -> tuple[Job[P] | None, list[Job[P]]]:

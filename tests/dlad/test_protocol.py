@@ -804,3 +804,117 @@ def test_moving_a_checked_request_into_shared_memory_keeps_everything_else() -> 
 ])  # fmt: skip
 def test_nesting_counts_containers_only(value: object, depth: int) -> None:
     assert protocol._nesting(value, 10) == depth
+
+
+# ------------------------------------------------------------------------------ the fast INFER path
+
+_SMALL = Limits(max_message_bytes=1 << 12, max_header_bytes=1 << 10, max_width=8, max_height=8,
+                max_image_pixels=48)  # fmt: skip
+_ANY = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, U64), st.floats(), st.text(max_size=4),
+    st.sampled_from(["RGB", "GRAY", "uint8", "seg", "gone"]), st.binary(max_size=2),
+    st.lists(st.integers(0, 2), max_size=2),
+    st.dictionaries(st.sampled_from(["height", "name", "x"]), st.integers(0, 4), max_size=2),
+)  # fmt: skip
+_OPTIONAL = {
+    "stream": st.none() | names, "priority": st.none() | st.integers(PRIORITY_MIN, PRIORITY_MAX),
+    "deadline_ms": st.none() | st.integers(1, MAX_DEADLINE_MS),
+    "conf": st.none() | st.floats(0.0, 1.0, exclude_max=True),
+    "iou": st.none() | st.floats(0.0, 1.0, exclude_min=True),
+    "max_det": st.none() | st.integers(1, MAX_DET),
+}  # fmt: skip
+_SEGMENT = memoryview(bytes(1 << 10))
+
+
+def _resolve(ref: protocol.ShmRef, nbytes: int) -> memoryview:
+    """A daemon's shared-memory lookup: segments ``gone`` and ``odd`` are refused."""
+    if ref.name == "gone":
+        raise BadRequest("segment 'gone' is not open")
+    if ref.name == "odd":
+        raise ProtocolError("shm.name: not a segment of this client's", field="shm.name")
+    return _SEGMENT[ref.offset : ref.offset + nbytes]
+
+
+@st.composite
+def infer_messages(draw: st.DrawFn) -> list[bytes]:
+    """An INFER's frames, well formed or broken in a few places: a field set to anything,
+    dropped, or one added; a payload of the wrong size; a frame too many or missing."""
+    fmt = draw(formats)
+    height, width = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    image = {"height": height, "width": width, "format": fmt, "dtype": "uint8"}
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": int(Kind.INFER), "id": draw(ids),
+                              "model": draw(names), "image": image}  # fmt: skip
+    for key, values in _OPTIONAL.items():
+        if draw(st.booleans()):
+            header[key] = draw(values)
+    in_shm = draw(st.booleans())
+    if in_shm:
+        header["shm"] = {"name": draw(st.sampled_from(["seg", "gone", "odd"])),
+                         "offset": draw(st.integers(0, 8)), "size": 1 << 10}  # fmt: skip
+    for _ in range(draw(st.integers(0, 2))):
+        where = draw(st.sampled_from(["header", "image", "shm"]))
+        m = header.get(where) if where != "header" else header
+        if not isinstance(m, dict):
+            continue
+        change = draw(st.sampled_from(["set", "drop", "add"]))
+        if change == "add":
+            m[draw(st.sampled_from(["extra", "shm", "images", "load"]))] = draw(_ANY)
+        elif m:
+            key = draw(st.sampled_from(sorted(m)))
+            if change == "set":
+                m[key] = draw(_ANY)
+            else:
+                del m[key]
+    frames = [msgpack.packb(header)]
+    if not in_shm or draw(st.integers(0, 9)) == 0:
+        size = height * width * (1 if fmt == "GRAY" else 3) + draw(st.sampled_from([0, 0, -1, 1]))
+        frames.append(bytes(max(size, 0)))
+    if draw(st.integers(0, 9)) == 0:
+        frames.append(b"")
+    return frames
+
+
+def _decoded(frames: list[bytes], decode: Callable[..., Any]) -> tuple[Any, Any]:
+    """(what ``decode`` returned, or None; the error it raised, or None)."""
+    try:
+        return decode(frames, _SMALL, _resolve), None
+    except BadRequest as exc:
+        return None, exc
+
+
+@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
+@given(infer_messages())
+def test_the_fast_infer_path_takes_only_what_the_full_decoder_takes(frames: list[bytes]) -> None:
+    full, refused = _decoded(frames, protocol._decode_request)
+    fast, raised = _decoded(frames, protocol._fast_infer)
+    if raised is not None:  # only the shared-memory lookup's refusal, addressed the same way
+        assert refused is not None
+        assert (type(raised), raised.message, raised.request_id) == (
+            type(refused), refused.message, refused.request_id)  # fmt: skip
+        if isinstance(raised, ProtocolError) and isinstance(refused, ProtocolError):
+            assert raised.request_kind == refused.request_kind
+    if fast is None:
+        return
+    assert refused is None, f"the fast path took what the full decoder refuses: {refused}"
+    assert isinstance(full, InferRequest)
+    for name in (*protocol._INFER_SCALARS, "format", "shm"):
+        assert getattr(fast, name) == getattr(full, name), name
+    assert fast.image.shape == full.image.shape
+    assert not fast.image.flags.writeable
+    assert bytes(fast.image.data) == bytes(full.image.data)
+
+
+@settings(max_examples=200)
+@given(infer_requests(), st.booleans())
+def test_the_fast_infer_path_takes_every_well_formed_infer(
+    request: InferRequest, in_shm: bool
+) -> None:
+    if in_shm:
+        request = request.in_shared_memory(protocol.ShmRef("seg", 0, 1 << 10))
+    frames = encode(request)
+    fast = protocol._fast_infer(frames, protocol.DEFAULT_LIMITS, _resolve)
+    assert fast is not None
+    for name in (*protocol._INFER_SCALARS, "format", "shm"):
+        assert getattr(fast, name) == getattr(request, name), name
+    if not in_shm:
+        np.testing.assert_array_equal(fast.image, request.image)
