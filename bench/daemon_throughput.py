@@ -464,7 +464,8 @@ def run_dlad(
         )
         env = dict(os.environ)
         if tree is not None:  # its own dlad (cwd first on sys.path for -m, then PYTHONPATH)
-            env["PYTHONPATH"] = f"{tree}{os.pathsep}{tree / 'clients'}"
+            kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # wheels
+            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "clients"), *kept])
         proc = subprocess.Popen(
             [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
             stdout=subprocess.PIPE,
