@@ -119,6 +119,18 @@ def _waiting(sock: zmq.Socket[bytes]) -> bool:
     return bool(cast("int", sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
+def _receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
+    """One whole message's parts (zero-copy frames), without blocking: zmq.Again when none
+    waits. Each part's ``more`` says whether another follows; pyzmq's ``recv_multipart``
+    reads ``ZMQ_RCVMORE`` instead, an option lookup a part."""
+    part = sock.recv(_NOBLOCK, copy=False)
+    parts = [part]
+    while part.more:  # the rest of a message has arrived with its first part
+        part = sock.recv(_NOBLOCK, copy=False)
+        parts.append(part)
+    return parts
+
+
 class Frontend:
     """Sockets and replies for one daemon (see the module docstring).
 
@@ -285,7 +297,7 @@ class Frontend:
                     more = _waiting(sock)
                     continue
                 try:
-                    frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                    frames = _receive(sock)
                 except zmq.Again:  # the message went (a peer's connection closed meanwhile)
                     more = _waiting(sock)
                     continue
@@ -328,7 +340,7 @@ class Frontend:
         n = 0
         while True:
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = _receive(self._socket)
             except zmq.Again:
                 return n
             n += 1

@@ -20,14 +20,16 @@ are listed in ``docs/metrics.md``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import numpy as np
@@ -35,12 +37,14 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     Info,
     ProcessCollector,
     generate_latest,
     make_wsgi_app,
 )
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from dlad.errors import Status
 from dlad.protocol import DeviceLoad, LoadStatus
@@ -61,6 +65,54 @@ LATENCY_BUCKETS: Final = (
 """Histogram buckets in seconds: a DLA task takes ~1-10 ms, a queue wait up to the deadline."""
 _MAX_SAMPLES: Final = 1 << 18
 """Bound on the replies remembered for the load window (memory stays bounded at any rate)."""
+
+
+_LATENCIES: Final = (
+    ("dlad_request_queue_seconds", "Receipt to dispatch to a device, of requests answered OK."),
+    ("dlad_request_device_seconds", "Device execution time of requests answered OK."),
+    ("dlad_request_duration_seconds",
+     "Receipt to reply (end to end on the daemon) of requests answered OK."),
+)  # fmt: skip
+"""The three latency histograms of each OK reply, by ``model`` and ``device``: name, help."""
+
+
+class _Latencies(Collector):
+    """:data:`_LATENCIES` as plain bucket counts the event loop adds each OK reply to (one
+    bisect a histogram), exposed as Prometheus histograms when scraped. prometheus_client's
+    ``Histogram.observe`` walks its buckets in Python under a lock of its own: three of them
+    were a tenth of the bytecodes the loop ran a reply (``bench/loop_opcodes.py``, BENCHMARKS
+    §9.11). Safe to collect from any thread."""
+
+    def __init__(self, bounds: Iterable[float]) -> None:
+        self._bounds = tuple(sorted(float(b) for b in bounds))
+        go = cast("Callable[[float], str]", floatToGoString)  # untyped: Prometheus's "le" text
+        self._les = [go(b) for b in (*self._bounds, float("inf"))]
+        self._lock = threading.Lock()
+        # (model, device) -> per histogram [count in each bucket (the last +Inf)..., sum]
+        self._series: dict[tuple[str, str], tuple[list[float], ...]] = {}
+
+    def observe(self, model: str, device: str, *seconds: float) -> None:
+        """One reply's figures, in :data:`_LATENCIES` order."""
+        rows = self._series.get((model, device))
+        if rows is None:
+            width = len(self._bounds) + 2
+            rows = self._series[model, device] = tuple([0.0] * width for _ in _LATENCIES)
+        where = self._bounds
+        with self._lock:
+            for row, value in zip(rows, seconds, strict=True):
+                row[bisect.bisect_left(where, value)] += 1  # the first bound >= value
+                row[-1] += value
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snapshot = [(key, [list(r) for r in rows]) for key, rows in self._series.items()]
+        for i, (name, doc) in enumerate(_LATENCIES):
+            family = HistogramMetricFamily(name, doc, labels=["model", "device"])
+            for (model, device), rows in snapshot:
+                counts = itertools.accumulate(rows[i][:-1])
+                family.add_metric([model, device], list(zip(self._les, counts, strict=True)),
+                                  rows[i][-1])  # fmt: skip
+            yield family
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,32 +196,17 @@ class Metrics:
         Info("dlad", "The daemon's name and version.", registry=r).info(
             {"name": name, "version": version}
         )
-        md = ["model", "device"]
         # The labelled children the hot path updates, by label values (bounded: the frontend
         # passes only configured model and device names).
         self._by_status: dict[tuple[str, str, Status], Any] = {}
-        self._by_device: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self._requests = Counter(
             "dlad_requests",
             "INFER requests answered, by model, device and reply status (the failure reason).",
             ["model", "device", "status"],
             registry=r,
         )
-        self._queue_s = Histogram(
-            "dlad_request_queue_seconds",
-            "Receipt to dispatch to a device, of requests answered OK.",
-            md, buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._device_s = Histogram(
-            "dlad_request_device_seconds",
-            "Device execution time of requests answered OK.",
-            md, buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self._total_s = Histogram(
-            "dlad_request_duration_seconds",
-            "Receipt to reply (end to end on the daemon) of requests answered OK.",
-            md, buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        self._latencies = _Latencies(LATENCY_BUCKETS)
+        r.register(self._latencies)
         self._queue_depth = Gauge(
             "dlad_queue_depth", "Requests admitted and waiting for the device.", ["device"],
             registry=r,
@@ -278,16 +315,7 @@ class Metrics:
         counter.inc()
         ok = status == Status.OK
         if ok:
-            hists = self._by_device.get((model, dev))
-            if hists is None:
-                hists = self._by_device[model, dev] = (
-                    self._queue_s.labels(model, dev),
-                    self._device_s.labels(model, dev),
-                    self._total_s.labels(model, dev),
-                )
-            hists[0].observe(queue_us / 1e6)
-            hists[1].observe(device_us / 1e6)
-            hists[2].observe(total_us / 1e6)
+            self._latencies.observe(model, dev, queue_us / 1e6, device_us / 1e6, total_us / 1e6)
         self._replies.append((self._clock(), ok, total_us, dev))
 
     def tick(self, devices: Iterable[DeviceSample]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import math
 import re
 import reprlib
@@ -1115,11 +1116,14 @@ def _views(frames: object, limits: Limits) -> list[memoryview]:
     return views
 
 
+_STR: Final = itertools.repeat(str)  # isinstance's second argument, for map()
+
+
 def _pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     """Build each msgpack map: string keys only, and no key twice (a repeated key would make
     the header mean different things to different decoders)."""
     out = dict(pairs)
-    if len(out) != len(pairs) or not all(isinstance(key, str) for key in out):
+    if len(out) != len(pairs) or not all(map(isinstance, out, _STR)):
         seen: set[Any] = set()
         for key, _ in pairs:
             if not isinstance(key, str):

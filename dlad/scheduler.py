@@ -108,7 +108,8 @@ class _Curve:
     alpha: float
 
     def __call__(self, size: int) -> float:
-        return interpolate(self.known, size)
+        known = self.known.get(size)  # a size seen or seeded (a DLA's 1: every call)
+        return known if known is not None else interpolate(self.known, size)
 
     def learn(self, size: int, measured_ns: float) -> None:
         """Move the estimate at ``size`` toward ``measured_ns``; a sample beyond
@@ -151,6 +152,8 @@ class _Device:
         if jobs <= 0:
             return 0.0
         c = curve or self.curve
+        if self.max_batch == 1:
+            return jobs * c(1)
         full, rest = divmod(jobs, self.max_batch)
         return full * c(self.max_batch) + (c(rest) if rest else 0.0)
 
@@ -203,6 +206,9 @@ class Scheduler(Generic[P]):
         self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()  # (owner, stream) -> device
         self._by_hand = dict(pins or {})  # stream -> device, as configured (policy static)
         self._devices: dict[str, _Device] = {}
+        self._serving: dict[str, list[_Device]] = {}  # model -> the devices holding it
+        # device -> (each other device, interference[its kind, this one's kind]) where above 0
+        self._victims: dict[str, list[tuple[_Device, float]]] = {}
         self._jobs: dict[int, Job[P]] = {}  # queued only
         self._streams: dict[tuple[str, str], int] = {}  # (owner, stream) -> queued job id
         self._owned: Counter[str] = Counter()  # owner -> jobs queued
@@ -246,6 +252,14 @@ class Scheduler(Generic[P]):
         self._devices[name] = _Device(
             name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha), tier, kind
         )
+        # What admission reads for every job, kept as the devices are registered.
+        devices = list(self._devices.values())
+        self._serving = {m: [d for d in devices if m in d.models] for m in self.models}
+        self._victims = {
+            d.name: [(e, k) for e in devices if e is not d
+                     and (k := self._interference.get((e.kind, d.kind), 0.0)) > 0]
+            for d in devices
+        }  # fmt: skip
 
     @property
     def models(self) -> frozenset[str]:
@@ -269,7 +283,7 @@ class Scheduler(Generic[P]):
         """
         if job.id in self._jobs:
             raise ValueError(f"request id {job.id} is already queued")
-        serving = [d for d in self._devices.values() if job.model in d.models]
+        serving = self._serving.get(job.model)
         if not serving:
             raise NotFound(f"no device serves model {job.model!r}", request_id=job.id)
         candidates = [d for d in serving if d.available and d.name not in avoid]
@@ -339,23 +353,24 @@ class Scheduler(Generic[P]):
         # Each device's work in flight, read once (the interference term reads the others').
         flying = self._devices.values() if self._interference else open_
         left = {d.name: self._in_flight_ns(d, now) for d in flying}
-        # A device whose tasks fail needs 1 / (1 - f) attempts a success: it must not win
-        # frames because failing is quick.
-        ends = {
-            d.name: (left[d.name] + d.work_ns(d.depth + 1)) / (1 - min(d.fail_rate, 0.95))
-            for d in open_
-        }
-        if self.policy == "throughput":
-            return min(
-                open_,
-                key=lambda d: (now + ends[d.name] > job.deadline_ns, d.tier, ends[d.name], d.name),
-            )
-        if not self._interference:
-            return min(open_, key=lambda d: (ends[d.name], d.name))
-        cost = {d.name: ends[d.name] + self._induced_ns(d, left) for d in open_}
-        return min(
-            open_, key=lambda d: (now + ends[d.name] > job.deadline_ns, cost[d.name], d.name)
-        )
+        policy, interference = self.policy, bool(self._interference)
+        best: _Device | None = None
+        best_key: tuple[bool | float | int | str, ...] = ()
+        for d in open_:
+            # A device whose tasks fail needs 1 / (1 - f) attempts a success: it must not win
+            # frames because failing is quick.
+            end = (left[d.name] + d.work_ns(d.depth + 1)) / (1 - min(d.fail_rate, 0.95))
+            late = now + end > job.deadline_ns
+            if policy == "throughput":
+                key: tuple[bool | float | int | str, ...] = (late, d.tier, end, d.name)
+            elif not interference:
+                key = (end, d.name)
+            else:
+                key = (late, end + self._induced_ns(d, left), d.name)
+            if best is None or key < best_key:
+                best, best_key = d, key
+        assert best is not None  # open_ is never empty
+        return best
 
     def _induced_ns(self, d: _Device, left: Mapping[str, float]) -> float:
         """How much a job placed on ``d`` delays the jobs of the other devices, summed: while
@@ -367,10 +382,9 @@ class Scheduler(Generic[P]):
         DRAM. ``left``: each device's work in flight (:meth:`_in_flight_ns`)."""
         extra = d.work_ns(d.depth + 1, d.seed) - d.work_ns(d.depth, d.seed)
         total = 0.0
-        for e in self._devices.values():
-            k = self._interference.get((e.kind, d.kind), 0.0) if e is not d else 0.0
+        for e, k in self._victims[d.name]:
             held = e.depth + len(e.running)
-            if k > 0 and held:  # until e's current work is done
+            if held:  # until e's current work is done
                 total += held * k * min(extra, left[e.name] + e.work_ns(e.depth))
         return total
 

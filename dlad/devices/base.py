@@ -265,7 +265,9 @@ class Task:
 
     def __post_init__(self) -> None:
         for name in ("inputs", "outputs", "wait", "signal"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            value = getattr(self, name)
+            if type(value) is not tuple:  # a tuple is kept as it is (its identity too)
+                object.__setattr__(self, name, tuple(value))
 
 
 class TaskHandle(Protocol):
@@ -433,12 +435,31 @@ class FenceCore:
         return due
 
 
+Layouts = dict[tuple[int, int], tuple[object, Sequence[Buffer], Sequence[Buffer]]]
+"""The task layouts a core has accepted (:func:`check_task_layout`'s ``accepted``): by the ids
+of a task's buffer tuples, the module and the tuples themselves (held, so the ids stay theirs)."""
+
+MAX_LAYOUTS: Final = 64
+"""Layouts a core remembers as accepted (more: it forgets them all and checks afresh)."""
+
+
 def check_task_layout(
-    task: Task, module: object, *, owner: object, buffer_type: type, core: int, call: str
+    task: Task,
+    module: object,
+    *,
+    owner: object,
+    buffer_type: type,
+    core: int,
+    call: str,
+    accepted: Layouts | None = None,
 ) -> None:
     """What every backend's ``submit`` checks under its lock before anything else: ``task``
     uses ``module`` (the one loaded on the core), binds one buffer of ``buffer_type`` allocated
     by ``owner`` and large enough for each tensor, and has few enough events.
+
+    ``accepted``: the core's memory of layouts that passed. A task binding the very tuples of
+    buffers a passed one bound, to the same module, is not walked again: an executor's slot
+    submits its own buffers every frame. (A core's buffers live as long as the core.)
 
     Raises DlaError: ``ERROR_INVALID_MODULE``, ``ERROR_INVALID_ADDRESS`` (a foreign buffer) or
     ``ERROR_INVALID_PARAM`` (count, size, events), naming ``call``.
@@ -446,6 +467,22 @@ def check_task_layout(
     invalid = CudlaStatus.ERROR_INVALID_PARAM
     if module is None or task.module is not module:
         raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "module not loaded here")
+    ins, outs = task.inputs, task.outputs
+    seen = None if accepted is None else accepted.get((id(ins), id(outs)))
+    if seen is None or seen[0] is not module or seen[1] is not ins or seen[2] is not outs:
+        _check_buffers(task, owner=owner, buffer_type=buffer_type, core=core, call=call)
+        if accepted is not None:
+            if len(accepted) >= MAX_LAYOUTS:
+                accepted.clear()
+            accepted[id(ins), id(outs)] = (module, ins, outs)
+    if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
+        why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
+        raise DlaError(invalid, call, why)
+
+
+def _check_buffers(task: Task, *, owner: object, buffer_type: type, core: int, call: str) -> None:
+    """:func:`check_task_layout`'s walk over the task's buffers."""
+    invalid = CudlaStatus.ERROR_INVALID_PARAM
     for kind, buffers, descs in (
         ("input", task.inputs, task.module.inputs),
         ("output", task.outputs, task.module.outputs),
@@ -459,9 +496,6 @@ def check_task_layout(
             if buf.raw.size < desc.size:
                 why = f"{kind} {desc.name!r}: {buf.raw.size} B for {desc.size} B"
                 raise DlaError(invalid, call, why)
-    if len(task.wait) > MAX_WAIT_EVENTS or len(task.signal) > MAX_SIGNAL_EVENTS:
-        why = f"{len(task.wait)} waits / {len(task.signal)} signals: too many"
-        raise DlaError(invalid, call, why)
 
 
 def check_fence_pairs(task: Task, accept: Callable[[object], bool], what: str, call: str) -> None:

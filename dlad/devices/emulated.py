@@ -46,6 +46,7 @@ from dlad.devices.base import (
     CudlaStatus,
     DlaError,
     FenceCore,
+    Layouts,
     LoadableSource,
     Task,
     TaskTiming,
@@ -332,6 +333,7 @@ class EmulatedDlaCore:
         self.allocator = allocator
         self._dram = dram
         self._cv = threading.Condition(threading.Lock())
+        self._layouts: Layouts = {}  # the task layouts accepted (check_task_layout)
         # Guarded by _cv (single reads elsewhere are fine under the GIL):
         self._queue: collections.deque[EmulatedTaskHandle] = collections.deque()
         self._in_flight = 0
@@ -526,6 +528,7 @@ class EmulatedDlaCore:
                 buffer_type=EmulatedBuffer,
                 core=self._core,
                 call=call,
+                accepted=self._layouts,
             )
             check_fence_pairs(
                 task, lambda f: isinstance(f, EmulatedFence), "(EmulatedFence, value)", call

@@ -38,6 +38,7 @@ import asyncio
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,8 +76,8 @@ class Slot:
     """One set of the core's I/O buffers and the fence its tasks signal; ``gpu`` is its CUDA
     side (pre/post kernels fenced to the task) where the GPU does pre/post-processing."""
 
-    inputs: list[Any]
-    outputs: list[Any]
+    inputs: tuple[Any, ...]  # the same tuples every task: the core checks their layout once
+    outputs: tuple[Any, ...]
     fence: Any
     gpu: GpuSlot | None = None
     waiter: Waiter | None = None  # with ``gpu``: the thread that sleeps until a chain's end
@@ -173,8 +174,8 @@ class DlaExecutor(Executor):
 
     def _make_slot(self) -> Slot:
         slot = Slot(
-            inputs=[self.dla.alloc_buffer(d) for d in self.module.inputs],
-            outputs=[self.dla.alloc_buffer(d) for d in self.module.outputs],
+            inputs=tuple(self.dla.alloc_buffer(d) for d in self.module.inputs),
+            outputs=tuple(self.dla.alloc_buffer(d) for d in self.module.outputs),
             fence=self.dla.create_fence(),
         )
         if self.gpu is not None:  # mapped words (emulated) or NvSci imports (cudla)
@@ -409,7 +410,7 @@ class DlaExecutor(Executor):
         fence = slot.fence
         target = fence.value + 1
         handle = self.dla.submit(
-            Task(self.module, tuple(slot.inputs), tuple(slot.outputs), signal=((fence, target),))
+            Task(self.module, slot.inputs, slot.outputs, signal=((fence, target),))
         )
         return handle, fence, target
 
@@ -437,7 +438,7 @@ class DlaExecutor(Executor):
         np.copyto(buffer.raw, q.reshape(-1).view(np.uint8))
         return geometry
 
-    def _post(self, work: Request, outputs: list[Any], geometry: Letterbox) -> np.ndarray:
+    def _post(self, work: Request, outputs: Sequence[Any], geometry: Letterbox) -> np.ndarray:
         heads = [
             unpack_head(buf.array, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None)
             for d, buf in zip(self.module.outputs, outputs, strict=True)

@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from dlad.devices.base import (
+    MAX_LAYOUTS,
+    MAX_SIGNAL_EVENTS,
     MAX_TASK_TIMEOUT_MS,
     MAX_WAIT_EVENTS,
     Buffer,
@@ -39,6 +41,7 @@ from dlad.devices.base import (
     SyncObject,
     Task,
     TaskHandle,
+    check_task_layout,
 )
 from dlad.devices.emulated import (
     ABORTED_STATUS,
@@ -739,3 +742,38 @@ def test_bad_configuration_is_refused(open_core: OpenCore) -> None:
     for fault_kwargs in bad_faults:
         with pytest.raises(ValueError, match=r"error_rate|hang_rate|seed|error_status"):
             FaultConfig(**fault_kwargs)
+
+
+def test_a_layout_accepted_once_is_not_walked_again_but_module_and_events_still_are(
+    open_core: OpenCore,
+) -> None:
+    dla, module, ins, outs = timing_core(open_core)
+    ins, outs = tuple(ins), tuple(outs)
+    accepted: dict[Any, Any] = {}
+
+    def check(task: Task, buffer_type: type = EmulatedBuffer, mod: object = module) -> None:
+        check_task_layout(task, mod, owner=dla, buffer_type=buffer_type, core=0, call="x",
+                          accepted=accepted)  # fmt: skip
+
+    check(Task(module, ins, outs))
+    assert accepted == {(id(ins), id(outs)): (module, ins, outs)}
+    # The walk over the buffers is skipped for these very tuples (a wrong buffer type passes)
+    check(Task(module, ins, outs), buffer_type=int)
+    with raises(CudlaStatus.ERROR_INVALID_ADDRESS):  # the same buffers in new tuples: walked
+        check(Task(module, (*ins,), outs), buffer_type=int)
+    fence = dla.create_fence()
+    too_many = tuple((fence, i + 1) for i in range(MAX_SIGNAL_EVENTS + 1))
+    with raises(CudlaStatus.ERROR_INVALID_PARAM):  # events are checked on every task
+        check(Task(module, ins, outs, signal=too_many))
+    other = open_core(1, mode="timing")
+    theirs = other.load(DEMO1)
+    with raises(CudlaStatus.ERROR_INVALID_MODULE):
+        check(Task(theirs, ins, outs))
+    with raises(CudlaStatus.ERROR_INVALID_ADDRESS):  # another module: these tuples are walked
+        check(Task(theirs, ins, outs), buffer_type=int, mod=theirs)
+    foreign = tuple(other.alloc_buffer(d) for d in module.inputs)
+    with raises(CudlaStatus.ERROR_INVALID_ADDRESS):
+        check(Task(module, foreign, outs))
+    for _ in range(MAX_LAYOUTS + 3):
+        check(Task(module, (*ins,), outs))  # new tuples of the same buffers each time
+    assert 0 < len(accepted) <= MAX_LAYOUTS

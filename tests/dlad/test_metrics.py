@@ -19,13 +19,16 @@ import anyio
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlad import protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import ProtocolError, Status
-from dlad.metrics import DeviceSample, Metrics, MetricsServer
+from dlad.metrics import _LATENCIES, LATENCY_BUCKETS, DeviceSample, Metrics, MetricsServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,6 +160,42 @@ def sample_value(fams: dict[str, Any], family: str, suffix: str = "", **labels: 
 
 
 # ------------------------------------------------------------------------------ Metrics alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["dla0", "dla1", "gpu"]),
+                          st.floats(0, 30, allow_nan=False),
+                          st.sampled_from([0.0005, 0.002, 0.1, 10.0, 11.0])),
+                max_size=40))  # fmt: skip
+def test_the_latency_histograms_expose_what_prometheus_clients_would(
+    replies: list[tuple[str, float, float]],
+) -> None:
+    """dlad keeps its three latency histograms as plain counts (dlad.metrics._Latencies);
+    scraped, they read as prometheus_client's own Histogram of the same values would."""
+    m = Metrics("dlad", "0")
+    reference = CollectorRegistry()
+    hists = [Histogram(name, doc, ["model", "device"], buckets=LATENCY_BUCKETS,
+                       registry=reference) for name, doc in _LATENCIES]  # fmt: skip
+    for device, seconds, on_a_bound in replies:
+        us = (seconds * 1e6, on_a_bound * 1e6, (seconds + on_a_bound) * 1e6)
+        m.observe_reply("demo", device, Status.OK, queue_us=us[0], device_us=us[1],
+                        total_us=us[2])  # fmt: skip
+        for hist, value in zip(hists, us, strict=True):
+            hist.labels("demo", device).observe(value / 1e6)  # as Metrics converts it
+    ours = families(m.exposition().decode())
+    theirs = families(generate_latest(reference).decode())
+    for name, _ in _LATENCIES:
+        assert ours[name].type == "histogram"
+
+        def samples(fam: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            return {(x.name, tuple(sorted(x.labels.items()))): x.value for x in fam.samples
+                    if not x.name.endswith("_created")}  # fmt: skip
+
+        want = samples(theirs[name])
+        got = samples(ours[name])
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
 class FakeClock:

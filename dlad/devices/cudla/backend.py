@@ -69,6 +69,7 @@ from dlad.devices.base import (
     MAX_TASK_TIMEOUT_MS,
     CudlaStatus,
     DlaError,
+    Layouts,
     LoadableSource,
     Task,
     TaskTiming,
@@ -226,6 +227,7 @@ class CudlaDlaCore:
         self._gpu_signaller = gpu_signaller
         self._close_hooks: list[Callable[[], object]] = []
         self._cv = threading.Condition(threading.Lock())
+        self._layouts: Layouts = {}  # the task layouts accepted (check_task_layout)
         self._pending: collections.deque[_Record] = collections.deque()
         self._buffers: list[CudlaBuffer] = []
         self._fences: list[CudlaFence_] = []
@@ -475,8 +477,9 @@ class CudlaDlaCore:
             self._enter(call)
             module = self._module
             check_task_layout(
-                task, module, owner=self, buffer_type=CudlaBuffer, core=self._core, call=call
-            )
+                task, module, owner=self, buffer_type=CudlaBuffer, core=self._core, call=call,
+                accepted=self._layouts,
+            )  # fmt: skip
             assert module is not None  # checked: the task's module is the loaded one
             check_fence_pairs(
                 task,
