@@ -2,7 +2,7 @@
 
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
         [--pre-post-backends cpu[,cuda]|none] [--profile DIR] [--trials N] [--shm] [--before DIR]
-        [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N]
+        [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N] [--held] [--perf DIR]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -25,7 +25,11 @@ switch is a sleep and a wake-up, for work, a lock or the GIL (BENCHMARKS §9.10)
 ``--profile DIR`` runs each dlad server under py-spy (``pip install py-spy``; it samples the
 process from outside, on-CPU samples only, every thread) and prints, per run, the functions
 holding the most samples: by self time, and inclusive of what they call. The raw stacks are
-kept in DIR (``flamegraph.pl`` or speedscope read them).
+kept in DIR (``flamegraph.pl`` or speedscope read them). ``--perf DIR`` records the event
+loop's thread with ``perf`` (native code: the interpreter, libzmq, the kernel) and prints where
+its samples fell. ``--held`` adds a third baseline: the bare server paced to dlad's load and
+acking each frame ``--latency-us`` after it came, from a wake-up of its own, as any server of
+an engine must.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -391,6 +396,32 @@ def start_profile(
     )  # fmt: skip
 
 
+def start_perf(pid: int, data: Path) -> subprocess.Popen[bytes]:
+    """``perf record`` of ``pid``'s main thread (the event loop) into ``data``: the kernel's
+    clock every 0.2 ms, on-CPU only, native stacks (no hardware counters: these VMs have none).
+    Stop it with SIGINT."""
+    data.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        ["perf", "record", "-e", "cpu-clock", "-F", "4999", "-g", "-t", str(pid), "-o",
+         str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def perf_report(data: Path, n: int = 12) -> str:
+    """Where the loop thread's samples fell: by shared object (libpython: the interpreter;
+    ``[kernel.kallsyms]``: system calls and switches), then the top symbols."""
+    rows = []
+    for sort, top in (("dso", n), ("dso,sym", n)):
+        out = subprocess.run(
+            ["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",
+             "-g", "none"], capture_output=True, text=True, check=False,
+        ).stdout  # fmt: skip
+        lines = [x.strip() for x in out.splitlines() if x.strip() and not x.startswith("#")]
+        rows.append(f"  by {sort}:")
+        rows += [f"    {x}" for x in lines[:top]]
+    return "\n".join(rows)
+
+
 WAITS = frozenset({"Condition.wait", "EpollSelector.select", "Event.wait", "sleep"})
 """Innermost frames that block (py-spy can count a timed wait as running: dropped)."""
 
@@ -483,12 +514,19 @@ def run_dlad(
                 if raw is None
                 else start_profile(proc.pid, raw, args.seconds + 1, gil=args.profile_gil)
             )
+            threads = ""
+            data = args.perf / f"dlad-pre-post-{name}-{trial}.perf" if args.perf else None
+            perf = None if data is None else start_perf(proc.pid, data)
             cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
             cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
+            if perf is not None and data is not None:
+                perf.send_signal(signal.SIGINT)
+                perf.wait(60)
+                threads += f"\n  perf, the event loop's thread ({data}):\n{perf_report(data)}"
             cpu = (cpu1 - cpu0) / max(r["ok"], 1)
             engines = (_engines(threads1) - _engines(threads0)) / max(r["ok"], 1)
-            threads = thread_report(threads0, threads1, int(r["ok"]))
+            threads = thread_report(threads0, threads1, int(r["ok"])) + threads
             if spy is not None:
                 spy.wait(60)
         finally:
@@ -535,6 +573,10 @@ def main() -> None:
         help="cpu and/or cuda, comma-separated; none: pre/post off only",
     )  # fmt: skip
     ap.add_argument("--profile", type=Path, help="profile each dlad run with py-spy into DIR")
+    ap.add_argument(
+        "--perf", type=Path, metavar="DIR",
+        help="record each dlad run's event-loop thread with perf (native stacks) into DIR",
+    )  # fmt: skip
     ap.add_argument(
         "--profile-gil", action="store_true",
         help="with --profile: only samples holding the GIL (BENCHMARKS 9.10)",

@@ -1,21 +1,23 @@
 """Python bytecodes the daemon's event loop runs per request, by function: a count, not a time.
 
     python bench/loop_opcodes.py [--requests 300] [--in-flight 4] [--shm] [--batch N]
-        [--before DIR] [--top 25]
+        [--pre-post none|cpu|cuda] [--before DIR] [--top 25]
 
 The event loop's thread is bound by the interpreter: ``perf`` on cpu2 puts two thirds of its
-samples in libpython, a fifth in the kernel's context switches, and 2 % in libzmq
-(BENCHMARKS §9.11). On these VMs its CPU per request moves by more between runs than a small
-change saves, so such a change cannot be measured by time. The bytecodes the loop executes per
-request can: they are the same in every run of the same code, and the loop's time follows them.
+samples in libpython, a fifth in the kernel's context switches and 2 % in libzmq
+(``bench/daemon_throughput.py --perf``, BENCHMARKS §9.11). On these VMs its CPU per request moves
+by more between runs than a small change saves, so such a change cannot be measured by time. The
+bytecodes the loop executes per request can: they are the same in every run of the same code.
+(They are not the whole cost: a quarter fewer took 5-11 % off the loop's CPU on the H200 host.)
 
-dlad runs as ``bench/daemon_throughput.py`` runs it (pre/post off, two emulated cores in timing
-mode), under a tracer that counts every bytecode the main thread executes (``sys.settrace``
-with opcode events; the engines' threads are not traced) from SIGUSR1, once the client's first
-replies are in, to SIGUSR2. Traced, the loop is some twenty times slower, so it is the
-bottleneck: keep ``--in-flight`` low so that, as at dlad's real load, a wake-up finds about one
-message. Requests per count: the replies the loop sent meanwhile. ``--before DIR`` counts a
-checkout of other code (``git worktree add DIR <commit>``) the same way, one after the other.
+dlad runs as ``bench/daemon_throughput.py`` runs it (two emulated cores in timing mode;
+pre/post off unless ``--pre-post`` says otherwise) under a tracer that counts every bytecode the
+main thread executes (``sys.settrace`` with opcode events; the engines' threads are not traced),
+from SIGUSR1, once the client's first replies are in, to SIGUSR2. Traced, the loop is some
+twenty times slower, so it is the bottleneck: keep ``--in-flight`` low so that, as at dlad's
+real load, a wake-up finds about one message. Requests per count: the replies the loop sent
+meanwhile. ``--before DIR`` counts a checkout of other code (``git worktree add DIR <commit>``)
+the same way, one after the other.
 """
 
 from __future__ import annotations
@@ -70,15 +72,19 @@ REPLY = "Frontend._send_frames"
 
 
 def count(
-    tree: Path | None, requests: int, in_flight: int, *, shm: bool, batch: int
+    tree: Path | None, requests: int, in_flight: int, *, shm: bool, batch: int, pre_post: str
 ) -> dict[str, tuple[int, int]]:
     """Run one traced daemon (``tree``'s code, or this checkout's); its counts by function:
     (bytecodes, calls)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "dlad.toml", Path(tmp) / "counts.json"
         endpoint = "tcp://127.0.0.1:5613"
-        cfg.write_text(CONFIG.format(endpoint=endpoint, pre_post="false", latency=3820.0,
-                                     backend="cpu", gpu=""))  # fmt: skip
+        on = pre_post != "none"
+        cfg.write_text(CONFIG.format(
+            endpoint=endpoint, pre_post="true" if on else "false", latency=3820.0,
+            backend=pre_post if on else "cpu",
+            gpu='[devices.gpu]\nkind = "gpu"\n' if pre_post == "cuda" else "",
+        ))  # fmt: skip
         env = dict(os.environ)
         if tree is not None:
             kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -145,6 +151,9 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--shm", action="store_true", help="shared-memory frames")
     ap.add_argument("--batch", type=int, default=1, help="frames a message (INFER_BATCH)")
+    ap.add_argument("--pre-post", choices=("none", "cpu", "cuda"), default="none",
+                    help="pre/post-processing: off (the daemon's own path), the CPU's, or CUDA "
+                         "kernels fenced to the cores (a GPU machine)")  # fmt: skip
     ap.add_argument("--before", type=Path, metavar="DIR", help="also count this checkout")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
@@ -154,7 +163,7 @@ def main() -> None:
     results = {}
     for label, tree in runs.items():
         replies, ops = per_request(count(tree, args.requests, args.in_flight, shm=args.shm,
-                                         batch=args.batch))  # fmt: skip
+                                         batch=args.batch, pre_post=args.pre_post))  # fmt: skip
         results[label] = ops
         print(f"{label}: {sum(ops.values()):,.0f} bytecodes a reply on the event loop "
               f"({replies:.0f} replies counted, {args.batch} frame(s) each)")  # fmt: skip

@@ -91,17 +91,21 @@ class _Latencies(Collector):
         # (model, device) -> per histogram [count in each bucket (the last +Inf)..., sum]
         self._series: dict[tuple[str, str], tuple[list[float], ...]] = {}
 
-    def observe(self, model: str, device: str, *seconds: float) -> None:
-        """One reply's figures, in :data:`_LATENCIES` order."""
+    def observe(self, model: str, device: str, queue: float, run: float, total: float) -> None:
+        """One reply's figures (seconds), in :data:`_LATENCIES` order."""
         rows = self._series.get((model, device))
         if rows is None:
             width = len(self._bounds) + 2
             rows = self._series[model, device] = tuple([0.0] * width for _ in _LATENCIES)
-        where = self._bounds
+        at, where = bisect.bisect_left, self._bounds  # a value's bucket: the first bound >= it
+        q, r, t = rows
         with self._lock:
-            for row, value in zip(rows, seconds, strict=True):
-                row[bisect.bisect_left(where, value)] += 1  # the first bound >= value
-                row[-1] += value
+            q[at(where, queue)] += 1
+            q[-1] += queue
+            r[at(where, run)] += 1
+            r[-1] += run
+            t[at(where, total)] += 1
+            t[-1] += total
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -437,8 +437,15 @@ class InferRequest:
         put(request, "image", image)
         put(request, "format", fmt)
         put(request, "shm", shm)
-        for name, value in zip(_INFER_SCALARS, scalars, strict=True):
-            put(request, name, value)
+        rid, model, stream, priority, deadline_ms, conf, iou, max_det = scalars  # _INFER_SCALARS
+        put(request, "id", rid)
+        put(request, "model", model)
+        put(request, "stream", stream)
+        put(request, "priority", priority)
+        put(request, "deadline_ms", deadline_ms)
+        put(request, "conf", conf)
+        put(request, "iou", iou)
+        put(request, "max_det", max_det)
         return request
 
     def in_shared_memory(self, ref: ShmRef) -> InferRequest:
