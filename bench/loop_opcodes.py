@@ -12,7 +12,9 @@ bytecodes the loop executes per request can: they are the same in every run of t
 
 dlad runs as ``bench/daemon_throughput.py`` runs it (two emulated cores in timing mode;
 pre/post off unless ``--pre-post`` says otherwise) under a tracer that counts every bytecode the
-main thread executes (``sys.settrace`` with opcode events; the engines' threads are not traced),
+main thread executes (``sys.settrace`` with opcode events; from Python 3.12 ``sys.monitoring``'s
+instruction events, since 3.12's settrace drops opcode events; the engines' threads are not
+counted; counts differ between Python versions, so compare within one),
 from SIGUSR1, once the client's first replies are in, to SIGUSR2. Traced, the loop is some
 twenty times slower, so it is the bottleneck: keep ``--in-flight`` low so that, as at dlad's
 real load, a wake-up finds about one message. Requests per count: the replies the loop sent
@@ -39,21 +41,40 @@ from daemon_throughput import CONFIG, FRAME, wait_ready
 from dlad_client import Client
 
 TRACER = r"""
-import collections, json, runpy, signal, sys
+import collections, json, runpy, signal, sys, threading
 out = sys.argv.pop(1)
 counts, calls = collections.Counter(), collections.Counter()
-def local(frame, event, arg):
-    if event == "opcode":
-        counts[frame.f_code] += 1
-    return local
-def tracer(frame, event, arg):  # each call, and each resumption of a coroutine
-    calls[frame.f_code] += 1
-    frame.f_trace_opcodes, frame.f_trace_lines = True, False
-    return local
+main = threading.get_ident()
+if sys.version_info >= (3, 12):  # sys.monitoring (3.12's settrace drops opcode events)
+    mon, TOOL = sys.monitoring, sys.monitoring.PROFILER_ID
+    mon.use_tool_id(TOOL, "loop_opcodes")
+    def instruction(code, offset):
+        if threading.get_ident() == main:
+            counts[code] += 1
+    def entered(code, offset):  # each call, and each resumption of a coroutine
+        if threading.get_ident() == main:
+            calls[code] += 1
+    mon.register_callback(TOOL, mon.events.INSTRUCTION, instruction)
+    mon.register_callback(TOOL, mon.events.PY_START, entered)
+    mon.register_callback(TOOL, mon.events.PY_RESUME, entered)
+    every = mon.events.INSTRUCTION | mon.events.PY_START | mon.events.PY_RESUME
+    def trace(on):
+        mon.set_events(TOOL, every if on else 0)
+else:  # settrace, on this (the main) thread only
+    def local(frame, event, arg):
+        if event == "opcode":
+            counts[frame.f_code] += 1
+        return local
+    def tracer(frame, event, arg):  # each call, and each resumption of a coroutine
+        calls[frame.f_code] += 1
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return local
+    def trace(on):
+        sys.settrace(tracer if on else None)
 def start(*_):
-    counts.clear(); calls.clear(); sys.settrace(tracer)
+    counts.clear(); calls.clear(); trace(True)
 def stop(*_):
-    sys.settrace(None)
+    trace(False)
     rows = collections.defaultdict(lambda: [0, 0])  # by file and function, not line
     for c, n in counts.items():
         row = rows[f"{c.co_filename}:{c.co_qualname}"]
@@ -134,7 +155,10 @@ def drive(
 def per_request(rows: dict[str, tuple[int, int]]) -> tuple[float, dict[str, float]]:
     """(replies, bytecodes per reply by function)."""
     replies = sum(c for name, (_, c) in rows.items() if name.endswith(f":{REPLY}"))
-    n = max(replies, 1)
+    if not replies:
+        raise SystemExit(f"no replies counted ({len(rows)} functions traced): the tracer did not "
+                         "see the event loop's Python")  # fmt: skip
+    n = replies
     return replies, {name: ops / n for name, (ops, _) in rows.items()}
 
 
