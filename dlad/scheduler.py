@@ -426,8 +426,24 @@ class Scheduler(Generic[P]):
 
         A returned job counts as in flight on ``device`` until :meth:`finished`.
         """
-        batch = self.next_batch(device, max_batch=1)
-        return (batch.jobs[0] if batch.jobs else None), batch.expired
+        return self._pop(self._devices[device], self._clock())
+
+    def _pop(self, d: _Device, now: int) -> tuple[Job[P] | None, list[Job[P]]]:
+        """The head of ``d``'s queue, now in flight, and the expired jobs before it (the DLAs'
+        hot path: no batch to assemble)."""
+        expired: list[Job[P]] = []
+        while d.heap:
+            _, deadline, seq, job_id = heapq.heappop(d.heap)
+            job = self._jobs.get(job_id)
+            if job is None or job._seq != seq:
+                continue  # removed while queued
+            self._take(job)
+            if deadline <= now:
+                expired.append(job)
+                continue
+            d.running[job.id] = (now, int(d.curve(1)), next(self._tasks))
+            return job, expired
+        return None, expired
 
     def next_batch(
         self, device: str, *, max_batch: int | None = None, max_queue_delay_us: float = 0.0
@@ -443,20 +459,10 @@ class Scheduler(Generic[P]):
         if size < 1 or max_queue_delay_us < 0:
             raise ValueError("max_batch must be >= 1 and max_queue_delay_us >= 0")
         now = self._clock()
+        if size == 1:
+            head, stale = self._pop(d, now)
+            return Batch([] if head is None else [head], stale, None)
         expired: list[Job[P]] = []
-        if size == 1:  # the DLAs' hot path: pop the head, no batch to assemble
-            while d.heap:
-                _, deadline, seq, job_id = heapq.heappop(d.heap)
-                job = self._jobs.get(job_id)
-                if job is None or job._seq != seq:
-                    continue  # removed while queued
-                self._take(job)
-                if deadline <= now:
-                    expired.append(job)
-                    continue
-                d.running[job.id] = (now, int(d.curve(1)), next(self._tasks))
-                return Batch([job], expired, None)
-            return Batch([], expired, None)
         live: list[Job[P]] = []
         for _, deadline, seq, job_id in sorted(d.heap):
             job = self._jobs.get(job_id)

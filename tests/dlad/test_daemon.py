@@ -288,8 +288,16 @@ def test_everything_read_during_shutdown_is_answered(tmp_path: Path) -> None:
         def flood() -> None:
             nonlocal sent
             while not closed.is_set():
-                sock.send_multipart(protocol.encode(protocol.InferRequest(sent, "demo", IMAGE)))
-                sent += 1
+                # Without blocking: once the daemon has closed, the DEALER's queue fills and a
+                # blocking send would wait forever, never seeing ``closed``.
+                try:
+                    sock.send_multipart(
+                        protocol.encode(protocol.InferRequest(sent, "demo", IMAGE)), zmq.NOBLOCK
+                    )
+                except zmq.Again:
+                    sock.poll(10, zmq.POLLOUT)
+                else:
+                    sent += 1
                 while sock.poll(0):
                     got.append(protocol.decode_reply(sock.recv_multipart()))
                 if len(got) >= 20:
@@ -302,7 +310,9 @@ def test_everything_read_during_shutdown_is_answered(tmp_path: Path) -> None:
         assert daemon.stopped.wait(60)
         closed.set()
         sender.join()
-        while sock.poll(1000):  # what the linger delivered after the flood stopped
+        # What the linger delivered after the flood stopped: the daemon has stopped, so its
+        # count of replies is final; wait for that many (a reply lost would time out here).
+        while len(got) < daemon.counters.replied and sock.poll(60_000):
             got.append(protocol.decode_reply(sock.recv_multipart()))
     counters = daemon.counters
     assert counters.received == counters.replied == len(got)
