@@ -493,10 +493,7 @@ def run_dlad(
                 gpu=gpu,
             )
         )
-        env = dict(os.environ)
-        if tree is not None:  # its own dlad (cwd first on sys.path for -m, then PYTHONPATH)
-            kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # wheels
-            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "clients"), *kept])
+        env = tree_env(tree)
         proc = subprocess.Popen(
             [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
             stdout=subprocess.PIPE,
@@ -514,25 +511,36 @@ def run_dlad(
                 if raw is None
                 else start_profile(proc.pid, raw, args.seconds + 1, gil=args.profile_gil)
             )
-            threads = ""
             data = args.perf / f"dlad-pre-post-{name}-{trial}.perf" if args.perf else None
             perf = None if data is None else start_perf(proc.pid, data)
             cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
             cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
+            native = ""
             if perf is not None and data is not None:
                 perf.send_signal(signal.SIGINT)
                 perf.wait(60)
-                threads += f"\n  perf, the event loop's thread ({data}):\n{perf_report(data)}"
+                native = f"\n  perf, the event loop's thread ({data}):\n{perf_report(data)}"
             cpu = (cpu1 - cpu0) / max(r["ok"], 1)
             engines = (_engines(threads1) - _engines(threads0)) / max(r["ok"], 1)
-            threads = thread_report(threads0, threads1, int(r["ok"])) + threads
+            threads = thread_report(threads0, threads1, int(r["ok"])) + native
             if spy is not None:
                 spy.wait(60)
         finally:
             proc.terminate()
             proc.wait(30)
     return r, cpu, engines, raw, threads
+
+
+def tree_env(tree: Path | None) -> dict[str, str]:
+    """The environment a daemon runs in: this one, and for ``tree`` (a ``--before``
+    checkout) its own dlad and clients first on PYTHONPATH, the other entries (a machine's
+    wheels) kept. With ``cwd=tree``, ``-m`` puts the tree first on sys.path too."""
+    env = dict(os.environ)
+    if tree is not None:
+        kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "clients"), *kept])
+    return env
 
 
 def _run_name(

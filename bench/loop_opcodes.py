@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from daemon_throughput import CONFIG, FRAME, wait_ready
+from daemon_throughput import CONFIG, FRAME, tree_env, wait_ready
 
 from dlad_client import Client
 
@@ -106,10 +105,7 @@ def count(
             backend=pre_post if on else "cpu",
             gpu='[devices.gpu]\nkind = "gpu"\n' if pre_post == "cuda" else "",
         ))  # fmt: skip
-        env = dict(os.environ)
-        if tree is not None:
-            kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "clients"), *kept])
+        env = tree_env(tree)
         proc = subprocess.Popen(
             [sys.executable, "-c", TRACER, str(out), "--config", str(cfg)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree, env=env,

@@ -93,13 +93,13 @@ class _Latencies(Collector):
 
     def observe(self, model: str, device: str, queue: float, run: float, total: float) -> None:
         """One reply's figures (seconds), in :data:`_LATENCIES` order."""
-        rows = self._series.get((model, device))
-        if rows is None:
-            width = len(self._bounds) + 2
-            rows = self._series[model, device] = tuple([0.0] * width for _ in _LATENCIES)
         at, where = bisect.bisect_left, self._bounds  # a value's bucket: the first bound >= it
-        q, r, t = rows
-        with self._lock:
+        with self._lock:  # collect() walks the series from an HTTP thread
+            rows = self._series.get((model, device))
+            if rows is None:
+                width = len(where) + 2
+                rows = self._series[model, device] = tuple([0.0] * width for _ in _LATENCIES)
+            q, r, t = rows
             q[at(where, queue)] += 1
             q[-1] += queue
             r[at(where, run)] += 1

@@ -1384,12 +1384,8 @@ def _fast_infer(
             return None
         try:
             body = shm(ref, need)
-        except ProtocolError as exc:  # addressed to the request, as the full decoder does
-            _attach(exc, h["id"], code)
-            raise
         except DladError as exc:
-            if exc.request_id is None:
-                exc.request_id = scalars[0]
+            _address(exc, h)
             raise
     if body.nbytes != need:
         return None
@@ -1430,14 +1426,20 @@ def _decode_request(
             return CancelRequest(h["id"])
         load = h.get("load")  # nil means the default, like absence
         return StatusRequest(h["id"], load=False if load is None else _bool(load, "load"))
-    except ProtocolError as exc:
+    except DladError as exc:
+        _address(exc, h)
+        raise
+
+
+def _address(exc: DladError, h: dict[str, Any]) -> None:
+    """Address a request's refusal to it: a ProtocolError gets the header's id and kind; another
+    DladError (the shared-memory lookup's) the id, unless it names one already."""
+    if isinstance(exc, ProtocolError):
         _attach(exc, h.get("id"), h.get("kind"))
-        raise
-    except DladError as exc:  # the shared-memory lookup's refusal: addressed to the request
-        rid = h.get("id")
-        if exc.request_id is None and _is_int(rid) and 0 <= rid <= _U64_MAX:
-            exc.request_id = rid
-        raise
+        return
+    rid = h.get("id")
+    if exc.request_id is None and _is_int(rid) and 0 <= rid <= _U64_MAX:
+        exc.request_id = rid
 
 
 def _infer_reply(
