@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -59,6 +60,7 @@ FRAME = (672, 672, 3)
 CONFIG = """
 [daemon]
 default_deadline_ms = 60000.0
+[soc]
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 1000
@@ -422,6 +424,57 @@ def perf_report(data: Path, n: int = 12) -> str:
     return "\n".join(rows)
 
 
+SWITCH_SECONDS = 2
+"""How long ``--switches`` records (dwarf stacks are large: about 8 KB a switch)."""
+
+
+def start_switches(pid: int, data: Path) -> subprocess.Popen[bytes]:
+    """``perf record`` of every context switch of ``pid``'s main thread (the event loop) for
+    :data:`SWITCH_SECONDS`, from a second into the load, with dwarf call stacks: frame pointers
+    do not reach past libc's futex wait into the interpreter (``take_gil``)."""
+    data.parent.mkdir(parents=True, exist_ok=True)
+    record = (f"sleep 1; exec perf record -e context-switches -c 1 --call-graph dwarf,8192 "
+              f"-t {pid} -o {shlex.quote(str(data))} -- sleep {SWITCH_SECONDS}")  # fmt: skip
+    return subprocess.Popen(
+        ["sh", "-c", record], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+SWITCH_KINDS = (
+    ("take_gil", "__uvasync_callback",
+     "waits for the GIL, woken by another thread's call_soon_threadsafe"),
+    ("take_gil", "", "waits for the GIL, elsewhere"),
+    ("epoll_pwait", "", "sleeps in epoll (nothing to do)"),
+    ("futex", "", "waits on another lock or condition"),
+    ("", "", "preempted, or another wait"),
+)  # fmt: skip
+"""A switch's kind by the symbols on its stack (both, when two are given; first match)."""
+
+
+def switch_report(data: Path, requests_per_s: float) -> str:
+    """The loop thread's context switches by why it stopped running (:data:`SWITCH_KINDS`),
+    a request each; the recording is removed afterwards (it is large)."""
+    out = subprocess.run(
+        ["perf", "script", "-i", str(data), "-F", "ip,sym"], capture_output=True, text=True,
+        check=False,
+    ).stdout  # fmt: skip
+    data.unlink(missing_ok=True)
+    counts = dict.fromkeys((k[2] for k in SWITCH_KINDS), 0)
+    for stack in out.split("\n\n"):
+        if not stack.strip():
+            continue
+        for first, second, kind in SWITCH_KINDS:
+            if first in stack and second in stack:
+                counts[kind] += 1
+                break
+    requests = max(requests_per_s * SWITCH_SECONDS, 1.0)
+    total = sum(counts.values())
+    head = f"over {SWITCH_SECONDS} s: {total / requests:.2f} a request, by why it stopped"
+    rows = [f"  the loop's context switches {head}"]
+    rows += [f"    {n / requests:.2f}  {kind}" for kind, n in counts.items()]
+    return "\n".join(rows)
+
+
 WAITS = frozenset({"Condition.wait", "EpollSelector.select", "Event.wait", "sleep"})
 """Innermost frames that block (py-spy can count a timed wait as running: dropped)."""
 
@@ -513,6 +566,11 @@ def run_dlad(
             )
             data = args.perf / f"dlad-pre-post-{name}-{trial}.perf" if args.perf else None
             perf = None if data is None else start_perf(proc.pid, data)
+            sw_data = (
+                args.switches / f"dlad-pre-post-{name}-{trial}.switches" if args.switches
+                else None
+            )  # fmt: skip
+            switches = None if sw_data is None else start_switches(proc.pid, sw_data)
             cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
             r = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm, batch=args.batch)
             cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
@@ -521,6 +579,9 @@ def run_dlad(
                 perf.send_signal(signal.SIGINT)
                 perf.wait(60)
                 native = f"\n  perf, the event loop's thread ({data}):\n{perf_report(data)}"
+            if switches is not None and sw_data is not None:
+                switches.wait(60)
+                native += "\n" + switch_report(sw_data, r["rate"])
             cpu = (cpu1 - cpu0) / max(r["ok"], 1)
             engines = (_engines(threads1) - _engines(threads0)) / max(r["ok"], 1)
             threads = thread_report(threads0, threads1, int(r["ok"])) + native
@@ -584,6 +645,12 @@ def main() -> None:
     ap.add_argument(
         "--perf", type=Path, metavar="DIR",
         help="record each dlad run's event-loop thread with perf (native stacks) into DIR",
+    )  # fmt: skip
+    ap.add_argument(
+        "--switches", type=Path, metavar="DIR",
+        help=f"record the event loop's context switches ({SWITCH_SECONDS} s of each dlad run, "
+             "perf with dwarf stacks, in DIR) and report why the loop stopped running "
+             "(BENCHMARKS 9.12)",
     )  # fmt: skip
     ap.add_argument(
         "--profile-gil", action="store_true",

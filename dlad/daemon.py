@@ -286,7 +286,10 @@ class Daemon:
 
     async def _on_outcome(self, out: Outcome) -> None:
         # A client's job that succeeded has nothing for the health keeper to judge (probes have
-        # negative ids): the common case skips it.
+        # negative ids), and on a device known healthy it changes nothing: the common case.
+        if out.error is None and out.job_id >= 0 and self._healthy.get(out.device) is True:
+            await self.frontend.on_outcome(out)
+            return
         probe = (out.error is not None or out.job_id < 0) and await self.health.observe(out)
         self._track_health(out.device)
         if not probe:

@@ -112,6 +112,8 @@ _EVENTS: Final = int(zmq.EVENTS)
 _POLLIN: Final = int(zmq.POLLIN)
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _MORE: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_NO_MODEL: Final = (0.25, 0.45, 300)  # an unknown model's request: refused, never run
+_STATUS_NAMES: Final = {s: s.name for s in Status}  # an enum's ``name`` is a Python property
 
 
 def _waiting(sock: zmq.Socket[bytes]) -> bool:
@@ -181,6 +183,11 @@ class Frontend:
         self._expiry_wake = anyio.Event()
         self._expiry_at: int | None = None  # when the expiry timer fires (None: no timer)
         self._models = {m.name: m for m in config.models}
+        # what an INFER that leaves them out gets, per model: conf, iou, max_det
+        self._defaults = {
+            m.name: (m.conf_threshold, m.iou_threshold, min(m.max_det, protocol.MAX_DET))
+            for m in config.models
+        }
         self._curve = curve  # (server secret key file, client keys directory), or None
         self._drop_logged = -1.0
         self._in_flight: collections.Counter[str] = collections.Counter()  # owner -> jobs
@@ -505,16 +512,16 @@ class Frontend:
         index: int = 0,
     ) -> int:
         """Queue one image as a job (its room already checked); returns the job's id."""
-        model = self._models.get(req.model)
         now = time.monotonic_ns()
         d = self.config.daemon
         budget_ms = min(float(req.deadline_ms or d.default_deadline_ms), d.max_deadline_ms)
+        conf, iou, max_det = self._defaults.get(req.model, _NO_MODEL)
         work = Request(
             image=req.image,
             pixel_format=req.format,
-            conf=req.conf if req.conf is not None else (model.conf_threshold if model else 0.25),
-            iou=req.iou if req.iou is not None else (model.iou_threshold if model else 0.45),
-            max_det=req.max_det or (min(model.max_det, protocol.MAX_DET) if model else 300),
+            conf=conf if req.conf is None else req.conf,
+            iou=iou if req.iou is None else req.iou,
+            max_det=req.max_det or max_det,
             received_ns=now,
             model=req.model,
         )
@@ -740,8 +747,8 @@ class Frontend:
         if not self._askers:
             self._idle.set()
         self.counters.replied += 1
-        by_status = self.counters.by_status
-        by_status[status.name] = by_status.get(status.name, 0) + 1
+        by_status, name = self.counters.by_status, _STATUS_NAMES[status]
+        by_status[name] = by_status.get(name, 0) + 1
         try:
             # Copied: replies are small (a header, at most MAX_DET rows), and a copy is cheaper
             # than a zero-copy frame's bookkeeping below pyzmq's copy threshold.

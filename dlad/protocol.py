@@ -1079,6 +1079,10 @@ def timing_fields(
     }  # fmt: skip
 
 
+_INFER_REPLY: Final = int(Kind.INFER_REPLY)
+_OK: Final = int(Status.OK)
+
+
 def encode_infer_ok(
     request_id: int,
     device: str,
@@ -1090,8 +1094,8 @@ def encode_infer_ok(
     :func:`timing_fields`, ``detections`` ``N x 6`` float32 with ``N <= MAX_DET`` (decoding
     either checks all of it)."""
     header: dict[str, Any] = {
-        "v": PROTOCOL_VERSION, "kind": int(Kind.INFER_REPLY), "id": request_id,
-        "status": int(Status.OK), "message": "", "device": device, "timing": timing,
+        "v": PROTOCOL_VERSION, "kind": _INFER_REPLY, "id": request_id,
+        "status": _OK, "message": "", "device": device, "timing": timing,
     }  # fmt: skip
     return _with_detections(header, detections)
 

@@ -102,7 +102,8 @@ LEARN_CLAMP: Final = 4.0
 
 @dataclass
 class _Curve:
-    """Service time (ns) by batch size: seeded, then learned per size; others interpolated."""
+    """Service time (ns) by batch size: seeded, then learned per size; others interpolated.
+    ``known`` always holds batch size 1 (the hot path reads ``known[1]`` directly)."""
 
     known: dict[int, float]
     alpha: float
@@ -116,7 +117,9 @@ class _Curve:
         :data:`LEARN_CLAMP` times the estimate (either way) counts as that much, so that one
         outlier (a cold cache, a worker thread spawned) cannot make a device look so slow that
         it never gets the frame that would correct it."""
-        old = self(size)
+        old = self.known.get(size)
+        if old is None:
+            old = interpolate(self.known, size)
         sample = min(max(measured_ns, old / LEARN_CLAMP), old * LEARN_CLAMP)
         self.known[size] = old + self.alpha * (sample - old)
 
@@ -153,7 +156,7 @@ class _Device:
             return 0.0
         c = curve or self.curve
         if self.max_batch == 1:
-            return jobs * c(1)
+            return jobs * c.known[1]
         full, rest = divmod(jobs, self.max_batch)
         return full * c(self.max_batch) + (c(rest) if rest else 0.0)
 
@@ -214,6 +217,7 @@ class Scheduler(Generic[P]):
         self._owned: Counter[str] = Counter()  # owner -> jobs queued
         self._seq = itertools.count()
         self._tasks = itertools.count()
+        self._out = 0  # devices out of placement (set_available)
 
     # ------------------------------------------------------------------------ configuration
     def add_device(
@@ -286,7 +290,10 @@ class Scheduler(Generic[P]):
         serving = self._serving.get(job.model)
         if not serving:
             raise NotFound(f"no device serves model {job.model!r}", request_id=job.id)
-        candidates = [d for d in serving if d.available and d.name not in avoid]
+        if avoid or self._out:
+            candidates = [d for d in serving if d.available and d.name not in avoid]
+        else:
+            candidates = serving  # every device in placement (admission's common case)
         if not candidates:
             why = ", ".join(f"{d.name} {'failed it' if d.name in avoid else 'quarantined'}"
                             for d in serving)  # fmt: skip
@@ -300,11 +307,9 @@ class Scheduler(Generic[P]):
         # The stream's queued frame (if any) is superseded only once the new one is sure to be
         # admitted: a refused new frame leaves the old one queued, to be answered as usual.
         old = self._jobs.get(self._streams[key]) if key in self._streams else None
-
-        def free(d: _Device) -> int:
-            return d.capacity - d.depth + (old is not None and old.device == d.name)
-
-        open_ = [d for d in candidates if free(d) > 0]
+        # a device's free places (the superseded frame's place counts as free)
+        gone = None if old is None else old.device
+        open_ = [d for d in candidates if d.capacity - d.depth + (d.name == gone) > 0]
         if not open_:
             raise Overloaded(
                 f"all queues for model {job.model!r} are full "
@@ -380,12 +385,16 @@ class Scheduler(Generic[P]):
         ``d``'s registered curve (the engine's modelled or measured work), not the learned one:
         what an emulated core spends computing on the host beyond its model contends for no
         DRAM. ``left``: each device's work in flight (:meth:`_in_flight_ns`)."""
-        extra = d.work_ns(d.depth + 1, d.seed) - d.work_ns(d.depth, d.seed)
+        if d.max_batch == 1:  # a job more is one task more
+            extra = d.seed.known[1]
+        else:
+            extra = d.work_ns(d.depth + 1, d.seed) - d.work_ns(d.depth, d.seed)
         total = 0.0
         for e, k in self._victims[d.name]:
             held = e.depth + len(e.running)
             if held:  # until e's current work is done
-                total += held * k * min(extra, left[e.name] + e.work_ns(e.depth))
+                queued = e.depth * e.curve.known[1] if e.max_batch == 1 else e.work_ns(e.depth)
+                total += held * k * min(extra, left[e.name] + queued)
         return total
 
     def _pinned(self, stream: tuple[str, str], candidates: Sequence[_Device]) -> _Device:
@@ -417,8 +426,14 @@ class Scheduler(Generic[P]):
         """How long from ``now`` until ``d``'s tasks in flight are estimated done (a batch's
         jobs share one task). A job admitted to ``d`` would finish this plus the queue's work
         and its own, in batches, later."""
-        tasks = {task: start + est for start, est, task in d.running.values()}
-        return sum(max(end - now, 0) for end in tasks.values())
+        if d.max_batch > 1:
+            tasks = {task: start + est for start, est, task in d.running.values()}
+            return sum(max(end - now, 0) for end in tasks.values())
+        left = 0  # a job a task: no task to count once
+        for start, est, _ in d.running.values():
+            if start + est > now:
+                left += start + est - now
+        return left
 
     # ------------------------------------------------------------------------ dispatch
     def next_job(self, device: str) -> tuple[Job[P] | None, list[Job[P]]]:
@@ -441,7 +456,7 @@ class Scheduler(Generic[P]):
             if deadline <= now:
                 expired.append(job)
                 continue
-            d.running[job.id] = (now, int(d.curve(1)), next(self._tasks))
+            d.running[job.id] = (now, int(d.curve.known[1]), next(self._tasks))
             return job, expired
         return None, expired
 
@@ -495,7 +510,9 @@ class Scheduler(Generic[P]):
 
     def finished(self, device: str, job: Job[P], device_us: float | None) -> None:
         """``job`` left ``device``; ``device_us`` (None on failure) updates the estimate."""
-        self.finished_batch(device, [job], device_us)
+        d = self._devices[device]
+        d.running.pop(job.id, None)
+        self._learn(d, 1, device_us)
 
     def finished_batch(self, device: str, jobs: Sequence[Job[P]], device_us: float | None) -> None:
         """A batch left ``device``; ``device_us`` (its device time, None on failure) updates the
@@ -504,11 +521,16 @@ class Scheduler(Generic[P]):
         for job in jobs:
             d.running.pop(job.id, None)
         if jobs:
-            d.fail_rate += self._alpha * (float(device_us is None) - d.fail_rate)
-        if device_us is not None and device_us > 0 and jobs:
-            d.curve.learn(len(jobs), device_us * 1e3)
-            d.completed += len(jobs)
-            d.batches[min(len(jobs), d.max_batch) - 1] += 1
+            self._learn(d, len(jobs), device_us)
+
+    def _learn(self, d: _Device, size: int, device_us: float | None) -> None:
+        """A task of ``size`` jobs ended on ``d`` (``device_us``: its device time, None if it
+        failed): the failure rate, the curve at ``size`` and the counts."""
+        d.fail_rate += self._alpha * (float(device_us is None) - d.fail_rate)
+        if device_us is not None and device_us > 0:
+            d.curve.learn(size, device_us * 1e3)
+            d.completed += size
+            d.batches[min(size, d.max_batch) - 1] += 1
 
     def set_available(self, device: str, available: bool) -> list[Job[P]]:
         """Take ``device`` out of placement (quarantine) or put it back. Taking it out removes
@@ -516,6 +538,8 @@ class Scheduler(Generic[P]):
         in-flight jobs finish or fail as they will); streams pinned to it are pinned afresh at
         their next frame."""
         d = self._devices[device]
+        if d.available != available:
+            self._out += -1 if available else 1
         d.available = available
         if available:
             return []
@@ -543,7 +567,7 @@ class Scheduler(Generic[P]):
         """Put ``job`` on ``d``'s queue."""
         job.device = d.name
         job.admitted_ns = now
-        job.estimate_ns = int(d.curve(1))
+        job.estimate_ns = int(d.curve.known[1])
         job._seq = next(self._seq)
         heapq.heappush(d.heap, (-job.priority, job.deadline_ns, job._seq, job.id))
         d.depth += 1

@@ -264,10 +264,16 @@ class Task:
     signal: Sequence[FenceValue] = ()
 
     def __post_init__(self) -> None:
-        for name in ("inputs", "outputs", "wait", "signal"):
-            value = getattr(self, name)
-            if type(value) is not tuple:  # a tuple is kept as it is (its identity too)
-                object.__setattr__(self, name, tuple(value))
+        # A tuple is kept as it is (its identity too: check_task_layout remembers it). Four
+        # plain tests, not a loop over the names: a slot builds a Task every frame.
+        if type(self.inputs) is not tuple:
+            object.__setattr__(self, "inputs", tuple(self.inputs))
+        if type(self.outputs) is not tuple:
+            object.__setattr__(self, "outputs", tuple(self.outputs))
+        if type(self.wait) is not tuple:
+            object.__setattr__(self, "wait", tuple(self.wait))
+        if type(self.signal) is not tuple:
+            object.__setattr__(self, "signal", tuple(self.signal))
 
 
 class TaskHandle(Protocol):
@@ -364,6 +370,8 @@ def is_int_in(value: object, low: int, high: int) -> bool:
 def fence_value(value: object, call: str) -> int:
     """``value`` as a fence value. Raises DlaError (``ERROR_INVALID_PARAM``, naming ``call``)
     unless it is an int in ``[0, 2**64)``."""
+    if type(value) is int and 0 <= value < _FENCE_VALUE_END:  # the common case, at once
+        return value
     if not is_int_in(value, 0, _FENCE_VALUE_END):
         raise DlaError(
             CudlaStatus.ERROR_INVALID_PARAM,
@@ -385,12 +393,15 @@ def run_fence_callback(callback: Callable[[], object]) -> None:
 
 class FenceCore:
     """What every fence backend shares: a value that only grows (``_value``, guarded by
-    ``_cond``), threads waiting on the condition, and ``on_reached`` callbacks, which whoever
-    advances the value runs outside the lock. Backends add how a value is reached and promised.
+    ``_lock``, the lock of ``_cond``), threads waiting on the condition, and ``on_reached``
+    callbacks, which whoever advances the value runs outside the lock. Backends add how a value
+    is reached and promised.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # ``with self._lock`` where nothing waits or wakes: a Condition's ``with`` runs Python.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._value = 0
         self._order = itertools.count()  # FIFO among callbacks of one value
         self._callbacks: list[tuple[int, int, Callable[[], object]]] = []  # heap by value
@@ -419,7 +430,7 @@ class FenceCore:
         """Call ``callback()`` once ``value`` is reached: now, in the calling thread, if it is;
         else from the thread that advances the fence (see ``SyncObject.on_reached``)."""
         target = fence_value(value, "NvSciSyncFenceWait")
-        with self._cond:
+        with self._lock:
             if self._value < target:
                 heapq.heappush(self._callbacks, (target, next(self._order), callback))
                 return
@@ -502,7 +513,7 @@ def check_fence_pairs(task: Task, accept: Callable[[object], bool], what: str, c
     """Every wait and signal of ``task`` is a ``(fence, value)`` pair whose fence ``accept``
     takes and whose value is a fence value. Raises DlaError (``ERROR_INVALID_PARAM``) naming
     ``what`` was expected and ``call``."""
-    pairs: tuple[object, ...] = (*task.wait, *task.signal)
+    pairs: Sequence[object] = (*task.wait, *task.signal) if task.wait else task.signal
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2 and accept(pair[0])):
             raise DlaError(CudlaStatus.ERROR_INVALID_PARAM, call, f"not {what}: {pair!r}")

@@ -256,6 +256,23 @@ def test_timing_outputs_are_valid_and_deterministic(
         assert head.shape == (module.outputs[0].c, module.outputs[0].h, module.outputs[0].w)
 
 
+def test_timing_outputs_reach_each_slots_own_buffers(open_core: OpenCore, demo: Loadable) -> None:
+    """The core remembers the output images of a tuple of buffers it wrote: a second slot's
+    buffers, and a first slot's again, each get the task's outputs (no stale views)."""
+    core = open_core(0, mode="timing", latency_us=0)
+    module = core.load(with_outputs(demo, TensorFormat.CHW16))
+    slots = [tuple(map(tuple, bind(core, module))) for _ in range(2)]  # a slot's own tuples
+    done = core.create_fence()
+    for value, (ins, outs) in enumerate((*slots, slots[0]), start=1):
+        for buf in (b for _, o in slots for b in o):
+            buf.raw[:] = 0x5A
+        core.submit(Task(module, ins, outs, signal=[(done, value)]))
+        assert done.wait(value, WAIT_S)
+        others = [b for _, o in slots if o is not outs for b in o]
+        assert all((buf.raw != 0x5A).any() for buf in outs)
+        assert all((buf.raw == 0x5A).all() for buf in others)
+
+
 def test_numeric_mode_refuses_what_the_engine_cannot_run(
     open_core: OpenCore, demo: Loadable
 ) -> None:
