@@ -2,7 +2,7 @@
 
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
         [--pre-post-backends cpu[,cuda]|none] [--profile DIR] [--trials N] [--shm] [--before DIR]
-        [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N] [--held] [--perf DIR]
+        [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N] [--held] [--perf DIR] [--floor]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -29,7 +29,11 @@ kept in DIR (``flamegraph.pl`` or speedscope read them). ``--perf DIR`` records 
 loop's thread with ``perf`` (native code: the interpreter, libzmq, the kernel) and prints where
 its samples fell. ``--held`` adds a third baseline: the bare server paced to dlad's load and
 acking each frame ``--latency-us`` after it came, from a wake-up of its own, as any server of
-an engine must.
+an engine must. ``--floor`` adds a fourth: the least a Python daemon of dlad's shape can
+cost, a uvloop ROUTER that hands each frame to one of two engine threads (timing mode, tasks
+back to back at ``--latency-us``, two in flight per engine, the rest queued), takes the
+completions back through ``call_soon_threadsafe`` and answers with a valid INFER_REPLY; its own
+CPU per request is the floor dlad's own is compared with (BENCHMARKS §9.13).
 """
 
 from __future__ import annotations
@@ -121,6 +125,99 @@ while True:
     while held and held[0][0] <= now:
         s.send_multipart([held.popleft()[1][0], b"k"])
 """
+
+
+FLOOR_SERVER = """
+import asyncio, collections, sys, threading, time
+import msgpack, uvloop, zmq
+from dlad.devices.emulated import name_os_thread
+from dlad.protocol import PROTOCOL_VERSION, Kind, Status
+endpoint, latency_ns = sys.argv[1], int(float(sys.argv[2]) * 1e3)
+SLOTS, NOBLOCK, MORE = 2, int(zmq.NOBLOCK), int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+TIMING = ("queue_us", "pre_us", "device_us", "post_us", "total_us")
+VERSION, REPLY, OK = PROTOCOL_VERSION, int(Kind.INFER_REPLY), int(Status.OK)
+
+class Core(threading.Thread):
+    # An engine in timing mode: its tasks back to back, each latency_ns; the end of each
+    # handed to the loop by call_soon_threadsafe, as an emulated core's fence callback is.
+    def __init__(self, name, loop, done):
+        super().__init__(name=name, daemon=True)
+        self.cv, self.tasks = threading.Condition(), collections.deque()
+        self.loop, self.done = loop, done
+        self.busy, self.free_at = 0, 0
+    def submit(self, task):
+        self.busy += 1
+        with self.cv:
+            self.tasks.append(task)
+            self.cv.notify()
+    def run(self):
+        name_os_thread(self.name)
+        while True:
+            with self.cv:
+                while not self.tasks:
+                    self.cv.wait()
+                task = self.tasks.popleft()
+            start = max(time.monotonic_ns(), self.free_at)
+            end = self.free_at = start + latency_ns
+            with self.cv:
+                while (left := end - time.monotonic_ns()) > 0:
+                    self.cv.wait(left / 1e9)
+            self.loop.call_soon_threadsafe(self.done, self, task, start, end)
+
+async def main():
+    loop = asyncio.get_running_loop()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    s.setsockopt(zmq.RCVHWM, 1000)
+    s.bind(endpoint)
+    queued, stop = collections.deque(), loop.create_future()
+
+    def done(core, task, start, end):
+        ident, rid, frames, came = task
+        now = time.monotonic_ns()
+        timing = dict.fromkeys(TIMING, 0)
+        timing.update(device_us=(end - start) // 1000, total_us=(now - came) // 1000,
+                      start_ns=start, end_ns=end)
+        header = msgpack.packb({"v": VERSION, "kind": REPLY, "id": rid, "status": OK, "message": "",
+                                "device": core.name[:4], "timing": timing, "count": 0})
+        s.send(ident, MORE)
+        s.send(header, MORE)
+        s.send(b"", NOBLOCK)
+        core.busy -= 1
+        if queued:
+            core.submit(queued.popleft())
+        readable()  # a send can take the fd's edge for a message that came meanwhile
+
+    def readable():
+        while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = s.recv_multipart(NOBLOCK, copy=False)
+            if len(frames) == 2 and frames[1].bytes == b"stop":
+                stop.set_result(None)
+                return
+            h = msgpack.unpackb(frames[1].buffer)
+            task = (frames[0].bytes, h["id"], frames, time.monotonic_ns())
+            core = min(cores, key=lambda c: c.busy)
+            if core.busy < SLOTS:
+                core.submit(task)
+            else:
+                queued.append(task)
+
+    cores = [Core(f"flr{i}-emulated", loop, done) for i in range(2)]
+    for core in cores:
+        core.start()
+    loop.add_reader(s.FD, readable)
+    print("ready", flush=True)
+    readable()
+    await stop
+
+uvloop.run(main())
+"""
+"""The floor of any Python daemon built as dlad is: a uvloop event loop reading a ROUTER
+(edge-triggered fd), two engine threads in timing mode whose task ends come back by
+``call_soon_threadsafe``, two tasks in each engine and the rest queued, and a valid
+INFER_REPLY (msgpack header, empty detections) sent from the loop. No checks, no scheduler,
+no metrics, no limits: what is left of dlad's cost once every feature is gone (``--floor``)."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -379,6 +476,36 @@ def bare_ceiling(
     stop.close(0)
     ctx.term()
     return stats, cpu, threads
+
+
+def run_floor(args: argparse.Namespace) -> tuple[dict[str, float], float, str]:
+    """:data:`FLOOR_SERVER` driven as dlad is (the SDK, frames in the message): (stats, its own
+    CPU s per request without the engine threads, its :func:`thread_report`)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLOOR_SERVER, args.endpoint, str(args.latency_us)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_ready(proc, "ready")
+        cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
+        stats = drive_sdk(args.endpoint, args.seconds, args.in_flight)
+        cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
+        n = max(int(stats["ok"]), 1)
+        own = (cpu1 - cpu0 - (_engines(threads1) - _engines(threads0))) / n
+        threads = thread_report(threads0, threads1, n)
+        ctx = zmq.Context()
+        stop = ctx.socket(zmq.DEALER)
+        stop.linger = 0
+        stop.connect(args.endpoint)
+        stop.send(b"stop")
+        proc.wait(10)
+        stop.close(0)
+        ctx.term()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+    return stats, own, threads
 
 
 def start_profile(
@@ -688,6 +815,12 @@ def main() -> None:
              "an engine pays and an echo does not)",
     )  # fmt: skip
     ap.add_argument(
+        "--floor", action="store_true",
+        help="also the floor server (a uvloop ROUTER, two engine threads, a valid reply: dlad "
+             "with every feature gone), run as dlad is; every dlad figure is also given as a "
+             "ratio to its CPU",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -710,9 +843,10 @@ def main() -> None:
     if args.only:
         keep = set(args.only.split(","))
         runs = [r for r in runs if _run_name(*r) in keep]
-    ratios: dict[str, list[tuple[float, float, float, float, float]]] = {
+    ratios: dict[str, list[tuple[float, float, float, float, float, float]]] = {
         _run_name(*r): [] for r in runs
     }
+    floors: list[tuple[float, float]] = []  # the floor server's own CPU / bare: ceiling, paced
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -731,6 +865,18 @@ def main() -> None:
         # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
+        floor_cpu = math.nan
+        if args.floor:
+            fl, floor_cpu, floor_threads = run_floor(args)
+            _, fpaced_cpu, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fl["rate"])
+            floors.append((floor_cpu / bare_cpu, floor_cpu / fpaced_cpu))
+            print(
+                f"the floor server (frames in the message): {fl['rate']:.0f} req/s = "
+                f"{fl['rate'] / bound:.3f} x min(ideal, ceiling); p50 {fl['p50_ms']:.2f} ms; "
+                f"its own CPU {floor_cpu * 1e3:.3f} ms/request = {floor_cpu / bare_cpu:.2f} x "
+                f"the bare server's at its ceiling, {floor_cpu / fpaced_cpu:.2f} x paced to "
+                f"its load ({fpaced_cpu * 1e3:.3f}); errors {fl['errors']}\n  {floor_threads}"
+            )
         for pre_post, backend, shm, tree, variant in runs:
             r, cpu, engines, raw, threads = run_dlad(
                 args, pre_post, backend, trial, shm=shm, tree=tree, variant=variant
@@ -753,9 +899,13 @@ def main() -> None:
                     f"frame: {held['rate']:.0f} frames/s, CPU {held_cpu * 1e3:.3f} ms/frame: "
                     f"dlad's own = {own / held_cpu:.2f} x that\n    its {held_threads}\n"
                 )
-            ratios[name].append(
-                (own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu, own / held_cpu)
+            floor_line = (
+                f"  dlad's own = {own / floor_cpu:.2f} x the floor server's\n" if args.floor else ""
             )
+            ratios[name].append(
+                (own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu, own / held_cpu,
+                 own / floor_cpu)
+            )  # fmt: skip
             print(
                 f"{'the --before code' if tree else 'dlad'}, pre/post "
                 f"{'on (' + backend + ')' if pre_post == 'true' else 'off'}"
@@ -771,6 +921,7 @@ def main() -> None:
                 f"{paced_cpu * 1e3:.3f} ms/frame: dlad's own = {own / paced_cpu:.2f} x that\n"
                 f"    its {paced_threads}\n"
                 f"{held_line}"
+                f"{floor_line}"
                 f"  {threads}"
             )
             if raw is not None:
@@ -779,11 +930,16 @@ def main() -> None:
     if args.trials > 1:
         print(f"summary over {args.trials} trials (median [min, max]):")
         for name, rows in ratios.items():
-            cpu_r, paced_r, rate_r, proc_r, held_r = (sorted(x) for x in zip(*rows, strict=True))
+            cpu_r, paced_r, rate_r, proc_r, held_r, floor_r = (
+                sorted(x) for x in zip(*rows, strict=True)
+            )
             held_text = "" if not args.held else (
                 f", / paced and acking {args.latency_us:.0f} us late "
                 f"{statistics.median(held_r):.2f} [{held_r[0]:.2f}, {held_r[-1]:.2f}]"
             )  # fmt: skip
+            if args.floor:
+                held_text += (f", / the floor server {statistics.median(floor_r):.2f} "
+                              f"[{floor_r[0]:.2f}, {floor_r[-1]:.2f}]")  # fmt: skip
             print(
                 f"  dlad pre/post {name}: process CPU {statistics.median(proc_r) * 1e3:.3f} "
                 f"ms/request; daemon's own CPU / bare server's at its ceiling "
@@ -791,6 +947,13 @@ def main() -> None:
                 f"to the same load {statistics.median(paced_r):.2f} [{paced_r[0]:.2f}, "
                 f"{paced_r[-1]:.2f}]{held_text}; rate / min(ideal, ceiling) "
                 f"{statistics.median(rate_r):.3f} [{rate_r[0]:.3f}, {rate_r[-1]:.3f}]"
+            )
+        if floors:
+            fc, fp = (sorted(x) for x in zip(*floors, strict=True))
+            print(
+                f"  the floor server: own CPU / bare server's at its ceiling "
+                f"{statistics.median(fc):.2f} [{fc[0]:.2f}, {fc[-1]:.2f}], / paced to its load "
+                f"{statistics.median(fp):.2f} [{fp[0]:.2f}, {fp[-1]:.2f}]"
             )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
