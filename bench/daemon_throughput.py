@@ -43,6 +43,7 @@ import contextlib
 import math
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -509,18 +510,20 @@ def run_floor(args: argparse.Namespace) -> tuple[dict[str, float], float, str]:
 
 
 def start_profile(
-    pid: int, raw: Path, seconds: float, *, gil: bool = False
+    pid: int, raw: Path, seconds: float, *, gil: bool = False, native: bool = False
 ) -> subprocess.Popen[bytes]:
     """py-spy sampling ``pid`` for ``seconds`` (the measured window, not the start-up) into
     ``raw`` as collapsed stacks, every thread, 200 samples a second, without pausing it (a
     paused daemon serves less and its profile is of another load). ``gil``: only samples of a
     thread holding the GIL (a thread waiting for it is left out: py-spy counts that wait as
-    running)."""
+    running). ``native``: C frames too (the driver's, libzmq's, the interpreter's); py-spy
+    then pauses the process for each sample (it cannot unwind native stacks otherwise), so
+    the rates of such a run are not the daemon's."""
     raw.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         ["py-spy", "record", "--pid", str(pid), "--duration", str(math.ceil(seconds)),
-         "--rate", "200", "--threads", "--nonblocking", "--format", "raw", "--output", str(raw),
-         *(["--gil"] if gil else [])],
+         "--rate", "200", "--threads", "--format", "raw", "--output", str(raw),
+         *(["--gil"] if gil else []), *(["--native"] if native else ["--nonblocking"])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -689,7 +692,9 @@ def run_dlad(
             spy = (
                 None
                 if raw is None
-                else start_profile(proc.pid, raw, args.seconds + 1, gil=args.profile_gil)
+                else start_profile(
+                    proc.pid, raw, args.seconds + 1, gil=args.profile_gil, native=args.native
+                )
             )
             data = args.perf / f"dlad-pre-post-{name}-{trial}.perf" if args.perf else None
             perf = None if data is None else start_perf(proc.pid, data)
@@ -784,6 +789,11 @@ def main() -> None:
         help="with --profile: only samples holding the GIL (BENCHMARKS 9.10)",
     )  # fmt: skip
     ap.add_argument(
+        "--native", action="store_true",
+        help="with --profile: native frames too (py-spy --native: CUDA's driver, libzmq; it "
+             "pauses the daemon for each sample: read the shares, not the rates)",
+    )  # fmt: skip
+    ap.add_argument(
         "--before", type=Path, metavar="DIR",
         help="also run each server (frames in the message) from this checkout's code, "
              "alternating with this code's in every trial (git worktree add DIR <commit>)",
@@ -825,6 +835,12 @@ def main() -> None:
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
     args = ap.parse_args()
+    needed = [(flag, tool) for flag, tool in (("--profile", "py-spy"), ("--perf", "perf"),
+                                              ("--switches", "perf"))
+              if getattr(args, flag[2:]) is not None and shutil.which(tool) is None]  # fmt: skip
+    if needed:
+        flag, tool = needed[0]
+        ap.error(f"{flag} needs {tool}, which is not on PATH")
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
@@ -924,7 +940,9 @@ def main() -> None:
                 f"{floor_line}"
                 f"  {threads}"
             )
-            if raw is not None:
+            if raw is not None and not raw.exists():
+                print(f"profile of dlad, pre/post {name}: py-spy wrote nothing ({raw})")
+            elif raw is not None:
                 print(f"profile of dlad, pre/post {name} ({raw}):\n{top_functions(raw)}")
                 print(f"  the event loop's thread alone:\n{top_functions(raw, 30, LOOP)}")
     if args.trials > 1:
