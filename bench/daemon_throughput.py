@@ -3,6 +3,7 @@
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
         [--pre-post-backends cpu[,cuda]|none] [--profile DIR] [--trials N] [--shm] [--before DIR]
         [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N] [--held] [--perf DIR] [--floor]
+        [--floor-gpu] [--native]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -33,7 +34,8 @@ an engine must. ``--floor`` adds a fourth: the least a Python daemon of dlad's s
 cost, a uvloop ROUTER that hands each frame to one of two engine threads (timing mode, tasks
 back to back at ``--latency-us``, two in flight per engine, the rest queued), takes the
 completions back through ``call_soon_threadsafe`` and answers with a valid INFER_REPLY; its own
-CPU per request is the floor dlad's own is compared with (BENCHMARKS §9.13).
+CPU per request is the floor dlad's own is compared with (BENCHMARKS §9.13); ``--floor-gpu``
+the same server copying each frame to the GPU on receipt, as dlad's GPU path must.
 """
 
 from __future__ import annotations
@@ -134,6 +136,19 @@ import msgpack, uvloop, zmq
 from dlad.devices.emulated import name_os_thread
 from dlad.protocol import PROTOCOL_VERSION, Kind, Status
 endpoint, latency_ns = sys.argv[1], int(float(sys.argv[2]) * 1e3)
+GPU = sys.argv[3:] == ["gpu"]
+if GPU:  # each frame copied to the GPU on receipt, as dlad's upload does it (pageable memory)
+    import numpy as np
+    from cuda.bindings import driver as drv
+    def ok(result):
+        if int(result[0]) != 0:
+            raise SystemExit(f"CUDA: {result[0]}")
+        return result[1] if len(result) == 2 else None
+    ok(drv.cuInit(0))
+    context = ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(0))))
+    ok(drv.cuCtxSetCurrent(context))
+    stream = ok(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+    device_image = ok(drv.cuMemAlloc(672 * 672 * 3))
 SLOTS, NOBLOCK, MORE = 2, int(zmq.NOBLOCK), int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 TIMING = ("queue_us", "pre_us", "device_us", "post_us", "total_us")
 VERSION, REPLY, OK = PROTOCOL_VERSION, int(Kind.INFER_REPLY), int(Status.OK)
@@ -197,6 +212,9 @@ async def main():
                 stop.set_result(None)
                 return
             h = msgpack.unpackb(frames[1].buffer)
+            if GPU:
+                image = np.frombuffer(frames[-1].buffer, np.uint8)
+                ok(drv.cuMemcpyHtoDAsync(device_image, image.ctypes.data, image.nbytes, stream))
             task = (frames[0].bytes, h["id"], frames, time.monotonic_ns())
             core = min(cores, key=lambda c: c.busy)
             if core.busy < SLOTS:
@@ -479,11 +497,16 @@ def bare_ceiling(
     return stats, cpu, threads
 
 
-def run_floor(args: argparse.Namespace) -> tuple[dict[str, float], float, str]:
+def run_floor(
+    args: argparse.Namespace, *, gpu: bool = False
+) -> tuple[dict[str, float], float, str]:
     """:data:`FLOOR_SERVER` driven as dlad is (the SDK, frames in the message): (stats, its own
-    CPU s per request without the engine threads, its :func:`thread_report`)."""
+    CPU s per request without the engine threads, its :func:`thread_report`). ``gpu``: each
+    frame is also copied to the GPU on receipt (``cuMemcpyHtoDAsync`` from the message's
+    pageable memory, as dlad's upload is), the least a GPU pre-processing path adds."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", FLOOR_SERVER, args.endpoint, str(args.latency_us)],
+        [sys.executable, "-c", FLOOR_SERVER, args.endpoint, str(args.latency_us),
+         *(["gpu"] if gpu else [])],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -831,6 +854,11 @@ def main() -> None:
              "ratio to its CPU",
     )  # fmt: skip
     ap.add_argument(
+        "--floor-gpu", action="store_true",
+        help="also the floor server copying each frame to the GPU on receipt (needs a GPU and "
+             "cuda-python): the least GPU pre-processing of frames in the message costs",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -863,6 +891,7 @@ def main() -> None:
         _run_name(*r): [] for r in runs
     }
     floors: list[tuple[float, float]] = []  # the floor server's own CPU / bare: ceiling, paced
+    floors_gpu: list[tuple[float, float]] = []  # the same with each frame copied to the GPU
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -892,6 +921,16 @@ def main() -> None:
                 f"its own CPU {floor_cpu * 1e3:.3f} ms/request = {floor_cpu / bare_cpu:.2f} x "
                 f"the bare server's at its ceiling, {floor_cpu / fpaced_cpu:.2f} x paced to "
                 f"its load ({fpaced_cpu * 1e3:.3f}); errors {fl['errors']}\n  {floor_threads}"
+            )
+        if args.floor_gpu:
+            fg, fg_cpu, fg_threads = run_floor(args, gpu=True)
+            _, gpaced_cpu, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fg["rate"])
+            floors_gpu.append((fg_cpu / bare_cpu, fg_cpu / gpaced_cpu))
+            print(
+                f"the floor server + each frame's copy to the GPU: {fg['rate']:.0f} req/s; "
+                f"its own CPU {fg_cpu * 1e3:.3f} ms/request = {fg_cpu / bare_cpu:.2f} x the bare "
+                f"server's at its ceiling, {fg_cpu / gpaced_cpu:.2f} x paced to its load "
+                f"({gpaced_cpu * 1e3:.3f}); errors {fg['errors']}\n  {fg_threads}"
             )
         for pre_post, backend, shm, tree, variant in runs:
             r, cpu, engines, raw, threads = run_dlad(
@@ -966,10 +1005,13 @@ def main() -> None:
                 f"{paced_r[-1]:.2f}]{held_text}; rate / min(ideal, ceiling) "
                 f"{statistics.median(rate_r):.3f} [{rate_r[0]:.3f}, {rate_r[-1]:.3f}]"
             )
-        if floors:
-            fc, fp = (sorted(x) for x in zip(*floors, strict=True))
+        for label, got in (("the floor server", floors),
+                           ("the floor server + the GPU copy", floors_gpu)):  # fmt: skip
+            if not got:
+                continue
+            fc, fp = (sorted(x) for x in zip(*got, strict=True))
             print(
-                f"  the floor server: own CPU / bare server's at its ceiling "
+                f"  {label}: own CPU / bare server's at its ceiling "
                 f"{statistics.median(fc):.2f} [{fc[0]:.2f}, {fc[-1]:.2f}], / paced to its load "
                 f"{statistics.median(fp):.2f} [{fp[0]:.2f}, {fp[-1]:.2f}]"
             )
