@@ -890,8 +890,12 @@ def main() -> None:
     ratios: dict[str, list[tuple[float, float, float, float, float, float]]] = {
         _run_name(*r): [] for r in runs
     }
-    floors: list[tuple[float, float]] = []  # the floor server's own CPU / bare: ceiling, paced
-    floors_gpu: list[tuple[float, float]] = []  # the same with each frame copied to the GPU
+    floor_kinds = [(label, gpu) for label, gpu, wanted in (
+        ("the floor server", False, args.floor),
+        ("the floor server + each frame's copy to the GPU", True, args.floor_gpu),
+    ) if wanted]  # fmt: skip
+    # each floor server's own CPU / the bare server's: at its ceiling, paced to its load
+    floors: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in floor_kinds}
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -911,26 +915,18 @@ def main() -> None:
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
         floor_cpu = math.nan
-        if args.floor:
-            fl, floor_cpu, floor_threads = run_floor(args)
-            _, fpaced_cpu, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fl["rate"])
-            floors.append((floor_cpu / bare_cpu, floor_cpu / fpaced_cpu))
+        for label, gpu in floor_kinds:
+            fl, f_cpu, f_threads = run_floor(args, gpu=gpu)
+            _, f_paced, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fl["rate"])
+            floors[label].append((f_cpu / bare_cpu, f_cpu / f_paced))
+            if not gpu:
+                floor_cpu = f_cpu  # what each dlad figure is also given against
             print(
-                f"the floor server (frames in the message): {fl['rate']:.0f} req/s = "
+                f"{label} (frames in the message): {fl['rate']:.0f} req/s = "
                 f"{fl['rate'] / bound:.3f} x min(ideal, ceiling); p50 {fl['p50_ms']:.2f} ms; "
-                f"its own CPU {floor_cpu * 1e3:.3f} ms/request = {floor_cpu / bare_cpu:.2f} x "
-                f"the bare server's at its ceiling, {floor_cpu / fpaced_cpu:.2f} x paced to "
-                f"its load ({fpaced_cpu * 1e3:.3f}); errors {fl['errors']}\n  {floor_threads}"
-            )
-        if args.floor_gpu:
-            fg, fg_cpu, fg_threads = run_floor(args, gpu=True)
-            _, gpaced_cpu, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fg["rate"])
-            floors_gpu.append((fg_cpu / bare_cpu, fg_cpu / gpaced_cpu))
-            print(
-                f"the floor server + each frame's copy to the GPU: {fg['rate']:.0f} req/s; "
-                f"its own CPU {fg_cpu * 1e3:.3f} ms/request = {fg_cpu / bare_cpu:.2f} x the bare "
-                f"server's at its ceiling, {fg_cpu / gpaced_cpu:.2f} x paced to its load "
-                f"({gpaced_cpu * 1e3:.3f}); errors {fg['errors']}\n  {fg_threads}"
+                f"its own CPU {f_cpu * 1e3:.3f} ms/request = {f_cpu / bare_cpu:.2f} x "
+                f"the bare server's at its ceiling, {f_cpu / f_paced:.2f} x paced to "
+                f"its load ({f_paced * 1e3:.3f}); errors {fl['errors']}\n  {f_threads}"
             )
         for pre_post, backend, shm, tree, variant in runs:
             r, cpu, engines, raw, threads = run_dlad(
@@ -1005,10 +1001,7 @@ def main() -> None:
                 f"{paced_r[-1]:.2f}]{held_text}; rate / min(ideal, ceiling) "
                 f"{statistics.median(rate_r):.3f} [{rate_r[0]:.3f}, {rate_r[-1]:.3f}]"
             )
-        for label, got in (("the floor server", floors),
-                           ("the floor server + the GPU copy", floors_gpu)):  # fmt: skip
-            if not got:
-                continue
+        for label, got in floors.items():
             fc, fp = (sorted(x) for x in zip(*got, strict=True))
             print(
                 f"  {label}: own CPU / bare server's at its ceiling "
