@@ -20,8 +20,9 @@ Reported: achieved requests/s, the ratio to min(ideal device capacity, transport
 p50/p99 latency, and the server process's CPU seconds per request (from /proc): in all, and
 the daemon's own, without its emulated cores' threads (work a DLA does in silicon), as a ratio
 to the bare server's. For dlad and the bare server alike, each thread's CPU per request with
-its kernel share, and its context switches per request (``/proc/PID/task/*/status``): a
-switch is a sleep and a wake-up, for work, a lock or the GIL (BENCHMARKS §9.10).
+its kernel share, its context switches per request (``/proc/PID/task/*/status``): a
+switch is a sleep and a wake-up, for work, a lock or the GIL (BENCHMARKS §9.10), and its minor
+page faults per request (a frame's buffer freshly mapped would cost one a page: §9.14).
 
 ``--profile DIR`` runs each dlad server under py-spy (``pip install py-spy``; it samples the
 process from outside, on-CPU samples only, every thread) and prints, per run, the functions
@@ -263,6 +264,7 @@ class ThreadReading:
     kernel: float
     switches: int
     involuntary: int = 0  # of ``switches``: preempted while runnable (the CPU was wanted)
+    faults: int = 0  # minor page faults: a page first touched, each a trap into the kernel
 
 
 Threads = dict[tuple[int, str], ThreadReading]
@@ -284,8 +286,9 @@ def read_threads(pid: int) -> Threads:
                       if k.endswith("ctxt_switches")}  # fmt: skip
             forced = counts.get("nonvoluntary_ctxt_switches", 0)
             out[tid, name] = ThreadReading(
-                (user + system) / tick, system / tick, sum(counts.values()), forced
-            )
+                (user + system) / tick, system / tick, sum(counts.values()), forced,
+                int(fields[7]),
+            )  # fmt: skip
     return out
 
 
@@ -301,6 +304,7 @@ def thread_report(before: Threads, after: Threads, requests: int, unit: str = "r
     kernel: Counter[str] = Counter()
     switches: Counter[str] = Counter()
     forced: Counter[str] = Counter()
+    faults: Counter[str] = Counter()
     zero = ThreadReading(0.0, 0.0, 0)
     for key, r in after.items():
         was = before.get(key, zero)
@@ -308,13 +312,16 @@ def thread_report(before: Threads, after: Threads, requests: int, unit: str = "r
         kernel[key[1]] += r.kernel - was.kernel
         switches[key[1]] += r.switches - was.switches
         forced[key[1]] += r.involuntary - was.involuntary
+        faults[key[1]] += r.faults - was.faults
     n = max(requests, 1)
     by_cpu = ", ".join(f"{name} {c / n * 1e3:.3f} ({kernel[name] / c:.0%} kernel)"
                        for name, c in cpu.most_common() if c > 0)  # fmt: skip
     by_switches = ", ".join(f"{name} {k / n:.2f} ({forced[name] / n:.2f} preempted)"
                             for name, k in switches.most_common() if k > 0)  # fmt: skip
+    by_faults = ", ".join(f"{name} {f / n:.1f}" for name, f in faults.most_common() if f > 0)
     return (f"CPU ms/{unit} by thread: {by_cpu}\n"
-            f"  context switches a {unit} by thread: {by_switches}")  # fmt: skip
+            f"  context switches a {unit} by thread: {by_switches}\n"
+            f"  minor page faults a {unit} by thread: {by_faults or 'none'}")  # fmt: skip
 
 
 def _stat_cpu(stat: Path) -> float:
