@@ -15,7 +15,8 @@ one of two ways, then sleeps ``--gap-ms`` (the DLA's time in dlad's chain) and q
   ``call_soon_threadsafe``. No thread of the daemon's, and no hand-over to one.
 
 Reported per way, median [min, max] over the trials (the ways alternate in every trial): the
-process's CPU per chain, and each thread's (``/proc/self/task``), with its context switches.
+process's CPU per chain; per trial, each thread's CPU and context switches a chain
+(``daemon_throughput.thread_report``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import ctypes
 import os
 import statistics
@@ -36,6 +36,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from daemon_throughput import Threads, read_threads, thread_report
 from gpu_prepost import open_gpu
 
 from dlad.gpu.driver import GpuContext, _check, _driver
@@ -43,22 +44,6 @@ from dlad.waiter import Waiter
 
 WORK_BYTES = 64 << 20
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-def threads() -> dict[str, tuple[float, int]]:
-    """Each thread name's (CPU seconds, context switches) so far, threads of one name summed."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, tuple[float, int]] = {}
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            name = "loop" if int(task.name) == os.getpid() else (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            status = (task / "status").read_text().splitlines()
-            switches = sum(int(v) for k, _, v in (ln.partition(":") for ln in status)
-                           if k.endswith("ctxt_switches"))  # fmt: skip
-            cpu, n = out.get(name, (0.0, 0))
-            out[name] = (cpu + (int(fields[11]) + int(fields[12])) / tick, n + switches)
-    return out
 
 
 class HostFnCompletions:
@@ -92,8 +77,8 @@ def _settle(done: asyncio.Future[None]) -> None:
 
 async def run_way(
     ctx: GpuContext, way: str, chains: int, slots: int, gap_s: float
-) -> dict[str, tuple[float, int]]:
-    """``chains`` chains over ``slots`` slots; each thread's (CPU s, switches) they cost."""
+) -> tuple[Threads, Threads]:
+    """``chains`` chains over ``slots`` slots; the process's threads read before and after."""
     drv = _driver()
     loop = asyncio.get_running_loop()
     per_slot = chains // slots
@@ -137,16 +122,13 @@ async def run_way(
     try:
         for s in slots_:  # each way's thread is started before the count (the waiter's first call)
             await s.ended()
-        before = threads()
+        before = read_threads(os.getpid())
         await asyncio.gather(*(s.run() for s in slots_))
-        after = threads()  # before the waiters' threads end: an ended thread's CPU is gone
+        after = read_threads(os.getpid())  # before the waiters end: an ended thread's CPU is gone
     finally:
         for s in slots_:
             s.close()
-    return {
-        name: (cpu - before.get(name, (0.0, 0))[0], n - before.get(name, (0.0, 0))[1])
-        for name, (cpu, n) in after.items()
-    }
+    return before, after
 
 
 def main() -> None:
@@ -160,28 +142,23 @@ def main() -> None:
     print(header)
     ways = ("waiter", "hostfn")
     total: dict[str, list[float]] = {w: [] for w in ways}
-    by_thread: dict[str, dict[str, list[tuple[float, int]]]] = {w: {} for w in ways}
+    n = args.chains // args.slots * args.slots
     for trial in range(args.trials):
         for way in ways if trial % 2 == 0 else ways[::-1]:
             t0 = time.perf_counter()
-            spent = uvloop.run(run_way(ctx, way, args.chains, args.slots, args.gap_ms / 1e3))
-            n = args.chains // args.slots * args.slots
-            cpu = sum(c for c, _ in spent.values()) / n * 1e3
-            total[way].append(cpu)
-            for name, (c, k) in spent.items():
-                if c > 0 or k > 0:
-                    by_thread[way].setdefault(name, []).append((c / n * 1e3, k))
-            print(f"trial {trial} {way}: {cpu:.3f} ms CPU a chain "
-                  f"({n / (time.perf_counter() - t0):.0f} chains/s)")  # fmt: skip
+            before, after = uvloop.run(
+                run_way(ctx, way, args.chains, args.slots, args.gap_ms / 1e3)
+            )
+            rate = n / (time.perf_counter() - t0)
+            cpu = sum(r.cpu - before[k].cpu if k in before else r.cpu for k, r in after.items())
+            total[way].append(cpu / n * 1e3)
+            print(f"trial {trial}, {way}: process CPU {cpu / n * 1e3:.3f} ms a chain "
+                  f"({rate:.0f} chains/s)")  # fmt: skip
+            print("  " + thread_report(before, after, n, unit="chain"))
     for way in ways:
         xs = total[way]
-        print(f"{way}: process CPU a chain {statistics.median(xs):.3f} ms "
-              f"[{min(xs):.3f}, {max(xs):.3f}]")  # fmt: skip
-        n = args.chains // args.slots * args.slots
-        for name, rows in sorted(by_thread[way].items(), key=lambda kv: -kv[1][0][0]):
-            cpu = statistics.median(c for c, _ in rows)
-            sw = statistics.median(k for _, k in rows) / n
-            print(f"  {name}: {cpu:.3f} ms, {sw:.2f} switches a chain")
+        print(f"{way}: process CPU a chain, median [min, max] of {args.trials} trials: "
+              f"{statistics.median(xs):.3f} ms [{min(xs):.3f}, {max(xs):.3f}]")  # fmt: skip
     ctx.close()
 
 
