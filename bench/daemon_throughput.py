@@ -36,7 +36,9 @@ cost, a uvloop ROUTER that hands each frame to one of two engine threads (timing
 back to back at ``--latency-us``, two in flight per engine, the rest queued), takes the
 completions back through ``call_soon_threadsafe`` and answers with a valid INFER_REPLY; its own
 CPU per request is the floor dlad's own is compared with (BENCHMARKS §9.13); ``--floor-gpu``
-the same server copying each frame to the GPU on receipt, as dlad's GPU path must.
+the same server copying each frame to the GPU on receipt, as dlad's GPU path must. With
+``--shm`` each floor server also runs with shared-memory frames (its segment mapped once; with
+the GPU, registered, so the copy is DMA), the floor of dlad's own shared-memory runs.
 """
 
 from __future__ import annotations
@@ -132,14 +134,13 @@ while True:
 
 
 FLOOR_SERVER = """
-import asyncio, collections, sys, threading, time
-import msgpack, uvloop, zmq
+import asyncio, collections, mmap, os, sys, threading, time
+import msgpack, numpy as np, uvloop, zmq
 from dlad.devices.emulated import name_os_thread
 from dlad.protocol import PROTOCOL_VERSION, Kind, Status
 endpoint, latency_ns = sys.argv[1], int(float(sys.argv[2]) * 1e3)
 GPU = sys.argv[3:] == ["gpu"]
 if GPU:  # each frame copied to the GPU on receipt, as dlad's upload does it (pageable memory)
-    import numpy as np
     from cuda.bindings import driver as drv
     def ok(result):
         if int(result[0]) != 0:
@@ -150,6 +151,25 @@ if GPU:  # each frame copied to the GPU on receipt, as dlad's upload does it (pa
     ok(drv.cuCtxSetCurrent(context))
     stream = ok(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)))
     device_image = ok(drv.cuMemAlloc(672 * 672 * 3))
+SEGMENTS = {}  # (client, name) -> the segment mapped read-only (and registered with the GPU)
+
+def segment(client, name):
+    # A shared-memory frame's segment, mapped on first use, as dlad's SharedFrames maps it; with
+    # the GPU, registered too, so a frame's copy is DMA, as dlad's register_host makes it.
+    key = (client, name)
+    if key not in SEGMENTS:
+        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        view = np.frombuffer(m, np.uint8)
+        if GPU:
+            flags = (drv.CU_MEMHOSTREGISTER_DEVICEMAP | drv.CU_MEMHOSTREGISTER_READ_ONLY
+                     | drv.CU_MEMHOSTREGISTER_PORTABLE)
+            ok(drv.cuMemHostRegister(view.ctypes.data, view.nbytes, flags))
+        SEGMENTS[key] = view
+    return SEGMENTS[key]
 SLOTS, NOBLOCK, MORE = 2, int(zmq.NOBLOCK), int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 TIMING = ("queue_us", "pre_us", "device_us", "post_us", "total_us")
 VERSION, REPLY, OK = PROTOCOL_VERSION, int(Kind.INFER_REPLY), int(Status.OK)
@@ -213,8 +233,13 @@ async def main():
                 stop.set_result(None)
                 return
             h = msgpack.unpackb(frames[1].buffer)
-            if GPU:
+            if (ref := h.get("shm")) is not None:  # the frame in the client's slot (len 2)
+                geometry = h["image"]
+                nbytes = geometry["height"] * geometry["width"] * 3
+                image = segment(frames[0].bytes, ref["name"])[ref["offset"]:][:nbytes]
+            else:
                 image = np.frombuffer(frames[-1].buffer, np.uint8)
+            if GPU:
                 ok(drv.cuMemcpyHtoDAsync(device_image, image.ctypes.data, image.nbytes, stream))
             task = (frames[0].bytes, h["id"], frames, time.monotonic_ns())
             core = min(cores, key=lambda c: c.busy)
@@ -237,7 +262,8 @@ uvloop.run(main())
 (edge-triggered fd), two engine threads in timing mode whose task ends come back by
 ``call_soon_threadsafe``, two tasks in each engine and the rest queued, and a valid
 INFER_REPLY (msgpack header, empty detections) sent from the loop. No checks, no scheduler,
-no metrics, no limits: what is left of dlad's cost once every feature is gone (``--floor``)."""
+no metrics, no limits: what is left of dlad's cost once every feature is gone (``--floor``).
+A shared-memory frame's segment is mapped on its first frame and kept (with ``--shm``)."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -505,12 +531,13 @@ def bare_ceiling(
 
 
 def run_floor(
-    args: argparse.Namespace, *, gpu: bool = False
+    args: argparse.Namespace, *, gpu: bool = False, shm: bool = False
 ) -> tuple[dict[str, float], float, str]:
-    """:data:`FLOOR_SERVER` driven as dlad is (the SDK, frames in the message): (stats, its own
-    CPU s per request without the engine threads, its :func:`thread_report`). ``gpu``: each
-    frame is also copied to the GPU on receipt (``cuMemcpyHtoDAsync`` from the message's
-    pageable memory, as dlad's upload is), the least a GPU pre-processing path adds."""
+    """:data:`FLOOR_SERVER` driven as dlad is (the SDK, frames in the message, or with ``shm``
+    in shared-memory slots): (stats, its own CPU s per request without the engine threads, its
+    :func:`thread_report`). ``gpu``: each frame is also copied to the GPU on receipt
+    (``cuMemcpyHtoDAsync`` from the message's pageable memory, as dlad's upload is, or DMA from
+    the registered segment), the least a GPU pre-processing path adds."""
     proc = subprocess.Popen(
         [sys.executable, "-c", FLOOR_SERVER, args.endpoint, str(args.latency_us),
          *(["gpu"] if gpu else [])],
@@ -519,7 +546,7 @@ def run_floor(
     try:
         wait_ready(proc, "ready")
         cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
-        stats = drive_sdk(args.endpoint, args.seconds, args.in_flight)
+        stats = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
         cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
         n = max(int(stats["ok"]), 1)
         own = (cpu1 - cpu0 - (_engines(threads1) - _engines(threads0))) / n
@@ -897,12 +924,17 @@ def main() -> None:
     ratios: dict[str, list[tuple[float, float, float, float, float, float]]] = {
         _run_name(*r): [] for r in runs
     }
-    floor_kinds = [(label, gpu) for label, gpu, wanted in (
-        ("the floor server", False, args.floor),
-        ("the floor server + each frame's copy to the GPU", True, args.floor_gpu),
-    ) if wanted]  # fmt: skip
+    floor_kinds = [
+        (label + (", shared-memory frames" if shm else ""), gpu, shm)
+        for label, gpu, wanted in (
+            ("the floor server", False, args.floor),
+            ("the floor server + each frame's copy to the GPU", True, args.floor_gpu),
+        )
+        if wanted
+        for shm in ((False, True) if args.shm else (False,))
+    ]
     # each floor server's own CPU / the bare server's: at its ceiling, paced to its load
-    floors: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in floor_kinds}
+    floors: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in floor_kinds}
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -921,15 +953,15 @@ def main() -> None:
         # dlad serves on tcp loopback (its default), so the tcp server is the baseline.
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
-        floor_cpu = math.nan
-        for label, gpu in floor_kinds:
-            fl, f_cpu, f_threads = run_floor(args, gpu=gpu)
+        floor_cpus: dict[bool, float] = {}  # by shm: what each dlad figure is also given against
+        for label, gpu, shm in floor_kinds:
+            fl, f_cpu, f_threads = run_floor(args, gpu=gpu, shm=shm)
             _, f_paced, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fl["rate"])
             floors[label].append((f_cpu / bare_cpu, f_cpu / f_paced))
             if not gpu:
-                floor_cpu = f_cpu  # what each dlad figure is also given against
+                floor_cpus[shm] = f_cpu
             print(
-                f"{label} (frames in the message): {fl['rate']:.0f} req/s = "
+                f"{label}{'' if shm else ' (frames in the message)'}: {fl['rate']:.0f} req/s = "
                 f"{fl['rate'] / bound:.3f} x min(ideal, ceiling); p50 {fl['p50_ms']:.2f} ms; "
                 f"its own CPU {f_cpu * 1e3:.3f} ms/request = {f_cpu / bare_cpu:.2f} x "
                 f"the bare server's at its ceiling, {f_cpu / f_paced:.2f} x paced to "
@@ -941,6 +973,7 @@ def main() -> None:
             )
             name = _run_name(pre_post, backend, shm, tree, variant)
             own = cpu - engines
+            floor_cpu = floor_cpus.get(shm, floor_cpus.get(False, math.nan))
             paced, paced_cpu, paced_threads = bare_ceiling(
                 args.endpoint, args.seconds, args.in_flight, r["rate"]
             )
@@ -958,7 +991,10 @@ def main() -> None:
                     f"dlad's own = {own / held_cpu:.2f} x that\n    its {held_threads}\n"
                 )
             floor_line = (
-                f"  dlad's own = {own / floor_cpu:.2f} x the floor server's\n" if args.floor else ""
+                f"  dlad's own = {own / floor_cpu:.2f} x the floor server's"
+                f"{' with shared-memory frames' if shm and shm in floor_cpus else ''}\n"
+                if args.floor
+                else ""
             )
             ratios[name].append(
                 (own / bare_cpu, own / paced_cpu, r["rate"] / bound, cpu, own / held_cpu,
