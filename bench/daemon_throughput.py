@@ -519,15 +519,20 @@ def bare_ceiling(
     n = int(stats["ok"])
     cpu = (cpu1 - cpu0) / max(n, 1)
     threads = thread_report(threads0, threads1, n, unit="frame")
+    stop_server(endpoint, echo)
+    return stats, cpu, threads
+
+
+def stop_server(endpoint: str, proc: subprocess.Popen[str]) -> None:
+    """Stop a bare or floor server: a message of one frame, ``stop``; wait for it to exit."""
     ctx = zmq.Context()
     stop = ctx.socket(zmq.DEALER)
     stop.linger = 0
     stop.connect(endpoint)
     stop.send(b"stop")
-    echo.wait(10)
+    proc.wait(10)
     stop.close(0)
     ctx.term()
-    return stats, cpu, threads
 
 
 def run_floor(
@@ -551,14 +556,7 @@ def run_floor(
         n = max(int(stats["ok"]), 1)
         own = (cpu1 - cpu0 - (_engines(threads1) - _engines(threads0))) / n
         threads = thread_report(threads0, threads1, n)
-        ctx = zmq.Context()
-        stop = ctx.socket(zmq.DEALER)
-        stop.linger = 0
-        stop.connect(args.endpoint)
-        stop.send(b"stop")
-        proc.wait(10)
-        stop.close(0)
-        ctx.term()
+        stop_server(args.endpoint, proc)
     finally:
         if proc.poll() is None:
             proc.terminate()
