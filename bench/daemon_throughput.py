@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,7 @@ async def main():
     def readable():
         while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = s.recv_multipart(NOBLOCK, copy=False)
-            if len(frames) == 2 and frames[1].bytes == b"stop":
+            if len(frames) == 2 and len(frames[1]) == 4 and frames[1].bytes == b"stop":
                 stop.set_result(None)
                 return
             h = msgpack.unpackb(frames[1].buffer)
@@ -543,25 +544,34 @@ def run_floor(
     :func:`thread_report`). ``gpu``: each frame is also copied to the GPU on receipt
     (``cuMemcpyHtoDAsync`` from the message's pageable memory, as dlad's upload is, or DMA from
     the registered segment), the least a GPU pre-processing path adds."""
+    with floor_server(args.endpoint, args.latency_us, gpu=gpu) as proc:
+        cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
+        stats = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
+        cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
+    n = max(int(stats["ok"]), 1)
+    own = (cpu1 - cpu0 - (_engines(threads1) - _engines(threads0))) / n
+    return stats, own, thread_report(threads0, threads1, n)
+
+
+@contextlib.contextmanager
+def floor_server(
+    endpoint: str, latency_us: float, *, gpu: bool = False
+) -> Iterator[subprocess.Popen[str]]:
+    """:data:`FLOOR_SERVER` on ``endpoint``, its engines at ``latency_us`` a task, ready to
+    serve; stopped on leaving (killed if it will not stop)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", FLOOR_SERVER, args.endpoint, str(args.latency_us),
+        [sys.executable, "-c", FLOOR_SERVER, endpoint, str(latency_us),
          *(["gpu"] if gpu else [])],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         wait_ready(proc, "ready")
-        cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
-        stats = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
-        cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
-        n = max(int(stats["ok"]), 1)
-        own = (cpu1 - cpu0 - (_engines(threads1) - _engines(threads0))) / n
-        threads = thread_report(threads0, threads1, n)
-        stop_server(args.endpoint, proc)
+        yield proc
+        stop_server(endpoint, proc)
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(30)
-    return stats, own, threads
 
 
 def start_profile(

@@ -43,12 +43,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from daemon_throughput import (
-    FLOOR_SERVER,
     bare_ceiling,
     cpu_seconds,
     drive_sdk,
     engine_cpu_seconds,
-    stop_server,
+    floor_server,
     wait_ready,
 )
 
@@ -208,21 +207,13 @@ def run_floor(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, tup
     differs from ipc's by nothing measurable); {mode: (frames/s, its CPU s a frame without its
     engine threads)}."""
     endpoint = f"tcp://127.0.0.1:{args.port + 2}"
-    proc = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, endpoint, "50"],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
     got = {}
-    try:
-        wait_ready(proc, "ready")
+    with floor_server(endpoint, 50.0) as proc:
         for mode in FLOOR_MODES:
             cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
             rate, n = drive(endpoint, shape, args.seconds, args.in_flight, mode)
             own = cpu_seconds(proc.pid) - cpu0 - engine_cpu_seconds(proc.pid) + eng0
             got[mode] = rate, own / max(n, 1)
-        stop_server(endpoint, proc)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
     return got
 
 
