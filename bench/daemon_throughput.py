@@ -3,7 +3,7 @@
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
         [--pre-post-backends cpu[,cuda]|none] [--profile DIR] [--trials N] [--shm] [--before DIR]
         [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N] [--held] [--perf DIR] [--floor]
-        [--floor-gpu] [--native]
+        [--floor-gpu] [--native-floor] [--native]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -39,12 +39,16 @@ CPU per request is the floor dlad's own is compared with (BENCHMARKS §9.13); ``
 the same server copying each frame to the GPU on receipt, as dlad's GPU path must. With
 ``--shm`` each floor server also runs with shared-memory frames (its segment mapped once; with
 the GPU, registered, so the copy is DMA), the floor of dlad's own shared-memory runs.
+``--native-floor`` adds each floor server written again in C (``bench/native_floor.c``, built
+with ``cc`` against pyzmq's libzmq on first use): the same shape with no Python between the
+socket and the engines, the floor of a daemon whose data plane is native (BENCHMARKS §9.16).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import math
 import os
 import shlex
@@ -65,6 +69,7 @@ import numpy as np
 import zmq
 
 from dlad.errors import DladError
+from dlad.protocol import PROTOCOL_VERSION, Kind, Status
 from dlad_client import Client
 
 FRAME = (672, 672, 3)
@@ -537,14 +542,15 @@ def stop_server(endpoint: str, proc: subprocess.Popen[str]) -> None:
 
 
 def run_floor(
-    args: argparse.Namespace, *, gpu: bool = False, shm: bool = False
+    args: argparse.Namespace, *, gpu: bool = False, shm: bool = False, native: bool = False
 ) -> tuple[dict[str, float], float, str]:
     """:data:`FLOOR_SERVER` driven as dlad is (the SDK, frames in the message, or with ``shm``
     in shared-memory slots): (stats, its own CPU s per request without the engine threads, its
     :func:`thread_report`). ``gpu``: each frame is also copied to the GPU on receipt
     (``cuMemcpyHtoDAsync`` from the message's pageable memory, as dlad's upload is, or DMA from
-    the registered segment), the least a GPU pre-processing path adds."""
-    with floor_server(args.endpoint, args.latency_us, gpu=gpu) as proc:
+    the registered segment), the least a GPU pre-processing path adds. ``native``: the same
+    server in C (:func:`native_floor`)."""
+    with floor_server(args.endpoint, args.latency_us, gpu=gpu, native=native) as proc:
         cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
         stats = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
         cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
@@ -555,15 +561,17 @@ def run_floor(
 
 @contextlib.contextmanager
 def floor_server(
-    endpoint: str, latency_us: float, *, gpu: bool = False
+    endpoint: str, latency_us: float, *, gpu: bool = False, native: bool = False
 ) -> Iterator[subprocess.Popen[str]]:
     """:data:`FLOOR_SERVER` on ``endpoint``, its engines at ``latency_us`` a task, ready to
-    serve; stopped on leaving (killed if it will not stop)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FLOOR_SERVER, endpoint, str(latency_us),
-         *(["gpu"] if gpu else [])],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    serve; stopped on leaving (killed if it will not stop). ``native``: the same server in C
+    (:func:`native_floor`)."""
+    if native:
+        wire = (PROTOCOL_VERSION, int(Kind.INFER_REPLY), int(Status.OK))
+        command = [str(native_floor()), endpoint, str(latency_us), *map(str, wire)]
+    else:
+        command = [sys.executable, "-c", FLOOR_SERVER, endpoint, str(latency_us)]
+    proc = subprocess.Popen(command + (["gpu"] if gpu else []), stdout=subprocess.PIPE, text=True)
     try:
         wait_ready(proc, "ready")
         yield proc
@@ -572,6 +580,45 @@ def floor_server(
         if proc.poll() is None:
             proc.terminate()
             proc.wait(30)
+
+
+NATIVE_FLOOR = Path(__file__).with_name("native_floor.c")
+
+
+class NativeFloorError(Exception):
+    """The native floor server could not be built here (no C compiler, no libzmq to link)."""
+
+
+def native_floor() -> Path:
+    """The executable of :data:`NATIVE_FLOOR`, built once per source with ``cc`` into the
+    temporary directory, linked against the libzmq this pyzmq loads (its wheel's
+    ``pyzmq.libs``, else the system's), so both floors have the same I/O thread. Raises
+    :class:`NativeFloorError` with the reason if it cannot be built."""
+    bundled = sorted(
+        (Path(zmq.__file__).resolve().parent.parent / "pyzmq.libs").glob("libzmq*.so*")
+    )
+    if bundled:
+        lib = bundled[0]
+        link = [f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"]
+    else:
+        link = ["-lzmq"]
+    key = hashlib.sha256(NATIVE_FLOOR.read_bytes() + " ".join(link).encode()).hexdigest()[:12]
+    exe = Path(tempfile.gettempdir()) / f"dlad-native-floor-{key}"
+    if exe.exists():
+        return exe
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise NativeFloorError("no C compiler (cc or gcc) on PATH")
+    tmp = exe.with_suffix(".part")
+    flags = ["-O2", "-Wall", "-Wextra", "-pthread"]
+    built = subprocess.run(
+        [cc, *flags, "-o", str(tmp), str(NATIVE_FLOOR), *link, "-ldl"],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    if built.returncode != 0:
+        raise NativeFloorError(f"{cc} failed on {NATIVE_FLOOR.name}:\n{built.stderr.strip()}")
+    tmp.replace(exe)
+    return exe
 
 
 def start_profile(
@@ -901,6 +948,11 @@ def main() -> None:
              "cuda-python): the least GPU pre-processing of frames in the message costs",
     )  # fmt: skip
     ap.add_argument(
+        "--native-floor", action="store_true",
+        help="also each floor server (--floor, --floor-gpu) written in C, built with cc on first "
+             "use: the floor of a daemon of the same shape whose data plane has no Python",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -911,6 +963,13 @@ def main() -> None:
     if needed:
         flag, tool = needed[0]
         ap.error(f"{flag} needs {tool}, which is not on PATH")
+    if args.native_floor and not (args.floor or args.floor_gpu):
+        ap.error("--native-floor needs --floor or --floor-gpu: it adds their servers in C")
+    if args.native_floor:
+        try:
+            native_floor()
+        except NativeFloorError as e:
+            ap.error(f"--native-floor: {e}")
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")
@@ -933,16 +992,18 @@ def main() -> None:
         _run_name(*r): [] for r in runs
     }
     floor_kinds = [
-        (label + (", shared-memory frames" if shm else ""), gpu, shm)
+        (("the native " if native else "the ") + label + (", shared-memory frames" if shm else ""),
+         gpu, shm, native)
+        for native in ((False, True) if args.native_floor else (False,))
         for label, gpu, wanted in (
-            ("the floor server", False, args.floor),
-            ("the floor server + each frame's copy to the GPU", True, args.floor_gpu),
+            ("floor server", False, args.floor),
+            ("floor server + each frame's copy to the GPU", True, args.floor_gpu),
         )
         if wanted
         for shm in ((False, True) if args.shm else (False,))
-    ]
+    ]  # fmt: skip
     # each floor server's own CPU / the bare server's: at its ceiling, paced to its load
-    floors: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in floor_kinds}
+    floors: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in floor_kinds}
     for trial in range(args.trials):
         if args.trials > 1:
             print(f"--- trial {trial + 1} of {args.trials}")
@@ -962,11 +1023,11 @@ def main() -> None:
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
         floor_cpus: dict[bool, float] = {}  # by shm: what each dlad figure is also given against
-        for label, gpu, shm in floor_kinds:
-            fl, f_cpu, f_threads = run_floor(args, gpu=gpu, shm=shm)
+        for label, gpu, shm, native in floor_kinds:
+            fl, f_cpu, f_threads = run_floor(args, gpu=gpu, shm=shm, native=native)
             _, f_paced, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fl["rate"])
             floors[label].append((f_cpu / bare_cpu, f_cpu / f_paced))
-            if not gpu:
+            if not gpu and not native:
                 floor_cpus[shm] = f_cpu
             print(
                 f"{label}{'' if shm else ' (frames in the message)'}: {fl['rate']:.0f} req/s = "

@@ -1,7 +1,7 @@
 """Frames through dlad over tcp, ipc and shared memory, in one run, at two frame sizes.
 
     python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16] [--batches 1,4]
-        [--event-loops uvloop,asyncio] [--sizes 672x672,1080] [--floor]
+        [--event-loops uvloop,asyncio] [--sizes 672x672,1080] [--floor] [--native-floor]
 
 One dlad process serves tcp loopback and an ipc socket, with two emulated DLA cores in timing
 mode at 50 µs a frame (40,000 frames/s together: the devices are never the bottleneck) and
@@ -28,7 +28,9 @@ threads), and shm's frames/s as a ratio to dlad over tcp and to the bare tcp cei
 loop's ratios against tcp on the same loop. ``--floor``: ``daemon_throughput.py``'s floor server
 too (a uvloop ROUTER, two engine threads at the same 50 µs, a valid reply, nothing else: the
 least a Python daemon of dlad's shape costs), over tcp and with shared-memory frames, one frame
-a message: how far the frame's way in can go in Python at all.
+a message: how far the frame's way in can go in Python at all. ``--native-floor``: the same
+server written in C (``daemon_throughput.py --native-floor``'s), how far it goes without Python
+in the server.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from daemon_throughput import (
+    NativeFloorError,
     bare_ceiling,
     cpu_seconds,
     drive_sdk,
     engine_cpu_seconds,
     floor_server,
+    native_floor,
     wait_ready,
 )
 
@@ -113,7 +117,17 @@ def main() -> None:
         "--floor", action="store_true",
         help="also the floor server (daemon_throughput.py --floor's) over tcp and shared memory",
     )  # fmt: skip
+    ap.add_argument(
+        "--native-floor", action="store_true",
+        help="also the floor server written in C (daemon_throughput.py --native-floor's)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.native_floor:
+        try:
+            native_floor()
+        except NativeFloorError as e:
+            ap.error(f"--native-floor: {e}")
+    floors = [n for n, on in (("floor", args.floor), ("native floor", args.native_floor)) if on]
     sizes = {label: SIZES[label] for label in _sizes(args.sizes)}
     batches = [int(b) for b in args.batches.split(",")]
     loops = args.event_loops.split(",")
@@ -139,10 +153,10 @@ def main() -> None:
                 rows.setdefault((label, "bare tcp"), []).append((bare["rate"], bare_cpu))
                 print(f"{label}: bare pyzmq over tcp {bare['rate']:.0f} frames/s, server CPU "
                       f"{bare_cpu * 1e3:.3f} ms/frame")  # fmt: skip
-                if args.floor:
-                    for mode, (rate, own) in run_floor(shape, args).items():
-                        rows.setdefault((label, f"floor {mode}"), []).append((rate, own))
-                        print(f"{label}: the floor server over {mode} {rate:.0f} frames/s, its "
+                for kind in floors:
+                    for mode, (rate, own) in run_floor(shape, args, kind != "floor").items():
+                        rows.setdefault((label, f"{kind} {mode}"), []).append((rate, own))
+                        print(f"{label}: the {kind} server over {mode} {rate:.0f} frames/s, its "
                               f"CPU {own * 1e3:.3f} ms/frame")  # fmt: skip
                 for loop in loops:
                     cfg = Path(tmp) / f"dlad-{loop}.toml"
@@ -170,7 +184,7 @@ def main() -> None:
     print(f"summary, median over {args.trials} trials [min, max]:")
     for label in sizes:
         names = [_name(t, b, loop if named else None) for t, b, loop in modes]
-        floor = [f"floor {t}" for t in FLOOR_MODES if (label, f"floor {t}") in rows]
+        floor = [f"{kind} {t}" for kind in floors for t in FLOOR_MODES]
         for name in ("bare tcp", *floor, *names):
             rates, cpus = (sorted(x) for x in zip(*rows[label, name], strict=True))
             print(f"  {label} {name:8s}: {statistics.median(rates):7.0f} frames/s "
@@ -190,25 +204,29 @@ def main() -> None:
                 mid = statistics.median(ratio)
                 print(f"  {label} {_name(mode, batch, tag)} / {base}: "
                       f"{mid:.2f} [{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
-        for name in floor[1:]:
-            pairs = zip(rows[label, name], rows[label, "floor tcp"], strict=True)
-            ratio = sorted(s / r for (s, _), (r, _) in pairs)
-            print(f"  {label} {name} / floor tcp: {statistics.median(ratio):.2f} "
-                  f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
+        for kind in floors:
+            for name, base in ((f"{kind} {t}", f"{kind} tcp") for t in FLOOR_MODES[1:]):
+                for against in (base, "bare tcp"):
+                    pairs = zip(rows[label, name], rows[label, against], strict=True)
+                    ratio = sorted(s / r for (s, _), (r, _) in pairs)
+                    print(f"  {label} {name} / {against}: {statistics.median(ratio):.2f} "
+                          f"[{ratio[0]:.2f}, {ratio[-1]:.2f}]")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 FLOOR_MODES = ("tcp", "shm", "shm-in-place")
 
 
-def run_floor(shape: tuple[int, ...], args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    """The floor server at the dlad runs' 50 µs a frame, driven by the SDK one frame a message in
-    each of FLOOR_MODES (shared memory over the same loopback tcp endpoint: the header's way in
-    differs from ipc's by nothing measurable); {mode: (frames/s, its CPU s a frame without its
-    engine threads)}."""
+def run_floor(
+    shape: tuple[int, ...], args: argparse.Namespace, native: bool = False
+) -> dict[str, tuple[float, float]]:
+    """The floor server (``native``: in C) at the dlad runs' 50 µs a frame, driven by the SDK
+    one frame a message in each of FLOOR_MODES (shared memory over the same loopback tcp
+    endpoint: the header's way in differs from ipc's by nothing measurable); {mode: (frames/s,
+    its CPU s a frame without its engine threads)}."""
     endpoint = f"tcp://127.0.0.1:{args.port + 2}"
     got = {}
-    with floor_server(endpoint, 50.0) as proc:
+    with floor_server(endpoint, 50.0, native=native) as proc:
         for mode in FLOOR_MODES:
             cpu0, eng0 = cpu_seconds(proc.pid), engine_cpu_seconds(proc.pid)
             rate, n = drive(endpoint, shape, args.seconds, args.in_flight, mode)
