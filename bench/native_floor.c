@@ -79,7 +79,6 @@ static int64_t now_ns(void) {
 
 /* ---- the GPU copy (libcuda's driver API, opened at run time) ---- */
 
-typedef int (*cu_fn)();
 static struct {
     int on;
     void *stream;
@@ -165,9 +164,15 @@ static void skip(reader *r, int depth) {
     }
     uint8_t t = *r->p++;
     if (t <= 0x7f || t >= 0xe0 || t == 0xc0 || t == 0xc2 || t == 0xc3) return;
-    if ((t & 0xf0) == 0x80) return skip_n(r, 2 * (uint64_t)(t & 0x0f), depth + 1);
-    if ((t & 0xf0) == 0x90) return skip_n(r, t & 0x0f, depth + 1);
-    uint64_t n;
+    uint64_t n, items = 0;
+    if ((t & 0xf0) == 0x80) items = 2 * (uint64_t)(t & 0x0f);
+    else if ((t & 0xf0) == 0x90) items = t & 0x0f;
+    else if (t == 0xdc || t == 0xdd) items = length(r, t, 0xdb);      /* array 16/32 */
+    else if (t == 0xde || t == 0xdf) items = 2 * length(r, t, 0xdd);  /* map 16/32 */
+    if ((t & 0xe0) == 0x80 || (t >= 0xdc && t <= 0xdf)) {
+        skip_n(r, items, depth + 1);
+        return;
+    }
     if ((t & 0xe0) == 0xa0) n = t & 0x1f;
     else if (t >= 0xc4 && t <= 0xc6) n = length(r, t, 0xc4);                 /* bin 8/16/32 */
     else if (t >= 0xd9 && t <= 0xdb) n = length(r, t, 0xd9);                 /* str 8/16/32 */
@@ -176,8 +181,6 @@ static void skip(reader *r, int depth) {
     else if (t == 0xca || t == 0xcb) n = t == 0xca ? 4 : 8;                  /* float */
     else if (t >= 0xcc && t <= 0xcf) n = (uint64_t)1 << (t - 0xcc);          /* uint */
     else if (t >= 0xd0 && t <= 0xd3) n = (uint64_t)1 << (t - 0xd0);          /* int */
-    else if (t == 0xdc || t == 0xdd) return skip_n(r, length(r, t, 0xdb), depth + 1);
-    else if (t == 0xde || t == 0xdf) return skip_n(r, 2 * length(r, t, 0xdd), depth + 1);
     else {
         r->bad = 1;
         return;
@@ -355,9 +358,9 @@ static void *engine_run(void *arg) {
         while (!e->tasks.head) pthread_cond_wait(&e->cv, &e->mu);
         task *t = pop(&e->tasks);
         pthread_mutex_unlock(&e->mu);
-        int64_t start = now_ns() > e->free_at ? now_ns() : e->free_at;
-        t->start = start;
-        t->end = e->free_at = start + latency_ns;
+        int64_t now = now_ns();
+        t->start = now > e->free_at ? now : e->free_at;
+        t->end = e->free_at = t->start + latency_ns;
         struct timespec until = {(time_t)(t->end / 1000000000), (long)(t->end % 1000000000)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR) {
         }
