@@ -621,6 +621,15 @@ def native_floor() -> Path:
     return exe
 
 
+def require_native_floor(ap: argparse.ArgumentParser) -> None:
+    """Build :func:`native_floor` now, or exit with ``--native-floor``'s usage error (status 2)
+    saying why it cannot be built here."""
+    try:
+        native_floor()
+    except NativeFloorError as e:
+        ap.error(f"--native-floor: {e}")
+
+
 def start_profile(
     pid: int, raw: Path, seconds: float, *, gil: bool = False, native: bool = False
 ) -> subprocess.Popen[bytes]:
@@ -966,10 +975,7 @@ def main() -> None:
     if args.native_floor and not (args.floor or args.floor_gpu):
         ap.error("--native-floor needs --floor or --floor-gpu: it adds their servers in C")
     if args.native_floor:
-        try:
-            native_floor()
-        except NativeFloorError as e:
-            ap.error(f"--native-floor: {e}")
+        require_native_floor(ap)
     ideal = 2 * 1e6 / args.latency_us
     print(f"load average before: {os.getloadavg()[0]:.2f} (cpus: {os.cpu_count()})")
     print(f"ideal device capacity: 2 cores x 1/{args.latency_us:.0f} us = {ideal:.0f} req/s")

@@ -45,13 +45,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from daemon_throughput import (
-    NativeFloorError,
     bare_ceiling,
     cpu_seconds,
     drive_sdk,
     engine_cpu_seconds,
     floor_server,
-    native_floor,
+    require_native_floor,
     wait_ready,
 )
 
@@ -123,10 +122,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     if args.native_floor:
-        try:
-            native_floor()
-        except NativeFloorError as e:
-            ap.error(f"--native-floor: {e}")
+        require_native_floor(ap)
     floors = [n for n, on in (("floor", args.floor), ("native floor", args.native_floor)) if on]
     sizes = {label: SIZES[label] for label in _sizes(args.sizes)}
     batches = [int(b) for b in args.batches.split(",")]
