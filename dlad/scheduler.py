@@ -63,6 +63,60 @@ MAX_PINNED_STREAMS: Final = 4096
 """``static`` remembers this many streams' devices, forgetting the least recently seen."""
 
 
+# The scheduler's checks and its refusals' words, shared with the C++ core's wrapper
+# (dlad/native_scheduler.py), so both implementations answer a client alike.
+def check_alpha_policy(alpha: float, policy: str) -> None:
+    """Raises ValueError for an ``alpha`` outside (0, 1] or an unknown ``policy``."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+def seed_curve(
+    name: str,
+    capacity: int,
+    service_us: float,
+    max_batch: int,
+    batch_service_us: Mapping[int, float] | None,
+) -> dict[int, float]:
+    """A device's first service-time curve in ns by batch size (``add_device``'s arguments);
+    raises ValueError for a capacity or max_batch below 1, a non-positive time or batch size."""
+    curve = {
+        1: float(service_us),
+        **{int(b): float(t) for b, t in (batch_service_us or {}).items()},
+    }
+    if capacity < 1 or max_batch < 1 or not all(t > 0 for t in curve.values()):
+        raise ValueError(f"{name}: capacity and max_batch must be >= 1, service times > 0")
+    if not all(b >= 1 for b in curve):
+        raise ValueError(f"{name}: batch sizes must be >= 1")
+    return {b: t * 1e3 for b, t in curve.items()}
+
+
+def no_device_serves(model: str) -> str:
+    return f"no device serves model {model!r}"
+
+
+def no_healthy_device(model: str, devices: Iterable[tuple[str, bool]]) -> str:
+    """``devices``: each device serving ``model``, and whether the retry avoided it."""
+    why = ", ".join(f"{n} {'failed it' if avoided else 'quarantined'}" for n, avoided in devices)
+    return f"no healthy device serves model {model!r} now ({why})"
+
+
+def queues_full(model: str, queues: Iterable[tuple[str, int, int]]) -> str:
+    """``queues``: (device, depth, capacity) of each device that could have taken the job."""
+    return (f"all queues for model {model!r} are full "
+            f"({', '.join(f'{n} {depth}/{cap}' for n, depth, cap in queues)})")  # fmt: skip
+
+
+def already_queued(job_id: int) -> str:
+    return f"request id {job_id} is already queued"
+
+
+def not_queued(request_id: int) -> str:
+    return f"request {request_id} is not queued"
+
+
 @dataclass(eq=False)
 class Job(Generic[P]):
     """One admitted request. ``id`` is unique within the daemon (not the client's request id,
@@ -198,10 +252,7 @@ class Scheduler(Generic[P]):
         interference: Mapping[tuple[str, str], float] | None = None,
         pins: Mapping[str, str] | None = None,
     ) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        check_alpha_policy(alpha, policy)
         self._clock = clock
         self._alpha = alpha
         self.policy: Policy = policy
@@ -244,15 +295,7 @@ class Scheduler(Generic[P]):
         """
         if name in self._devices:
             raise ValueError(f"device {name!r} registered twice")
-        curve = {
-            1: float(service_us),
-            **{int(b): float(t) for b, t in (batch_service_us or {}).items()},
-        }
-        if capacity < 1 or max_batch < 1 or not all(t > 0 for t in curve.values()):
-            raise ValueError(f"{name}: capacity and max_batch must be >= 1, service times > 0")
-        if not all(b >= 1 for b in curve):
-            raise ValueError(f"{name}: batch sizes must be >= 1")
-        known = {b: t * 1e3 for b, t in curve.items()}
+        known = seed_curve(name, capacity, service_us, max_batch, batch_service_us)
         self._devices[name] = _Device(
             name, frozenset(models), capacity, max_batch, _Curve(known, self._alpha), tier, kind
         )
@@ -286,19 +329,18 @@ class Scheduler(Generic[P]):
             ValueError: ``job.id`` is already queued.
         """
         if job.id in self._jobs:
-            raise ValueError(f"request id {job.id} is already queued")
+            raise ValueError(already_queued(job.id))
         serving = self._serving.get(job.model)
         if not serving:
-            raise NotFound(f"no device serves model {job.model!r}", request_id=job.id)
+            raise NotFound(no_device_serves(job.model), request_id=job.id)
         if avoid or self._out:
             candidates = [d for d in serving if d.available and d.name not in avoid]
         else:
             candidates = serving  # every device in placement (admission's common case)
         if not candidates:
-            why = ", ".join(f"{d.name} {'failed it' if d.name in avoid else 'quarantined'}"
-                            for d in serving)  # fmt: skip
             raise DeviceFailed(
-                f"no healthy device serves model {job.model!r} now ({why})", request_id=job.id
+                no_healthy_device(job.model, [(d.name, d.name in avoid) for d in serving]),
+                request_id=job.id,
             )
         key = None if job.stream is None else (job.owner, job.stream)
         if self.policy == "static" and key is not None:
@@ -312,8 +354,7 @@ class Scheduler(Generic[P]):
         open_ = [d for d in candidates if d.capacity - d.depth + (d.name == gone) > 0]
         if not open_:
             raise Overloaded(
-                f"all queues for model {job.model!r} are full "
-                f"({', '.join(f'{d.name} {d.depth}/{d.capacity}' for d in candidates)})",
+                queues_full(job.model, [(d.name, d.depth, d.capacity) for d in candidates]),
                 request_id=job.id,
             )
         superseded: list[Job[P]] = []
@@ -559,7 +600,7 @@ class Scheduler(Generic[P]):
         """Queue ``job`` on ``device`` whatever its availability or queue (a health probe of a
         quarantined device: nothing else reaches it)."""
         if job.id in self._jobs:
-            raise ValueError(f"request id {job.id} is already queued")
+            raise ValueError(already_queued(job.id))
         job.stream = None
         self._enqueue(self._devices[device], job, self._clock())
 
@@ -594,7 +635,7 @@ class Scheduler(Generic[P]):
         """
         job = self._remove(request_id)
         if job is None:
-            raise NotFound(f"request {request_id} is not queued", request_id=request_id)
+            raise NotFound(not_queued(request_id), request_id=request_id)
         return job
 
     def drain(self) -> list[Job[P]]:

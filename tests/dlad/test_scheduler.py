@@ -1,17 +1,49 @@
-"""Scheduler invariants under random operation sequences (virtual clock), plus placement."""
+"""Scheduler invariants under random operation sequences (virtual clock), plus placement.
+
+Every test here runs twice: on the Python scheduler and on its C++ core
+(``dlad.native_scheduler``); ``tests/dlad/test_native_scheduler.py`` also requires the two to
+agree step by step."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from dlad import native_scheduler
 from dlad.devices.dram import ORIN_DRAM_K
 from dlad.errors import NotFound, Overloaded
+from dlad.native_scheduler import NativeScheduler
 from dlad.scheduler import LEARN_CLAMP, POLICIES, Job, Policy, Scheduler
+
+_NO_CORE = "dlad was installed without a C++ compiler (test_native_scheduler.py fails where one is)"
+
+
+@pytest.fixture(
+    autouse=True,
+    scope="module",
+    params=[
+        pytest.param(Scheduler, id="python"),
+        pytest.param(
+            NativeScheduler,
+            id="native",
+            marks=pytest.mark.skipif(not native_scheduler.available(), reason=_NO_CORE),
+        ),
+    ],
+)
+def implementation(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Runs this module's tests on ``Scheduler`` as imported, then on the C++ core under the
+    same name."""
+    globals()["Scheduler"] = request.param
+    yield
+    globals()["Scheduler"] = _PYTHON
+
+
+_PYTHON = Scheduler
 
 
 class FakeClock:

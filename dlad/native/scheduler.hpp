@@ -1,0 +1,227 @@
+// The scheduler's policy in C++: the same decisions as dlad/scheduler.py, to the last bit.
+//
+// dlad/scheduler.py is the reference (its docstring states the policy) and the fallback where
+// no compiler built this; tests/dlad/test_native_scheduler.py drives both through random
+// operation sequences and requires the same answers, the same estimates and the same state.
+// This core holds no Python object and takes the time as an argument, so a native frontend can
+// drive it as the Python one does. A job is its id and what placement reads of it; the payload
+// stays with the caller.
+//
+// Floating point: every estimate is computed in the order the Python code computes it, in
+// IEEE doubles, and the build turns off FMA contraction (-ffp-contract=off), so an aarch64 host
+// (an Orin) rounds as an x86 one does.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace dlad {
+
+enum class Policy { throughput, latency, statik };
+
+constexpr double kLearnClamp = 4.0;       // scheduler.LEARN_CLAMP
+constexpr size_t kMaxPinnedStreams = 4096;  // scheduler.MAX_PINNED_STREAMS
+
+// A device name that was never registered (KeyError in Python).
+struct UnknownDevice : std::out_of_range {
+    explicit UnknownDevice(const std::string& name) : std::out_of_range(name) {}
+};
+
+// Why admit() refused a job (the Python scheduler's exceptions).
+enum class Refusal { none, not_found, device_failed, overloaded, duplicate };
+
+struct JobSpec {
+    int64_t id = 0;
+    std::string model;
+    int64_t deadline_ns = 0;
+    int64_t priority = 0;
+    std::optional<std::string> stream;
+    std::string owner;
+};
+
+// What the scheduler sets on a job it queues (Job.device, .admitted_ns, .estimate_ns, ._seq).
+struct Placed {
+    std::string device;
+    int64_t admitted_ns = 0;
+    int64_t estimate_ns = 0;
+    int64_t seq = 0;
+};
+
+struct QueueState {  // one device in an Overloaded message: name depth/capacity
+    std::string name;
+    int64_t depth = 0;
+    int64_t capacity = 0;
+};
+
+struct AdmitResult {
+    Refusal refusal = Refusal::none;
+    Placed placed;
+    std::vector<int64_t> superseded;  // ids of the stream's queued frame it replaced
+    // for the message of a refusal: DeviceFailed, each serving device and whether the retry
+    // avoided it (else it is quarantined); Overloaded, the candidates' queues
+    std::vector<std::pair<std::string, bool>> unhealthy;
+    std::vector<QueueState> full;
+};
+
+struct BatchResult {
+    std::vector<int64_t> jobs;
+    std::vector<int64_t> expired;
+    std::optional<int64_t> wait_until_ns;
+};
+
+struct Snapshot {
+    std::string name;
+    int64_t queue_depth = 0;
+    int64_t capacity = 0;
+    int64_t in_flight = 0;
+    double service_time_us = 0.0;
+    int64_t completed = 0;
+    int64_t max_batch = 1;
+    std::vector<int64_t> batches;
+    bool available = true;
+};
+
+class Curve {
+  public:
+    Curve(std::map<int64_t, double> known, double alpha) : known_(std::move(known)), alpha_(alpha) {}
+    double operator()(int64_t size) const;
+    void learn(int64_t size, double measured_ns);
+    double at1() const { return known_.at(1); }
+
+  private:
+    std::map<int64_t, double> known_;  // sorted: interpolation's bisect
+    double alpha_;
+};
+
+class Scheduler {
+  public:
+    Scheduler(double alpha, Policy policy,
+              std::vector<std::tuple<std::string, std::string, double>> interference,
+              std::unordered_map<std::string, std::string> pins);
+
+    // ``known_ns``: the service time (ns) by batch size, holding 1; the caller checked it
+    // (dlad/scheduler.py's _seed_curve). Raises std::invalid_argument for a duplicate name.
+    void add_device(const std::string& name, const std::vector<std::string>& models,
+                    int64_t capacity, int64_t max_batch, const std::map<int64_t, double>& known_ns,
+                    int64_t tier, const std::string& kind);
+    std::vector<std::string> models() const;  // sorted
+
+    AdmitResult admit(const JobSpec& job, const std::vector<std::string>& avoid, int64_t now);
+    std::optional<int64_t> displace_for(const JobSpec& job);
+    std::optional<std::string> pinned(const std::string& stream, const std::string& owner) const;
+
+    // (job id or none, expired ids)
+    std::pair<std::optional<int64_t>, std::vector<int64_t>> next_job(const std::string& device,
+                                                                     int64_t now);
+    BatchResult next_batch(const std::string& device, std::optional<int64_t> max_batch,
+                           double max_queue_delay_us, int64_t now);
+    void finished(const std::string& device, int64_t job, std::optional<double> device_us);
+    void finished_batch(const std::string& device, const std::vector<int64_t>& jobs,
+                        std::optional<double> device_us);
+
+    std::vector<int64_t> set_available(const std::string& device, bool available);
+    bool available(const std::string& device) const { return dev(device).available; }
+    // false: the id is queued already
+    bool admit_probe(const std::string& device, const JobSpec& job, int64_t now, Placed* placed);
+
+    std::vector<int64_t> expire(int64_t now);
+    std::optional<int64_t> earliest_deadline() const;
+    bool cancel(int64_t id);  // false: not queued
+    std::vector<int64_t> drain();
+
+    int64_t queued() const { return static_cast<int64_t>(jobs_.size()); }
+    int64_t queued(const std::string& device) const { return dev(device).depth; }
+    bool has_queued(const std::optional<std::string>& stream, const std::string& owner) const;
+    int64_t streams_waiting() const { return static_cast<int64_t>(streams_.size()); }
+    int64_t in_flight(const std::string& device) const {
+        return static_cast<int64_t>(dev(device).running.size());
+    }
+    double service_us(const std::string& device, int64_t batch) const {
+        return dev(device).curve(batch) / 1e3;
+    }
+    std::vector<Snapshot> snapshot() const;
+
+    Policy policy;
+
+  private:
+    struct Entry {  // a heap entry: (-priority, deadline, sequence, id)
+        int64_t neg_priority, deadline, seq, id;
+        bool operator<(const Entry& o) const {
+            if (neg_priority != o.neg_priority) return neg_priority < o.neg_priority;
+            if (deadline != o.deadline) return deadline < o.deadline;
+            if (seq != o.seq) return seq < o.seq;
+            return id < o.id;
+        }
+        bool operator>(const Entry& o) const { return o < *this; }
+    };
+    struct Running {
+        int64_t start, est, task;
+    };
+    struct Device {
+        std::string name;
+        std::vector<std::string> models;
+        int64_t capacity, max_batch;
+        Curve curve, seed;
+        int64_t tier;
+        std::string kind;
+        int64_t pinned = 0;
+        bool available = true;
+        double fail_rate = 0.0;
+        std::vector<Entry> heap{};  // a min-heap (std::push_heap with greater)
+        int64_t depth = 0;
+        std::map<int64_t, Running> running{};  // job id ->
+        int64_t completed = 0;
+        std::vector<int64_t> batches{};
+        bool serves(const std::string& model) const;
+        double work_ns(int64_t jobs, const Curve* c = nullptr) const;
+    };
+    struct Job {
+        JobSpec spec;
+        size_t device = 0;
+        int64_t admitted_ns = 0, estimate_ns = 0, seq = 0;
+    };
+    using Key = std::pair<std::string, std::string>;  // (owner, stream)
+    struct KeyHash {
+        size_t operator()(const Key& k) const {
+            return std::hash<std::string>()(k.first) * 31 + std::hash<std::string>()(k.second);
+        }
+    };
+
+    const Device& dev(const std::string& name) const;
+    Device& dev(const std::string& name);
+    size_t choose(const JobSpec& job, const std::vector<size_t>& open, int64_t now) const;
+    double induced_ns(const Device& d, const std::vector<double>& left) const;
+    size_t pin(const Key& stream, const std::vector<size_t>& candidates);
+    static int64_t in_flight_ns(const Device& d, int64_t now);
+    std::pair<std::optional<int64_t>, std::vector<int64_t>> pop(Device& d, int64_t now);
+    Placed enqueue(size_t d, const JobSpec& job, int64_t now);
+    bool remove(int64_t id);
+    size_t take(int64_t id);  // the job leaves its queue; returns its device
+    void learn(Device& d, int64_t size, std::optional<double> device_us);
+
+    double alpha_;
+    std::map<std::pair<std::string, std::string>, double> interference_;  // (victim, aggressor)
+    // (owner, stream) -> device, least recently seen first (policy static)
+    std::list<std::pair<Key, std::string>> pins_;
+    std::unordered_map<Key, std::list<std::pair<Key, std::string>>::iterator, KeyHash> pin_at_;
+    std::unordered_map<std::string, std::string> by_hand_;
+    std::vector<Device> devices_;
+    std::unordered_map<std::string, size_t> index_;
+    std::unordered_map<std::string, std::vector<size_t>> serving_;
+    std::vector<std::vector<std::pair<size_t, double>>> victims_;
+    std::unordered_map<int64_t, Job> jobs_;  // queued only
+    std::map<int64_t, int64_t> order_;       // seq -> id: the queued jobs in admission order
+    std::unordered_map<Key, int64_t, KeyHash> streams_;
+    std::unordered_map<std::string, int64_t> owned_;
+    int64_t seq_ = 0, tasks_ = 0, out_ = 0;
+};
+
+}  // namespace dlad
