@@ -370,6 +370,12 @@ class SchedulerConfig:
     ``pins = { cam0 = 'dla0', cam1 = 'gpu' }``), as a DeepStream deployment binds each source to
     one branch; a stream not named here, or whose device does not serve the frame's model, is
     pinned in proportion to the devices' speeds. At most ``MAX_PINS`` streams."""
+    core: Literal["auto", "native", "python"] = "auto"
+    """Which implementation makes these decisions (the same ones, to the last bit:
+    ``tests/dlad/test_native_scheduler.py``). ``native``: the C++ core that ``pip install``
+    builds where it finds a C++ compiler (``dlad/native/``); the daemon does not start without
+    it. ``python``: ``dlad/scheduler.py``, the reference. ``auto``: the C++ core where it was
+    built, else the Python one."""
 
     def __post_init__(self) -> None:
         _check(not self.pins or self.policy == "static", "pins",

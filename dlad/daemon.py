@@ -38,7 +38,8 @@ from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
-from dlad.scheduler import Scheduler
+from dlad.native_scheduler import NativeUnavailable, make_scheduler
+from dlad.scheduler import Scheduling
 from dlad.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -91,12 +92,21 @@ class Daemon:
         self.executors: dict[str, Executor] = {}
         self._stop = anyio.Event()
         contention = self.config.soc.dram_contention
-        self._scheduler: Scheduler[Request] = Scheduler(
-            time.monotonic_ns,
-            policy=self.config.scheduler.policy,
-            pins=self.config.scheduler.pins,
-            interference={k: v * contention for k, v in ORIN_DRAM_K.items()},
-        )
+        try:
+            self._scheduler: Scheduling[Request] = make_scheduler(
+                self.config.scheduler.core,
+                time.monotonic_ns,
+                policy=self.config.scheduler.policy,
+                pins=self.config.scheduler.pins,
+                interference={k: v * contention for k, v in ORIN_DRAM_K.items()},
+            )
+        except NativeUnavailable:
+            raise StartupError(
+                "'native', but this install has no C++ scheduler core (pip found no C++ "
+                "compiler when it installed dlad): set core = 'auto' or 'python', or reinstall "
+                "with g++ present",
+                key="scheduler.core",
+            ) from None
         self._loop: asyncio.AbstractEventLoop | None = None
         m = self.config.metrics
         self.metrics = Metrics(

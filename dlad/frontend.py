@@ -56,7 +56,7 @@ from dlad.errors import (
 )
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
-from dlad.scheduler import Job, Scheduler
+from dlad.scheduler import Job, Scheduling
 from dlad.shm import SharedFrames
 
 __all__ = ["MAX_CLIENTS_TRACKED", "Counters", "Frontend"]
@@ -148,7 +148,7 @@ class Frontend:
     def __init__(
         self,
         config: Config,
-        scheduler: Scheduler[Request],
+        scheduler: Scheduling[Request],
         executors: Mapping[str, Executor],
         metrics: Metrics,
         *,

@@ -30,7 +30,7 @@ import structlog
 
 from dlad.config import HealthConfig
 from dlad.executors.base import Executor, Outcome, Request
-from dlad.scheduler import Job, Scheduler
+from dlad.scheduler import Job, Scheduling
 
 __all__ = ["PROBE_DEADLINE_S", "EngineState", "HealthKeeper"]
 
@@ -73,7 +73,7 @@ class HealthKeeper:
     def __init__(
         self,
         config: HealthConfig,
-        scheduler: Scheduler[Request],
+        scheduler: Scheduling[Request],
         executors: Mapping[str, Executor],
         *,
         requeue: Requeue,

@@ -15,7 +15,7 @@ says whether it was, and :func:`make_scheduler` picks it or the Python scheduler
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal
 
 from dlad.errors import DeviceFailed, NotFound, Overloaded
@@ -99,7 +99,7 @@ class NativeScheduler(Generic[P]):
     def add_device(
         self,
         name: str,
-        models: Sequence[str] | frozenset[str],
+        models: Iterable[str],
         *,
         capacity: int,
         service_us: float,

@@ -57,7 +57,7 @@ from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
 from dlad.protocol import MAX_DET
-from dlad.scheduler import Job, Scheduler
+from dlad.scheduler import Job, Scheduling
 from dlad.waiter import Waiter
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class DlaExecutor(Executor):
         model: str,
         loadable_path: str,
         loadable: Loadable,
-        scheduler: Scheduler[Request],
+        scheduler: Scheduling[Request],
         capacity: int = 4,
         mode: Literal["numeric", "timing"],
         latency_us: float | None,

@@ -29,7 +29,7 @@ from dlad.devices.int8_engine import Int8EngineError
 from dlad.executors.base import Executor, Request
 from dlad.executors.dla import DlaExecutor
 from dlad.executors.gpu import GpuEngine, GpuExecutor
-from dlad.scheduler import Scheduler
+from dlad.scheduler import Scheduling
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService
@@ -49,7 +49,7 @@ class ExecutorBuildError(RuntimeError):
 
 def build_executors(
     plan: Plan,
-    scheduler: Scheduler[Request],
+    scheduler: Scheduling[Request],
     *,
     limiter: anyio.CapacityLimiter,
     pre_post: bool,
@@ -123,7 +123,7 @@ def build_executors(
 
 
 def _register(
-    scheduler: Scheduler[Request],
+    scheduler: Scheduling[Request],
     executor: Executor,
     curve: dict[int, float] | None,
     *,
@@ -146,7 +146,7 @@ def _register(
 def _gpu_executor(
     plan: Plan,
     placement: Placement,
-    scheduler: Scheduler[Request],
+    scheduler: Scheduling[Request],
     limiter: anyio.CapacityLimiter,
     pre_post: bool,
     *,

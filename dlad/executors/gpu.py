@@ -79,7 +79,7 @@ from dlad.imaging.pre import (
 )
 from dlad.loadable import Loadable
 from dlad.protocol import MAX_DET
-from dlad.scheduler import Job, Scheduler
+from dlad.scheduler import Job, Scheduling
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService
@@ -465,7 +465,7 @@ class GpuExecutor(Executor):
         model: str,
         loadable: Loadable,
         engine: GpuEngine,
-        scheduler: Scheduler[Request],
+        scheduler: Scheduling[Request],
         capacity: int,
         max_batch: int,
         max_queue_delay_us: float,

@@ -220,3 +220,21 @@ def test_a_gpu_engine_that_cannot_start_names_the_device(
     err = capsys.readouterr().err
     assert f"dlad: {cfg}: devices.gpu: cannot build the {engine} GPU engine for model 'demo'" in err
     assert "Traceback" not in err
+
+
+def test_a_native_scheduler_core_that_was_not_built_stops_the_start_plainly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[scheduler] core = "native"`` on an install built without a C++ compiler: the daemon
+    does not start, names the setting and what to do, with no traceback."""
+    monkeypatch.setattr("dlad.native_scheduler._NATIVE", None)
+    free, port = _port_in_use()
+    free.close()
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(
+        DAEMON_CFG.format(port=port, metrics_port=port) + '\n[scheduler]\ncore = "native"\n'
+    )
+    assert main(["--config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"dlad: {cfg}: scheduler.core: 'native', but this install has no C++" in err
+    assert "Traceback" not in err
