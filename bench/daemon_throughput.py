@@ -77,6 +77,7 @@ CONFIG = """
 [daemon]
 default_deadline_ms = 60000.0
 [soc]
+[scheduler]
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 1000

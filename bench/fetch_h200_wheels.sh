@@ -6,7 +6,8 @@
 # onnx, onnxruntime, prometheus-client and rich). modelopt imports omegaconf (-> antlr4 4.9.x,
 # sdist only: built into a wheel here), pulp and pydantic eagerly; onnx-graphsurgeon and
 # faster-coco-eval are not in the device image. py-spy profiles the daemon there
-# (bench/daemon_throughput.py --profile; its binary lands in /tmp/site/bin).
+# (bench/daemon_throughput.py --profile; its binary lands in /tmp/site/bin). pybind11 builds the
+# scheduler's C++ core there (bench/h200_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -16,6 +17,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     "${platforms[@]}" -d .whl \
     pyzmq==27.3.0 structlog==26.1.0 uvloop==0.23.0 \
     nvidia-modelopt==0.47.0 onnx-graphsurgeon==0.6.1 faster-coco-eval==1.8.0 omegaconf==2.3.0 \
-    pulp==3.3.2 pydantic pydantic-core annotated-types typing-inspection py-spy==0.4.3
+    pulp==3.3.2 pydantic pydantic-core annotated-types typing-inspection py-spy==0.4.3 \
+    pybind11==3.1.0
 python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 ls -la .whl
