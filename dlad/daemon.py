@@ -38,8 +38,7 @@ from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
-from dlad.native_scheduler import NativeUnavailable, make_scheduler
-from dlad.scheduler import Scheduling
+from dlad.native_scheduler import NativeUnavailable, Scheduling, make_scheduler
 from dlad.systemd import Notifier
 
 if TYPE_CHECKING:

@@ -56,7 +56,8 @@ from dlad.errors import (
 )
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
-from dlad.scheduler import Job, Scheduling
+from dlad.native_scheduler import Scheduling
+from dlad.scheduler import Job
 from dlad.shm import SharedFrames
 
 __all__ = ["MAX_CLIENTS_TRACKED", "Counters", "Frontend"]

@@ -30,7 +30,8 @@ import structlog
 
 from dlad.config import HealthConfig
 from dlad.executors.base import Executor, Outcome, Request
-from dlad.scheduler import Job, Scheduling
+from dlad.native_scheduler import Scheduling
+from dlad.scheduler import Job
 
 __all__ = ["PROBE_DEADLINE_S", "EngineState", "HealthKeeper"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeAlias
 
 from dlad.errors import DeviceFailed, NotFound, Overloaded
 from dlad.scheduler import (
@@ -228,6 +228,10 @@ class NativeScheduler(Generic[P]):
         return [DeviceSnapshot(*s) for s in self._core.snapshot()]
 
 
+Scheduling: TypeAlias = "Scheduler[P] | NativeScheduler[P]"
+"""What the daemon's modules hold: either implementation (the same methods and decisions)."""
+
+
 def make_scheduler(
     core: Core,
     clock: Clock,
@@ -236,7 +240,7 @@ def make_scheduler(
     policy: Policy = "latency",
     interference: Mapping[tuple[str, str], float] | None = None,
     pins: Mapping[str, str] | None = None,
-) -> Scheduler[Any] | NativeScheduler[Any]:
+) -> Scheduling[Any]:
     """The scheduler ``core`` names: ``native`` (raises :class:`NativeUnavailable` where it was
     not built), ``python``, or ``auto`` (native where built)."""
     if core not in CORES:

@@ -56,8 +56,9 @@ from dlad.imaging.decoders import decoder_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
+from dlad.native_scheduler import Scheduling
 from dlad.protocol import MAX_DET
-from dlad.scheduler import Job, Scheduling
+from dlad.scheduler import Job
 from dlad.waiter import Waiter
 
 if TYPE_CHECKING:

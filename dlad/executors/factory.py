@@ -29,7 +29,7 @@ from dlad.devices.int8_engine import Int8EngineError
 from dlad.executors.base import Executor, Request
 from dlad.executors.dla import DlaExecutor
 from dlad.executors.gpu import GpuEngine, GpuExecutor
-from dlad.scheduler import Scheduling
+from dlad.native_scheduler import Scheduling
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService

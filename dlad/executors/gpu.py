@@ -78,8 +78,9 @@ from dlad.imaging.pre import (
     to_rgb,
 )
 from dlad.loadable import Loadable
+from dlad.native_scheduler import Scheduling
 from dlad.protocol import MAX_DET
-from dlad.scheduler import Job, Scheduling
+from dlad.scheduler import Job
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService

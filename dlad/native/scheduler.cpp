@@ -248,7 +248,7 @@ size_t Scheduler::choose(const JobSpec& job, const std::vector<size_t>& open, in
             late = false;
             better = first || std::tie(end, d.name) < std::tie(best_end, devices_[best].name);
         } else {
-            end = end + induced_ns(d, left);
+            end = end + induced_ns(i, left);
             better = first ||
                      std::tie(late, end, d.name) < std::tie(best_late, best_end, devices_[best].name);
         }
@@ -260,7 +260,8 @@ size_t Scheduler::choose(const JobSpec& job, const std::vector<size_t>& open, in
     return best;
 }
 
-double Scheduler::induced_ns(const Device& d, const std::vector<double>& left) const {
+double Scheduler::induced_ns(size_t i, const std::vector<double>& left) const {
+    const Device& d = devices_[i];
     double extra;
     if (d.max_batch == 1) {
         extra = d.seed.at1();
@@ -268,7 +269,7 @@ double Scheduler::induced_ns(const Device& d, const std::vector<double>& left) c
         extra = d.work_ns(d.depth + 1, &d.seed) - d.work_ns(d.depth, &d.seed);
     }
     double total = 0.0;
-    for (const auto& [e_, k] : victims_[index_.at(d.name)]) {
+    for (const auto& [e_, k] : victims_[i]) {
         const Device& e = devices_[e_];
         int64_t held = e.depth + static_cast<int64_t>(e.running.size());
         if (held) {  // until e's current work is done

@@ -198,7 +198,7 @@ class Scheduler {
     const Device& dev(const std::string& name) const;
     Device& dev(const std::string& name);
     size_t choose(const JobSpec& job, const std::vector<size_t>& open, int64_t now) const;
-    double induced_ns(const Device& d, const std::vector<double>& left) const;
+    double induced_ns(size_t device, const std::vector<double>& left) const;
     size_t pin(const Key& stream, const std::vector<size_t>& candidates);
     static int64_t in_flight_ns(const Device& d, int64_t now);
     std::pair<std::optional<int64_t>, std::vector<int64_t>> pop(Device& d, int64_t now);
