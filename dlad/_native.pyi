@@ -66,3 +66,26 @@ class Scheduler:
     def snapshot(
         self,
     ) -> list[tuple[str, int, int, int, float, int, int, tuple[int, ...], bool]]: ...
+
+# The INFER codec (dlad/native/wire.hpp); tests/dlad/test_native_wire.py holds it to protocol.py.
+def read_infer(
+    header: bytes | memoryview,
+    frames: int,
+    payload_bytes: int,
+    limits: tuple[int, int, int, int, int],
+    shm: bool,
+) -> (
+    tuple[
+        int, str, str | None, int, int | None, float | None, float | None, int | None,
+        str, int, int, int, tuple[str, int, int] | None,
+    ]
+    | None
+): ...  # fmt: skip
+def write_infer_reply(
+    id: int,
+    status: int,
+    message: str,
+    device: str | None,
+    timing: tuple[int, int, int, int, int, int | None, int | None],
+    count: int,
+) -> bytes: ...

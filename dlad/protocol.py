@@ -1351,7 +1351,8 @@ def _fast_infer(
         return None
     try:
         h = msgpack.unpackb(head, raw=False, strict_map_key=True, object_pairs_hook=_pairs)
-    except (ValueError, TypeError, OverflowError, RecursionError):  # ProtocolError included
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        # (a key repeated or not a string raises _pairs' ProtocolError, as in the full decoder)
         return None
     if type(h) is not dict or not _INFER_REQUIRED <= h.keys() <= _INFER_KEYS:
         return None

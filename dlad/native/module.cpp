@@ -1,9 +1,11 @@
-// dlad._native: the C++ scheduler core (scheduler.hpp) for Python. dlad/native_scheduler.py
-// wraps it in dlad.scheduler.Scheduler's interface; nothing else imports this module.
+// dlad._native: the C++ scheduler core (scheduler.hpp) and the hot messages' codec (wire.hpp)
+// for Python. dlad/native_scheduler.py wraps the core in dlad.scheduler.Scheduler's interface;
+// the codec is here for the tests that hold it to dlad/protocol.py (tests/dlad/test_native_wire.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "scheduler.hpp"
+#include "wire.hpp"
 
 namespace py = pybind11;
 using dlad::Scheduler;
@@ -35,10 +37,49 @@ py::tuple placed(const dlad::Placed& p) {
     return py::make_tuple(p.device, p.admitted_ns, p.estimate_ns, p.seq);
 }
 
+// protocol.Limits' five bounds, in its field order
+dlad::wire::Limits limits_of(const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& t) {
+    const auto& [message, header, width, height, pixels] = t;
+    return {message, header, width, height, pixels};
+}
+
+py::object read_infer(const py::buffer& header, size_t frames, uint64_t payload_bytes,
+                      const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
+                      bool shm) {
+    const py::buffer_info info = header.request();
+    if (info.ndim != 1 || info.itemsize != 1 || (info.ndim == 1 && info.strides[0] != 1)) {
+        throw std::invalid_argument("the header must be a contiguous bytes-like buffer");
+    }
+    const auto r = dlad::wire::read_infer(static_cast<const uint8_t*>(info.ptr),
+                                          static_cast<size_t>(info.size), frames, payload_bytes,
+                                          limits_of(limits), shm);
+    if (!r) return py::none();
+    py::object ref = py::none();
+    if (r->shm) ref = py::make_tuple(r->shm->name, r->shm->offset, r->shm->size);
+    return py::make_tuple(r->id, r->model, r->stream, r->priority, r->deadline_ms, r->conf,
+                          r->iou, r->max_det, r->format, r->height, r->width, r->channels, ref);
+}
+
+py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view message,
+                            std::optional<std::string_view> device,
+                            const std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                                             std::optional<uint64_t>, std::optional<uint64_t>>& t,
+                            uint64_t count) {
+    const auto& [queue, pre, dev, post, total, start, end] = t;
+    return py::bytes(dlad::wire::write_infer_reply(id, status, message, device,
+                                                   {queue, pre, dev, post, total, start, end},
+                                                   count));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "dlad's scheduler core in C++ (dlad/native/); use dlad.native_scheduler.";
+    m.doc() = "dlad's scheduler core and INFER codec in C++ (dlad/native/); use "
+              "dlad.native_scheduler for the core.";
+    m.def("read_infer", &read_infer, py::arg("header"), py::arg("frames"),
+          py::arg("payload_bytes"), py::arg("limits"), py::arg("shm"));
+    m.def("write_infer_reply", &write_infer_reply, py::arg("id"), py::arg("status"),
+          py::arg("message"), py::arg("device"), py::arg("timing"), py::arg("count"));
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
