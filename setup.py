@@ -18,7 +18,9 @@ setup(
             depends=sorted(glob("dlad/native/*.hpp")),
             cxx_std=17,
             # the Python scheduler's rounding on every host: no fused multiply-adds (aarch64)
-            extra_compile_args=["-O2", "-ffp-contract=off"],
+            extra_compile_args=["-O2", "-ffp-contract=off", "-pthread"],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],  # dlopen: the plane calls the libzmq pyzmq loaded (glibc < 2.34)
             optional=True,
         )
     ],

@@ -1,5 +1,6 @@
 # Types of the C++ scheduler core (dlad/native/module.cpp); used through dlad/native_scheduler.py.
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 class Scheduler:
     policy: str
@@ -89,3 +90,27 @@ def write_infer_reply(
     timing: tuple[int, int, int, int, int, int | None, int | None],
     count: int,
 ) -> bytes: ...
+
+# The native data plane (dlad/native/plane.hpp); used through dlad/native_plane.py.
+class Plane:
+    def __init__(
+        self,
+        libzmq: str,
+        router: int,
+        forward: int,
+        limits: tuple[int, int, int, int, int],
+        devices: Sequence[tuple[str, float, int, int]],
+        models: Mapping[str, Sequence[str]],
+        default_deadline_ms: float,
+        max_deadline_ms: float,
+        max_in_flight_per_client: int,
+        max_buffered_bytes: int,
+        policy: str,
+        alpha: float,
+    ) -> None: ...
+    def start(self) -> None: ...
+    def drain(self, timeout_ms: float) -> None: ...
+    def send(self, client: bytes, frames: Sequence[bytes]) -> None: ...
+    @property
+    def pending(self) -> int: ...
+    def counters(self) -> dict[str, Any]: ...

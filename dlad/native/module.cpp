@@ -1,9 +1,11 @@
-// dlad._native: the C++ scheduler core (scheduler.hpp) and the hot messages' codec (wire.hpp)
-// for Python. dlad/native_scheduler.py wraps the core in dlad.scheduler.Scheduler's interface;
+// dlad._native: the C++ scheduler core (scheduler.hpp), the hot messages' codec (wire.hpp) and
+// the native data plane (plane.hpp) for Python. dlad/native_scheduler.py wraps the core in
+// dlad.scheduler.Scheduler's interface; dlad/native_plane.py starts the plane on a pyzmq socket;
 // the codec is here for the tests that hold it to dlad/protocol.py (tests/dlad/test_native_wire.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "plane.hpp"
 #include "scheduler.hpp"
 #include "wire.hpp"
 
@@ -71,6 +73,32 @@ py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view messag
                                                    count));
 }
 
+using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t>;
+
+std::unique_ptr<dlad::plane::Plane> make_plane(
+    const std::string& libzmq, uintptr_t router, uintptr_t forward,
+    const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
+    const std::vector<PlaneDevice>& devices,
+    std::map<std::string, std::vector<std::string>> models, double default_deadline_ms,
+    double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
+    const std::string& policy, double alpha) {
+    dlad::plane::Config c;
+    c.limits = limits_of(limits);
+    for (const auto& [name, latency_us, slots, capacity] : devices) {
+        c.devices.push_back({name, latency_us, slots, capacity});
+    }
+    c.models = std::move(models);
+    c.default_deadline_ms = default_deadline_ms;
+    c.max_deadline_ms = max_deadline_ms;
+    c.max_in_flight_per_client = max_in_flight_per_client;
+    c.max_buffered_bytes = max_buffered_bytes;
+    c.policy = policy_of(policy);
+    c.alpha = alpha;
+    return std::make_unique<dlad::plane::Plane>(
+        dlad::plane::ZmqApi::load(libzmq), reinterpret_cast<void*>(router),
+        reinterpret_cast<void*>(forward), std::move(c));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -87,6 +115,30 @@ PYBIND11_MODULE(_native, m) {
             PyErr_SetString(PyExc_KeyError, e.what());
         }
     });
+    py::class_<dlad::plane::Plane>(m, "Plane")
+        .def(py::init(&make_plane), py::arg("libzmq"), py::arg("router"), py::arg("forward"),
+             py::arg("limits"), py::arg("devices"), py::arg("models"),
+             py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
+             py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
+             py::arg("policy"), py::arg("alpha"))
+        .def("start", &dlad::plane::Plane::start)
+        .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("send",
+             [](dlad::plane::Plane& p, std::string client, std::vector<std::string> frames) {
+                 p.send(std::move(client), std::move(frames));
+             })
+        .def_property_readonly("pending", &dlad::plane::Plane::pending)
+        .def("counters", [](const dlad::plane::Plane& p) {
+            const auto c = p.counters();
+            py::dict out;
+            out["received"] = c.received;
+            out["forwarded"] = c.forwarded;
+            out["replied"] = c.replied;
+            out["dropped"] = c.dropped;
+            out["by_status"] = c.by_status;
+            return out;
+        });
     py::class_<Scheduler>(m, "Scheduler")
         .def(py::init([](double alpha, const std::string& policy,
                          std::vector<std::tuple<std::string, std::string, double>> interference,

@@ -1,0 +1,542 @@
+// See plane.hpp.
+#include "plane.hpp"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <stdexcept>
+
+namespace dlad::plane {
+namespace {
+
+constexpr int kDontWait = 1;  // ZMQ_DONTWAIT
+constexpr int kSndMore = 2;   // ZMQ_SNDMORE
+constexpr short kPollIn = 1;  // ZMQ_POLLIN
+constexpr int kBurst = 64;    // messages read in a row before engines and replies get a turn
+
+// protocol.Status
+enum Status : int64_t {
+    OK = 0, BAD_REQUEST = 1, NOT_FOUND = 2, OVERLOADED = 3, DEADLINE_EXCEEDED = 4, CANCELLED = 5,
+    SHUTTING_DOWN = 6, DEVICE_FAILED = 7, INTERNAL = 8,
+};
+const char* status_name(int64_t s) {
+    static const char* names[] = {"OK",        "BAD_REQUEST",   "NOT_FOUND",
+                                  "OVERLOADED", "DEADLINE_EXCEEDED", "CANCELLED",
+                                  "SHUTTING_DOWN", "DEVICE_FAILED", "INTERNAL"};
+    return s >= 0 && s <= INTERNAL ? names[s] : "INTERNAL";
+}
+
+int64_t now_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+// Python's repr() of a printable-ASCII str (the reader takes no other name), for the messages
+// the plane shares with dlad/scheduler.py.
+std::string py_repr(const std::string& s) {
+    const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
+    const char quote = dq ? '"' : '\'';
+    std::string out(1, quote);
+    for (const char c : s) {
+        if (c == '\\' || c == quote) out.push_back('\\');
+        out.push_back(c);
+    }
+    out.push_back(quote);
+    return out;
+}
+
+std::string hex(const std::string& bytes) {
+    static const char digits[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(2 * bytes.size());
+    for (const unsigned char c : bytes) {
+        out.push_back(digits[c >> 4]);
+        out.push_back(digits[c & 15]);
+    }
+    return out;
+}
+
+template <typename F>
+F symbol(void* lib, const char* name) {
+    void* p = dlsym(lib, name);
+    if (p == nullptr) throw std::runtime_error(std::string("libzmq has no ") + name);
+    return reinterpret_cast<F>(p);
+}
+
+}  // namespace
+
+ZmqApi ZmqApi::load(const std::string& path) {
+    // RTLD_NOLOAD: the library pyzmq loaded, never a second copy (two copies of libzmq in one
+    // process would not share their sockets).
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) throw std::runtime_error("libzmq is not loaded from " + path);
+    ZmqApi api{};
+    api.msg_init = symbol<decltype(api.msg_init)>(lib, "zmq_msg_init");
+    api.msg_init_size = symbol<decltype(api.msg_init_size)>(lib, "zmq_msg_init_size");
+    api.msg_recv = symbol<decltype(api.msg_recv)>(lib, "zmq_msg_recv");
+    api.msg_send = symbol<decltype(api.msg_send)>(lib, "zmq_msg_send");
+    api.msg_close = symbol<decltype(api.msg_close)>(lib, "zmq_msg_close");
+    api.msg_move = symbol<decltype(api.msg_move)>(lib, "zmq_msg_move");
+    api.msg_data = symbol<decltype(api.msg_data)>(lib, "zmq_msg_data");
+    api.msg_size = symbol<decltype(api.msg_size)>(lib, "zmq_msg_size");
+    api.msg_more = symbol<decltype(api.msg_more)>(lib, "zmq_msg_more");
+    api.send = symbol<decltype(api.send)>(lib, "zmq_send");
+    api.poll = symbol<decltype(api.poll)>(lib, "zmq_poll");
+    api.errno_ = symbol<decltype(api.errno_)>(lib, "zmq_errno");
+    dlclose(lib);  // the reference NOLOAD took: pyzmq's own keeps the library loaded
+    return api;
+}
+
+Part::Part(Part&& o) noexcept : api_(o.api_) {
+    api_->msg_init(&msg_);
+    api_->msg_move(&msg_, &o.msg_);  // o is left an empty message
+}
+
+// ------------------------------------------------------------------------------ engines
+
+TimingEngine::TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done)
+    : name_(std::move(name)),
+      service_ns_(static_cast<int64_t>(std::llround(latency_us * 1e3))),
+      on_done_(std::move(on_done)),
+      thread_([this] { run(); }) {}
+
+TimingEngine::~TimingEngine() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+}
+
+void TimingEngine::submit(int64_t job) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        tasks_.push_back(job);
+    }
+    cv_.notify_one();
+}
+
+void TimingEngine::run() {
+    const std::string thread_name = (name_ + "-emulated").substr(0, 15);  // Linux's limit
+    pthread_setname_np(pthread_self(), thread_name.c_str());
+    int64_t free_at = 0;  // when the core finishes its current task
+    while (true) {
+        int64_t job = 0;
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+            if (stop_) return;
+            job = tasks_.front();
+            tasks_.pop_front();
+        }
+        const int64_t start = std::max(now_ns(), free_at);  // back to back, as a DLA runs
+        const int64_t end = start + service_ns_;
+        const timespec until{static_cast<time_t>(end / 1'000'000'000),
+                             static_cast<long>(end % 1'000'000'000)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
+        }
+        free_at = end;
+        on_done_({job, start, now_ns()});
+    }
+}
+
+// ------------------------------------------------------------------------------ the plane
+
+Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
+    : api_(api),
+      router_(router),
+      forward_(forward),
+      config_(std::move(config)),
+      scheduler_(config_.alpha, config_.policy, {}, {}) {
+    std::map<std::string, std::vector<std::string>> served;  // device -> its models
+    for (const auto& [model, devices] : config_.models) {
+        for (const auto& d : devices) served[d].push_back(model);
+    }
+    for (const auto& d : config_.devices) {
+        if (!(d.latency_us > 0) || d.slots < 1 || d.capacity < 1) {
+            throw std::invalid_argument("device " + d.name +
+                                        ": latency_us, slots and capacity must be positive");
+        }
+        if (engines_.count(d.name) != 0) throw std::invalid_argument("device " + d.name + " twice");
+        auto& models = served[d.name];
+        std::sort(models.begin(), models.end());
+        scheduler_.add_device(d.name, models, d.capacity, 1, {{1, d.latency_us * 1e3}}, 0, "dla");
+        engines_[d.name] = std::make_unique<TimingEngine>(d.name, d.latency_us, [this](Done done) {
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                done_.push_back(done);
+            }
+            wake();
+        });
+        running_[d.name] = 0;
+        slots_[d.name] = d.slots;
+    }
+    for (const auto& [device, models] : served) {
+        if (engines_.count(device) == 0) {
+            throw std::invalid_argument("model " + models.front() + ": no device " + device);
+        }
+    }
+    event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (event_fd_ < 0) throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));
+}
+
+Plane::~Plane() {
+    drain(0);
+    engines_.clear();  // joins their threads: no completion arrives after this
+    if (event_fd_ >= 0) close(event_fd_);
+}
+
+void Plane::start() {
+    if (thread_.joinable()) return;
+    thread_ = std::thread([this] {
+        pthread_setname_np(pthread_self(), "dlad-plane");
+        run();
+    });
+}
+
+void Plane::drain(double timeout_ms) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!draining_) {
+            draining_ = true;
+            drain_until_ns_ = now_ns() + static_cast<int64_t>(std::max(timeout_ms, 0.0) * 1e6);
+        }
+    }
+    wake();
+    if (thread_.joinable()) thread_.join();
+}
+
+void Plane::send(std::string client, std::vector<std::string> frames) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        outbox_.emplace_back(std::move(client), std::move(frames));
+    }
+    wake();
+}
+
+Counters Plane::counters() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return counters_;
+}
+
+void Plane::wake() {
+    const uint64_t one = 1;
+    // A full counter (2^64 - 2 wake-ups unread) still wakes the poll: nothing is lost.
+    [[maybe_unused]] const ssize_t n = write(event_fd_, &one, sizeof one);
+}
+
+void Plane::run() {
+    ZmqPollItem items[2] = {{router_, 0, kPollIn, 0}, {nullptr, event_fd_, kPollIn, 0}};
+    while (true) {
+        int64_t now = now_ns();
+        bool draining = false;
+        int64_t until = 0;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            draining = draining_;
+            until = drain_until_ns_;
+        }
+        if (draining && (jobs_.empty() || now >= until)) break;
+        if (api_.poll(items, 2, poll_timeout(now)) < 0 && api_.errno_() != EINTR) break;
+        if (items[1].revents & kPollIn) {
+            uint64_t n = 0;
+            [[maybe_unused]] const ssize_t r = read(event_fd_, &n, sizeof n);
+        }
+        now = now_ns();
+        take_completions();
+        send_outbox();
+        read_messages();
+        for (int64_t id : scheduler_.expire(now_ns())) {
+            answer(id, DEADLINE_EXCEEDED, "deadline passed while queued", std::nullopt);
+        }
+        dispatch(now_ns());
+    }
+    // Draining's end: what is left is answered SHUTTING_DOWN (queued, then running).
+    for (int64_t id : scheduler_.drain()) {
+        answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+    }
+    std::vector<int64_t> left;
+    for (const auto& [id, job] : jobs_) left.push_back(id);
+    for (int64_t id : left) answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+    send_outbox();
+}
+
+long Plane::poll_timeout(int64_t now) const {
+    std::optional<int64_t> at = scheduler_.earliest_deadline();
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (draining_ && (!at || drain_until_ns_ < *at)) at = drain_until_ns_;
+    }
+    if (!at) return -1;
+    const int64_t wait = *at - now;
+    return wait <= 0 ? 0 : static_cast<long>((wait + 999'999) / 1'000'000);  // ceil, in ms
+}
+
+void Plane::read_messages() {
+    for (int n = 0; n < kBurst; ++n) {
+        std::vector<Part> parts;
+        parts.reserve(4);
+        parts.emplace_back(&api_);
+        if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) return;  // none waits
+        while (api_.msg_more(parts.back().get())) {
+            parts.emplace_back(&api_);
+            if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) {
+                parts.pop_back();  // cannot happen: a message's parts arrive together
+                break;
+            }
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            ++counters_.received;
+        }
+        handle(parts);
+    }
+}
+
+void Plane::handle(std::vector<Part>& parts) {
+    // [routing id, header, payload?]: anything else is the control plane's
+    if (parts.size() == 2 || parts.size() == 3) {
+        const size_t frames = parts.size() - 1;
+        const auto req = wire::read_infer(parts[1].data(), parts[1].size(), frames,
+                                          frames == 2 ? parts[2].size() : 0, config_.limits,
+                                          /*shm=*/false);
+        if (req) {
+            infer(parts, *req);
+            return;
+        }
+    }
+    forward(parts);
+}
+
+void Plane::forward(std::vector<Part>& parts) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.forwarded;
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const int flags = kDontWait | (i + 1 < parts.size() ? kSndMore : 0);
+        if (api_.msg_send(parts[i].get(), forward_, flags) < 0) break;  // the pair is full
+    }
+}
+
+void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
+    const int64_t now = now_ns();
+    std::string client(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
+    bool draining = false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        draining = draining_;
+    }
+    // The frontend's room check (Frontend._room), in its order
+    if (draining) {
+        refuse(client, req.id, SHUTTING_DOWN, "the daemon is shutting down", now);
+        return;
+    }
+    std::string key = client;
+    key.append(reinterpret_cast<const char*>(&req.id), sizeof req.id);
+    if (in_use_.count(key) != 0) {
+        refuse(client, req.id, BAD_REQUEST,
+               "request id " + std::to_string(req.id) + " is already in flight on this connection",
+               now);
+        return;
+    }
+    std::string owner = hex(client);
+    const int64_t cap = config_.max_in_flight_per_client;
+    const int64_t held = in_flight_[owner];
+    if (held + 1 > cap) {
+        refuse(client, req.id, OVERLOADED,
+               held >= cap ? "this client has " + std::to_string(cap) +
+                                 " requests in flight, the most one may"
+                           : "a client may have " + std::to_string(cap) + " requests in flight",
+               now);
+        return;
+    }
+    const uint64_t size = req.image_bytes();
+    if (size && buffered_ + size > config_.max_buffered_bytes) {
+        refuse(client, req.id, OVERLOADED,
+               "the daemon holds " + std::to_string(buffered_) +
+                   " bytes of frames; this one would pass its budget of " +
+                   std::to_string(config_.max_buffered_bytes),
+               now);
+        return;
+    }
+    // Frontend._admit: the deadline, then the scheduler's verdict
+    const double budget_ms =
+        std::min(req.deadline_ms ? static_cast<double>(*req.deadline_ms)
+                                 : config_.default_deadline_ms,
+                 config_.max_deadline_ms);
+    JobSpec spec{next_job_++, req.model, now + static_cast<int64_t>(budget_ms * 1e6),
+                 req.priority, req.stream, owner};
+    AdmitResult r = scheduler_.admit(spec, {}, now);
+    std::optional<int64_t> victim;
+    if (r.refusal == Refusal::overloaded) {
+        // full queues are shared fairly: the client holding the most gives up its newest frame
+        victim = scheduler_.displace_for(spec);
+        if (victim) r = scheduler_.admit(spec, {}, now);
+    }
+    if (r.refusal != Refusal::none) {
+        std::string why;
+        int64_t status = INTERNAL;
+        if (r.refusal == Refusal::not_found) {
+            status = NOT_FOUND;
+            why = "no device serves model " + py_repr(req.model);
+        } else if (r.refusal == Refusal::overloaded) {
+            status = OVERLOADED;
+            why = "all queues for model " + py_repr(req.model) + " are full (";
+            for (size_t i = 0; i < r.full.size(); ++i) {
+                why += (i ? ", " : "") + r.full[i].name + " " + std::to_string(r.full[i].depth) +
+                       "/" + std::to_string(r.full[i].capacity);
+            }
+            why += ")";
+        } else if (r.refusal == Refusal::device_failed) {
+            status = DEVICE_FAILED;
+            why = "no healthy device serves model " + py_repr(req.model) + " now (";
+            for (size_t i = 0; i < r.unhealthy.size(); ++i) {
+                why += (i ? ", " : "") + r.unhealthy[i].first +
+                       (r.unhealthy[i].second ? " failed it" : " quarantined");
+            }
+            why += ")";
+        } else {
+            why = "request id " + std::to_string(spec.id) + " is already queued";
+        }
+        refuse(client, req.id, status, why, now);
+        return;
+    }
+    Job job;
+    job.client = std::move(client);
+    job.request_id = req.id;
+    job.owner = owner;
+    job.model = req.model;
+    job.received_ns = now;
+    job.size = size;
+    if (parts.size() == 3) job.payload = std::make_unique<Part>(std::move(parts[2]));
+    job.device = r.placed.device;
+    jobs_.emplace(spec.id, std::move(job));
+    in_use_.insert(std::move(key));
+    ++in_flight_[owner];
+    buffered_ += size;
+    pending_.store(static_cast<int64_t>(jobs_.size()));
+    if (victim) {
+        answer(*victim, OVERLOADED,
+               "displaced by another client's frame: this client held the most of the full "
+               "queues",
+               std::nullopt);
+    }
+    for (int64_t old : r.superseded) {
+        answer(old, CANCELLED, "superseded by a newer frame of its stream", std::nullopt);
+    }
+    dispatch(now);  // an idle core takes it now, not after the rest of the burst
+}
+
+void Plane::refuse(const std::string& client, uint64_t request_id, int64_t status,
+                   const std::string& message, int64_t received_ns) {
+    wire::Timing timing;
+    timing.total_us = static_cast<uint64_t>(std::max<int64_t>(now_ns() - received_ns, 0) / 1000);
+    send_reply(client, wire::write_infer_reply(request_id, status, message, std::nullopt, timing, 0),
+               nullptr, 0, status);
+}
+
+void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
+                   const std::optional<Done>& done) {
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;  // answered already (a task that ran past the drain)
+    Job& job = it->second;
+    const int64_t now = now_ns();
+    wire::Timing timing;
+    timing.total_us = static_cast<uint64_t>(std::max<int64_t>(now - job.received_ns, 0) / 1000);
+    std::optional<std::string_view> device;
+    if (done) {
+        timing.queue_us =
+            static_cast<uint64_t>(std::max<int64_t>(job.dispatched_ns - job.received_ns, 0) / 1000);
+        timing.device_us = static_cast<uint64_t>(std::max<int64_t>(done->end_ns - done->start_ns, 0) / 1000);
+        timing.start_ns = static_cast<uint64_t>(done->start_ns);
+        timing.end_ns = static_cast<uint64_t>(done->end_ns);
+        device = job.device;
+    }
+    const std::string header =
+        wire::write_infer_reply(job.request_id, status, message, device, timing, 0);
+    send_reply(job.client, header, nullptr, 0, status);
+    std::string key = job.client;
+    key.append(reinterpret_cast<const char*>(&job.request_id), sizeof job.request_id);
+    in_use_.erase(key);
+    if (--in_flight_[job.owner] <= 0) in_flight_.erase(job.owner);
+    buffered_ -= job.size;
+    jobs_.erase(it);
+    pending_.store(static_cast<int64_t>(jobs_.size()));
+}
+
+void Plane::dispatch(int64_t now) {
+    for (auto& [device, engine] : engines_) {
+        while (running_[device] < slots_[device]) {
+            auto [head, expired] = scheduler_.next_job(device, now);
+            for (int64_t id : expired) {
+                answer(id, DEADLINE_EXCEEDED, "deadline passed while queued", std::nullopt);
+            }
+            if (!head) break;
+            jobs_.at(*head).dispatched_ns = now;
+            device_of_[*head] = device;
+            ++running_[device];
+            engine->submit(*head);
+        }
+    }
+}
+
+void Plane::take_completions() {
+    std::vector<Done> done;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        done.swap(done_);
+    }
+    for (const Done& d : done) {
+        --running_[device_of_.at(d.job)];  // the core's slot is free, answered or not
+        device_of_.erase(d.job);
+        auto it = jobs_.find(d.job);
+        if (it == jobs_.end()) continue;  // answered SHUTTING_DOWN while it ran
+        scheduler_.finished(it->second.device, d.job,
+                            static_cast<double>(d.end_ns - d.start_ns) / 1e3);
+        answer(d.job, OK, "", d);
+    }
+}
+
+void Plane::send_outbox() {
+    std::vector<std::pair<std::string, std::vector<std::string>>> out;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        out.swap(outbox_);
+    }
+    for (const auto& [client, frames] : out) {
+        bool ok = api_.send(router_, client.data(), client.size(), kDontWait | kSndMore) >= 0;
+        for (size_t i = 0; ok && i < frames.size(); ++i) {
+            const int flags = kDontWait | (i + 1 < frames.size() ? kSndMore : 0);
+            ok = api_.send(router_, frames[i].data(), frames[i].size(), flags) >= 0;
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.replied;
+        if (!ok) ++counters_.dropped;
+    }
+}
+
+void Plane::send_reply(const std::string& client, const std::string& header, const void* payload,
+                       size_t payload_bytes, int64_t status) {
+    // ROUTER_MANDATORY (set by the frontend): a reply that cannot be queued fails here instead
+    // of vanishing, and is counted
+    static const char none = 0;
+    const bool ok = api_.send(router_, client.data(), client.size(), kDontWait | kSndMore) >= 0 &&
+                    api_.send(router_, header.data(), header.size(), kDontWait | kSndMore) >= 0 &&
+                    api_.send(router_, payload ? payload : &none, payload_bytes, kDontWait) >= 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counters_.replied;
+    ++counters_.by_status[status_name(status)];
+    if (!ok) ++counters_.dropped;
+}
+
+}  // namespace dlad::plane

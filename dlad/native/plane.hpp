@@ -1,0 +1,225 @@
+// The native data plane: an INFER from the ROUTER to an engine and its reply back, on one thread
+// and without the interpreter (docs/daemon.md, "The native data plane").
+//
+// One thread ("dlad-plane") owns the daemon's ROUTER socket once it is handed over: pyzmq creates
+// and configures it (CURVE, ZAP, heartbeats, high-water marks), and the plane calls the libzmq
+// that pyzmq loaded, through the functions ZmqApi resolves. Per message:
+//   - an INFER the native reader takes (wire.hpp) is checked against the frontend's bounds (the
+//     client's in-flight cap, the daemon's byte budget, a request id in use), admitted into the
+//     scheduler's C++ core (scheduler.hpp) with the frontend's deadline rule, run on an engine
+//     when one of its slots is free, and answered from here: OK with its timing, or the typed
+//     error with the Python frontend's words (not found, overloaded, displaced, superseded,
+//     deadline passed, shutting down);
+//   - every other message (STATUS, CANCEL, INFER_BATCH, a malformed one, a shared-memory notice)
+//     goes whole, its routing id first, to the ``forward`` socket, where the control plane in
+//     Python answers it through send().
+// Engines are the plane's own: an emulated DLA core in timing mode (TimingEngine: tasks back to
+// back at the core's service time, each a thread's sleep), the first kind. The plane's engines
+// complete through an eventfd the thread polls beside the socket, as the Python daemon's do
+// through the event loop. Counters are read from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "scheduler.hpp"
+#include "wire.hpp"
+
+namespace dlad::plane {
+
+// libzmq 4's C API, the part the plane calls (zmq.h). pyzmq's wheels carry the library but not
+// its header; the functions are looked up in the library the process has loaded.
+struct alignas(8) ZmqMsg {
+    unsigned char bytes[64];
+};
+struct ZmqPollItem {
+    void* socket;
+    int fd;
+    short events;
+    short revents;
+};
+struct ZmqApi {
+    int (*msg_init)(ZmqMsg*);
+    int (*msg_init_size)(ZmqMsg*, size_t);
+    int (*msg_recv)(ZmqMsg*, void*, int);
+    int (*msg_send)(ZmqMsg*, void*, int);
+    int (*msg_close)(ZmqMsg*);
+    int (*msg_move)(ZmqMsg*, ZmqMsg*);
+    void* (*msg_data)(ZmqMsg*);
+    size_t (*msg_size)(const ZmqMsg*);
+    int (*msg_more)(const ZmqMsg*);
+    int (*send)(void*, const void*, size_t, int);
+    int (*poll)(ZmqPollItem*, int, long);
+    int (*errno_)();
+
+    // The API of the libzmq at ``path`` (already loaded: it is not loaded again). Throws
+    // std::runtime_error naming what is missing.
+    static ZmqApi load(const std::string& path);
+};
+
+// One message part, closed when dropped.
+class Part {
+  public:
+    explicit Part(const ZmqApi* api) : api_(api) { api_->msg_init(&msg_); }
+    Part(Part&& o) noexcept;
+    Part& operator=(Part&&) = delete;
+    Part(const Part&) = delete;
+    ~Part() { api_->msg_close(&msg_); }
+    ZmqMsg* get() { return &msg_; }
+    const uint8_t* data() { return static_cast<const uint8_t*>(api_->msg_data(&msg_)); }
+    size_t size() const { return api_->msg_size(&msg_); }
+
+  private:
+    const ZmqApi* api_;
+    ZmqMsg msg_{};
+};
+
+struct DeviceSpec {
+    std::string name;
+    double latency_us = 0;  // the core's service time for one task (timing mode)
+    int64_t slots = 2;      // tasks in flight on it at once (the DLA executor's slots)
+    int64_t capacity = 4;   // its queue in the scheduler
+};
+
+struct Config {
+    wire::Limits limits;
+    double default_deadline_ms = 1000;  // [daemon]
+    double max_deadline_ms = 60000;
+    int64_t max_in_flight_per_client = 64;  // [frontend]
+    uint64_t max_buffered_bytes = 256ull << 20;
+    std::vector<DeviceSpec> devices;
+    std::map<std::string, std::vector<std::string>> models;  // model -> the devices serving it
+    Policy policy = Policy::latency;                         // [scheduler]
+    double alpha = 0.2;
+};
+
+struct Counters {
+    int64_t received = 0;   // messages read from the ROUTER
+    int64_t forwarded = 0;  // of them, handed to the control plane
+    int64_t replied = 0;    // replies sent or dropped (the plane's and the control plane's)
+    int64_t dropped = 0;    // replies ZeroMQ could not queue
+    std::map<std::string, int64_t> by_status;  // the plane's INFER replies, by status name
+};
+
+// A finished task, as an engine reports it.
+struct Done {
+    int64_t job = 0;
+    int64_t start_ns = 0;
+    int64_t end_ns = 0;
+};
+
+// An emulated DLA core in timing mode: tasks run back to back, each ``latency_us`` long, on a
+// thread of its own named "<device>-emulated" (work a DLA does in silicon, which benchmarks leave
+// out of the daemon's own CPU).
+class TimingEngine {
+  public:
+    TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done);
+    ~TimingEngine();
+    TimingEngine(const TimingEngine&) = delete;
+    TimingEngine& operator=(const TimingEngine&) = delete;
+    void submit(int64_t job);
+
+  private:
+    void run();
+
+    std::string name_;
+    int64_t service_ns_;
+    std::function<void(Done)> on_done_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<int64_t> tasks_;
+    bool stop_ = false;
+    std::thread thread_;
+};
+
+class Plane {
+  public:
+    // ``router``: the daemon's ROUTER (the plane's alone from start() to the thread's end);
+    // ``forward``: a socket the plane sends the messages it leaves on (a PAIR the control plane
+    // reads), each as [routing id, its parts...]. Throws std::invalid_argument for a device or
+    // model the config names wrongly.
+    Plane(ZmqApi api, void* router, void* forward, Config config);
+    ~Plane();
+    Plane(const Plane&) = delete;
+    Plane& operator=(const Plane&) = delete;
+
+    void start();
+    // Stop taking INFERs (SHUTTING_DOWN), answer what is queued and running as it finishes, and
+    // after ``timeout_ms`` answer the rest SHUTTING_DOWN; then the thread ends. Blocks until it
+    // has; idempotent.
+    void drain(double timeout_ms);
+    // A reply of the control plane's (to a forwarded message): sent from the plane's thread.
+    void send(std::string client, std::vector<std::string> frames);
+    Counters counters() const;
+    int64_t pending() const { return pending_.load(); }
+
+  private:
+    struct Job {
+        std::string client;
+        uint64_t request_id = 0;
+        std::string owner;
+        std::string model;
+        int64_t received_ns = 0;
+        int64_t dispatched_ns = 0;
+        uint64_t size = 0;
+        std::unique_ptr<Part> payload;  // the frame, alive until the reply
+        std::string device;
+    };
+
+    void run();
+    void wake();
+    void read_messages();
+    void handle(std::vector<Part>& parts);
+    void forward(std::vector<Part>& parts);
+    void infer(std::vector<Part>& parts, const wire::Infer& req);
+    void refuse(const std::string& client, uint64_t request_id, int64_t status,
+                const std::string& message, int64_t received_ns);
+    void answer(int64_t job_id, int64_t status, const std::string& message,
+                const std::optional<Done>& done);
+    void dispatch(int64_t now);
+    void take_completions();
+    void send_outbox();
+    void send_reply(const std::string& client, const std::string& header, const void* payload,
+                    size_t payload_bytes, int64_t status);
+    long poll_timeout(int64_t now) const;
+
+    ZmqApi api_;
+    void* router_;
+    void* forward_;
+    Config config_;
+    Scheduler scheduler_;
+    std::map<std::string, std::unique_ptr<TimingEngine>> engines_;
+    std::map<std::string, int64_t> running_;  // device -> tasks on it
+    std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
+    std::map<std::string, int64_t> slots_;
+    std::unordered_map<int64_t, Job> jobs_;
+    std::unordered_set<std::string> in_use_;  // client + request id
+    std::unordered_map<std::string, int64_t> in_flight_;  // owner -> jobs
+    uint64_t buffered_ = 0;
+    int64_t next_job_ = 0;
+    int event_fd_ = -1;
+
+    mutable std::mutex mu_;  // guards the fields below, shared with engines and callers
+    std::vector<Done> done_;
+    std::vector<std::pair<std::string, std::vector<std::string>>> outbox_;
+    Counters counters_;
+    bool draining_ = false;
+    int64_t drain_until_ns_ = 0;
+
+    std::atomic<int64_t> pending_{0};
+    std::thread thread_;
+};
+
+}  // namespace dlad::plane

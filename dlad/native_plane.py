@@ -1,0 +1,167 @@
+"""The native data plane (``dlad/native/plane.hpp``) on a pyzmq ROUTER socket.
+
+The plane is the hot path of an INFER without the interpreter: a C++ thread that owns the
+ROUTER once :meth:`NativePlane.start` hands it over, reads each INFER with the C++ reader of
+``dlad/protocol.py``'s fast path, checks it against the frontend's bounds, admits it into the
+scheduler's C++ core, runs it on an engine of its own and sends the reply. Every other message
+(STATUS, CANCEL, INFER_BATCH, an INFER the fast path leaves, a malformed message) reaches
+:attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, *parts]``; whoever reads it
+answers through :meth:`NativePlane.send`, which the plane's thread sends (the ROUTER is never
+touched from two threads).
+
+Engines: the emulated DLA core in timing mode (tasks back to back at the core's service time),
+with pre/post-processing off; that is what the plane runs today (BENCHMARKS §9.18). The cuDLA
+engine and the GPU chain are the next steps (docs/daemon.md, "The native data plane").
+
+Linux only (eventfd), and only where ``pip install`` built ``dlad._native``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import zmq
+
+from dlad import protocol
+from dlad.native_scheduler import available
+
+__all__ = ["NativePlane", "PlaneDevice", "PlaneUnavailable", "loaded_libzmq"]
+
+_FORWARD_HWM: Final = 100_000  # messages the control plane may fall behind by
+_ids = itertools.count()
+
+
+class PlaneUnavailable(RuntimeError):
+    """The native data plane cannot run here: dlad was built without its C++ core, or this
+    process has no libzmq loaded that the plane can call."""
+
+
+def loaded_libzmq() -> str:
+    """The path of the libzmq this process has loaded (pyzmq's: its wheel's own copy, or the
+    system's). Raises PlaneUnavailable where none is mapped (a pyzmq without libzmq, not Linux)."""
+    maps = Path("/proc/self/maps")
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError as exc:
+        raise PlaneUnavailable(f"cannot read {maps}: {exc.strerror}") from None
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address perms offset dev inode path
+        path = fields[5] if len(fields) == 6 else ""
+        if os.path.basename(path).startswith("libzmq") and ".so" in path:
+            return path
+    raise PlaneUnavailable("no libzmq is loaded in this process (is pyzmq's backend libzmq?)")
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneDevice:
+    """One emulated DLA core of the plane, in timing mode: ``latency_us`` a task, ``slots``
+    tasks on it at once (the DLA executor's slots), ``capacity`` jobs queued for it."""
+
+    name: str
+    latency_us: float
+    slots: int = 2
+    capacity: int = 4
+
+
+class NativePlane:
+    """The plane on ``router`` (created and configured by the caller, which keeps it open, and
+    never uses it between :meth:`start` and :meth:`drain`'s return).
+
+    Args:
+        router: the daemon's ROUTER (set ROUTER_MANDATORY on it: a reply that cannot be queued
+            is then counted as dropped instead of vanishing).
+        devices: the plane's engines.
+        models: each model's devices.
+        limits: the decoder's bounds (``[frontend]``).
+        default_deadline_ms, max_deadline_ms: ``[daemon]``'s deadline rule.
+        max_in_flight_per_client, max_buffered_bytes: ``[frontend]``'s bounds.
+        policy, alpha: ``[scheduler]``.
+
+    Raises:
+        PlaneUnavailable: see the class.
+        ValueError: a device's settings out of range, a model naming a device that is not one.
+    """
+
+    def __init__(
+        self,
+        router: zmq.Socket[Any],
+        *,
+        devices: Sequence[PlaneDevice],
+        models: Mapping[str, Sequence[str]],
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        default_deadline_ms: float = 1000.0,
+        max_deadline_ms: float = 60_000.0,
+        max_in_flight_per_client: int = 256,
+        max_buffered_bytes: int = 512 * 2**20,
+        policy: str = "latency",
+        alpha: float = 0.2,
+    ) -> None:
+        if not available():
+            raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
+        from dlad import _native  # noqa: PLC0415  # present: available() said so
+
+        libzmq = loaded_libzmq()
+        ctx = router.context
+        address = f"inproc://dlad-plane-{os.getpid()}-{next(_ids)}"
+        self.forwarded: zmq.Socket[Any] = ctx.socket(zmq.PAIR)
+        self._plane_end: zmq.Socket[Any] = ctx.socket(zmq.PAIR)
+        for sock in (self.forwarded, self._plane_end):
+            sock.setsockopt(zmq.SNDHWM, _FORWARD_HWM)
+            sock.setsockopt(zmq.RCVHWM, _FORWARD_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+        self.forwarded.bind(address)
+        self._plane_end.connect(address)
+        bounds = (limits.max_message_bytes, limits.max_header_bytes, limits.max_width,
+                  limits.max_height, limits.max_image_pixels)  # fmt: skip
+        try:
+            self._plane = _native.Plane(
+                libzmq, router.underlying, self._plane_end.underlying, bounds,
+                [(d.name, float(d.latency_us), d.slots, d.capacity) for d in devices],
+                {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
+                float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
+                float(alpha),
+            )  # fmt: skip
+        except (RuntimeError, ValueError):
+            self._close_pair()
+            raise
+        self._started = False
+
+    def start(self) -> None:
+        """Hand the ROUTER to the plane's thread (idempotent)."""
+        self._plane.start()
+        self._started = True
+
+    def send(self, client: bytes, frames: Sequence[bytes]) -> None:
+        """Send a reply (its frames, without the routing id) to ``client`` from the plane's
+        thread: the answer to a message of :attr:`forwarded`."""
+        self._plane.send(client, [bytes(f) for f in frames])
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking INFERs (they are answered SHUTTING_DOWN), answer what is queued and
+        running as it finishes, and after ``timeout_s`` answer the rest SHUTTING_DOWN; returns
+        once the plane's thread has ended and the ROUTER is the caller's again."""
+        self._plane.drain(timeout_s * 1e3)
+
+    @property
+    def pending(self) -> int:
+        """The plane's jobs admitted and not yet answered."""
+        return self._plane.pending
+
+    def counters(self) -> dict[str, Any]:
+        """``received``, ``forwarded``, ``replied``, ``dropped`` and ``by_status`` (the plane's
+        INFER replies by status name)."""
+        return self._plane.counters()
+
+    def close(self) -> None:
+        """Drain at once (:meth:`drain` with no time) and close the forwarding pair."""
+        self._plane.drain(0.0)
+        self._close_pair()
+
+    def _close_pair(self) -> None:
+        self.forwarded.close(0)
+        self._plane_end.close(0)

@@ -1,0 +1,281 @@
+"""The native data plane (dlad/native/plane.cpp) serves INFERs as the Python frontend does.
+
+A DEALER talks to a ROUTER the plane owns: INFERs are answered OK from its emulated cores with
+their timing, refusals carry the Python frontend's statuses and words, every other message
+reaches the control plane's PAIR whole and its answer reaches the client, deadlines and
+draining answer every accepted request exactly once. Replies are awaited with a poll bound
+(a hang guard, not a timing assertion).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlad import native_scheduler, protocol
+from dlad.errors import Status
+from dlad.native_plane import NativePlane, PlaneDevice, loaded_libzmq
+from dlad.protocol import InferReply, InferRequest
+from dlad.scheduler import no_device_serves, queues_full
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
+    ),
+]
+
+WAIT_MS = 20_000  # a hang guard: the replies come in milliseconds
+IMAGE = np.zeros((4, 4, 3), np.uint8)
+
+
+class Rig:
+    """A plane on a fresh ROUTER, and a DEALER connected to it."""
+
+    def __init__(self, devices: list[PlaneDevice], **settings: Any) -> None:
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        models = settings.pop("models", {"demo": [d.name for d in devices]})
+        self.plane = NativePlane(self.router, devices=devices, models=models, **settings)
+        self.plane.start()
+        self.dealers: list[zmq.Socket[bytes]] = []
+        self.client = self.dealer(port)
+        self.port = port
+
+    def dealer(self, port: int | None = None) -> zmq.Socket[bytes]:
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{port or self.port}")
+        self.dealers.append(d)
+        return d
+
+    def infer(self, rid: int, sock: zmq.Socket[bytes] | None = None, **fields: Any) -> None:
+        fields.setdefault("model", "demo")
+        request = InferRequest(id=rid, image=IMAGE, **fields)
+        (sock or self.client).send_multipart(protocol.encode(request), copy=False)
+
+    def reply(self, sock: zmq.Socket[bytes] | None = None) -> InferReply:
+        sock = sock or self.client
+        assert sock.poll(WAIT_MS), "no reply"
+        reply = protocol.decode_reply(sock.recv_multipart())
+        assert isinstance(reply, InferReply)
+        return reply
+
+    def close(self) -> None:
+        self.plane.close()
+        for d in self.dealers:
+            d.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig([PlaneDevice("dla0", 500.0, capacity=16), PlaneDevice("dla1", 500.0, capacity=16)])
+    yield r
+    r.close()
+
+
+def test_the_libzmq_pyzmq_loaded_is_found() -> None:
+    assert "libzmq" in loaded_libzmq()
+
+
+def test_infers_are_answered_ok_with_their_timing(rig: Rig) -> None:
+    for rid in range(20):
+        rig.infer(rid, stream=None if rid % 2 else f"cam{rid}")
+    replies = [rig.reply() for _ in range(20)]
+    assert sorted(r.id for r in replies) == list(range(20))
+    for r in replies:
+        assert r.status is Status.OK
+        assert r.message == ""
+        assert r.device in ("dla0", "dla1")
+        assert r.count == 0  # pre/post-processing off: no detections
+        t = r.timing
+        assert t.start_ns is not None
+        assert t.end_ns is not None
+        assert t.device_us >= 500
+        assert t.total_us >= t.device_us
+    assert {r.device for r in replies} == {"dla0", "dla1"}  # both cores served
+    counters = rig.plane.counters()
+    assert counters["by_status"] == {"OK": 20}
+    assert counters["received"] == counters["replied"] == 20
+    assert rig.plane.pending == 0
+
+
+def test_refusals_carry_the_frontends_status_and_words(rig: Rig) -> None:
+    rig.infer(1, model="other")
+    r = rig.reply()
+    assert (r.id, r.status, r.message) == (1, Status.NOT_FOUND, no_device_serves("other"))
+    assert r.device is None
+    assert r.timing.start_ns is None
+
+
+def test_a_request_id_in_flight_is_refused_on_its_connection_only() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0)])  # long tasks: the first stays in flight
+    try:
+        r.infer(7)
+        r.infer(7)
+        refused = r.reply()
+        assert (refused.id, refused.status) == (7, Status.BAD_REQUEST)
+        assert refused.message == "request id 7 is already in flight on this connection"
+        other = r.dealer()
+        r.infer(7, sock=other)  # another connection may use the same id
+        assert r.plane.counters()["by_status"] == {"BAD_REQUEST": 1}
+    finally:
+        r.close()
+
+
+def test_the_in_flight_cap_and_the_byte_budget() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, capacity=16)], max_in_flight_per_client=2,
+            max_buffered_bytes=3 * IMAGE.nbytes)  # fmt: skip
+    try:
+        for rid in range(3):
+            r.infer(rid)
+        capped = r.reply()
+        assert (capped.id, capped.status) == (2, Status.OVERLOADED)
+        assert capped.message == "this client has 2 requests in flight, the most one may"
+        other = r.dealer()
+        r.infer(10, sock=other)  # the third frame of the budget
+        r.infer(11, sock=other)
+        over = r.reply(other)
+        assert (over.id, over.status) == (11, Status.OVERLOADED)
+        assert over.message == (f"the daemon holds {3 * IMAGE.nbytes} bytes of frames; this one "
+                                f"would pass its budget of {3 * IMAGE.nbytes}")  # fmt: skip
+    finally:
+        r.close()
+
+
+def test_full_queues_are_refused_with_the_schedulers_words() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=2)])
+    try:
+        for rid in range(4):  # one running, two queued, the fourth refused
+            r.infer(rid)
+        full = r.reply()
+        assert (full.id, full.status) == (3, Status.OVERLOADED)
+        assert full.message == queues_full("demo", [("dla0", 2, 2)])
+    finally:
+        r.close()
+
+
+def test_a_newer_frame_of_a_stream_supersedes_the_queued_one() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=4)])
+    try:
+        r.infer(1)  # runs
+        r.infer(2, stream="cam")  # queued
+        r.infer(3, stream="cam")  # replaces it
+        old = r.reply()
+        assert (old.id, old.status) == (2, Status.CANCELLED)
+        assert old.message == "superseded by a newer frame of its stream"
+    finally:
+        r.close()
+
+
+def test_other_messages_reach_the_control_plane_whole(rig: Rig) -> None:
+    status = protocol.encode(protocol.StatusRequest(5))
+    odd = InferRequest(id=6, model="modèle", image=IMAGE)  # a name the fast path leaves
+    batch = protocol.InferBatchRequest(8, "demo", (InferRequest(id=8, model="demo", image=IMAGE),))
+    garbage = [b"\xc1", b"x", b"y", b"z"]
+    sent: list[list[Any]] = [status, protocol.encode(odd), protocol.encode(batch), garbage]
+    for frames in sent:
+        rig.client.send_multipart([bytes(f) for f in frames])
+    for frames in sent:
+        assert rig.plane.forwarded.poll(WAIT_MS)
+        client, *parts = rig.plane.forwarded.recv_multipart()
+        assert parts == [bytes(f) for f in frames]
+        rig.plane.send(client, [msgpack.packb({"echo": len(parts)}), b"tail"])
+        assert rig.client.poll(WAIT_MS)
+        assert rig.client.recv_multipart() == [msgpack.packb({"echo": len(parts)}), b"tail"]
+    counters = rig.plane.counters()
+    assert (counters["forwarded"], counters["replied"]) == (4, 4)
+
+
+def test_a_queued_request_past_its_deadline_is_answered_so() -> None:
+    r = Rig([PlaneDevice("dla0", 200_000.0, slots=1, capacity=8)])
+    try:
+        r.infer(1)  # holds the core for 200 ms
+        r.infer(2, deadline_ms=1)
+        late = r.reply()
+        assert (late.id, late.status, late.message) == (
+            2, Status.DEADLINE_EXCEEDED, "deadline passed while queued")  # fmt: skip
+        assert r.reply().id == 1
+    finally:
+        r.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["demo", "demo", "none"]),
+                          st.none() | st.integers(1, 30),
+                          st.none() | st.sampled_from(["a", "b"])),
+                min_size=1, max_size=40))  # fmt: skip
+def test_every_request_gets_exactly_one_reply(
+    requests: list[tuple[str, int | None, str | None]],
+) -> None:
+    r = Rig([PlaneDevice("dla0", 2000.0, slots=1, capacity=3),
+             PlaneDevice("dla1", 3000.0, slots=2, capacity=3)])  # fmt: skip
+    try:
+        for rid, (model, deadline, stream) in enumerate(requests):
+            r.infer(rid, model=model, deadline_ms=deadline, stream=stream)
+        replies = Counter(r.reply().id for _ in requests)
+        assert replies == Counter(range(len(requests)))
+        assert not r.client.poll(50)  # and no second one
+        assert r.plane.pending == 0
+    finally:
+        r.close()
+
+
+def test_draining_finishes_what_it_holds_and_refuses_what_comes() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=4)])
+    try:
+        r.infer(1)
+        r.infer(2)
+        drained = threading.Thread(target=r.plane.drain, args=(60.0,))
+        drained.start()
+        r.infer(3)
+        late = r.reply()
+        assert (late.id, late.status) == (3, Status.SHUTTING_DOWN)
+        assert late.message == "the daemon is shutting down"
+        assert [r.reply().status for _ in range(2)] == [Status.OK, Status.OK]
+        drained.join()
+        assert r.plane.pending == 0
+    finally:
+        r.close()
+
+
+def test_a_drain_out_of_time_answers_the_rest_shutting_down() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=4)])
+    try:
+        for rid in range(3):
+            r.infer(rid)
+        while r.plane.pending < 3:  # all three admitted (state, not time)
+            threading.Event().wait(0.001)
+        r.plane.drain(0.0)
+        replies = [r.reply() for _ in range(3)]
+        assert {x.status for x in replies} == {Status.SHUTTING_DOWN}
+        assert sorted(x.id for x in replies) == [0, 1, 2]
+    finally:
+        r.close()
+
+
+def test_a_model_naming_no_device_is_refused_at_construction() -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(ValueError, match="no device dla9"):
+            NativePlane(router, devices=[PlaneDevice("dla0", 100.0)], models={"m": ["dla9"]})
+        with pytest.raises(ValueError, match="must be positive"):
+            NativePlane(router, devices=[PlaneDevice("dla0", 0.0)], models={"m": ["dla0"]})
+    finally:
+        router.close(0)
+        ctx.term()
