@@ -3,7 +3,7 @@
     python bench/daemon_throughput.py [--seconds 8] [--in-flight 16] [--latency-us 3820]
         [--pre-post-backends cpu[,cuda]|none] [--profile DIR] [--trials N] [--shm] [--before DIR]
         [--variant 'NAME:SECTION.KEY=VALUE' ...] [--batch N] [--held] [--perf DIR] [--floor]
-        [--floor-gpu] [--native-floor] [--native]
+        [--floor-gpu] [--native-floor] [--native] [--native-plane]
 
 Three measurements, one after another, each in its own server process, with 672x672x3 uint8
 frames (1,354,752 B, the published YOLOv5s input) sent zero-copy from one DEALER:
@@ -271,6 +271,42 @@ uvloop.run(main())
 INFER_REPLY (msgpack header, empty detections) sent from the loop. No checks, no scheduler,
 no metrics, no limits: what is left of dlad's cost once every feature is gone (``--floor``).
 A shared-memory frame's segment is mapped on its first frame and kept (with ``--shm``)."""
+
+
+PLANE_SERVER = """
+import sys, zmq
+from dlad import protocol
+from dlad.errors import BadRequest, InternalError
+from dlad.native_plane import NativePlane, PlaneDevice
+endpoint, latency_us = sys.argv[1], float(sys.argv[2])
+ctx = zmq.Context()
+s = ctx.socket(zmq.ROUTER)
+for option, value in ((zmq.SNDHWM, 1000), (zmq.RCVHWM, 1000), (zmq.ROUTER_MANDATORY, 1),
+                      (zmq.LINGER, 0)):
+    s.setsockopt(option, value)
+s.bind(endpoint)
+devices = [PlaneDevice(f"dla{i}", latency_us, slots=2, capacity=16) for i in range(2)]
+plane = NativePlane(s, devices=devices, models={"demo": ["dla0", "dla1"]},
+                    default_deadline_ms=60000.0)
+plane.start()
+print("ready", flush=True)
+while True:  # the control plane: the messages the plane leaves (the benchmark sends none)
+    client, *frames = plane.forwarded.recv_multipart()
+    if frames == [b"stop"]:
+        break
+    try:
+        protocol.decode_request(frames)
+        err = InternalError("this benchmark's server takes INFERs alone")
+    except BadRequest as exc:
+        err = exc
+    plane.send(client, protocol.encode(protocol.error_reply(err)))
+plane.drain(5.0)
+print(plane.counters(), flush=True)
+"""
+"""The native data plane (``dlad/native/plane.hpp``, ``--native-plane``): dlad's INFER path in C++
+(the reader of protocol.py's fast path, the frontend's bounds, the scheduler's C++ core, replies
+with its statuses and words) on two emulated cores in timing mode, as dlad with pre/post off has.
+Its Python thread only answers what the plane forwards (here, nothing but the stop message)."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -543,15 +579,21 @@ def stop_server(endpoint: str, proc: subprocess.Popen[str]) -> None:
 
 
 def run_floor(
-    args: argparse.Namespace, *, gpu: bool = False, shm: bool = False, native: bool = False
+    args: argparse.Namespace,
+    *,
+    gpu: bool = False,
+    shm: bool = False,
+    native: bool = False,
+    plane: bool = False,
 ) -> tuple[dict[str, float], float, str]:
     """:data:`FLOOR_SERVER` driven as dlad is (the SDK, frames in the message, or with ``shm``
     in shared-memory slots): (stats, its own CPU s per request without the engine threads, its
     :func:`thread_report`). ``gpu``: each frame is also copied to the GPU on receipt
     (``cuMemcpyHtoDAsync`` from the message's pageable memory, as dlad's upload is, or DMA from
     the registered segment), the least a GPU pre-processing path adds. ``native``: the same
-    server in C (:func:`native_floor`)."""
-    with floor_server(args.endpoint, args.latency_us, gpu=gpu, native=native) as proc:
+    server in C (:func:`native_floor`); ``plane``: :data:`PLANE_SERVER`."""
+    with floor_server(args.endpoint, args.latency_us, gpu=gpu, native=native,
+                      plane=plane) as proc:  # fmt: skip
         cpu0, threads0 = cpu_seconds(proc.pid), read_threads(proc.pid)
         stats = drive_sdk(args.endpoint, args.seconds, args.in_flight, shm)
         cpu1, threads1 = cpu_seconds(proc.pid), read_threads(proc.pid)
@@ -562,14 +604,21 @@ def run_floor(
 
 @contextlib.contextmanager
 def floor_server(
-    endpoint: str, latency_us: float, *, gpu: bool = False, native: bool = False
+    endpoint: str,
+    latency_us: float,
+    *,
+    gpu: bool = False,
+    native: bool = False,
+    plane: bool = False,
 ) -> Iterator[subprocess.Popen[str]]:
     """:data:`FLOOR_SERVER` on ``endpoint``, its engines at ``latency_us`` a task, ready to
     serve; stopped on leaving (killed if it will not stop). ``native``: the same server in C
-    (:func:`native_floor`)."""
+    (:func:`native_floor`); ``plane``: :data:`PLANE_SERVER` instead."""
     if native:
         wire = (PROTOCOL_VERSION, int(Kind.INFER_REPLY), int(Status.OK))
         command = [str(native_floor()), endpoint, str(latency_us), *map(str, wire)]
+    elif plane:
+        command = [sys.executable, "-c", PLANE_SERVER, endpoint, str(latency_us)]
     else:
         command = [sys.executable, "-c", FLOOR_SERVER, endpoint, str(latency_us)]
     proc = subprocess.Popen(command + (["gpu"] if gpu else []), stdout=subprocess.PIPE, text=True)
@@ -963,6 +1012,11 @@ def main() -> None:
              "use: the floor of a daemon of the same shape whose data plane has no Python",
     )  # fmt: skip
     ap.add_argument(
+        "--native-plane", action="store_true",
+        help="also the native data plane (dlad/native/plane.hpp: dlad's INFER path in C++) on "
+             "two emulated cores in timing mode, measured as the floor servers are",
+    )  # fmt: skip
+    ap.add_argument(
         "--trials", type=int, default=1,
         help="repeat the whole sequence N times; the summary gives each ratio's median and range",
     )  # fmt: skip
@@ -1009,6 +1063,10 @@ def main() -> None:
         if wanted
         for shm in ((False, True) if args.shm else (False,))
     ]  # fmt: skip
+    floor_kinds = [(label, gpu, shm, native, False) for label, gpu, shm, native in floor_kinds]
+    if args.native_plane:
+        floor_kinds.append(("the native data plane (dlad's INFER path in C++)", False, False,
+                            False, True))  # fmt: skip
     # each floor server's own CPU / the bare server's: at its ceiling, paced to its load
     floors: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in floor_kinds}
     for trial in range(args.trials):
@@ -1030,11 +1088,11 @@ def main() -> None:
         bare, bare_cpu = ceilings.get("tcp", next(iter(ceilings.values())))
         bound = min(ideal, bare["rate"])
         floor_cpus: dict[bool, float] = {}  # by shm: what each dlad figure is also given against
-        for label, gpu, shm, native in floor_kinds:
-            fl, f_cpu, f_threads = run_floor(args, gpu=gpu, shm=shm, native=native)
+        for label, gpu, shm, native, plane in floor_kinds:
+            fl, f_cpu, f_threads = run_floor(args, gpu=gpu, shm=shm, native=native, plane=plane)
             _, f_paced, _ = bare_ceiling(args.endpoint, args.seconds, args.in_flight, fl["rate"])
             floors[label].append((f_cpu / bare_cpu, f_cpu / f_paced))
-            if not gpu and not native:
+            if not gpu and not native and not plane:
                 floor_cpus[shm] = f_cpu
             print(
                 f"{label}{'' if shm else ' (frames in the message)'}: {fl['rate']:.0f} req/s = "
