@@ -260,7 +260,10 @@ void Plane::run() {
         }
         dispatch(now_ns());
     }
-    // Draining's end: what is left is answered SHUTTING_DOWN (queued, then running).
+    // Draining's end: what the socket holds is read (INFERs are answered SHUTTING_DOWN, the
+    // rest forwarded), then what is left is answered SHUTTING_DOWN (queued, then running).
+    while (read_messages() == kBurst) {
+    }
     for (int64_t id : scheduler_.drain()) {
         answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
     }
@@ -281,12 +284,13 @@ long Plane::poll_timeout(int64_t now) const {
     return wait <= 0 ? 0 : static_cast<long>((wait + 999'999) / 1'000'000);  // ceil, in ms
 }
 
-void Plane::read_messages() {
-    for (int n = 0; n < kBurst; ++n) {
+int Plane::read_messages() {
+    int n = 0;
+    for (; n < kBurst; ++n) {
         std::vector<Part> parts;
         parts.reserve(4);
         parts.emplace_back(&api_);
-        if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) return;  // none waits
+        if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) break;  // none waits
         while (api_.msg_more(parts.back().get())) {
             parts.emplace_back(&api_);
             if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) {
@@ -300,6 +304,7 @@ void Plane::read_messages() {
         }
         handle(parts);
     }
+    return n;
 }
 
 void Plane::handle(std::vector<Part>& parts) {

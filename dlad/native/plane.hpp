@@ -157,8 +157,9 @@ class Plane {
 
     void start();
     // Stop taking INFERs (SHUTTING_DOWN), answer what is queued and running as it finishes, and
-    // after ``timeout_ms`` answer the rest SHUTTING_DOWN; then the thread ends. Blocks until it
-    // has; idempotent.
+    // after ``timeout_ms`` answer the rest SHUTTING_DOWN; read what the socket holds then (its
+    // INFERs answered SHUTTING_DOWN, the rest forwarded); then the thread ends, and a message
+    // that comes later is the caller's. Blocks until it has; idempotent.
     void drain(double timeout_ms);
     // A reply of the control plane's (to a forwarded message): sent from the plane's thread.
     void send(std::string client, std::vector<std::string> frames);
@@ -180,7 +181,7 @@ class Plane {
 
     void run();
     void wake();
-    void read_messages();
+    int read_messages();  // how many it read (at most kBurst)
     void handle(std::vector<Part>& parts);
     void forward(std::vector<Part>& parts);
     void infer(std::vector<Part>& parts, const wire::Infer& req);

@@ -235,11 +235,18 @@ def test_every_request_gets_exactly_one_reply(
         r.close()
 
 
+def _admitted(r: Rig, n: int) -> None:
+    """Wait until the plane holds ``n`` jobs (its state; the test's timeout bounds it)."""
+    while r.plane.pending < n:
+        threading.Event().wait(0.001)
+
+
 def test_draining_finishes_what_it_holds_and_refuses_what_comes() -> None:
     r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=4)])
     try:
         r.infer(1)
         r.infer(2)
+        _admitted(r, 2)
         drained = threading.Thread(target=r.plane.drain, args=(60.0,))
         drained.start()
         r.infer(3)
@@ -258,8 +265,7 @@ def test_a_drain_out_of_time_answers_the_rest_shutting_down() -> None:
     try:
         for rid in range(3):
             r.infer(rid)
-        while r.plane.pending < 3:  # all three admitted (state, not time)
-            threading.Event().wait(0.001)
+        _admitted(r, 3)
         r.plane.drain(0.0)
         replies = [r.reply() for _ in range(3)]
         assert {x.status for x in replies} == {Status.SHUTTING_DOWN}
