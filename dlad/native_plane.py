@@ -144,13 +144,19 @@ class NativePlane:
     def drain(self, timeout_s: float) -> None:
         """Stop taking INFERs (they are answered SHUTTING_DOWN), answer what is queued and
         running as it finishes, and after ``timeout_s`` answer the rest SHUTTING_DOWN; returns
-        once the plane's thread has ended and the ROUTER is the caller's again."""
+        once the plane's thread has ended and the ROUTER is the caller's again. Safe to call
+        from several threads: each returns once the thread has ended."""
         self._plane.drain(timeout_s * 1e3)
 
     @property
     def pending(self) -> int:
         """The plane's jobs admitted and not yet answered."""
         return self._plane.pending
+
+    @property
+    def draining(self) -> bool:
+        """Whether a drain has begun (INFERs are answered SHUTTING_DOWN from then on)."""
+        return self._plane.draining
 
     def counters(self) -> dict[str, Any]:
         """``received``, ``forwarded``, ``replied``, ``dropped`` and ``by_status`` (the plane's

@@ -129,6 +129,7 @@ PYBIND11_MODULE(_native, m) {
                  p.send(std::move(client), std::move(frames));
              })
         .def_property_readonly("pending", &dlad::plane::Plane::pending)
+        .def_property_readonly("draining", &dlad::plane::Plane::draining)
         .def("counters", [](const dlad::plane::Plane& p) {
             const auto c = p.counters();
             py::dict out;

@@ -212,6 +212,7 @@ void Plane::drain(double timeout_ms) {
         }
     }
     wake();
+    std::lock_guard<std::mutex> lock(join_mu_);  // callers on two threads: one joins
     if (thread_.joinable()) thread_.join();
 }
 

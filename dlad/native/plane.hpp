@@ -165,6 +165,10 @@ class Plane {
     void send(std::string client, std::vector<std::string> frames);
     Counters counters() const;
     int64_t pending() const { return pending_.load(); }
+    bool draining() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return draining_;
+    }
 
   private:
     struct Job {
@@ -220,6 +224,7 @@ class Plane {
     int64_t drain_until_ns_ = 0;
 
     std::atomic<int64_t> pending_{0};
+    std::mutex join_mu_;
     std::thread thread_;
 };
 

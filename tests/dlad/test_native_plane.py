@@ -249,6 +249,8 @@ def test_draining_finishes_what_it_holds_and_refuses_what_comes() -> None:
         _admitted(r, 2)
         drained = threading.Thread(target=r.plane.drain, args=(60.0,))
         drained.start()
+        while not r.plane.draining:  # the drain has begun (state; the timeout bounds it)
+            threading.Event().wait(0.001)
         r.infer(3)
         late = r.reply()
         assert (late.id, late.status) == (3, Status.SHUTTING_DOWN)
