@@ -9,17 +9,27 @@ scheduler's C++ core, runs it on an engine of its own and sends the reply. Every
 answers through :meth:`NativePlane.send`, which the plane's thread sends (the ROUTER is never
 touched from two threads).
 
+The control plane reaches the plane's state through calls its thread runs between two turns of
+its loop (the caller waits that long at most): :meth:`NativePlane.cancel`,
+:meth:`NativePlane.submit` (images the control plane decoded: an INFER the fast path left, an
+INFER_BATCH's images, whose answers come back on :attr:`NativePlane.forwarded`), and
+:meth:`NativePlane.state`; :meth:`NativePlane.observations` hands over the replies for the
+daemon's metrics.
+
 Engines: the emulated DLA core in timing mode (tasks back to back at the core's service time),
-with pre/post-processing off; that is what the plane runs today (BENCHMARKS §9.18). The cuDLA
-engine and the GPU chain are the next steps (docs/daemon.md, "The native data plane").
+with pre/post-processing off; that is what the plane runs today (BENCHMARKS §9.18), and what
+``[frontend] data_plane = "native"`` serves. The cuDLA engine and the GPU chain are the next
+steps (docs/daemon.md, "The native data plane").
 
 Linux only (eventfd), and only where ``pip install`` built ``dlad._native``.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import os
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +40,16 @@ import zmq
 from dlad import protocol
 from dlad.native_scheduler import available
 
-__all__ = ["NativePlane", "PlaneDevice", "PlaneUnavailable", "loaded_libzmq"]
+__all__ = [
+    "CancelResult",
+    "DeviceState",
+    "Item",
+    "NativePlane",
+    "Outcome",
+    "PlaneDevice",
+    "PlaneUnavailable",
+    "loaded_libzmq",
+]
 
 _FORWARD_HWM: Final = 100_000  # messages the control plane may fall behind by
 _ids = itertools.count()
@@ -68,6 +87,52 @@ class PlaneDevice:
     capacity: int = 4
 
 
+@dataclass(frozen=True, slots=True)
+class Item:
+    """An image the control plane decoded, for :meth:`NativePlane.submit`: ``size`` its bytes
+    in the daemon's budget."""
+
+    model: str
+    stream: str | None
+    priority: int
+    deadline_ms: int | None
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceState:
+    """One engine in :meth:`NativePlane.state`."""
+
+    name: str
+    queue_depth: int
+    capacity: int
+    in_flight: int
+    service_time_us: float
+    completed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """An image's answer to a :meth:`NativePlane.submit` with a tag, read off
+    :attr:`NativePlane.forwarded` by :meth:`NativePlane.outcome`: ``header`` is the
+    INFER_REPLY header the plane would have sent (no detections follow: pre/post is off)."""
+
+    tag: int
+    index: int
+    header: bytes
+
+
+class CancelResult(enum.IntEnum):
+    """What :meth:`NativePlane.cancel` found."""
+
+    CANCELLED = 0  # queued: answered CANCELLED
+    NOT_QUEUED = 1  # no such request
+    RUNNING = 2  # on an engine (or an INFER_BATCH's images all there): it gets its result
+
+
+_OUTCOME = struct.Struct("<qq")
+
+
 class NativePlane:
     """The plane on ``router`` (created and configured by the caller, which keeps it open, and
     never uses it between :meth:`start` and :meth:`drain`'s return).
@@ -80,7 +145,7 @@ class NativePlane:
         limits: the decoder's bounds (``[frontend]``).
         default_deadline_ms, max_deadline_ms: ``[daemon]``'s deadline rule.
         max_in_flight_per_client, max_buffered_bytes: ``[frontend]``'s bounds.
-        policy, alpha: ``[scheduler]``.
+        policy, alpha, pins: ``[scheduler]``.
 
     Raises:
         PlaneUnavailable: see the class.
@@ -100,6 +165,7 @@ class NativePlane:
         max_buffered_bytes: int = 512 * 2**20,
         policy: str = "latency",
         alpha: float = 0.2,
+        pins: Mapping[str, str] | None = None,
     ) -> None:
         if not available():
             raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
@@ -108,8 +174,9 @@ class NativePlane:
         libzmq = loaded_libzmq()
         ctx = router.context
         address = f"inproc://dlad-plane-{os.getpid()}-{next(_ids)}"
-        self.forwarded: zmq.Socket[Any] = ctx.socket(zmq.PAIR)
-        self._plane_end: zmq.Socket[Any] = ctx.socket(zmq.PAIR)
+        # plain sockets whatever the context (an asyncio one's would return futures)
+        self.forwarded: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)
+        self._plane_end: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)
         for sock in (self.forwarded, self._plane_end):
             sock.setsockopt(zmq.SNDHWM, _FORWARD_HWM)
             sock.setsockopt(zmq.RCVHWM, _FORWARD_HWM)
@@ -124,7 +191,7 @@ class NativePlane:
                 [(d.name, float(d.latency_us), d.slots, d.capacity) for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
-                float(alpha),
+                float(alpha), dict(pins or {}),
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()
@@ -148,6 +215,42 @@ class NativePlane:
         from several threads: each returns once the thread has ended."""
         self._plane.drain(timeout_s * 1e3)
 
+    def cancel(self, client: bytes, request_id: int) -> CancelResult:
+        """CANCEL of ``client``'s request ``request_id`` (an INFER, or an INFER_BATCH's
+        images): what is queued of it is answered CANCELLED."""
+        return CancelResult(self._plane.cancel(client, request_id))
+
+    def submit(
+        self, client: bytes, owner: str, request_id: int, items: Sequence[Item],
+        tag: int | None = None,
+    ) -> tuple[int, str] | None:  # fmt: skip
+        """Admit ``items`` as ``client``'s request ``request_id`` (``owner``: who it is for the
+        in-flight cap). Its room is checked as a whole first: a refusal admits none and is
+        returned as (status, message). Else each image is admitted and answered as the plane's
+        INFERs are: to the client without a ``tag``, else as an :class:`Outcome` on
+        :attr:`forwarded` (a message whose routing id is empty)."""
+        return self._plane.submit(
+            client, owner, request_id, tag,
+            [(i.model, i.stream, i.priority, i.deadline_ms, i.size) for i in items],
+        )  # fmt: skip
+
+    @staticmethod
+    def outcome(parts: Sequence[bytes | memoryview]) -> Outcome:
+        """The :class:`Outcome` a message of :attr:`forwarded` with an empty routing id holds
+        (``parts``: that message without its routing id)."""
+        tag, index = _OUTCOME.unpack(bytes(parts[0]) + bytes(parts[1]))
+        return Outcome(tag, index, bytes(parts[2]))
+
+    def state(self) -> tuple[list[DeviceState], int, int]:
+        """(each engine's state, jobs queued, streams waiting)."""
+        devices, queued, streams = self._plane.state()
+        return [DeviceState(*d) for d in devices], queued, streams
+
+    def observations(self) -> list[tuple[str, str, int, int, int, int]]:
+        """The INFER replies the plane has made since the last call, each (model, device or
+        "", status, queue_us, device_us, total_us)."""
+        return self._plane.take_observations()
+
     @property
     def pending(self) -> int:
         """The plane's jobs admitted and not yet answered."""
@@ -159,8 +262,11 @@ class NativePlane:
         return self._plane.draining
 
     def counters(self) -> dict[str, Any]:
-        """``received``, ``forwarded``, ``replied``, ``dropped`` and ``by_status`` (the plane's
-        INFER replies by status name)."""
+        """``received`` (messages read), ``forwarded`` (of them, to :attr:`forwarded`),
+        ``replied`` and ``by_status`` (the plane's own INFER replies, by status name),
+        ``dropped`` (replies ZeroMQ could not queue, the control plane's included),
+        ``forward_lost`` (messages :attr:`forwarded` could not queue: its reader stalled) and
+        ``observations_lost``."""
         return self._plane.counters()
 
     def close(self) -> None:

@@ -74,6 +74,9 @@ py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view messag
 }
 
 using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t>;
+// model, stream, priority, deadline_ms, size: an image for Plane::submit
+using PlaneItem = std::tuple<std::string, std::optional<std::string>, int64_t,
+                             std::optional<int64_t>, uint64_t>;
 
 std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::string& libzmq, uintptr_t router, uintptr_t forward,
@@ -81,7 +84,8 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::vector<PlaneDevice>& devices,
     std::map<std::string, std::vector<std::string>> models, double default_deadline_ms,
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
-    const std::string& policy, double alpha) {
+    const std::string& policy, double alpha,
+    std::unordered_map<std::string, std::string> pins) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
     for (const auto& [name, latency_us, slots, capacity] : devices) {
@@ -94,6 +98,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     c.max_buffered_bytes = max_buffered_bytes;
     c.policy = policy_of(policy);
     c.alpha = alpha;
+    c.pins = std::move(pins);
     return std::make_unique<dlad::plane::Plane>(
         dlad::plane::ZmqApi::load(libzmq), reinterpret_cast<void*>(router),
         reinterpret_cast<void*>(forward), std::move(c));
@@ -120,13 +125,58 @@ PYBIND11_MODULE(_native, m) {
              py::arg("limits"), py::arg("devices"), py::arg("models"),
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
-             py::arg("policy"), py::arg("alpha"))
+             py::arg("policy"), py::arg("alpha"), py::arg("pins"))
         .def("start", &dlad::plane::Plane::start)
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
              py::call_guard<py::gil_scoped_release>())
         .def("send",
              [](dlad::plane::Plane& p, std::string client, std::vector<std::string> frames) {
                  p.send(std::move(client), std::move(frames));
+             })
+        .def(
+            "cancel",
+            [](dlad::plane::Plane& p, const std::string& client, uint64_t request_id) {
+                return static_cast<int>(p.cancel(client, request_id));
+            },
+            py::arg("client"), py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
+        .def(
+            "submit",
+            [](dlad::plane::Plane& p, const std::string& client, const std::string& owner,
+               uint64_t request_id, std::optional<int64_t> tag,
+               const std::vector<PlaneItem>& items) {
+                std::vector<dlad::plane::Item> out;
+                out.reserve(items.size());
+                for (const auto& [model, stream, priority, deadline_ms, size] : items) {
+                    out.push_back({model, stream, priority, deadline_ms, size});
+                }
+                py::gil_scoped_release release;
+                return p.submit(client, owner, request_id, tag, out);
+            },
+            py::arg("client"), py::arg("owner"), py::arg("request_id"), py::arg("tag"),
+            py::arg("items"))
+        .def("state",
+             [](dlad::plane::Plane& p) {
+                 dlad::plane::State s;
+                 {
+                     py::gil_scoped_release release;
+                     s = p.state();
+                 }
+                 py::list devices;
+                 for (const auto& d : s.devices) {
+                     devices.append(py::make_tuple(d.name, d.queue_depth, d.capacity,
+                                                   d.in_flight, d.service_time_us, d.completed));
+                 }
+                 return py::make_tuple(devices, s.queued, s.streams_waiting);
+             })
+        .def("take_observations",
+             [](dlad::plane::Plane& p) {
+                 const auto obs = p.take_observations();
+                 py::list out;
+                 for (const auto& o : obs) {
+                     out.append(py::make_tuple(o.model, o.device, o.status, o.queue_us,
+                                               o.device_us, o.total_us));
+                 }
+                 return out;
              })
         .def_property_readonly("pending", &dlad::plane::Plane::pending)
         .def_property_readonly("draining", &dlad::plane::Plane::draining)
@@ -137,6 +187,8 @@ PYBIND11_MODULE(_native, m) {
             out["forwarded"] = c.forwarded;
             out["replied"] = c.replied;
             out["dropped"] = c.dropped;
+            out["forward_lost"] = c.forward_lost;
+            out["observations_lost"] = c.observations_lost;
             out["by_status"] = c.by_status;
             return out;
         });

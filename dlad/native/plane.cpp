@@ -64,6 +64,19 @@ std::string hex(const std::string& bytes) {
     return out;
 }
 
+// The key of a client's request id (an INFER's, an INFER_BATCH's images').
+std::string key_of(const std::string& client, uint64_t request_id) {
+    std::string key = client;
+    key.append(reinterpret_cast<const char*>(&request_id), sizeof request_id);
+    return key;
+}
+
+std::string le64(int64_t v) {
+    std::string out(8, '\0');
+    for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
+    return out;
+}
+
 template <typename F>
 F symbol(void* lib, const char* name) {
     void* p = dlsym(lib, name);
@@ -156,7 +169,7 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
       router_(router),
       forward_(forward),
       config_(std::move(config)),
-      scheduler_(config_.alpha, config_.policy, {}, {}) {
+      scheduler_(config_.alpha, config_.policy, {}, config_.pins) {
     std::map<std::string, std::vector<std::string>> served;  // device -> its models
     for (const auto& [model, devices] : config_.models) {
         for (const auto& d : devices) served[d].push_back(model);
@@ -197,6 +210,10 @@ Plane::~Plane() {
 
 void Plane::start() {
     if (thread_.joinable()) return;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_thread_ = true;
+    }
     thread_ = std::thread([this] {
         pthread_setname_np(pthread_self(), "dlad-plane");
         run();
@@ -219,14 +236,117 @@ void Plane::drain(double timeout_ms) {
 void Plane::send(std::string client, std::vector<std::string> frames) {
     {
         std::lock_guard<std::mutex> lock(mu_);
-        outbox_.emplace_back(std::move(client), std::move(frames));
+        if (running_thread_) {
+            outbox_.emplace_back(std::move(client), std::move(frames));
+            wake();
+            return;
+        }
     }
-    wake();
+    // the thread has ended (its last act was to send what was queued): the socket is free
+    std::lock_guard<std::mutex> lock(inline_mu_);
+    outbox_.emplace_back(std::move(client), std::move(frames));
+    send_outbox();
 }
 
 Counters Plane::counters() const {
     std::lock_guard<std::mutex> lock(mu_);
     return counters_;
+}
+
+void Plane::call(const std::function<void()>& fn) {
+    {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (running_thread_) {
+            Call c{&fn};
+            calls_.push_back(&c);
+            wake();
+            called_.wait(lock, [&c] { return c.done; });
+            return;
+        }
+    }
+    std::lock_guard<std::mutex> lock(inline_mu_);
+    fn();
+}
+
+void Plane::run_calls() {
+    std::vector<Call*> calls;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        calls.swap(calls_);
+    }
+    if (calls.empty()) return;
+    for (Call* c : calls) (*c->fn)();
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (Call* c : calls) c->done = true;
+    }
+    called_.notify_all();
+}
+
+CancelResult Plane::cancel(const std::string& client, uint64_t request_id) {
+    CancelResult out = CancelResult::not_queued;
+    call([&] {
+        std::vector<int64_t> found;
+        for (const auto& [id, job] : jobs_) {
+            if (job.client == client && job.request_id == request_id) found.push_back(id);
+        }
+        if (found.empty()) return;
+        out = CancelResult::running;
+        std::sort(found.begin(), found.end());
+        for (int64_t id : found) {
+            if (!scheduler_.cancel(id)) continue;  // running: it gets its normal result
+            answer(id, CANCELLED, "cancelled by the client", std::nullopt);
+            out = CancelResult::cancelled;
+        }
+    });
+    return out;
+}
+
+std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& client,
+                                                             const std::string& owner,
+                                                             uint64_t request_id,
+                                                             std::optional<int64_t> tag,
+                                                             const std::vector<Item>& items) {
+    std::optional<std::pair<int64_t, std::string>> out;
+    call([&] {
+        const int64_t now = now_ns();
+        uint64_t size = 0;
+        for (const Item& item : items) size += item.size;
+        const std::string key = key_of(client, request_id);
+        out = room(key, request_id, owner, static_cast<int64_t>(items.size()), size);
+        if (out) return;
+        for (size_t i = 0; i < items.size(); ++i) {
+            Job job;
+            job.client = client;
+            job.request_id = request_id;
+            job.tag = tag;
+            job.index = static_cast<int64_t>(i);
+            job.owner = owner;
+            job.model = items[i].model;
+            job.received_ns = now;
+            job.size = items[i].size;
+            admit(std::move(job), key, items[i], now, nullptr);
+        }
+        dispatch(now);
+    });
+    return out;
+}
+
+State Plane::state() {
+    State out;
+    call([&] {
+        out.devices = scheduler_.snapshot();
+        out.queued = scheduler_.queued();
+        out.streams_waiting = scheduler_.streams_waiting();
+    });
+    return out;
+}
+
+std::vector<Observation> Plane::take_observations() {
+    std::vector<Observation> out;
+    std::lock_guard<std::mutex> lock(mu_);
+    out.swap(observations_);
+    return out;
 }
 
 void Plane::wake() {
@@ -246,6 +366,13 @@ void Plane::run() {
             draining = draining_;
             until = drain_until_ns_;
         }
+        if (draining && !shed_) {
+            // the daemon's drain: what is queued is answered at once, what runs finishes
+            shed_ = true;
+            for (int64_t id : scheduler_.drain()) {
+                answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+            }
+        }
         if (draining && (jobs_.empty() || now >= until)) break;
         if (api_.poll(items, 2, poll_timeout(now)) < 0 && api_.errno_() != EINTR) break;
         if (items[1].revents & kPollIn) {
@@ -254,6 +381,7 @@ void Plane::run() {
         }
         now = now_ns();
         take_completions();
+        run_calls();
         send_outbox();
         read_messages();
         for (int64_t id : scheduler_.expire(now_ns())) {
@@ -270,7 +398,16 @@ void Plane::run() {
     }
     std::vector<int64_t> left;
     for (const auto& [id, job] : jobs_) left.push_back(id);
+    std::sort(left.begin(), left.end());
     for (int64_t id : left) answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+    // From here calls and sends run on their callers' threads; those queued before are run
+    // and sent here first, in their order, before any caller's own.
+    std::lock_guard<std::mutex> inline_lock(inline_mu_);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_thread_ = false;
+    }
+    run_calls();
     send_outbox();
 }
 
@@ -324,64 +461,82 @@ void Plane::handle(std::vector<Part>& parts) {
 }
 
 void Plane::forward(std::vector<Part>& parts) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++counters_.forwarded;
-    }
-    for (size_t i = 0; i < parts.size(); ++i) {
+    bool ok = true;
+    for (size_t i = 0; ok && i < parts.size(); ++i) {
         const int flags = kDontWait | (i + 1 < parts.size() ? kSndMore : 0);
-        if (api_.msg_send(parts[i].get(), forward_, flags) < 0) break;  // the pair is full
+        ok = api_.msg_send(parts[i].get(), forward_, flags) >= 0;  // false: the pair is full
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counters_.forwarded;
+    if (!ok) ++counters_.forward_lost;
 }
 
 void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     const int64_t now = now_ns();
-    std::string client(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
-    bool draining = false;
+    Job job;
+    job.client.assign(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
+    job.request_id = req.id;
+    job.owner = hex(job.client);
+    job.model = req.model;
+    job.received_ns = now;
+    job.size = req.image_bytes();
+    const std::string key = key_of(job.client, req.id);
+    if (auto why = room(key, req.id, job.owner, 1, job.size)) {
+        refuse(job, why->first, why->second);
+        return;
+    }
+    const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size};
+    std::unique_ptr<Part> payload;
+    if (parts.size() == 3) payload = std::make_unique<Part>(std::move(parts[2]));
+    if (admit(std::move(job), key, item, now, std::move(payload))) {
+        dispatch(now);  // an idle core takes it now, not after the rest of the burst
+    }
+}
+
+std::optional<std::pair<int64_t, std::string>> Plane::room(const std::string& key,
+                                                           uint64_t request_id,
+                                                           const std::string& owner,
+                                                           int64_t frames, uint64_t size) {
+    // The frontend's room check (Frontend._room), in its order and words
     {
         std::lock_guard<std::mutex> lock(mu_);
-        draining = draining_;
+        if (draining_) return std::make_pair(SHUTTING_DOWN, "the daemon is shutting down");
     }
-    // The frontend's room check (Frontend._room), in its order
-    if (draining) {
-        refuse(client, req.id, SHUTTING_DOWN, "the daemon is shutting down", now);
-        return;
-    }
-    std::string key = client;
-    key.append(reinterpret_cast<const char*>(&req.id), sizeof req.id);
     if (in_use_.count(key) != 0) {
-        refuse(client, req.id, BAD_REQUEST,
-               "request id " + std::to_string(req.id) + " is already in flight on this connection",
-               now);
-        return;
+        return std::make_pair(BAD_REQUEST, "request id " + std::to_string(request_id) +
+                                               " is already in flight on this connection");
     }
-    std::string owner = hex(client);
     const int64_t cap = config_.max_in_flight_per_client;
-    const int64_t held = in_flight_[owner];
-    if (held + 1 > cap) {
-        refuse(client, req.id, OVERLOADED,
-               held >= cap ? "this client has " + std::to_string(cap) +
-                                 " requests in flight, the most one may"
-                           : "a client may have " + std::to_string(cap) + " requests in flight",
-               now);
-        return;
+    const auto held_at = in_flight_.find(owner);
+    const int64_t held = held_at == in_flight_.end() ? 0 : held_at->second;
+    if (held + frames > cap) {
+        const std::string more = frames == 1 ? ""
+                                              : "; these " + std::to_string(frames) +
+                                                    " images would pass it (" +
+                                                    std::to_string(held) + " held)";
+        return std::make_pair(
+            OVERLOADED, held >= cap ? "this client has " + std::to_string(cap) +
+                                          " requests in flight, the most one may" + more
+                                    : "a client may have " + std::to_string(cap) +
+                                          " requests in flight" + more);
     }
-    const uint64_t size = req.image_bytes();
     if (size && buffered_ + size > config_.max_buffered_bytes) {
-        refuse(client, req.id, OVERLOADED,
-               "the daemon holds " + std::to_string(buffered_) +
-                   " bytes of frames; this one would pass its budget of " +
-                   std::to_string(config_.max_buffered_bytes),
-               now);
-        return;
+        return std::make_pair(OVERLOADED,
+                              "the daemon holds " + std::to_string(buffered_) +
+                                  " bytes of frames; this one would pass its budget of " +
+                                  std::to_string(config_.max_buffered_bytes));
     }
+    return std::nullopt;
+}
+
+bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now,
+                  std::unique_ptr<Part> payload) {
     // Frontend._admit: the deadline, then the scheduler's verdict
-    const double budget_ms =
-        std::min(req.deadline_ms ? static_cast<double>(*req.deadline_ms)
-                                 : config_.default_deadline_ms,
-                 config_.max_deadline_ms);
-    JobSpec spec{next_job_++, req.model, now + static_cast<int64_t>(budget_ms * 1e6),
-                 req.priority, req.stream, owner};
+    const double budget_ms = std::min(
+        item.deadline_ms ? static_cast<double>(*item.deadline_ms) : config_.default_deadline_ms,
+        config_.max_deadline_ms);
+    JobSpec spec{next_job_++, item.model, now + static_cast<int64_t>(budget_ms * 1e6),
+                 item.priority, item.stream, job.owner};
     AdmitResult r = scheduler_.admit(spec, {}, now);
     std::optional<int64_t> victim;
     if (r.refusal == Refusal::overloaded) {
@@ -394,10 +549,10 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
         int64_t status = INTERNAL;
         if (r.refusal == Refusal::not_found) {
             status = NOT_FOUND;
-            why = "no device serves model " + py_repr(req.model);
+            why = "no device serves model " + py_repr(item.model);
         } else if (r.refusal == Refusal::overloaded) {
             status = OVERLOADED;
-            why = "all queues for model " + py_repr(req.model) + " are full (";
+            why = "all queues for model " + py_repr(item.model) + " are full (";
             for (size_t i = 0; i < r.full.size(); ++i) {
                 why += (i ? ", " : "") + r.full[i].name + " " + std::to_string(r.full[i].depth) +
                        "/" + std::to_string(r.full[i].capacity);
@@ -405,7 +560,7 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
             why += ")";
         } else if (r.refusal == Refusal::device_failed) {
             status = DEVICE_FAILED;
-            why = "no healthy device serves model " + py_repr(req.model) + " now (";
+            why = "no healthy device serves model " + py_repr(item.model) + " now (";
             for (size_t i = 0; i < r.unhealthy.size(); ++i) {
                 why += (i ? ", " : "") + r.unhealthy[i].first +
                        (r.unhealthy[i].second ? " failed it" : " quarantined");
@@ -414,22 +569,15 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
         } else {
             why = "request id " + std::to_string(spec.id) + " is already queued";
         }
-        refuse(client, req.id, status, why, now);
-        return;
+        refuse(job, status, why);
+        return false;
     }
-    Job job;
-    job.client = std::move(client);
-    job.request_id = req.id;
-    job.owner = owner;
-    job.model = req.model;
-    job.received_ns = now;
-    job.size = size;
-    if (parts.size() == 3) job.payload = std::make_unique<Part>(std::move(parts[2]));
+    job.payload = std::move(payload);
     job.device = r.placed.device;
+    ++in_use_[key];
+    ++in_flight_[job.owner];
+    buffered_ += job.size;
     jobs_.emplace(spec.id, std::move(job));
-    in_use_.insert(std::move(key));
-    ++in_flight_[owner];
-    buffered_ += size;
     pending_.store(static_cast<int64_t>(jobs_.size()));
     if (victim) {
         answer(*victim, OVERLOADED,
@@ -440,15 +588,16 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     for (int64_t old : r.superseded) {
         answer(old, CANCELLED, "superseded by a newer frame of its stream", std::nullopt);
     }
-    dispatch(now);  // an idle core takes it now, not after the rest of the burst
+    return true;
 }
 
-void Plane::refuse(const std::string& client, uint64_t request_id, int64_t status,
-                   const std::string& message, int64_t received_ns) {
+void Plane::refuse(const Job& job, int64_t status, const std::string& message) {
     wire::Timing timing;
-    timing.total_us = static_cast<uint64_t>(std::max<int64_t>(now_ns() - received_ns, 0) / 1000);
-    send_reply(client, wire::write_infer_reply(request_id, status, message, std::nullopt, timing, 0),
-               nullptr, 0, status);
+    timing.total_us =
+        static_cast<uint64_t>(std::max<int64_t>(now_ns() - job.received_ns, 0) / 1000);
+    observe(job, status, std::nullopt, timing);
+    deliver(job, wire::write_infer_reply(job.request_id, status, message, std::nullopt, timing, 0),
+            status);
 }
 
 void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
@@ -459,25 +608,54 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
     const int64_t now = now_ns();
     wire::Timing timing;
     timing.total_us = static_cast<uint64_t>(std::max<int64_t>(now - job.received_ns, 0) / 1000);
-    std::optional<std::string_view> device;
+    std::optional<std::string> device;
     if (done) {
-        timing.queue_us =
-            static_cast<uint64_t>(std::max<int64_t>(job.dispatched_ns - job.received_ns, 0) / 1000);
-        timing.device_us = static_cast<uint64_t>(std::max<int64_t>(done->end_ns - done->start_ns, 0) / 1000);
+        timing.queue_us = static_cast<uint64_t>(
+            std::max<int64_t>(job.dispatched_ns - job.received_ns, 0) / 1000);
+        timing.device_us =
+            static_cast<uint64_t>(std::max<int64_t>(done->end_ns - done->start_ns, 0) / 1000);
         timing.start_ns = static_cast<uint64_t>(done->start_ns);
         timing.end_ns = static_cast<uint64_t>(done->end_ns);
         device = job.device;
     }
-    const std::string header =
-        wire::write_infer_reply(job.request_id, status, message, device, timing, 0);
-    send_reply(job.client, header, nullptr, 0, status);
-    std::string key = job.client;
-    key.append(reinterpret_cast<const char*>(&job.request_id), sizeof job.request_id);
-    in_use_.erase(key);
+    observe(job, status, device, timing);
+    deliver(job, wire::write_infer_reply(job.request_id, status, message, device, timing, 0),
+            status);
+    const std::string key = key_of(job.client, job.request_id);
+    if (--in_use_[key] <= 0) in_use_.erase(key);
     if (--in_flight_[job.owner] <= 0) in_flight_.erase(job.owner);
     buffered_ -= job.size;
     jobs_.erase(it);
     pending_.store(static_cast<int64_t>(jobs_.size()));
+}
+
+void Plane::deliver(const Job& job, const std::string& header, int64_t status) {
+    if (!job.tag) {
+        send_reply(job.client, header, nullptr, 0, status);
+        return;
+    }
+    // an image of the control plane's request: its answer goes back there
+    const std::string parts[4] = {"", le64(*job.tag), le64(job.index), header};
+    bool ok = true;
+    for (size_t i = 0; ok && i < 4; ++i) {
+        ok = api_.send(forward_, parts[i].data(), parts[i].size(),
+                       kDontWait | (i < 3 ? kSndMore : 0)) >= 0;
+    }
+    if (!ok) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.forward_lost;
+    }
+}
+
+void Plane::observe(const Job& job, int64_t status, const std::optional<std::string>& device,
+                    const wire::Timing& timing) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (observations_.size() >= kMaxObservations) {
+        ++counters_.observations_lost;
+        return;
+    }
+    observations_.push_back({job.model, device.value_or(""), status, timing.queue_us,
+                             timing.device_us, timing.total_us});
 }
 
 void Plane::dispatch(int64_t now) {
@@ -525,9 +703,10 @@ void Plane::send_outbox() {
             const int flags = kDontWait | (i + 1 < frames.size() ? kSndMore : 0);
             ok = api_.send(router_, frames[i].data(), frames[i].size(), flags) >= 0;
         }
-        std::lock_guard<std::mutex> lock(mu_);
-        ++counters_.replied;
-        if (!ok) ++counters_.dropped;
+        if (!ok) {
+            std::lock_guard<std::mutex> lock(mu_);
+            ++counters_.dropped;
+        }
     }
 }
 

@@ -31,7 +31,6 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "scheduler.hpp"
@@ -103,15 +102,48 @@ struct Config {
     std::map<std::string, std::vector<std::string>> models;  // model -> the devices serving it
     Policy policy = Policy::latency;                         // [scheduler]
     double alpha = 0.2;
+    std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
 };
 
 struct Counters {
     int64_t received = 0;   // messages read from the ROUTER
     int64_t forwarded = 0;  // of them, handed to the control plane
-    int64_t replied = 0;    // replies sent or dropped (the plane's and the control plane's)
-    int64_t dropped = 0;    // replies ZeroMQ could not queue
+    int64_t replied = 0;    // the plane's own INFER replies, sent or dropped
+    int64_t dropped = 0;    // replies ZeroMQ could not queue (the plane's and the control plane's)
+    int64_t forward_lost = 0;  // messages the forward socket could not queue (its peer stalled)
+    int64_t observations_lost = 0;  // replies not observed: the control plane fell far behind
     std::map<std::string, int64_t> by_status;  // the plane's INFER replies, by status name
 };
+
+// One INFER answered by the plane, for the daemon's metrics (Metrics.observe_reply's fields).
+struct Observation {
+    std::string model;
+    std::string device;  // "" when it never reached one
+    int64_t status = 0;
+    uint64_t queue_us = 0;
+    uint64_t device_us = 0;
+    uint64_t total_us = 0;
+};
+
+// The scheduler's state and the engines' counts, for STATUS and the gauges.
+struct State {
+    std::vector<Snapshot> devices;  // Snapshot.completed: tasks the engine finished
+    int64_t queued = 0;
+    int64_t streams_waiting = 0;
+};
+
+// An image the control plane decoded (an INFER the reader left, an INFER_BATCH's image), for
+// submit(): what the plane needs of it.
+struct Item {
+    std::string model;
+    std::optional<std::string> stream;
+    int64_t priority = 0;
+    std::optional<int64_t> deadline_ms;
+    uint64_t size = 0;  // the image's bytes in the daemon's budget
+};
+
+// What cancel() found.
+enum class CancelResult { cancelled = 0, not_queued = 1, running = 2 };
 
 // A finished task, as an engine reports it.
 struct Done {
@@ -161,9 +193,32 @@ class Plane {
     // INFERs answered SHUTTING_DOWN, the rest forwarded); then the thread ends, and a message
     // that comes later is the caller's. Blocks until it has; idempotent.
     void drain(double timeout_ms);
-    // A reply of the control plane's (to a forwarded message): sent from the plane's thread.
+    // A reply of the control plane's (to a forwarded message): sent from the plane's thread
+    // (from the caller's once that thread has ended).
     void send(std::string client, std::vector<std::string> frames);
     Counters counters() const;
+
+    // The calls below run on the plane's thread (the caller waits: one turn of its loop at
+    // most), or on the caller's where that thread is not running.
+
+    // CANCEL of ``client``'s INFER ``request_id``: a queued one is answered CANCELLED.
+    CancelResult cancel(const std::string& client, uint64_t request_id);
+    // Admit images the control plane decoded as one request of ``client`` (``owner``: who it
+    // is for the in-flight cap). The request's room is checked as a whole first (draining, its
+    // id in use, the client's cap, the byte budget): a refusal admits none and is returned as
+    // (status, message). Else each image is admitted as the plane's INFERs are; its answer
+    // (the INFER_REPLY header, a refusal's included) goes to the client when ``tag`` is unset,
+    // else to the forward socket as ["", tag, index, header] (8-byte little-endian integers),
+    // for the control plane to gather (an INFER_BATCH's reply).
+    std::optional<std::pair<int64_t, std::string>> submit(const std::string& client,
+                                                          const std::string& owner,
+                                                          uint64_t request_id,
+                                                          std::optional<int64_t> tag,
+                                                          const std::vector<Item>& items);
+    State state();
+    // The replies observed since the last call (at most kMaxObservations are kept).
+    std::vector<Observation> take_observations();
+    static constexpr size_t kMaxObservations = size_t{1} << 20;
     int64_t pending() const { return pending_.load(); }
     bool draining() const {
         std::lock_guard<std::mutex> lock(mu_);
@@ -174,6 +229,8 @@ class Plane {
     struct Job {
         std::string client;
         uint64_t request_id = 0;
+        std::optional<int64_t> tag;  // an image of a submit() with a tag: answered to the pair
+        int64_t index = 0;
         std::string owner;
         std::string model;
         int64_t received_ns = 0;
@@ -185,12 +242,24 @@ class Plane {
 
     void run();
     void wake();
+    void call(const std::function<void()>& fn);  // on the plane's thread (see cancel())
+    void run_calls();
     int read_messages();  // how many it read (at most kBurst)
     void handle(std::vector<Part>& parts);
     void forward(std::vector<Part>& parts);
     void infer(std::vector<Part>& parts, const wire::Infer& req);
-    void refuse(const std::string& client, uint64_t request_id, int64_t status,
-                const std::string& message, int64_t received_ns);
+    // The room check of one request (Frontend._room): (status, message) of a refusal.
+    std::optional<std::pair<int64_t, std::string>> room(const std::string& key,
+                                                         uint64_t request_id,
+                                                         const std::string& owner,
+                                                         int64_t frames, uint64_t size);
+    // Admit one image into the scheduler; false once its refusal is answered.
+    bool admit(Job job, const std::string& key, const Item& item, int64_t now,
+               std::unique_ptr<Part> payload);
+    void refuse(const Job& job, int64_t status, const std::string& message);
+    void deliver(const Job& job, const std::string& header, int64_t status);
+    void observe(const Job& job, int64_t status, const std::optional<std::string>& device,
+                 const wire::Timing& timing);
     void answer(int64_t job_id, int64_t status, const std::string& message,
                 const std::optional<Done>& done);
     void dispatch(int64_t now);
@@ -210,7 +279,7 @@ class Plane {
     std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
     std::map<std::string, int64_t> slots_;
     std::unordered_map<int64_t, Job> jobs_;
-    std::unordered_set<std::string> in_use_;  // client + request id
+    std::unordered_map<std::string, int64_t> in_use_;  // client + request id -> its jobs
     std::unordered_map<std::string, int64_t> in_flight_;  // owner -> jobs
     uint64_t buffered_ = 0;
     int64_t next_job_ = 0;
@@ -219,12 +288,22 @@ class Plane {
     mutable std::mutex mu_;  // guards the fields below, shared with engines and callers
     std::vector<Done> done_;
     std::vector<std::pair<std::string, std::vector<std::string>>> outbox_;
+    struct Call {
+        const std::function<void()>* fn;
+        bool done = false;  // under mu_
+    };
+    std::vector<Call*> calls_;  // each its caller's, who waits for done
+    std::condition_variable called_;
+    std::vector<Observation> observations_;
     Counters counters_;
     bool draining_ = false;
+    bool shed_ = false;  // the queue was answered SHUTTING_DOWN when draining began (plane's)
+    bool running_thread_ = false;  // the thread runs its loop: calls wait for it
     int64_t drain_until_ns_ = 0;
 
     std::atomic<int64_t> pending_{0};
     std::mutex join_mu_;
+    std::mutex inline_mu_;  // calls and sends made on the caller's thread, one at a time
     std::thread thread_;
 };
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from dlad import native_scheduler, protocol
 from dlad.errors import Status
-from dlad.native_plane import NativePlane, PlaneDevice, loaded_libzmq
+from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, loaded_libzmq
 from dlad.protocol import InferReply, InferRequest
 from dlad.scheduler import no_device_serves, queues_full
 
@@ -198,7 +198,8 @@ def test_other_messages_reach_the_control_plane_whole(rig: Rig) -> None:
         assert rig.client.poll(WAIT_MS)
         assert rig.client.recv_multipart() == [msgpack.packb({"echo": len(parts)}), b"tail"]
     counters = rig.plane.counters()
-    assert (counters["forwarded"], counters["replied"]) == (4, 4)
+    # replied: the plane's own INFER replies (the control plane counts its own)
+    assert (counters["forwarded"], counters["replied"], counters["forward_lost"]) == (4, 0, 0)
 
 
 def test_a_queued_request_past_its_deadline_is_answered_so() -> None:
@@ -241,21 +242,23 @@ def _admitted(r: Rig, n: int) -> None:
         threading.Event().wait(0.001)
 
 
-def test_draining_finishes_what_it_holds_and_refuses_what_comes() -> None:
+def test_draining_finishes_what_runs_and_refuses_the_rest() -> None:
     r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=4)])
     try:
-        r.infer(1)
-        r.infer(2)
+        r.infer(1)  # runs
+        r.infer(2)  # queued
         _admitted(r, 2)
         drained = threading.Thread(target=r.plane.drain, args=(60.0,))
         drained.start()
-        while not r.plane.draining:  # the drain has begun (state; the timeout bounds it)
-            threading.Event().wait(0.001)
+        queued = r.reply()  # the daemon's drain: what is queued is answered at once
+        assert (queued.id, queued.status) == (2, Status.SHUTTING_DOWN)
+        assert queued.message == "the daemon is shutting down"
+        assert r.plane.draining
         r.infer(3)
         late = r.reply()
         assert (late.id, late.status) == (3, Status.SHUTTING_DOWN)
-        assert late.message == "the daemon is shutting down"
-        assert [r.reply().status for _ in range(2)] == [Status.OK, Status.OK]
+        ran = r.reply()
+        assert (ran.id, ran.status, ran.device) == (1, Status.OK, "dla0")
         drained.join()
         assert r.plane.pending == 0
     finally:
@@ -287,3 +290,102 @@ def test_a_model_naming_no_device_is_refused_at_construction() -> None:
     finally:
         router.close(0)
         ctx.term()
+
+
+def _outcome(r: Rig) -> tuple[int, int, InferReply]:
+    assert r.plane.forwarded.poll(WAIT_MS), "no outcome"
+    client, *parts = r.plane.forwarded.recv_multipart()
+    assert client == b""  # an outcome, not a client's message
+    out = NativePlane.outcome(parts)
+    reply = protocol.decode_reply([out.header, b""])
+    assert isinstance(reply, InferReply)
+    return out.tag, out.index, reply
+
+
+def _client_id(r: Rig) -> bytes:
+    """The ROUTER's routing id of the rig's client (read off a forwarded STATUS)."""
+    r.client.send_multipart(protocol.encode(protocol.StatusRequest(99)))
+    assert r.plane.forwarded.poll(WAIT_MS)
+    client, *_ = r.plane.forwarded.recv_multipart()
+    return client
+
+
+def test_submitted_images_are_answered_to_the_client_or_as_outcomes(rig: Rig) -> None:
+    client = _client_id(rig)
+    item = Item("demo", None, 0, None, 48)
+    assert rig.plane.submit(client, client.hex(), 7, [item]) is None
+    direct = rig.reply()
+    assert (direct.id, direct.status) == (7, Status.OK)
+    images = [item, Item("nope", None, 0, None, 48), Item("demo", "s", 1, 5000, 48)]
+    assert rig.plane.submit(client, client.hex(), 8, images, tag=42) is None
+    outcomes = sorted((_outcome(rig) for _ in images), key=lambda o: o[1])
+    assert [(t, i) for t, i, _ in outcomes] == [(42, 0), (42, 1), (42, 2)]
+    assert [o.status for _, _, o in outcomes] == [Status.OK, Status.NOT_FOUND, Status.OK]
+    assert outcomes[1][2].message == no_device_serves("nope")
+    assert all(o.id == 8 for _, _, o in outcomes)
+    assert not rig.client.poll(50)  # a tagged image is never answered to the client
+    observed = rig.plane.observations()
+    assert sorted(o[2] for o in observed) == [0, 0, 0, int(Status.NOT_FOUND)]
+    assert ("nope", "", int(Status.NOT_FOUND)) in {o[:3] for o in observed}
+    assert rig.plane.observations() == []  # handed over once
+
+
+def test_a_submission_is_refused_whole_when_it_has_no_room() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=8)], max_in_flight_per_client=3)
+    try:
+        client = _client_id(r)
+        r.infer(1)
+        _admitted(r, 1)
+        items = [Item("demo", None, 0, None, 48)] * 3
+        assert r.plane.submit(client, client.hex(), 1, items[:1]) == (
+            int(Status.BAD_REQUEST),
+            "request id 1 is already in flight on this connection",
+        )
+        assert r.plane.submit(client, client.hex(), 2, items, tag=1) == (
+            int(Status.OVERLOADED),
+            "a client may have 3 requests in flight; these 3 images would pass it (1 held)",
+        )
+        assert r.plane.pending == 1  # none of them admitted
+    finally:
+        r.close()
+
+
+def test_cancel_answers_a_queued_request_and_names_what_it_found() -> None:
+    r = Rig([PlaneDevice("dla0", 300_000.0, slots=1, capacity=8)])
+    try:
+        client = _client_id(r)
+        r.infer(1)  # runs
+        r.infer(2)  # queued
+        _admitted(r, 2)
+        assert r.plane.cancel(client, 2) is CancelResult.CANCELLED
+        cancelled = r.reply()
+        assert (cancelled.id, cancelled.status, cancelled.message) == (
+            2, Status.CANCELLED, "cancelled by the client")  # fmt: skip
+        assert r.plane.cancel(client, 1) is CancelResult.RUNNING
+        assert r.plane.cancel(client, 3) is CancelResult.NOT_QUEUED
+        assert r.plane.cancel(b"someone else", 1) is CancelResult.NOT_QUEUED
+        devices, queued, streams = r.plane.state()
+        assert (queued, streams) == (0, 0)
+        assert [(d.name, d.in_flight, d.queue_depth, d.capacity) for d in devices] == [
+            ("dla0", 1, 0, 8)]  # fmt: skip
+    finally:
+        r.close()
+
+
+def test_calls_and_sends_after_the_thread_has_ended_run_on_the_callers() -> None:
+    r = Rig([PlaneDevice("dla0", 500.0)])
+    try:
+        client = _client_id(r)
+        r.plane.drain(0.0)
+        r.plane.send(client, [b"late", b"reply"])  # the socket is the caller's now
+        assert r.client.poll(WAIT_MS)
+        assert r.client.recv_multipart() == [b"late", b"reply"]
+        item = Item("demo", None, 0, None, 48)
+        assert r.plane.submit(client, client.hex(), 5, [item]) == (
+            int(Status.SHUTTING_DOWN),
+            "the daemon is shutting down",
+        )
+        assert r.plane.cancel(client, 5) is CancelResult.NOT_QUEUED
+        assert r.plane.state()[1:] == (0, 0)
+    finally:
+        r.close()
