@@ -230,6 +230,17 @@ class FrontendConfig:
     """The widest image an INFER request may carry, in pixels (>= 1)."""
     max_image_height: int = 4096
     """The tallest image an INFER request may carry, in pixels (>= 1)."""
+    data_plane: Literal["python", "native"] = "python"
+    """Who serves INFERs. ``python``: the frontend, the scheduler and the executors on the event
+    loop, every device and feature. ``native``: the native data plane (docs/daemon.md), a C++
+    thread that reads each INFER off the socket, admits it with the same rules and words, runs
+    it and replies, without the interpreter; the event loop keeps STATUS, CANCEL, INFER_BATCH,
+    malformed messages and the metrics, and handles what the plane forwards after the INFERs it
+    read meanwhile (one connection's INFERs keep their order among themselves). Today it runs
+    emulated DLA cores in timing mode with pre/post-processing off only (``[pre_post] enabled =
+    false``, ``[shm] enabled = false``, ``[auth] mode = 'off'``, ``[soc] dram_contention =
+    0``): the daemon's own cost per frame, as an Orin's engines would leave it
+    (docs/BENCHMARKS.md §9.19)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.endpoints), "endpoints", "needs at least one endpoint")
@@ -750,6 +761,36 @@ class Config:
         if self.pre_post.backend == "cuda":
             _check(any(d.kind == "gpu" and d.backend != "cpu" for d in self.devices),
                    "pre_post.backend", "cuda needs a gpu device not on cpu")  # fmt: skip
+        if self.frontend.data_plane == "native":
+            self._check_native_plane()
+
+    def _check_native_plane(self) -> None:
+        """What ``data_plane = "native"`` runs today (FrontendConfig.data_plane): each setting
+        it cannot honour is named, with what to set instead."""
+        why = 'data_plane = "native" runs'
+        for d in self.devices:
+            key = f"devices.{_quote(d.name)}"
+            _check(d.kind == "dla", f"{key}.kind",
+                   f"{why} DLA cores only (its GPU engine is not built yet); serve the gpu "
+                   'with data_plane = "python"')  # fmt: skip
+            _check(d.backend == "emulated", f"{key}.backend",
+                   f'{why} emulated DLA cores only (its cuDLA engine is not built yet): set '
+                   f'backend = "emulated", got {d.backend!r}')  # fmt: skip
+            _check(d.mode == "timing", f"{key}.mode",
+                   f'{why} cores in timing mode only: set mode = "timing"')  # fmt: skip
+            _check(not d.faults.active, f"{key}.faults",
+                   f"{why} no fault injection")  # fmt: skip
+        pre_post = "pre/post-processing off only: set [pre_post] enabled = false"
+        shm = "no shared-memory frames yet: set [shm] enabled = false"
+        dram = "cores that do not share the emulated DRAM yet: set [soc] dram_contention = 0"
+        settings = {
+            "pre_post.enabled": (self.pre_post.enabled, pre_post),
+            "shm.enabled": (self.shm.enabled, shm),
+            "auth.mode": (self.auth.mode != "off", 'no CURVE yet: set [auth] mode = "off"'),
+            "soc.dram_contention": (self.soc.dram_contention != 0, dram),
+        }
+        for key, (given, fix) in settings.items():
+            _check(not given, key, f"{why} {fix}")
 
     def device(self, name: str) -> DeviceConfig:
         """The device called ``name``. Raises KeyError."""

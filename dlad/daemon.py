@@ -38,6 +38,7 @@ from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
+from dlad.native_plane import PlaneDevice
 from dlad.native_scheduler import NativeUnavailable, Scheduling, make_scheduler
 from dlad.systemd import Notifier
 
@@ -155,7 +156,15 @@ class Daemon:
     @property
     def counters(self) -> Counters:
         """Messages received and replies sent, by status."""
-        return self.frontend.counters
+        return self.frontend.totals()
+
+    @property
+    def native(self) -> bool:
+        """Whether the native data plane serves INFERs (``[frontend] data_plane``)."""
+        return self.config.frontend.data_plane == "native"
+
+    def _device_names(self) -> list[str]:
+        return [p.device for p in self.plan.placements] if self.native else list(self.executors)
 
     # ------------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
@@ -191,6 +200,9 @@ class Daemon:
             self.frontend.open(self.endpoints)
             for p in self.plan.placements:  # the devices that get an executor
                 self.metrics.device_state(p.device, "loading")
+            if self.native:
+                await self._serve_native()
+                return
             await self._start_gpu()
             if self._gpu is not None and self.frontend.shm is not None:
                 self.frontend.shm.on_map = self._gpu.register_frames
@@ -246,6 +258,34 @@ class Daemon:
             self.frontend.close(linger_ms=int(self.config.daemon.close_linger_ms))
             log.info("stopped", replied=self.counters.replied)
             self.stopped.set()
+
+    async def _serve_native(self) -> None:
+        """serve() with the native data plane: its engines instead of executors (the config
+        allows emulated DLA cores in timing mode only, each as its placement times it)."""
+        self.frontend.start_plane([
+            PlaneDevice(p.device, p.latency_us, capacity=self.config.device(p.device).queue_depth)
+            for p in self.plan.placements
+        ])  # fmt: skip
+        for p in self.plan.placements:
+            self.metrics.device_state(p.device, "ready")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._heartbeat_loop)
+            tg.start_soon(self.frontend.receive_loop)
+            tg.start_soon(self.frontend.watch_connections)
+            gc.collect()
+            gc.freeze()
+            self.ready.set()
+            devices = self._device_names()
+            log.info("listening", endpoints=self.bound, devices=devices, data_plane="native",
+                     event_loop=_loop_name())  # fmt: skip
+            self.notifier.ready(f"serving {', '.join(devices)} on {', '.join(self.bound)}")
+            await self._stop.wait()
+            await self._drain()
+            self.lingering.set()
+            await anyio.sleep(self.config.daemon.close_linger_ms / 1e3)
+            tg.cancel_scope.cancel()
+        late = await self.frontend.answer_what_is_queued()
+        log.info("closing", answered_after_the_drain=late)
 
     async def _start_gpu(self) -> None:
         """Choose the pre/post backend (logged): CUDA kernels where a GPU is configured and
@@ -344,6 +384,14 @@ class Daemon:
                     log.warning("client_keys_unreadable", reason=exc.message)
             if self.frontend.shm is not None:
                 self.frontend.shm.reclaim()  # client segments idle past [shm] idle_s
+            plane = self.frontend.plane
+            if plane is not None:
+                self.frontend.observe_plane()
+                self.metrics.tick(DeviceSample(d.name, d.queue_depth, d.capacity, d.in_flight,
+                                               d.busy_ns, "dla", (d.completed,))
+                                  for d in plane.state()[0])  # fmt: skip
+                await anyio.sleep(self.config.metrics.heartbeat_s)
+                continue
             snaps = {s.name: s for s in self._scheduler.snapshot()}
             self.metrics.tick(
                 DeviceSample(
@@ -362,11 +410,15 @@ class Daemon:
     async def _drain(self) -> None:
         self.state = State.DRAINING
         self.notifier.stopping(f"draining (at most {self.config.daemon.drain_timeout_s:g} s)")
-        log.info("draining", queued=self._scheduler.queued(), pending=self.frontend.pending)
+        plane = self.frontend.plane
+        pending = self.frontend.pending if plane is None else plane.pending
+        log.info("draining", queued=self._scheduler.queued(), pending=pending)
         await self.frontend.drain(self.config.daemon.drain_timeout_s)
 
     # ------------------------------------------------------------------------ status
     def _status_report(self, load: bool = False) -> dict[str, Any]:
+        if self.frontend.plane is not None:
+            return self._report(*self._plane_status(), load=load)
         snaps = {s.name: s for s in self._scheduler.snapshot()}
         devices = []
         for name, executor in self.executors.items():
@@ -399,6 +451,42 @@ class Daemon:
                     "batches": list(snap.batches),
                 }
             )
+        queues = {
+            "depth": self._scheduler.queued(),
+            "capacity": sum(s.capacity for s in snaps.values()),
+            "streams": self._scheduler.streams_waiting(),
+        }
+        return self._report(devices, queues, load=load)
+
+    def _plane_status(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """STATUS's devices and queues from the native plane's state."""
+        assert self.frontend.plane is not None
+        states, queued, streams = self.frontend.plane.state()
+        devices = [
+            {
+                "name": d.name,
+                "kind": "dla",
+                "core": self.config.device(d.name).core,
+                "healthy": True,
+                "state": "serving",
+                "reason": "",
+                "busy": d.in_flight > 0,
+                "in_flight": d.in_flight,
+                "queue_depth": d.queue_depth,
+                "completed": d.completed,
+                "failed": 0,  # timing mode: its tasks cannot fail
+                "service_time_us": float(d.service_time_us),
+                "max_batch": 1,
+                "batches": [d.completed],
+            }
+            for d in states
+        ]
+        capacity = sum(d.capacity for d in states)
+        return devices, {"depth": queued, "capacity": capacity, "streams": streams}
+
+    def _report(
+        self, devices: list[dict[str, Any]], queues: dict[str, int], *, load: bool
+    ) -> dict[str, Any]:
         models = []
         for m in self.config.models:
             placements = self.plan.for_model(m.name)
@@ -414,7 +502,6 @@ class Daemon:
                     "classes": lo.num_classes,
                 }
             )
-        capacity = sum(s.capacity for s in snaps.values())
         fe = self.config.frontend
         report: dict[str, Any] = {
             "name": self.config.daemon.name,
@@ -425,11 +512,7 @@ class Daemon:
             "protocol": protocol.PROTOCOL_VERSION,
             "devices": devices,
             "models": models,
-            "queues": {
-                "depth": self._scheduler.queued(),
-                "capacity": capacity,
-                "streams": self._scheduler.streams_waiting(),
-            },
+            "queues": queues,
             "limits": {
                 "max_in_flight_per_client": fe.max_in_flight_per_client,
                 "max_message_bytes": fe.max_message_bytes,

@@ -15,6 +15,14 @@ its file descriptor, and the receive loop then reads every waiting message witho
 replies are sent without blocking (``NOBLOCK``), so they need no awaiting either. This is what
 ``zmq.asyncio`` does, without a future, a callback and a loop turn per message: the daemon's
 hot path is measured against a bare pyzmq server (``bench/daemon_throughput.py``).
+
+With ``[frontend] data_plane = "native"`` the native data plane (:mod:`dlad.native_plane`) owns
+the ROUTER from :meth:`Frontend.start_plane` to the end of the drain: it serves the INFERs its
+reader takes, and this frontend reads the rest off the plane's forwarding socket, the same
+messages in the same shape, answering through the plane. An INFER the plane left and the
+images of an INFER_BATCH go back into the plane once decoded (the batch's answers return as
+outcomes, gathered here into its one reply); CANCEL and STATUS ask the plane. Once the plane has
+drained, the socket is this frontend's again, for the linger and the last messages.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import Any, Final, cast
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
+import msgpack
 import numpy as np
 import structlog
 import zmq
@@ -53,9 +63,11 @@ from dlad.errors import (
     ShuttingDown,
     StartupError,
     Status,
+    error_for,
 )
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
+from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, PlaneUnavailable
 from dlad.native_scheduler import Scheduling
 from dlad.scheduler import Job
 from dlad.shm import SharedFrames
@@ -88,6 +100,7 @@ class _Batch:
     results: list[protocol.BatchResult | None]
     waiting: int  # images not answered yet
     jobs: list[int] = field(default_factory=list)  # its images' job ids (for CANCEL)
+    tag: int = -1  # the native plane's tag for its images' outcomes (-1: none)
 
 
 @dataclass(slots=True)
@@ -115,6 +128,7 @@ _NOBLOCK: Final = int(zmq.NOBLOCK)
 _MORE: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _NO_MODEL: Final = (0.25, 0.45, 300)  # an unknown model's request: refused, never run
 _STATUS_NAMES: Final = {s: s.name for s in Status}  # an enum's ``name`` is a Python property
+_STATUSES: Final = {int(s): s for s in Status}
 
 
 def _waiting(sock: zmq.Socket[bytes]) -> bool:
@@ -200,6 +214,12 @@ class Frontend:
         self.connections = 0  # open connections, as the socket's monitor counts them
         self.client_keys: ClientKeys | None = None
         self.shm = SharedFrames(config.shm) if config.shm.enabled else None
+        self.plane: NativePlane | None = None  # data_plane = "native", from start_plane()
+        self._plane_done = anyio.Event()  # the plane has drained: the socket is ours again
+        self._inbox: zmq.Socket[bytes] | None = None  # what the receive loop reads now
+        self._tags: dict[int, _Batch] = {}  # the plane's outcome tag -> its INFER_BATCH
+        self._next_tag = 0
+        self._known_models = frozenset(self._models)
 
     # ------------------------------------------------------------------ socket
     def open(self, endpoints: Sequence[str]) -> None:
@@ -254,9 +274,37 @@ class Frontend:
                 os.chmod(path, f.ipc_mode)
             self.bound.append(bound)
 
+    def start_plane(self, devices: Sequence[PlaneDevice]) -> None:
+        """Hand the socket to the native data plane (``data_plane = "native"``), serving the
+        config's models on ``devices``. Raises StartupError where the plane cannot run."""
+        assert self._socket is not None  # opened first
+        c = self.config
+        models = {m.name: list(m.devices) for m in c.models}
+        try:
+            self.plane = NativePlane(
+                self._socket,
+                devices=devices,
+                models=models,
+                limits=self.limits,
+                default_deadline_ms=c.daemon.default_deadline_ms,
+                max_deadline_ms=c.daemon.max_deadline_ms,
+                max_in_flight_per_client=c.frontend.max_in_flight_per_client,
+                max_buffered_bytes=c.frontend.max_buffered_bytes,
+                policy=c.scheduler.policy,
+                pins=c.scheduler.pins,
+            )
+        except (PlaneUnavailable, ValueError) as exc:
+            raise StartupError(f"the native data plane cannot run: {exc}",
+                               key="frontend.data_plane") from None  # fmt: skip
+        self.plane.start()
+
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket (replies already queued get ``linger_ms`` to leave) and its context
         (idempotent)."""
+        if self.plane is not None:  # its thread ends before the socket it uses closes
+            self.observe_plane()
+            self.plane.close()
+            self.plane = None
         if self._monitor is not None:
             self._monitor.close(0)
             self._monitor = None
@@ -284,16 +332,26 @@ class Frontend:
 
     # ------------------------------------------------------------------ requests
     async def receive_loop(self) -> None:
-        """Read and handle messages until cancelled."""
-        sock = self._socket
-        assert sock is not None  # opened before the loop starts
+        """Read and handle messages until cancelled: off the native plane's forwarding socket
+        while it runs, then off the ROUTER."""
+        assert self._socket is not None  # opened before the loop starts
+        if self.plane is not None:
+            await self._read(self.plane.forwarded, until=self._plane_done)
+        await self._read(self._socket)
+
+    async def _read(self, sock: zmq.Socket[bytes], until: anyio.Event | None = None) -> None:
+        """Handle ``sock``'s messages until cancelled, or until ``until`` is set and none
+        waits."""
         loop = asyncio.get_running_loop()
         readable = self._readable
+        self._inbox = sock
         loop.add_reader(sock.FD, readable.set)
         try:
             more = _waiting(sock)
             while True:
                 if not more:
+                    if until is not None and until.is_set():
+                        return
                     # ZeroMQ's fd is edge-triggered: sleep only once the socket itself says no
                     # message waits (a send may take the edge meanwhile: _send_frames re-checks).
                     readable.clear()
@@ -318,6 +376,7 @@ class Frontend:
                     await asyncio.sleep(0)
         finally:
             loop.remove_reader(sock.FD)
+            self._inbox = None
 
     async def watch_connections(self) -> None:
         """Count the socket's connections from its monitor events, for the connection cap and
@@ -346,19 +405,25 @@ class Frontend:
         Returns how many there were."""
         assert self._socket is not None
         n = 0
-        while True:
-            try:
-                frames = _receive(self._socket)
-            except zmq.Again:
-                return n
-            n += 1
-            await self._handle(frames)
+        socks = [self._socket] if self.plane is None else [self.plane.forwarded, self._socket]
+        for sock in socks:
+            while True:
+                try:
+                    frames = _receive(sock)
+                except zmq.Again:
+                    break
+                n += 1
+                await self._handle(frames)
+        return n
 
     async def _handle(self, frames: list[Any]) -> None:
         """Answer one message. Whatever goes wrong on the way costs its sender a typed reply
         (INTERNAL for a bug) and the daemon a log line with the client and request id, never the
         receive loop."""
         client = bytes(frames[0].buffer)
+        if not client and self.plane is not None:  # an image's answer from the plane
+            self._plane_outcome(frames[1:])
+            return
         self.counters.received += 1
         request: protocol.Request | None = None
         try:
@@ -477,6 +542,9 @@ class Frontend:
             )
 
     async def _infer(self, client: bytes, owner: str, req: protocol.InferRequest) -> None:
+        if self.plane is not None:  # an INFER the plane's reader left: the plane runs it
+            self._submit(client, owner, req.id, [req])
+            return
         size = 0 if req.shm is not None else req.image.nbytes  # shared memory is the client's
         self._room(client, owner, req.id, 1, size)
         job_id = await self._admit(client, owner, req, size)
@@ -489,6 +557,9 @@ class Frontend:
         queues, a model no device serves) gets its status in the reply, the others run."""
         received = time.monotonic_ns()
         images = req.images
+        if self.plane is not None:
+            self._submit_batch(client, owner, req)
+            return
         size = sum(0 if item.shm is not None else item.image.nbytes for item in images)
         self._room(client, owner, req.id, len(images), size)
         batch = _Batch(client, req.id, [None] * len(images), len(images))
@@ -564,6 +635,9 @@ class Frontend:
         return job.id
 
     async def _cancel(self, client: bytes, req: protocol.CancelRequest) -> None:
+        if self.plane is not None:
+            await self._cancel_in_plane(client, req)
+            return
         batch = self._batches.get((client, req.id))
         if batch is not None:
             await self._cancel_batch(batch)
@@ -592,6 +666,77 @@ class Frontend:
             await self.answer(job.id, Cancelled("cancelled by the client"))
         await self._send(batch.client, protocol.CancelReply(batch.request_id, Status.OK))
 
+    # ------------------------------------------------------------------ the native plane
+    def _submit(
+        self, client: bytes, owner: str, request_id: int, images: Sequence[protocol.InferRequest],
+        tag: int | None = None,
+    ) -> None:  # fmt: skip
+        """Admit decoded images into the plane (see NativePlane.submit); its refusal of the
+        whole request is raised as the frontend's own would be."""
+        assert self.plane is not None
+        if (client, request_id) in self._batches:  # the plane knows INFERs, not batches
+            raise BadRequest(f"request id {request_id} is already in flight on this connection")
+        items = [Item(i.model, i.stream, i.priority, i.deadline_ms, i.image.nbytes) for i in images]
+        refused = self.plane.submit(client, owner, request_id, items, tag)
+        if refused is not None:
+            raise error_for(*refused)
+
+    def _submit_batch(self, client: bytes, owner: str, req: protocol.InferBatchRequest) -> None:
+        images = req.images
+        batch = _Batch(client, req.id, [None] * len(images), len(images), tag=self._next_tag)
+        self._next_tag += 1
+        self._submit(client, owner, req.id, images, batch.tag)  # raises: nothing to undo
+        self._tags[batch.tag] = batch
+        self._batches[(client, req.id)] = batch
+
+    def _plane_outcome(self, parts: Sequence[Any]) -> None:
+        """An INFER_BATCH image's answer from the plane: the header it would have sent."""
+        assert self.plane is not None
+        out = self.plane.outcome([p.bytes if isinstance(p, zmq.Frame) else p for p in parts])
+        batch = self._tags.get(out.tag)
+        if batch is None:  # cannot happen: a batch's tag lives until its last answer
+            log.error("outcome_without_batch", tag=out.tag, index=out.index)
+            return
+        h = msgpack.unpackb(out.header)  # the plane's own INFER_REPLY header
+        self._fill(batch, out.index, (h["status"], h["message"], h["device"], h["timing"],
+                                      _NO_DETECTIONS))  # fmt: skip
+
+    async def _cancel_in_plane(self, client: bytes, req: protocol.CancelRequest) -> None:
+        assert self.plane is not None
+        batch = self._batches.get((client, req.id))
+        found = self.plane.cancel(client, req.id)
+        if found is CancelResult.CANCELLED:
+            await self._send(client, protocol.CancelReply(req.id, Status.OK))
+        elif found is CancelResult.NOT_QUEUED and batch is None:
+            raise NotFound(f"request {req.id} is not queued")
+        else:
+            raise NotFound(f"request {req.id} is already running (or answered)")
+
+    def observe_plane(self) -> None:
+        """Hand the plane's replies since the last call to the metrics (the heartbeat's)."""
+        if self.plane is None:
+            return
+        known, observe = self._known_models, self.metrics.observe_reply
+        for model, device, status, queue_us, device_us, total_us in self.plane.observations():
+            observe(model if model in known else "", device or None, _STATUSES[status],
+                    queue_us=queue_us, device_us=device_us, total_us=total_us)  # fmt: skip
+
+    def totals(self) -> Counters:
+        """Messages received and replies sent, by status: this frontend's and, with the
+        native plane, the plane's own."""
+        if self.plane is None:
+            return self.counters
+        mine, plane = self.counters, self.plane.counters()
+        by_status = dict(mine.by_status)
+        for name, n in plane["by_status"].items():
+            by_status[name] = by_status.get(name, 0) + n
+        return Counters(
+            received=mine.received + plane["received"] - plane["forwarded"],
+            replied=mine.replied + plane["replied"],
+            by_status=by_status,
+            dropped=mine.dropped + plane["dropped"],
+        )
+
     async def expiry_loop(self) -> None:
         """Answer queued jobs whose deadline passed, at their deadline (a timer, not a poll):
         sleep until the earliest queued deadline, or until a new job may have an earlier one."""
@@ -609,6 +754,12 @@ class Frontend:
     async def drain(self, timeout_s: float) -> None:
         """Answer every queued job SHUTTING_DOWN, then wait (at most ``timeout_s``) for the jobs
         on a device to be answered."""
+        if self.plane is not None:  # the plane does so, then hands the socket back
+            await anyio.to_thread.run_sync(self.plane.drain, timeout_s)
+            self.observe_plane()
+            self._plane_done.set()
+            self._readable.set()  # the receive loop moves to the socket
+            return
         for job in self.scheduler.drain():
             await self.answer(job.id, ShuttingDown("the daemon is shutting down"))
         with anyio.move_on_after(timeout_s):
@@ -671,6 +822,7 @@ class Frontend:
         if batch.waiting:
             return
         del self._batches[(batch.client, batch.request_id)]
+        self._tags.pop(batch.tag, None)
         results = cast("list[protocol.BatchResult]", batch.results)
         self._send_frames(batch.client, Status.OK,
                           protocol.encode_batch_reply(batch.request_id, results))  # fmt: skip
@@ -750,6 +902,10 @@ class Frontend:
         self.counters.replied += 1
         by_status, name = self.counters.by_status, _STATUS_NAMES[status]
         by_status[name] = by_status.get(name, 0) + 1
+        if self.plane is not None:  # its thread sends (the plane counts what it cannot)
+            self.plane.send(client, frames)
+            self._recheck()
+            return
         try:
             # Copied: replies are small (a header, at most MAX_DET rows), and a copy is cheaper
             # than a zero-copy frame's bookkeeping below pyzmq's copy threshold.
@@ -767,9 +923,13 @@ class Frontend:
                 log.bind(client=client.hex()).warning(
                     "reply_dropped", reason=why, dropped_total=self.counters.dropped
                 )
+        self._recheck()
+
+    def _recheck(self) -> None:
         # A send processes the socket's pending commands, which can consume the fd's edge for
         # a message that has arrived: wake the receive loop if it sleeps.
-        if self._asleep and _waiting(sock):
+        inbox = self._inbox
+        if self._asleep and inbox is not None and _waiting(inbox):
             self._readable.set()
 
 

@@ -109,6 +109,7 @@ class DeviceState:
     in_flight: int
     service_time_us: float
     completed: int
+    busy_ns: int  # its tasks' time so far
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,8 +163,10 @@ PYBIND11_MODULE(_native, m) {
                  }
                  py::list devices;
                  for (const auto& d : s.devices) {
-                     devices.append(py::make_tuple(d.name, d.queue_depth, d.capacity,
-                                                   d.in_flight, d.service_time_us, d.completed));
+                     const auto busy = s.busy_ns.find(d.name);
+                     devices.append(py::make_tuple(
+                         d.name, d.queue_depth, d.capacity, d.in_flight, d.service_time_us,
+                         d.completed, busy == s.busy_ns.end() ? int64_t{0} : busy->second));
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })

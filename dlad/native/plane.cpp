@@ -325,9 +325,10 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
             job.model = items[i].model;
             job.received_ns = now;
             job.size = items[i].size;
-            admit(std::move(job), key, items[i], now, nullptr);
+            // each to an idle core at once, as the plane's INFERs are: the queues then hold
+            // what the cores cannot start
+            if (admit(std::move(job), key, items[i], now, nullptr)) dispatch(now);
         }
-        dispatch(now);
     });
     return out;
 }
@@ -336,6 +337,7 @@ State Plane::state() {
     State out;
     call([&] {
         out.devices = scheduler_.snapshot();
+        out.busy_ns = busy_ns_;
         out.queued = scheduler_.queued();
         out.streams_waiting = scheduler_.streams_waiting();
     });
@@ -681,7 +683,9 @@ void Plane::take_completions() {
         done.swap(done_);
     }
     for (const Done& d : done) {
-        --running_[device_of_.at(d.job)];  // the core's slot is free, answered or not
+        const std::string device = device_of_.at(d.job);
+        --running_[device];  // the core's slot is free, answered or not
+        busy_ns_[device] += d.end_ns - d.start_ns;
         device_of_.erase(d.job);
         auto it = jobs_.find(d.job);
         if (it == jobs_.end()) continue;  // answered SHUTTING_DOWN while it ran

@@ -127,7 +127,8 @@ struct Observation {
 
 // The scheduler's state and the engines' counts, for STATUS and the gauges.
 struct State {
-    std::vector<Snapshot> devices;  // Snapshot.completed: tasks the engine finished
+    std::vector<Snapshot> devices;
+    std::map<std::string, int64_t> busy_ns;  // device -> its tasks' time so far
     int64_t queued = 0;
     int64_t streams_waiting = 0;
 };
@@ -278,6 +279,7 @@ class Plane {
     std::map<std::string, int64_t> running_;  // device -> tasks on it
     std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
     std::map<std::string, int64_t> slots_;
+    std::map<std::string, int64_t> busy_ns_;  // device -> its tasks' time so far
     std::unordered_map<int64_t, Job> jobs_;
     std::unordered_map<std::string, int64_t> in_use_;  // client + request id -> its jobs
     std::unordered_map<std::string, int64_t> in_flight_;  // owner -> jobs

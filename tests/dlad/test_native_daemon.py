@@ -1,0 +1,242 @@
+"""The daemon with ``[frontend] data_plane = "native"``: the plane serves INFERs, the event loop
+the rest, and a client sees the daemon it knows: the same replies and words, STATUS, CANCEL,
+INFER_BATCH, the metrics, the drain and the linger after it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from dlad import native_scheduler, protocol
+from dlad.config import ConfigError, load_config
+from dlad.daemon import Daemon
+from dlad.errors import Status
+from dlad.scheduler import no_device_serves
+from tests.dlad.serving import serve_in_thread
+from tests.dlad.test_daemon import dealer, recv
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
+    ),
+]
+
+IMAGE = np.zeros((8, 8, 3), np.uint8)
+
+CONFIG = """
+[daemon]
+drain_timeout_s = 5.0
+default_deadline_ms = 60000.0
+{daemon}
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+cheap_requests_per_s = 100000.0  # the tests poll STATUS
+data_plane = "native"
+[pre_post]
+enabled = false
+[shm]
+enabled = false
+[soc]
+dram_contention = 0
+[metrics]
+heartbeat_s = 0.05
+live_timeout_s = 5.0
+[devices.dla0]
+kind = "dla"
+backend = "emulated"
+core = 0
+queue_depth = {depth}
+mode = "timing"
+latency_us = {latency}
+[devices.dla1]
+kind = "dla"
+backend = "emulated"
+core = 1
+queue_depth = {depth}
+mode = "timing"
+latency_us = {latency}
+[models.demo]
+devices = ["dla0", "dla1"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+"""
+
+
+@contextmanager
+def native(
+    tmp_path: Path, *, latency: float = 1000.0, depth: int = 4, daemon: str = ""
+) -> Iterator[tuple[Daemon, str]]:
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(CONFIG.format(latency=latency, depth=depth, daemon=daemon))
+    d = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(d) as endpoint:
+        yield d, endpoint
+
+
+def _infer(rid: int, **fields: object) -> list[bytes]:
+    fields.setdefault("model", "demo")
+    return [bytes(f) for f in protocol.encode(protocol.InferRequest(rid, image=IMAGE, **fields))]  # type: ignore[arg-type]
+
+
+def _status(sock: object, rid: int) -> protocol.StatusReply:
+    sock.send_multipart(protocol.encode(protocol.StatusRequest(rid, load=True)))  # type: ignore[attr-defined]
+    reply = recv(sock)  # type: ignore[arg-type]
+    assert isinstance(reply, protocol.StatusReply)
+    return reply
+
+
+def test_infers_are_served_by_the_plane_and_counted_everywhere(tmp_path: Path) -> None:
+    with native(tmp_path) as (daemon, ep), dealer(ep) as sock:
+        for rid in range(12):
+            sock.send_multipart(_infer(rid, stream=None if rid % 3 else f"cam{rid}"))
+        replies = [recv(sock) for _ in range(12)]
+        assert sorted(int(r.id or 0) for r in replies) == list(range(12))
+        assert {r.status for r in replies} == {Status.OK}
+        assert {r.device for r in replies} <= {"dla0", "dla1"}
+        report: dict[str, Any] = dict(_status(sock, 99).report or {})
+        assert daemon.frontend.plane is not None
+        assert daemon.frontend.plane.counters()["by_status"] == {"OK": 12}  # the plane's
+        assert daemon.counters.by_status == {"OK": 13}  # with the STATUS reply
+        assert daemon.counters.received == 13
+    assert [d["name"] for d in report["devices"]] == ["dla0", "dla1"]
+    assert sum(d["completed"] for d in report["devices"]) == 12
+    assert {d["state"] for d in report["devices"]} == {"serving"}
+    assert report["queues"] == {"depth": 0, "capacity": 8, "streams": 0}
+    assert report["models"][0]["devices"] == ["dla0", "dla1"]
+    metrics = generate_latest(daemon.metrics.registry).decode()
+    ok = [line for line in metrics.splitlines()
+          if line.startswith("dlad_requests_total{") and 'status="OK"' in line]  # fmt: skip
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) == 12  # observed by the heartbeat
+
+
+def test_what_the_plane_leaves_is_answered_with_the_frontends_words(tmp_path: Path) -> None:
+    with native(tmp_path) as (_, ep), dealer(ep) as sock:
+        sock.send_multipart(_infer(1, stream="caméra"))  # not ASCII: the full decoder's
+        ok = recv(sock)
+        assert (ok.id, ok.status, ok.device in ("dla0", "dla1")) == (1, Status.OK, True)
+        sock.send_multipart(_infer(2, model="modèle"))
+        missing = recv(sock)
+        assert (missing.id, missing.status) == (2, Status.NOT_FOUND)
+        assert missing.message == no_device_serves("modèle")
+        sock.send_multipart([b"\xc1", b"junk"])  # malformed: a typed reply, the daemon stays
+        assert recv(sock).status is Status.BAD_REQUEST
+        header = msgpack.unpackb(_infer(3)[0])
+        header["image"]["height"] = 9  # the payload no longer fits: the full decoder refuses
+        sock.send_multipart([msgpack.packb(header), IMAGE.tobytes()])
+        bad = recv(sock)
+        assert (bad.id, bad.status) == (3, Status.BAD_REQUEST)
+        sock.send_multipart(_infer(4))
+        assert recv(sock).status is Status.OK
+
+
+def test_an_infer_batch_runs_in_the_plane_and_gets_one_reply(tmp_path: Path) -> None:
+    with native(tmp_path, latency=50_000.0, depth=2) as (_, ep), dealer(ep) as sock:
+        items = tuple(protocol.InferRequest(7, "demo", IMAGE) for _ in range(10))
+        sock.send_multipart(protocol.encode(protocol.InferBatchRequest(7, "demo", items)))
+        # The event loop handles what the plane forwards in order: once STATUS is answered,
+        # the batch is in the plane (an INFER sent meanwhile could have overtaken it).
+        assert _status(sock, 70).id == 70
+        sock.send_multipart(_infer(7))  # its id is in flight (the batch's)
+        early = recv(sock)
+        assert (early.id, early.status) == (7, Status.BAD_REQUEST)
+        assert early.message == "request id 7 is already in flight on this connection"
+        reply = recv(sock)
+        assert isinstance(reply, protocol.InferBatchReply)
+        assert (reply.id, reply.status, len(reply.results)) == (7, Status.OK, 10)
+        statuses = Counter(r.status for r in reply.results)
+        # two cores with two slots and two queued each take 8; the rest find full queues
+        assert statuses == {Status.OK: 8, Status.OVERLOADED: 2}
+        assert all(r.device in ("dla0", "dla1") for r in reply.results if r.status is Status.OK)
+        others = tuple(protocol.InferRequest(8, "other", IMAGE) for _ in range(2))
+        sock.send_multipart(protocol.encode(protocol.InferBatchRequest(8, "other", others)))
+        other = recv(sock)
+        assert isinstance(other, protocol.InferBatchReply)
+        assert [r.status for r in other.results] == [Status.NOT_FOUND] * 2
+
+
+def test_cancel_reaches_the_plane(tmp_path: Path) -> None:
+    with native(tmp_path, latency=200_000.0, depth=4) as (_, ep), dealer(ep) as sock:
+        for rid in range(5):  # 4 run (two cores, two slots), the fifth queues
+            sock.send_multipart(_infer(rid))
+        while _status(sock, 100).report["queues"]["depth"] < 1:  # state, bounded by the timeout
+            pass
+        sock.send_multipart(protocol.encode(protocol.CancelRequest(4)))
+        replies = {type(r).__name__: r for r in (recv(sock), recv(sock))}
+        infer, cancel = replies["InferReply"], replies["CancelReply"]
+        assert (infer.id, infer.status, infer.message) == (
+            4, Status.CANCELLED, "cancelled by the client")  # fmt: skip
+        assert (cancel.id, cancel.status) == (4, Status.OK)
+        sock.send_multipart(protocol.encode(protocol.CancelRequest(0)))
+        running = recv(sock)
+        assert (running.status, running.message) == (
+            Status.NOT_FOUND, "request 0 is already running (or answered)")  # fmt: skip
+        sock.send_multipart(protocol.encode(protocol.CancelRequest(77)))
+        unknown = recv(sock)
+        assert (unknown.status, unknown.message) == (Status.NOT_FOUND, "request 77 is not queued")
+
+
+def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: Path) -> None:
+    linger = "close_linger_ms = 3000.0"
+    with (
+        native(tmp_path, latency=300_000.0, depth=4, daemon=linger) as (daemon, ep),
+        dealer(ep) as sock,
+    ):
+        for rid in range(6):  # 4 run, 2 queue
+            sock.send_multipart(_infer(rid))
+        while _status(sock, 100).report["queues"]["depth"] < 2:
+            pass
+        daemon.stop_threadsafe()
+        first = [recv(sock) for _ in range(6)]
+        by_status = Counter(r.status for r in first)
+        assert by_status == {Status.SHUTTING_DOWN: 2, Status.OK: 4}
+        assert daemon.lingering.wait(30)  # drained: the socket is the event loop's again
+        sock.send_multipart(_infer(50))
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(51)))
+        late = [recv(sock), recv(sock)]
+        assert (late[0].id, late[0].status) == (50, Status.SHUTTING_DOWN)
+        assert isinstance(late[1], protocol.StatusReply)
+        assert late[1].report["state"] == "DRAINING"
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (("[pre_post]\nenabled = false", "[pre_post]\nenabled = true"), "pre_post.enabled"),
+        (("[shm]\nenabled = false", "[shm]\nenabled = true"), "shm.enabled"),
+        (("dram_contention = 0", "dram_contention = 1"), "soc.dram_contention"),
+        (('mode = "timing"\nlatency_us = {latency}\n[devices.dla1]',
+          'mode = "numeric"\nlatency_us = {latency}\n[devices.dla1]'), "devices.dla0.mode"),
+        (('backend = "emulated"\ncore = 1', 'backend = "auto"\ncore = 1'),
+         "devices.dla1.backend"),
+    ],
+)  # fmt: skip
+def test_what_the_native_plane_cannot_run_is_refused_at_load(
+    tmp_path: Path, change: tuple[str, str], key: str
+) -> None:
+    text = CONFIG.replace(*change)
+    assert text != CONFIG
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(text.format(latency=1000.0, depth=4, daemon=""))
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.key == key
+    assert 'data_plane = "native"' in err.value.reason
+
+
+def test_a_gpu_device_is_refused_with_the_native_plane(tmp_path: Path) -> None:
+    text = CONFIG.format(latency=1000.0, depth=4, daemon="") + '[devices.gpu]\nkind = "gpu"\n'
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.key == "devices.gpu.kind"
