@@ -78,6 +78,7 @@ CONFIG = """
 default_deadline_ms = 60000.0
 [soc]
 [scheduler]
+[shm]
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 1000
@@ -917,18 +918,22 @@ def _run_name(
 
 
 def _with_variant(variant: str | None, config: str) -> str:
-    """``config`` with a ``--variant``'s key set (``NAME:SECTION.KEY=VALUE``, VALUE in TOML:
-    ``'asyncio:daemon.event_loop="asyncio"'``); the section must be one the config has."""
+    """``config`` with a ``--variant``'s keys set (``NAME:SECTION.KEY=VALUE``, VALUE in TOML,
+    several joined by ``;``: ``'asyncio:daemon.event_loop="asyncio"'``); each section must be
+    one the config has."""
     if variant is None:
         return config
-    _, _, setting = variant.partition(":")
-    where, _, value = setting.partition("=")
-    section, _, key = where.rpartition(".")
-    header = f"[{section}]\n"
-    if not key or not value or header not in config:
-        raise SystemExit(f"--variant {variant!r}: want NAME:SECTION.KEY=VALUE, a section of ours")
-    value = value.replace("{", "{{").replace("}", "}}")  # the config is a format string
-    return config.replace(header, f"{header}{key} = {value}\n", 1)
+    _, _, settings = variant.partition(":")
+    for setting in settings.split(";"):
+        where, _, value = setting.strip().partition("=")
+        section, _, key = where.rpartition(".")
+        header = f"[{section}]\n"
+        if not key or not value or header not in config:
+            raise SystemExit(f"--variant {variant!r}: want NAME:SECTION.KEY=VALUE[;...], "
+                             "sections of ours")  # fmt: skip
+        value = value.replace("{", "{{").replace("}", "}}")  # the config is a format string
+        config = config.replace(header, f"{header}{key} = {value}\n", 1)
+    return config
 
 
 def main() -> None:
@@ -980,9 +985,9 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--variant", action="append", default=[], metavar="NAME:SECTION.KEY=VALUE",
-        help="also run each dlad server with this config key set (VALUE in TOML), alternating "
-             "with the config as it is in every trial; repeatable. E.g. "
-             "'asyncio:daemon.event_loop=\"asyncio\"'",
+        help="also run each dlad server with this config key set (VALUE in TOML; several "
+             "joined by ';'), alternating with the config as it is in every trial; repeatable. "
+             "E.g. 'asyncio:daemon.event_loop=\"asyncio\"'",
     )  # fmt: skip
     ap.add_argument(
         "--only", default="",

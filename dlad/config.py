@@ -773,9 +773,6 @@ class Config:
             _check(d.kind == "dla", f"{key}.kind",
                    f"{why} DLA cores only (its GPU engine is not built yet); serve the gpu "
                    'with data_plane = "python"')  # fmt: skip
-            _check(d.backend == "emulated", f"{key}.backend",
-                   f'{why} emulated DLA cores only (its cuDLA engine is not built yet): set '
-                   f'backend = "emulated", got {d.backend!r}')  # fmt: skip
             _check(d.mode == "timing", f"{key}.mode",
                    f'{why} cores in timing mode only: set mode = "timing"')  # fmt: skip
             _check(not d.faults.active, f"{key}.faults",

@@ -32,6 +32,7 @@ import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.dram import ORIN_DRAM_K
+from dlad.devices.factory import resolve_backend
 from dlad.errors import DladError, Overloaded, StartupError
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.executors.factory import ExecutorBuildError, build_executors
@@ -262,6 +263,16 @@ class Daemon:
     async def _serve_native(self) -> None:
         """serve() with the native data plane: its engines instead of executors (the config
         allows emulated DLA cores in timing mode only, each as its placement times it)."""
+        for p in self.plan.placements:
+            core = self.config.device(p.device).core
+            cudla = self.config.model(p.model).loadables.cudla_for_core(int(core or 0))
+            backend = self.config.device(p.device).backend
+            if resolve_backend(backend, cudla) != "emulated":  # auto, where cuDLA loads
+                raise StartupError(
+                    'data_plane = "native" runs emulated DLA cores only (its cuDLA engine is '
+                    'not built yet), and cuDLA loads here: set backend = "emulated"',
+                    key=f"devices.{p.device}.backend",
+                )
         self.frontend.start_plane([
             PlaneDevice(p.device, p.latency_us, capacity=self.config.device(p.device).queue_depth)
             for p in self.plan.placements

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgpack
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from prometheus_client import generate_latest
 from dlad import native_scheduler, protocol
 from dlad.config import ConfigError, load_config
 from dlad.daemon import Daemon
-from dlad.errors import Status
+from dlad.errors import StartupError, Status
 from dlad.scheduler import no_device_serves
 from tests.dlad.serving import serve_in_thread
 from tests.dlad.test_daemon import dealer, recv
@@ -216,8 +217,6 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
         (("dram_contention = 0", "dram_contention = 1"), "soc.dram_contention"),
         (('mode = "timing"\nlatency_us = {latency}\n[devices.dla1]',
           'mode = "numeric"\nlatency_us = {latency}\n[devices.dla1]'), "devices.dla0.mode"),
-        (('backend = "emulated"\ncore = 1', 'backend = "auto"\ncore = 1'),
-         "devices.dla1.backend"),
     ],
 )  # fmt: skip
 def test_what_the_native_plane_cannot_run_is_refused_at_load(
@@ -240,3 +239,19 @@ def test_a_gpu_device_is_refused_with_the_native_plane(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(cfg)
     assert err.value.key == "devices.gpu.kind"
+
+
+def test_a_core_that_would_run_cuda_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """backend = "auto" on a host where cuDLA loads: the plane has no cuDLA engine yet."""
+    monkeypatch.setattr("dlad.daemon.resolve_backend", lambda backend, loadable: "cudla")
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(CONFIG.format(latency=1000.0, depth=4, daemon="").replace(
+        'backend = "emulated"\ncore = 1', 'backend = "auto"\ncore = 1'))  # fmt: skip
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with pytest.raises(StartupError) as err:
+        anyio.run(daemon.serve)
+    assert err.value.key == "devices.dla0.backend"
+    assert "cuDLA loads here" in str(err.value)
+    assert daemon.frontend.plane is None  # nothing left running
