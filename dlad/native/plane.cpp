@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
+#include <tuple>
 
 namespace dlad::plane {
 namespace {
@@ -131,9 +132,10 @@ TimingEngine::~TimingEngine() {
 }
 
 void TimingEngine::submit(int64_t job) {
+    const int64_t now = now_ns();
     {
         std::lock_guard<std::mutex> lock(mu_);
-        tasks_.push_back(job);
+        tasks_.emplace_back(job, now);
     }
     cv_.notify_one();
 }
@@ -144,21 +146,24 @@ void TimingEngine::run() {
     int64_t free_at = 0;  // when the core finishes its current task
     while (true) {
         int64_t job = 0;
+        int64_t submitted = 0;
         {
             std::unique_lock<std::mutex> lock(mu_);
             cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
             if (stop_) return;
-            job = tasks_.front();
+            std::tie(job, submitted) = tasks_.front();
             tasks_.pop_front();
         }
-        const int64_t start = std::max(now_ns(), free_at);  // back to back, as a DLA runs
+        // Back to back, as a DLA runs: a task submitted while the one before ran starts the
+        // moment that one ends (not when this thread has woken and come back for it).
+        const int64_t start = std::max(submitted, free_at);
         const int64_t end = start + service_ns_;
         const timespec until{static_cast<time_t>(end / 1'000'000'000),
                              static_cast<long>(end % 1'000'000'000)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
         }
         free_at = end;
-        on_done_({job, start, now_ns()});
+        on_done_({job, start, end});  // the task's own span, not this thread's wake-up
     }
 }
 

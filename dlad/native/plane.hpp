@@ -172,7 +172,7 @@ class TimingEngine {
     std::function<void(Done)> on_done_;
     std::mutex mu_;
     std::condition_variable cv_;
-    std::deque<int64_t> tasks_;
+    std::deque<std::pair<int64_t, int64_t>> tasks_;  // (job, when submitted)
     bool stop_ = false;
     std::thread thread_;
 };
