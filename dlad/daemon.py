@@ -393,8 +393,7 @@ class Daemon:
                     keys.reload()
                 except StartupError as exc:  # the directory went away: keep the last list
                     log.warning("client_keys_unreadable", reason=exc.message)
-            if self.frontend.shm is not None:
-                self.frontend.shm.reclaim()  # client segments idle past [shm] idle_s
+            self.frontend.reclaim_shm()  # client segments idle past [shm] idle_s
             plane = self.frontend.plane
             if plane is not None:
                 self.frontend.observe_plane()

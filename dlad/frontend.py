@@ -218,6 +218,8 @@ class Frontend:
         self._plane_done = anyio.Event()  # the plane has drained: the socket is ours again
         self._inbox: zmq.Socket[bytes] | None = None  # what the receive loop reads now
         self._tags: dict[int, _Batch] = {}  # the plane's outcome tag -> its INFER_BATCH
+        self._registered: set[tuple[str, str]] = set()  # segments the plane takes frames of
+        self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
         self._next_tag = 0
         self._known_models = frozenset(self._models)
 
@@ -292,6 +294,7 @@ class Frontend:
                 max_buffered_bytes=c.frontend.max_buffered_bytes,
                 policy=c.scheduler.policy,
                 pins=c.scheduler.pins,
+                shm=self.shm is not None,
             )
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",
@@ -304,6 +307,7 @@ class Frontend:
         if self.plane is not None:  # its thread ends before the socket it uses closes
             self.observe_plane()
             self.plane.close()
+            self._plane_counters = self.plane.counters()  # its last word, for totals()
             self.plane = None
         if self._monitor is not None:
             self._monitor.close(0)
@@ -367,7 +371,10 @@ class Frontend:
                 except zmq.Again:  # the message went (a peer's connection closed meanwhile)
                     more = _waiting(sock)
                     continue
-                await self._handle(frames)
+                if until is None:
+                    await self._handle(frames)
+                else:
+                    await self._handle_forwarded(frames)
                 more = _waiting(sock)
                 if more:
                     # Under a flood this loop would find a message at every read and run alone;
@@ -413,22 +420,34 @@ class Frontend:
                 except zmq.Again:
                     break
                 n += 1
-                await self._handle(frames)
+                if sock is self._socket:
+                    await self._handle(frames)
+                else:
+                    await self._handle_forwarded(frames)
         return n
 
-    async def _handle(self, frames: list[Any]) -> None:
-        """Answer one message. Whatever goes wrong on the way costs its sender a typed reply
-        (INTERNAL for a bug) and the daemon a log line with the client and request id, never the
-        receive loop."""
-        client = bytes(frames[0].buffer)
-        if not client and self.plane is not None:  # an image's answer from the plane
+    async def _handle_forwarded(self, frames: list[Any]) -> None:
+        """A message of the native plane's pair: [routing id, peer address, *parts], or an
+        image's answer ([b"", tag, index, header])."""
+        if not frames[0].bytes:
             self._plane_outcome(frames[1:])
             return
+        peer = frames[1].bytes.decode(errors="replace")
+        await self._handle([frames[0], *frames[2:]], peer)
+
+    async def _handle(self, frames: list[Any], peer: str | None = None) -> None:
+        """Answer one message (``peer``: its sender's address where the frames do not carry
+        it). Whatever goes wrong on the way costs its sender a typed reply (INTERNAL for a bug)
+        and the daemon a log line with the client and request id, never the receive loop."""
+        client = bytes(frames[0].buffer)
         self.counters.received += 1
         request: protocol.Request | None = None
         try:
             owner = self._identity(client, frames)
-            shm = None if self.shm is None else functools.partial(self._shm_frame, owner, frames)
+            shm = (
+                None if self.shm is None
+                else functools.partial(self._shm_frame, owner, frames, peer)
+            )  # fmt: skip
             request = protocol.decode_request(frames[1:], self.limits, shm)
             await self._dispatch(client, owner, request)
         except DladError as exc:
@@ -467,21 +486,50 @@ class Frontend:
         return client.hex()
 
     def _shm_frame(
-        self, owner: str, frames: list[Any], ref: protocol.ShmRef, nbytes: int
+        self, owner: str, frames: list[Any], peer: str | None, ref: protocol.ShmRef, nbytes: int
     ) -> memoryview:
         """The shared-memory frame an INFER names (``protocol.ShmResolver``), for a client on
         this host only."""
         assert self.shm is not None  # only passed to the decoder when enabled
-        try:
-            peer = str(frames[-1].get("Peer-Address"))
-        except (zmq.ZMQError, AttributeError):
-            peer = ""
+        if peer is None:
+            try:
+                peer = str(frames[-1].get("Peer-Address"))
+            except (zmq.ZMQError, AttributeError):
+                peer = ""
         if not self.shm.peer_is_local(peer):
             raise BadRequest(
                 "shm: shared-memory frames are taken from ipc:// and loopback tcp connections "
                 "only; send the image in the message"
             )
-        return self.shm.resolve(owner, ref, nbytes)
+        if self.plane is None:
+            return self.shm.resolve(owner, ref, nbytes)
+        # The plane takes this segment's frames once it is mapped here and registered there;
+        # the registration holds it mapped until the plane lets it go (reclaim_shm).
+        key = (owner, ref.name)
+        if key in self._registered and self.shm.size_of(owner, ref.name) != ref.size:
+            if not self.plane.drop_segment(owner, ref.name):
+                raise BadRequest(
+                    f"shm: segment {ref.name!r} changed size while frames of it are in flight; "
+                    "a client must not resize a segment in use"
+                )
+            self._registered.discard(key)
+            self.shm.release(owner, ref.name)
+        view = self.shm.resolve(owner, ref, nbytes)
+        if key not in self._registered and self.plane.add_segment(owner, ref.name, ref.size):
+            self._registered.add(key)
+            self.shm.hold(owner, ref.name)
+        return view
+
+    def reclaim_shm(self) -> None:
+        """Unmap the client segments idle past ``[shm] idle_s`` (the heartbeat's): with the
+        native plane, those it has let go first."""
+        if self.shm is None:
+            return
+        if self.plane is not None:
+            for owner, name in self.plane.idle_segments(self.config.shm.idle_s):
+                self._registered.discard((owner, name))
+                self.shm.unmap(owner, name)
+        self.shm.reclaim()
 
     def _spend_token(self, owner: str) -> None:
         """Take one of ``owner``'s cheap-request tokens (``cheap_requests_per_s``, bursts of
@@ -676,7 +724,12 @@ class Frontend:
         assert self.plane is not None
         if (client, request_id) in self._batches:  # the plane knows INFERs, not batches
             raise BadRequest(f"request id {request_id} is already in flight on this connection")
-        items = [Item(i.model, i.stream, i.priority, i.deadline_ms, i.image.nbytes) for i in images]
+        items = [
+            Item(i.model, i.stream, i.priority, i.deadline_ms, 0, i.shm.name)
+            if i.shm is not None
+            else Item(i.model, i.stream, i.priority, i.deadline_ms, i.image.nbytes)
+            for i in images
+        ]
         refused = self.plane.submit(client, owner, request_id, items, tag)
         if refused is not None:
             raise error_for(*refused)
@@ -724,9 +777,10 @@ class Frontend:
     def totals(self) -> Counters:
         """Messages received and replies sent, by status: this frontend's and, with the
         native plane, the plane's own."""
-        if self.plane is None:
+        plane = self._plane_counters if self.plane is None else self.plane.counters()
+        if plane is None:
             return self.counters
-        mine, plane = self.counters, self.plane.counters()
+        mine = self.counters
         by_status = dict(mine.by_status)
         for name, n in plane["by_status"].items():
             by_status[name] = by_status.get(name, 0) + n

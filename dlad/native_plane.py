@@ -5,7 +5,8 @@ ROUTER once :meth:`NativePlane.start` hands it over, reads each INFER with the C
 ``dlad/protocol.py``'s fast path, checks it against the frontend's bounds, admits it into the
 scheduler's C++ core, runs it on an engine of its own and sends the reply. Every other message
 (STATUS, CANCEL, INFER_BATCH, an INFER the fast path leaves, a malformed message) reaches
-:attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, *parts]``; whoever reads it
+:attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, peer address, *parts]`` (the
+sender's ``Peer-Address``: a message's metadata does not cross the pair); whoever reads it
 answers through :meth:`NativePlane.send`, which the plane's thread sends (the ROUTER is never
 touched from two threads).
 
@@ -97,6 +98,7 @@ class Item:
     priority: int
     deadline_ms: int | None
     size: int
+    shm: str | None = None  # the registered segment its frame lies in (size 0 then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,8 @@ class NativePlane:
         default_deadline_ms, max_deadline_ms: ``[daemon]``'s deadline rule.
         max_in_flight_per_client, max_buffered_bytes: ``[frontend]``'s bounds.
         policy, alpha, pins: ``[scheduler]``.
+        shm: take INFERs whose frame lies in a shared-memory segment registered with
+            :meth:`add_segment` (others naming a segment are forwarded).
 
     Raises:
         PlaneUnavailable: see the class.
@@ -167,6 +171,7 @@ class NativePlane:
         policy: str = "latency",
         alpha: float = 0.2,
         pins: Mapping[str, str] | None = None,
+        shm: bool = False,
     ) -> None:
         if not available():
             raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
@@ -192,7 +197,7 @@ class NativePlane:
                 [(d.name, float(d.latency_us), d.slots, d.capacity) for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
-                float(alpha), dict(pins or {}),
+                float(alpha), dict(pins or {}), shm,
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()
@@ -232,7 +237,7 @@ class NativePlane:
         :attr:`forwarded` (a message whose routing id is empty)."""
         return self._plane.submit(
             client, owner, request_id, tag,
-            [(i.model, i.stream, i.priority, i.deadline_ms, i.size) for i in items],
+            [(i.model, i.stream, i.priority, i.deadline_ms, i.size, i.shm) for i in items],
         )  # fmt: skip
 
     @staticmethod
@@ -246,6 +251,21 @@ class NativePlane:
         """(each engine's state, jobs queued, streams waiting)."""
         devices, queued, streams = self._plane.state()
         return [DeviceState(*d) for d in devices], queued, streams
+
+    def add_segment(self, owner: str, name: str, size: int) -> bool:
+        """Register ``owner``'s shared-memory segment ``name`` of ``size`` bytes (mapped and
+        checked by the caller): the plane takes INFERs whose frame lies inside it. False where
+        it is registered at another size while frames of it are in flight."""
+        return self._plane.add_segment(owner, name, size)
+
+    def drop_segment(self, owner: str, name: str) -> bool:
+        """Unregister a segment; False while frames of it are in flight (it stays)."""
+        return self._plane.drop_segment(owner, name)
+
+    def idle_segments(self, idle_s: float) -> list[tuple[str, str]]:
+        """Unregister the segments no frame holds that have idled ``idle_s``; returns them as
+        (owner, name), for the caller to unmap."""
+        return self._plane.idle_segments(idle_s * 1e3)
 
     def observations(self) -> list[tuple[str, str, int, int, int, int]]:
         """The INFER replies the plane has made since the last call, each (model, device or

@@ -120,6 +120,19 @@ class SharedFrames:
             seg.users -= 1
             seg.last_used = self._clock()
 
+    def size_of(self, owner: str, name: str) -> int | None:
+        """The size of ``owner``'s segment ``name`` as mapped, or None where it is not."""
+        seg = self._segments.get((owner, name))
+        return None if seg is None else seg.size
+
+    def unmap(self, owner: str, name: str) -> None:
+        """Unmap ``owner``'s segment ``name`` now, whatever holds it (the native data plane's
+        reclaim: it has let the segment go)."""
+        if (owner, name) in self._segments:
+            self._unmap((owner, name))
+            self.stats.reclaimed += 1
+        self._close_pending()
+
     def reclaim(self) -> int:
         """Unmap the segments no frame uses that have idled ``idle_s``; returns how many."""
         now = self._clock()

@@ -74,9 +74,9 @@ py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view messag
 }
 
 using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t>;
-// model, stream, priority, deadline_ms, size: an image for Plane::submit
+// model, stream, priority, deadline_ms, size, segment: an image for Plane::submit
 using PlaneItem = std::tuple<std::string, std::optional<std::string>, int64_t,
-                             std::optional<int64_t>, uint64_t>;
+                             std::optional<int64_t>, uint64_t, std::optional<std::string>>;
 
 std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::string& libzmq, uintptr_t router, uintptr_t forward,
@@ -85,7 +85,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     std::map<std::string, std::vector<std::string>> models, double default_deadline_ms,
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
     const std::string& policy, double alpha,
-    std::unordered_map<std::string, std::string> pins) {
+    std::unordered_map<std::string, std::string> pins, bool shm) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
     for (const auto& [name, latency_us, slots, capacity] : devices) {
@@ -99,6 +99,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     c.policy = policy_of(policy);
     c.alpha = alpha;
     c.pins = std::move(pins);
+    c.shm = shm;
     return std::make_unique<dlad::plane::Plane>(
         dlad::plane::ZmqApi::load(libzmq), reinterpret_cast<void*>(router),
         reinterpret_cast<void*>(forward), std::move(c));
@@ -125,7 +126,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("limits"), py::arg("devices"), py::arg("models"),
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
-             py::arg("policy"), py::arg("alpha"), py::arg("pins"))
+             py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"))
         .def("start", &dlad::plane::Plane::start)
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
              py::call_guard<py::gil_scoped_release>())
@@ -146,8 +147,8 @@ PYBIND11_MODULE(_native, m) {
                const std::vector<PlaneItem>& items) {
                 std::vector<dlad::plane::Item> out;
                 out.reserve(items.size());
-                for (const auto& [model, stream, priority, deadline_ms, size] : items) {
-                    out.push_back({model, stream, priority, deadline_ms, size});
+                for (const auto& [model, stream, priority, deadline_ms, size, shm] : items) {
+                    out.push_back({model, stream, priority, deadline_ms, size, shm});
                 }
                 py::gil_scoped_release release;
                 return p.submit(client, owner, request_id, tag, out);
@@ -170,6 +171,12 @@ PYBIND11_MODULE(_native, m) {
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })
+        .def("add_segment", &dlad::plane::Plane::add_segment, py::arg("owner"), py::arg("name"),
+             py::arg("size"), py::call_guard<py::gil_scoped_release>())
+        .def("drop_segment", &dlad::plane::Plane::drop_segment, py::arg("owner"),
+             py::arg("name"), py::call_guard<py::gil_scoped_release>())
+        .def("idle_segments", &dlad::plane::Plane::idle_segments, py::arg("idle_ms"),
+             py::call_guard<py::gil_scoped_release>())
         .def("take_observations",
              [](dlad::plane::Plane& p) {
                  const auto obs = p.take_observations();
@@ -191,6 +198,7 @@ PYBIND11_MODULE(_native, m) {
             out["dropped"] = c.dropped;
             out["forward_lost"] = c.forward_lost;
             out["observations_lost"] = c.observations_lost;
+            out["shm_frames"] = c.shm_frames;
             out["by_status"] = c.by_status;
             return out;
         });

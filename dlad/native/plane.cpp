@@ -72,6 +72,13 @@ std::string key_of(const std::string& client, uint64_t request_id) {
     return key;
 }
 
+std::string segment_key(const std::string& owner, const std::string& name) {
+    std::string key = owner;
+    key.push_back('\0');  // owners are hex: the key is unambiguous
+    key += name;
+    return key;
+}
+
 std::string le64(int64_t v) {
     std::string out(8, '\0');
     for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
@@ -105,6 +112,7 @@ ZmqApi ZmqApi::load(const std::string& path) {
     api.send = symbol<decltype(api.send)>(lib, "zmq_send");
     api.poll = symbol<decltype(api.poll)>(lib, "zmq_poll");
     api.errno_ = symbol<decltype(api.errno_)>(lib, "zmq_errno");
+    api.msg_gets = symbol<decltype(api.msg_gets)>(lib, "zmq_msg_gets");
     dlclose(lib);  // the reference NOLOAD took: pyzmq's own keeps the library loaded
     return api;
 }
@@ -330,6 +338,10 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
             job.model = items[i].model;
             job.received_ns = now;
             job.size = items[i].size;
+            if (items[i].shm) {
+                std::string seg = segment_key(owner, *items[i].shm);
+                if (segments_.count(seg) != 0) job.segment = std::move(seg);
+            }
             // each to an idle core at once, as the plane's INFERs are: the queues then hold
             // what the cores cannot start
             if (admit(std::move(job), key, items[i], now, nullptr)) dispatch(now);
@@ -345,6 +357,51 @@ State Plane::state() {
         out.busy_ns = busy_ns_;
         out.queued = scheduler_.queued();
         out.streams_waiting = scheduler_.streams_waiting();
+    });
+    return out;
+}
+
+bool Plane::add_segment(const std::string& owner, const std::string& name, uint64_t size) {
+    bool ok = true;
+    call([&] {
+        Segment& seg = segments_[segment_key(owner, name)];
+        if (seg.size != size && seg.users > 0) {
+            ok = false;
+            return;
+        }
+        seg.size = size;
+        seg.last_used_ns = now_ns();
+    });
+    return ok;
+}
+
+bool Plane::drop_segment(const std::string& owner, const std::string& name) {
+    bool ok = true;
+    call([&] {
+        const auto it = segments_.find(segment_key(owner, name));
+        if (it == segments_.end()) return;
+        if (it->second.users > 0) {
+            ok = false;
+            return;
+        }
+        segments_.erase(it);
+    });
+    return ok;
+}
+
+std::vector<std::pair<std::string, std::string>> Plane::idle_segments(double idle_ms) {
+    std::vector<std::pair<std::string, std::string>> out;
+    call([&] {
+        const int64_t before = now_ns() - static_cast<int64_t>(idle_ms * 1e6);
+        for (auto it = segments_.begin(); it != segments_.end();) {
+            if (it->second.users == 0 && it->second.last_used_ns <= before) {
+                const size_t cut = it->first.find('\0');
+                out.emplace_back(it->first.substr(0, cut), it->first.substr(cut + 1));
+                it = segments_.erase(it);
+            } else {
+                ++it;
+            }
+        }
     });
     return out;
 }
@@ -458,7 +515,7 @@ void Plane::handle(std::vector<Part>& parts) {
         const size_t frames = parts.size() - 1;
         const auto req = wire::read_infer(parts[1].data(), parts[1].size(), frames,
                                           frames == 2 ? parts[2].size() : 0, config_.limits,
-                                          /*shm=*/false);
+                                          config_.shm);
         if (req) {
             infer(parts, *req);
             return;
@@ -468,8 +525,14 @@ void Plane::handle(std::vector<Part>& parts) {
 }
 
 void Plane::forward(std::vector<Part>& parts) {
-    bool ok = true;
-    for (size_t i = 0; ok && i < parts.size(); ++i) {
+    // [routing id, the peer's address, the message's parts...]: a message's metadata does not
+    // cross the pair, and the control plane needs the peer (shared memory is for this host's)
+    const char* peer = parts.size() > 1 ? api_.msg_gets(parts[1].get(), "Peer-Address") : nullptr;
+    const std::string address = peer == nullptr ? "" : peer;
+    bool ok = api_.msg_send(parts[0].get(), forward_, kDontWait | kSndMore) >= 0 &&
+              api_.send(forward_, address.data(), address.size(),
+                        kDontWait | (parts.size() > 1 ? kSndMore : 0)) >= 0;
+    for (size_t i = 1; ok && i < parts.size(); ++i) {
         const int flags = kDontWait | (i + 1 < parts.size() ? kSndMore : 0);
         ok = api_.msg_send(parts[i].get(), forward_, flags) >= 0;  // false: the pair is full
     }
@@ -487,12 +550,27 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     job.model = req.model;
     job.received_ns = now;
     job.size = req.image_bytes();
+    if (req.shm) {
+        // a frame in a segment the control plane registered, inside it: else the control
+        // plane maps the segment, checks it and the peer, or refuses naming why
+        std::string seg = segment_key(job.owner, req.shm->name);
+        const auto it = segments_.find(seg);
+        if (it == segments_.end() || it->second.size != req.shm->size ||
+            req.shm->offset > req.shm->size || job.size > req.shm->size - req.shm->offset) {
+            forward(parts);
+            return;
+        }
+        job.segment = std::move(seg);
+        job.size = 0;  // the client's memory, not the daemon's budget
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.shm_frames;
+    }
     const std::string key = key_of(job.client, req.id);
     if (auto why = room(key, req.id, job.owner, 1, job.size)) {
         refuse(job, why->first, why->second);
         return;
     }
-    const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size};
+    const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size, std::nullopt};
     std::unique_ptr<Part> payload;
     if (parts.size() == 3) payload = std::make_unique<Part>(std::move(parts[2]));
     if (admit(std::move(job), key, item, now, std::move(payload))) {
@@ -581,6 +659,11 @@ bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now
     }
     job.payload = std::move(payload);
     job.device = r.placed.device;
+    if (!job.segment.empty()) {
+        Segment& seg = segments_.at(job.segment);
+        ++seg.users;
+        seg.last_used_ns = now;
+    }
     ++in_use_[key];
     ++in_flight_[job.owner];
     buffered_ += job.size;
@@ -632,6 +715,13 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
     if (--in_use_[key] <= 0) in_use_.erase(key);
     if (--in_flight_[job.owner] <= 0) in_flight_.erase(job.owner);
     buffered_ -= job.size;
+    if (!job.segment.empty()) {
+        const auto seg = segments_.find(job.segment);
+        if (seg != segments_.end()) {
+            --seg->second.users;
+            seg->second.last_used_ns = now;
+        }
+    }
     jobs_.erase(it);
     pending_.store(static_cast<int64_t>(jobs_.size()));
 }

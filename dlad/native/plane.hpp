@@ -62,6 +62,7 @@ struct ZmqApi {
     int (*send)(void*, const void*, size_t, int);
     int (*poll)(ZmqPollItem*, int, long);
     int (*errno_)();
+    const char* (*msg_gets)(const ZmqMsg*, const char*);
 
     // The API of the libzmq at ``path`` (already loaded: it is not loaded again). Throws
     // std::runtime_error naming what is missing.
@@ -102,6 +103,7 @@ struct Config {
     std::map<std::string, std::vector<std::string>> models;  // model -> the devices serving it
     Policy policy = Policy::latency;                         // [scheduler]
     double alpha = 0.2;
+    bool shm = false;  // [shm] enabled: INFERs naming a segment the control plane registered
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
 };
 
@@ -112,6 +114,7 @@ struct Counters {
     int64_t dropped = 0;    // replies ZeroMQ could not queue (the plane's and the control plane's)
     int64_t forward_lost = 0;  // messages the forward socket could not queue (its peer stalled)
     int64_t observations_lost = 0;  // replies not observed: the control plane fell far behind
+    int64_t shm_frames = 0;  // INFERs whose frame lay in a registered shared-memory segment
     std::map<std::string, int64_t> by_status;  // the plane's INFER replies, by status name
 };
 
@@ -140,7 +143,8 @@ struct Item {
     std::optional<std::string> stream;
     int64_t priority = 0;
     std::optional<int64_t> deadline_ms;
-    uint64_t size = 0;  // the image's bytes in the daemon's budget
+    uint64_t size = 0;  // the image's bytes in the daemon's budget (0: in shared memory)
+    std::optional<std::string> shm;  // the registered segment it lies in, by name
 };
 
 // What cancel() found.
@@ -217,6 +221,18 @@ class Plane {
                                                           std::optional<int64_t> tag,
                                                           const std::vector<Item>& items);
     State state();
+    // Shared-memory segments (the control plane maps them, checks them and the peer, and
+    // registers them here; an INFER naming one that is not registered, or not at that size,
+    // or whose frame would not fit, is forwarded). A segment is held while frames of it are
+    // admitted and not yet answered.
+    // Register ``owner``'s segment ``name`` of ``size`` bytes: false where it is registered at
+    // another size with frames in flight (a client must not resize a segment in use).
+    bool add_segment(const std::string& owner, const std::string& name, uint64_t size);
+    // Unregister it: false while frames of it are in flight (it stays).
+    bool drop_segment(const std::string& owner, const std::string& name);
+    // Unregister the segments no frame holds that have not been used for ``idle_ms``; returns
+    // them as (owner, name), for the control plane to unmap.
+    std::vector<std::pair<std::string, std::string>> idle_segments(double idle_ms);
     // The replies observed since the last call (at most kMaxObservations are kept).
     std::vector<Observation> take_observations();
     static constexpr size_t kMaxObservations = size_t{1} << 20;
@@ -238,6 +254,7 @@ class Plane {
         int64_t dispatched_ns = 0;
         uint64_t size = 0;
         std::unique_ptr<Part> payload;  // the frame, alive until the reply
+        std::string segment;  // the shared-memory segment it holds ("": none)
         std::string device;
     };
 
@@ -280,6 +297,12 @@ class Plane {
     std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
     std::map<std::string, int64_t> slots_;
     std::map<std::string, int64_t> busy_ns_;  // device -> its tasks' time so far
+    struct Segment {
+        uint64_t size = 0;
+        int64_t users = 0;  // its frames admitted and not yet answered
+        int64_t last_used_ns = 0;
+    };
+    std::unordered_map<std::string, Segment> segments_;  // owner + NUL + name -> segment
     std::unordered_map<int64_t, Job> jobs_;
     std::unordered_map<std::string, int64_t> in_use_;  // client + request id -> its jobs
     std::unordered_map<std::string, int64_t> in_flight_;  // owner -> jobs

@@ -4,9 +4,12 @@ INFER_BATCH, the metrics, the drain and the linger after it."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from dlad.config import ConfigError, load_config
 from dlad.daemon import Daemon
 from dlad.errors import StartupError, Status
 from dlad.scheduler import no_device_serves
+from dlad.shm import SharedFrames
+from dlad_client import Client
 from tests.dlad.serving import serve_in_thread
 from tests.dlad.test_daemon import dealer, recv
 
@@ -45,7 +50,7 @@ data_plane = "native"
 [pre_post]
 enabled = false
 [shm]
-enabled = false
+idle_s = {idle}
 [soc]
 dram_contention = 0
 [metrics]
@@ -73,12 +78,18 @@ core1 = "bundled:demo/fp16_heads.dla1.emu"
 """
 
 
+def _config(*, latency: float = 1000.0, depth: int = 4, daemon: str = "", idle: float = 30.0,
+            text: str = CONFIG) -> str:  # fmt: skip
+    return text.format(latency=latency, depth=depth, daemon=daemon, idle=idle)
+
+
 @contextmanager
 def native(
-    tmp_path: Path, *, latency: float = 1000.0, depth: int = 4, daemon: str = ""
-) -> Iterator[tuple[Daemon, str]]:
+    tmp_path: Path, *, latency: float = 1000.0, depth: int = 4, daemon: str = "",
+    idle: float = 30.0,
+) -> Iterator[tuple[Daemon, str]]:  # fmt: skip
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(CONFIG.format(latency=latency, depth=depth, daemon=daemon))
+    cfg.write_text(_config(latency=latency, depth=depth, daemon=daemon, idle=idle))
     d = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with serve_in_thread(d) as endpoint:
         yield d, endpoint
@@ -213,7 +224,6 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
     ("change", "key"),
     [
         (("[pre_post]\nenabled = false", "[pre_post]\nenabled = true"), "pre_post.enabled"),
-        (("[shm]\nenabled = false", "[shm]\nenabled = true"), "shm.enabled"),
         (("dram_contention = 0", "dram_contention = 1"), "soc.dram_contention"),
         (('mode = "timing"\nlatency_us = {latency}\n[devices.dla1]',
           'mode = "numeric"\nlatency_us = {latency}\n[devices.dla1]'), "devices.dla0.mode"),
@@ -225,7 +235,7 @@ def test_what_the_native_plane_cannot_run_is_refused_at_load(
     text = CONFIG.replace(*change)
     assert text != CONFIG
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(text.format(latency=1000.0, depth=4, daemon=""))
+    cfg.write_text(_config(text=text))
     with pytest.raises(ConfigError) as err:
         load_config(cfg)
     assert err.value.key == key
@@ -233,7 +243,7 @@ def test_what_the_native_plane_cannot_run_is_refused_at_load(
 
 
 def test_a_gpu_device_is_refused_with_the_native_plane(tmp_path: Path) -> None:
-    text = CONFIG.format(latency=1000.0, depth=4, daemon="") + '[devices.gpu]\nkind = "gpu"\n'
+    text = _config() + '[devices.gpu]\nkind = "gpu"\n'
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(text)
     with pytest.raises(ConfigError) as err:
@@ -247,7 +257,7 @@ def test_a_core_that_would_run_cuda_is_refused_at_start(
     """backend = "auto" on a host where cuDLA loads: the plane has no cuDLA engine yet."""
     monkeypatch.setattr("dlad.daemon.resolve_backend", lambda backend, loadable: "cudla")
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(CONFIG.format(latency=1000.0, depth=4, daemon="").replace(
+    cfg.write_text(_config().replace(
         'backend = "emulated"\ncore = 1', 'backend = "auto"\ncore = 1'))  # fmt: skip
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with pytest.raises(StartupError) as err:
@@ -255,3 +265,112 @@ def test_a_core_that_would_run_cuda_is_refused_at_start(
     assert err.value.key == "devices.dla0.backend"
     assert "cuDLA loads here" in str(err.value)
     assert daemon.frontend.plane is None  # nothing left running
+
+
+SLOT = 1 << 20
+
+
+def _shm_header(rid: int, name: str, size: int, offset: int = 0) -> bytes:
+    header = {"v": 1, "kind": 1, "id": rid, "model": "demo",
+              "shm": {"name": name, "offset": offset, "size": size},
+              "image": {"height": 8, "width": 8, "format": "RGB", "dtype": "uint8"}}  # fmt: skip
+    return msgpack.packb(header)
+
+
+@pytest.fixture
+def segment() -> Iterator[shared_memory.SharedMemory]:
+    seg = shared_memory.SharedMemory(create=True, size=SLOT)
+    yield seg
+    seg.close()
+    with contextlib.suppress(FileNotFoundError):  # a test may have replaced it
+        seg.unlink()
+
+
+def test_shared_memory_frames_are_taken_by_the_plane_once_their_segment_is_mapped(
+    tmp_path: Path,
+) -> None:
+    with native(tmp_path) as (daemon, ep), Client(ep, shm_slot_bytes=SLOT, max_in_flight=4) as c:
+        results = [h.result() for h in [c.submit(IMAGE) for _ in range(20)]]
+        assert c.shm is not None
+        assert c.shm.inline == 0  # every frame went through a slot
+        plane = daemon.frontend.plane
+        assert plane is not None
+        assert daemon.frontend.shm is not None
+        assert daemon.frontend.shm.segments == 1  # mapped once, by the event loop
+        taken = plane.counters()["shm_frames"]
+    assert len(results) == 20
+    # The first frame (at most the first few, sent before the segment was registered) went
+    # through the event loop, which mapped the segment; the plane took the rest itself.
+    assert 16 <= taken < 20  # four slots: at most four sent before
+
+
+def test_bad_notifications_are_bad_requests_before_and_after_the_segment_is_known(
+    tmp_path: Path, segment: shared_memory.SharedMemory
+) -> None:
+    with native(tmp_path) as (daemon, ep), dealer(ep) as sock:
+        cases = [
+            (_shm_header(1, "dlad-no-such-segment", SLOT), "no such segment"),
+            (_shm_header(2, segment.name, SLOT // 2), "the request says"),
+            (_shm_header(3, segment.name, SLOT, offset=SLOT - 10), "ends past"),
+        ]
+        for header, words in cases:
+            sock.send_multipart([header])
+            reply = recv(sock)
+            assert reply.status is Status.BAD_REQUEST
+            assert words in reply.message, reply.message
+        sock.send_multipart([_shm_header(4, segment.name, SLOT)])  # maps and registers it
+        assert recv(sock).status is Status.OK
+        sock.send_multipart([_shm_header(5, segment.name, SLOT)])  # the plane's own
+        assert recv(sock).status is Status.OK
+        assert daemon.frontend.plane is not None
+        assert daemon.frontend.plane.counters()["shm_frames"] == 1
+        for header, words in cases[1:]:  # known now: the plane forwards what does not fit
+            sock.send_multipart([header])
+            reply = recv(sock)
+            assert reply.status is Status.BAD_REQUEST
+            assert words in reply.message, reply.message
+        assert daemon.frontend.plane.counters()["shm_frames"] == 1
+
+
+def test_an_idle_segment_is_let_go_and_mapped_again_when_used(
+    tmp_path: Path, segment: shared_memory.SharedMemory
+) -> None:
+    with native(tmp_path, idle=0.05) as (daemon, ep), dealer(ep) as sock:
+        shm = daemon.frontend.shm
+        assert shm is not None
+        sock.send_multipart([_shm_header(1, segment.name, SLOT)])
+        assert recv(sock).status is Status.OK
+        while shm.segments:  # the heartbeat reclaims it (state; the test's timeout bounds it)
+            time.sleep(0.01)
+        sock.send_multipart([_shm_header(2, segment.name, SLOT)])
+        assert recv(sock).status is Status.OK
+        assert _mapped(shm) == 1
+        assert shm.stats.reclaimed >= 1
+
+
+def _mapped(shm: SharedFrames) -> int:
+    return shm.segments  # read again (mypy narrows the loop's last read)
+
+
+def test_a_segment_made_again_at_another_size_is_mapped_again(tmp_path: Path) -> None:
+    first = shared_memory.SharedMemory(create=True, size=SLOT)
+    name = first.name
+    try:
+        with native(tmp_path) as (daemon, ep), dealer(ep) as sock:
+            sock.send_multipart([_shm_header(1, name, SLOT)])
+            assert recv(sock).status is Status.OK
+            first.close()
+            first.unlink()
+            first = shared_memory.SharedMemory(name=name, create=True, size=2 * SLOT)
+            sock.send_multipart([_shm_header(2, name, 2 * SLOT)])
+            again = recv(sock)
+            assert again.status is Status.OK, again.message
+            sock.send_multipart([_shm_header(3, name, 2 * SLOT)])
+            assert recv(sock).status is Status.OK
+            assert daemon.frontend.plane is not None
+            assert daemon.frontend.plane.counters()["shm_frames"] == 1  # the third
+            assert daemon.frontend.shm is not None
+            assert daemon.frontend.shm.mapped_bytes == 2 * SLOT  # the old map let go
+    finally:
+        first.close()
+        first.unlink()
