@@ -1,7 +1,8 @@
 """Frames through dlad over tcp, ipc and shared memory, in one run, at two frame sizes.
 
     python bench/shm_frames.py [--seconds 5] [--trials 3] [--in-flight 16] [--batches 1,4]
-        [--event-loops uvloop,asyncio] [--sizes 672x672,1080] [--floor] [--native-floor]
+        [--event-loops uvloop,asyncio] [--data-planes python,native] [--sizes 672x672,1080]
+        [--floor] [--native-floor]
 
 One dlad process serves tcp loopback and an ipc socket, with two emulated DLA cores in timing
 mode at 50 µs a frame (40,000 frames/s together: the devices are never the bottleneck) and
@@ -25,7 +26,9 @@ size, the client sending that many frames a message (INFER_BATCH, ``Client.submi
 trials: frames/s, the daemon's CPU per frame (its process, without the emulated cores'
 threads), and shm's frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
 ``--event-loops``: the daemon is run on each (``[daemon] event_loop``) in every trial, each
-loop's ratios against tcp on the same loop. ``--floor``: ``daemon_throughput.py``'s floor server
+loop's ratios against tcp on the same loop. ``--data-planes``: the same for ``[frontend]
+data_plane`` (``native``: the native data plane, with ``[soc] dram_contention = 0``, which it
+needs; each run named ``<loop>+native``). ``--floor``: ``daemon_throughput.py``'s floor server
 too (a uvloop ROUTER, two engine threads at the same 50 µs, a valid reply, nothing else: the
 least a Python daemon of dlad's shape costs), over tcp and with shared-memory frames, one frame
 a message: how far the frame's way in can go in Python at all. ``--native-floor``: the same
@@ -61,12 +64,14 @@ default_deadline_ms = 60000.0
 event_loop = "{loop}"
 [frontend]
 endpoints = ["tcp://127.0.0.1:{port}", "ipc://{ipc}"]
+{plane}
 sndhwm = 1000
 rcvhwm = 1000
 [metrics]
 enabled = false
 [pre_post]
 enabled = false
+{soc}
 [devices.dla0]
 kind = "dla"
 core = 0
@@ -109,6 +114,11 @@ def main() -> None:
              "its own ratios beside the others'",
     )  # fmt: skip
     ap.add_argument(
+        "--data-planes", default="python",
+        help="the daemon's [frontend] data_plane, comma-separated (python, native): each is run "
+             "on each event loop in every trial",
+    )  # fmt: skip
+    ap.add_argument(
         "--sizes", default=",".join(SIZES),
         help="frame sizes to run, comma-separated, of: " + ", ".join(SIZES),
     )  # fmt: skip
@@ -126,7 +136,11 @@ def main() -> None:
     floors = [n for n, on in (("floor", args.floor), ("native floor", args.native_floor)) if on]
     sizes = {label: SIZES[label] for label in _sizes(args.sizes)}
     batches = [int(b) for b in args.batches.split(",")]
-    loops = args.event_loops.split(",")
+    loops = [
+        loop if plane == "python" else f"{loop}+{plane}"
+        for loop in args.event_loops.split(",")
+        for plane in args.data_planes.split(",")
+    ]
     modes = [
         (t, b, loop)
         for loop in loops
@@ -156,7 +170,13 @@ def main() -> None:
                               f"CPU {own * 1e3:.3f} ms/frame")  # fmt: skip
                 for loop in loops:
                     cfg = Path(tmp) / f"dlad-{loop}.toml"
-                    cfg.write_text(CONFIG.format(port=args.port, ipc=ipc, loop=loop))
+                    event_loop, _, plane = loop.partition("+")
+                    native = plane == "native"
+                    cfg.write_text(CONFIG.format(
+                        port=args.port, ipc=ipc, loop=event_loop,
+                        plane='data_plane = "native"' if native else "",
+                        soc="[soc]\ndram_contention = 0" if native else "",
+                    ))  # fmt: skip
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
