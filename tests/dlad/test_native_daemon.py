@@ -17,6 +17,8 @@ import anyio
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from dlad import native_scheduler, protocol
@@ -27,7 +29,7 @@ from dlad.scheduler import no_device_serves
 from dlad.shm import SharedFrames
 from dlad_client import Client
 from tests.dlad.serving import serve_in_thread
-from tests.dlad.test_daemon import dealer, recv
+from tests.dlad.test_daemon import _mutations, dealer, recv
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -374,3 +376,64 @@ def test_a_segment_made_again_at_another_size_is_mapped_again(tmp_path: Path) ->
     finally:
         first.close()
         first.unlink()
+
+
+# ------------------------------------------------ the same answers as the Python frontend's
+@pytest.fixture(scope="module")
+def both(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A daemon on each data plane, the same config otherwise (pre/post off, timing mode)."""
+    tmp = tmp_path_factory.mktemp("both")
+    text = _config(latency=200.0, depth=16)
+    python = tmp / "python.toml"
+    python.write_text(text.replace('data_plane = "native"', 'data_plane = "python"'))
+    plane = tmp / "native.toml"
+    plane.write_text(text)
+    daemons = [
+        Daemon(load_config(p).plan(), endpoints=["tcp://127.0.0.1:0"]) for p in (python, plane)
+    ]
+    with serve_in_thread(daemons[0]) as py_ep, serve_in_thread(daemons[1]) as native_ep:
+        yield py_ep, native_ep
+
+
+def _answer(endpoint: str, frames: list[bytes]) -> tuple[object, ...]:
+    """What a daemon answers ``frames`` with, less what may differ run to run (the device an
+    OK ran on, its timing)."""
+    with dealer(endpoint) as sock:
+        sock.send_multipart(frames)
+        reply = recv(sock)
+    if isinstance(reply, protocol.InferReply):
+        assert reply.status is not Status.OK or reply.device in ("dla0", "dla1")
+        return ("INFER_REPLY", reply.id, reply.status, reply.message, reply.count)
+    return (type(reply).__name__, reply.id, reply.status, getattr(reply, "message", ""))
+
+
+def _raw_infer(
+    rid: int, model: str, stream: str | None, priority: int, deadline: int | None
+) -> list[bytes]:
+    """An INFER built by hand: its names may be ones the SDK would refuse to send."""
+    header, payload = _infer(0)
+    h = msgpack.unpackb(header)
+    h.update(id=rid, model=model, priority=priority)
+    if stream is not None:
+        h["stream"] = stream
+    if deadline is not None:
+        h["deadline_ms"] = deadline
+    return [msgpack.packb(h), payload]
+
+
+def _requests() -> st.SearchStrategy[list[bytes]]:
+    names = st.sampled_from(["demo", "other", "modèle", "", "x" * 129, "tab\there"])
+    good = st.builds(
+        _raw_infer, st.integers(0, 2**64 - 1), names, st.none() | names, st.integers(-1, 8),
+        st.none() | st.integers(-1, 60_000),
+    )  # fmt: skip
+    return st.one_of(good, _mutations())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=_requests())
+def test_the_native_plane_answers_as_the_python_frontend_does(
+    both: tuple[str, str], frames: list[bytes]
+) -> None:
+    python, plane = both
+    assert _answer(plane, frames) == _answer(python, frames)
