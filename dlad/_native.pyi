@@ -11,6 +11,7 @@ class Scheduler:
         interference: Sequence[tuple[str, str, float]],
         pins: Mapping[str, str],
         shm: bool,
+        curve: bool,
     ) -> None: ...
     def add_device(
         self,

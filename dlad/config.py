@@ -238,9 +238,10 @@ class FrontendConfig:
     malformed messages and the metrics, and handles what the plane forwards after the INFERs it
     read meanwhile (one connection's INFERs keep their order among themselves). Today it runs
     emulated DLA cores in timing mode with pre/post-processing off only (``[pre_post] enabled =
-    false``, ``[auth] mode = 'off'``, ``[soc] dram_contention = 0``): the daemon's own cost per
-    frame, as an Orin's engines would leave it (docs/BENCHMARKS.md §9.19). Shared-memory frames
-    (``[shm]``) are taken by the plane once the event loop has mapped and checked their segment."""
+    false``, ``[soc] dram_contention = 0``): the daemon's own cost per frame, as an Orin's
+    engines would leave it (docs/BENCHMARKS.md §9.19). Shared-memory frames (``[shm]``) are taken
+    by the plane once the event loop has mapped and checked their segment; CURVE (``[auth]``)
+    is the socket's, and a client is its key in the plane as in the frontend."""
 
     def __post_init__(self) -> None:
         _check(bool(self.endpoints), "endpoints", "needs at least one endpoint")
@@ -781,7 +782,6 @@ class Config:
         dram = "cores that do not share the emulated DRAM yet: set [soc] dram_contention = 0"
         settings = {
             "pre_post.enabled": (self.pre_post.enabled, pre_post),
-            "auth.mode": (self.auth.mode != "off", 'no CURVE yet: set [auth] mode = "off"'),
             "soc.dram_contention": (self.soc.dram_contention != 0, dram),
         }
         for key, (given, fix) in settings.items():

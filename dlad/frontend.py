@@ -295,6 +295,7 @@ class Frontend:
                 policy=c.scheduler.policy,
                 pins=c.scheduler.pins,
                 shm=self.shm is not None,
+                curve=self._curve is not None,
             )
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",
@@ -427,23 +428,26 @@ class Frontend:
         return n
 
     async def _handle_forwarded(self, frames: list[Any]) -> None:
-        """A message of the native plane's pair: [routing id, peer address, *parts], or an
-        image's answer ([b"", tag, index, header])."""
+        """A message of the native plane's pair: [routing id, peer address, user id, *parts],
+        or an image's answer ([b"", tag, index, header])."""
         if not frames[0].bytes:
             self._plane_outcome(frames[1:])
             return
-        peer = frames[1].bytes.decode(errors="replace")
-        await self._handle([frames[0], *frames[2:]], peer)
+        peer, user = (f.bytes.decode(errors="replace") for f in frames[1:3])
+        await self._handle([frames[0], *frames[3:]], peer, user)
 
-    async def _handle(self, frames: list[Any], peer: str | None = None) -> None:
-        """Answer one message (``peer``: its sender's address where the frames do not carry
-        it). Whatever goes wrong on the way costs its sender a typed reply (INTERNAL for a bug)
-        and the daemon a log line with the client and request id, never the receive loop."""
+    async def _handle(
+        self, frames: list[Any], peer: str | None = None, user: str | None = None
+    ) -> None:
+        """Answer one message (``peer``, ``user``: its sender's address and CURVE key where
+        the frames do not carry them). Whatever goes wrong on the way costs its sender a typed
+        reply (INTERNAL for a bug) and the daemon a log line with the client and request id,
+        never the receive loop."""
         client = bytes(frames[0].buffer)
         self.counters.received += 1
         request: protocol.Request | None = None
         try:
-            owner = self._identity(client, frames)
+            owner = self._identity(client, frames, user)
             shm = (
                 None if self.shm is None
                 else functools.partial(self._shm_frame, owner, frames, peer)
@@ -477,10 +481,12 @@ class Frontend:
                 client, protocol.error_reply(err, request_id=request_id, request_kind=kind)
             )
 
-    def _identity(self, client: bytes, frames: list[Any]) -> str:
+    def _identity(self, client: bytes, frames: list[Any], user: str | None = None) -> str:
         """Who sent ``frames``: its CURVE public key when clients authenticate (the same for
         all its connections), else its connection (the ROUTER's routing id)."""
-        if self._curve is not None:
+        if self._curve is not None and user:
+            return user
+        if self._curve is not None and user is None:
             with contextlib.suppress(zmq.ZMQError, AttributeError):
                 return str(frames[-1].get("User-Id"))
         return client.hex()

@@ -5,8 +5,9 @@ ROUTER once :meth:`NativePlane.start` hands it over, reads each INFER with the C
 ``dlad/protocol.py``'s fast path, checks it against the frontend's bounds, admits it into the
 scheduler's C++ core, runs it on an engine of its own and sends the reply. Every other message
 (STATUS, CANCEL, INFER_BATCH, an INFER the fast path leaves, a malformed message) reaches
-:attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, peer address, *parts]`` (the
-sender's ``Peer-Address``: a message's metadata does not cross the pair); whoever reads it
+:attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, peer address, user id,
+*parts]`` (the sender's ``Peer-Address`` and ``User-Id``, its CURVE key or "": a message's
+metadata does not cross the pair); whoever reads it
 answers through :meth:`NativePlane.send`, which the plane's thread sends (the ROUTER is never
 touched from two threads).
 
@@ -151,6 +152,7 @@ class NativePlane:
         policy, alpha, pins: ``[scheduler]``.
         shm: take INFERs whose frame lies in a shared-memory segment registered with
             :meth:`add_segment` (others naming a segment are forwarded).
+        curve: clients authenticate (CURVE): a client is its key, for the in-flight cap.
 
     Raises:
         PlaneUnavailable: see the class.
@@ -172,6 +174,7 @@ class NativePlane:
         alpha: float = 0.2,
         pins: Mapping[str, str] | None = None,
         shm: bool = False,
+        curve: bool = False,
     ) -> None:
         if not available():
             raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
@@ -197,7 +200,7 @@ class NativePlane:
                 [(d.name, float(d.latency_us), d.slots, d.capacity) for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
-                float(alpha), dict(pins or {}), shm,
+                float(alpha), dict(pins or {}), shm, curve,
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()

@@ -85,7 +85,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     std::map<std::string, std::vector<std::string>> models, double default_deadline_ms,
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
     const std::string& policy, double alpha,
-    std::unordered_map<std::string, std::string> pins, bool shm) {
+    std::unordered_map<std::string, std::string> pins, bool shm, bool curve) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
     for (const auto& [name, latency_us, slots, capacity] : devices) {
@@ -100,6 +100,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     c.alpha = alpha;
     c.pins = std::move(pins);
     c.shm = shm;
+    c.curve = curve;
     return std::make_unique<dlad::plane::Plane>(
         dlad::plane::ZmqApi::load(libzmq), reinterpret_cast<void*>(router),
         reinterpret_cast<void*>(forward), std::move(c));
@@ -126,7 +127,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("limits"), py::arg("devices"), py::arg("models"),
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
-             py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"))
+             py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
+             py::arg("curve"))
         .def("start", &dlad::plane::Plane::start)
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
              py::call_guard<py::gil_scoped_release>())

@@ -525,13 +525,15 @@ void Plane::handle(std::vector<Part>& parts) {
 }
 
 void Plane::forward(std::vector<Part>& parts) {
-    // [routing id, the peer's address, the message's parts...]: a message's metadata does not
-    // cross the pair, and the control plane needs the peer (shared memory is for this host's)
-    const char* peer = parts.size() > 1 ? api_.msg_gets(parts[1].get(), "Peer-Address") : nullptr;
-    const std::string address = peer == nullptr ? "" : peer;
+    // [routing id, the peer's address, its CURVE key, the message's parts...]: a message's
+    // metadata does not cross the pair, and the control plane needs the peer (shared memory is
+    // for this host's) and the key (who the client is)
+    const std::string address = property(parts, "Peer-Address");
+    const std::string user = property(parts, "User-Id");
+    const int more = parts.size() > 1 ? kSndMore : 0;
     bool ok = api_.msg_send(parts[0].get(), forward_, kDontWait | kSndMore) >= 0 &&
-              api_.send(forward_, address.data(), address.size(),
-                        kDontWait | (parts.size() > 1 ? kSndMore : 0)) >= 0;
+              api_.send(forward_, address.data(), address.size(), kDontWait | kSndMore) >= 0 &&
+              api_.send(forward_, user.data(), user.size(), kDontWait | more) >= 0;
     for (size_t i = 1; ok && i < parts.size(); ++i) {
         const int flags = kDontWait | (i + 1 < parts.size() ? kSndMore : 0);
         ok = api_.msg_send(parts[i].get(), forward_, flags) >= 0;  // false: the pair is full
@@ -541,12 +543,20 @@ void Plane::forward(std::vector<Part>& parts) {
     if (!ok) ++counters_.forward_lost;
 }
 
+std::string Plane::property(std::vector<Part>& parts, const char* name) {
+    // the first part after the routing id carries the connection's metadata
+    const char* value = parts.size() > 1 ? api_.msg_gets(parts[1].get(), name) : nullptr;
+    return value == nullptr ? "" : value;
+}
+
 void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     const int64_t now = now_ns();
     Job job;
     job.client.assign(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
     job.request_id = req.id;
-    job.owner = hex(job.client);
+    // who the client is (Frontend._identity): its CURVE key, else its connection
+    job.owner = config_.curve ? property(parts, "User-Id") : "";
+    if (job.owner.empty()) job.owner = hex(job.client);
     job.model = req.model;
     job.received_ns = now;
     job.size = req.image_bytes();

@@ -104,6 +104,7 @@ struct Config {
     Policy policy = Policy::latency;                         // [scheduler]
     double alpha = 0.2;
     bool shm = false;  // [shm] enabled: INFERs naming a segment the control plane registered
+    bool curve = false;  // [auth] mode = "curve": a client is its key (User-Id), not its connection
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
 };
 
@@ -265,6 +266,7 @@ class Plane {
     int read_messages();  // how many it read (at most kBurst)
     void handle(std::vector<Part>& parts);
     void forward(std::vector<Part>& parts);
+    std::string property(std::vector<Part>& parts, const char* name);  // "" where none
     void infer(std::vector<Part>& parts, const wire::Infer& req);
     // The room check of one request (Frontend._room): (status, message) of a refusal.
     std::optional<std::pair<int64_t, std::string>> room(const std::string& key,

@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from dlad import native_scheduler, protocol
+from dlad.auth import write_keypair
 from dlad.config import ConfigError, load_config
 from dlad.daemon import Daemon
-from dlad.errors import StartupError, Status
+from dlad.errors import DladError, Overloaded, StartupError, Status
 from dlad.scheduler import no_device_serves
 from dlad.shm import SharedFrames
-from dlad_client import Client
+from dlad_client import Client, CurveKeys
 from tests.dlad.serving import serve_in_thread
 from tests.dlad.test_daemon import _mutations, dealer, recv
 
@@ -437,3 +438,36 @@ def test_the_native_plane_answers_as_the_python_frontend_does(
 ) -> None:
     python, plane = both
     assert _answer(plane, frames) == _answer(python, frames)
+
+
+def test_with_curve_a_client_is_its_key_across_connections(tmp_path: Path) -> None:
+    """The plane's in-flight cap counts a key's requests over all its connections, as the
+    Python frontend does; a key not allowed gets nothing."""
+    write_keypair(tmp_path / "keys", "server")
+    write_keypair(tmp_path / "keys", "alice")
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "allowed" / "alice.key").write_bytes((tmp_path / "keys" / "alice.key").read_bytes())
+    auth = ('[auth]\nmode = "curve"\nserver_secret_key = "keys/server.key_secret"\n'
+            'client_keys_dir = "allowed"\n')  # fmt: skip
+    text = _config(latency=300_000.0, depth=8).replace(
+        "cheap_requests_per_s", "max_in_flight_per_client = 2\ncheap_requests_per_s"
+    )
+    (tmp_path / "dlad.toml").write_text(auth + text)
+    daemon = Daemon(load_config(tmp_path / "dlad.toml").plan(), endpoints=["tcp://127.0.0.1:0"])
+    keys = CurveKeys.from_files(tmp_path / "keys" / "server.key",
+                                tmp_path / "keys" / "alice.key_secret")  # fmt: skip
+    with (
+        serve_in_thread(daemon) as ep,
+        Client(ep, curve=keys) as one,
+        Client(ep, curve=keys) as two,
+    ):
+        held = [one.submit(IMAGE), one.submit(IMAGE)]  # the cap, on one connection
+        while daemon.frontend.plane is not None and daemon.frontend.plane.pending < 2:
+            time.sleep(0.001)  # state: both admitted (the test's timeout bounds it)
+        with pytest.raises(Overloaded, match="this client has 2 requests in flight"):
+            two.detect(IMAGE)  # another connection, the same key
+        assert one.status()["devices"][0]["in_flight"] >= 1  # STATUS through the plane
+        daemon.stop_threadsafe()
+        for handle in held:
+            with contextlib.suppress(DladError):
+                handle.result()

@@ -192,8 +192,9 @@ def test_other_messages_reach_the_control_plane_whole(rig: Rig) -> None:
         rig.client.send_multipart([bytes(f) for f in frames])
     for frames in sent:
         assert rig.plane.forwarded.poll(WAIT_MS)
-        client, peer, *parts = rig.plane.forwarded.recv_multipart()
+        client, peer, user, *parts = rig.plane.forwarded.recv_multipart()
         assert peer == b"127.0.0.1"  # the sender's Peer-Address, which the pair does not carry
+        assert user == b""  # and its CURVE key: none here
         assert parts == [bytes(f) for f in frames]
         rig.plane.send(client, [msgpack.packb({"echo": len(parts)}), b"tail"])
         assert rig.client.poll(WAIT_MS)
