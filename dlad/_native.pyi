@@ -10,8 +10,6 @@ class Scheduler:
         policy: str,
         interference: Sequence[tuple[str, str, float]],
         pins: Mapping[str, str],
-        shm: bool,
-        curve: bool,
     ) -> None: ...
     def add_device(
         self,
@@ -111,6 +109,7 @@ class Plane:
         alpha: float,
         pins: Mapping[str, str],
         shm: bool,
+        curve: bool,
     ) -> None: ...
     def start(self) -> None: ...
     def cancel(self, client: bytes, request_id: int) -> int: ...
