@@ -220,6 +220,7 @@ class Frontend:
         self._tags: dict[int, _Batch] = {}  # the plane's outcome tag -> its INFER_BATCH
         self._registered: set[tuple[str, str]] = set()  # segments the plane takes frames of
         self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
+        self._plane_seen: dict[str, Any] = {}  # its counters at the last observe_plane()
         self._next_tag = 0
         self._known_models = frozenset(self._models)
 
@@ -772,13 +773,27 @@ class Frontend:
             raise NotFound(f"request {req.id} is already running (or answered)")
 
     def observe_plane(self) -> None:
-        """Hand the plane's replies since the last call to the metrics (the heartbeat's)."""
+        """Hand the plane's replies since the last call to the metrics, with what it dropped
+        and lost meanwhile (the heartbeat's)."""
         if self.plane is None:
             return
         known, observe = self._known_models, self.metrics.observe_reply
         for model, device, status, queue_us, device_us, total_us in self.plane.observations():
             observe(model if model in known else "", device or None, _STATUSES[status],
                     queue_us=queue_us, device_us=device_us, total_us=total_us)  # fmt: skip
+        now = self.plane.counters()
+        seen, self._plane_seen = self._plane_seen, now
+        dropped = now["dropped"] - seen.get("dropped", 0)
+        if dropped:
+            self.metrics.reply_dropped(dropped)
+            log.warning("reply_dropped", reason="a client's queue was full, or it had gone",
+                        dropped=dropped, dropped_total=now["dropped"])  # fmt: skip
+        for what, key in (("message", "forward_lost"), ("observation", "observations_lost")):
+            lost = now[key] - seen.get(key, 0)
+            if lost:
+                self.metrics.plane_lost(what, lost)
+                why = "the event loop fell 100,000 behind the native data plane"
+                log.error("plane_lost", what=what, lost=lost, reason=why)
 
     def totals(self) -> Counters:
         """Messages received and replies sent, by status: this frontend's and, with the

@@ -254,6 +254,12 @@ class Metrics:
             "Replies ZeroMQ dropped: the client's queue was full (SNDHWM) or it had gone.",
             registry=r,
         )  # fmt: skip
+        self._plane_lost = Counter(
+            "dlad_plane_lost",
+            "What the native data plane could not hand to the event loop, which had fallen "
+            "100,000 behind: a client's message (never answered) or a reply's observation.",
+            ["what"], registry=r,
+        )  # fmt: skip
         self._device_ready = Gauge(
             "dlad_device_ready", "1 when the device is loaded and warm, else 0.", ["device"],
             registry=r,
@@ -291,9 +297,13 @@ class Metrics:
         """Count a connection refused for the cap."""
         self._connections_refused.inc()
 
-    def reply_dropped(self) -> None:
-        """Count a reply that could not be queued for its client."""
-        self._dropped_replies.inc()
+    def reply_dropped(self, n: int = 1) -> None:
+        """Count replies that could not be queued for their clients."""
+        self._dropped_replies.inc(n)
+
+    def plane_lost(self, what: str, n: int) -> None:
+        """Count what the native data plane lost (``message`` or ``observation``)."""
+        self._plane_lost.labels(what).inc(n)
 
     def observe_reply(
         self,

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
+from structlog.testing import capture_logs
 
 from dlad import native_scheduler, protocol
 from dlad.auth import write_keypair
@@ -471,3 +472,19 @@ def test_with_curve_a_client_is_its_key_across_connections(tmp_path: Path) -> No
         for handle in held:
             with contextlib.suppress(DladError):
                 handle.result()
+
+
+def test_a_reply_the_plane_could_not_send_is_counted_and_logged(tmp_path: Path) -> None:
+    """A client gone before its reply: the plane counts the drop, the heartbeat puts it in
+    dlad_replies_dropped_total and the log."""
+    with capture_logs() as logs, native(tmp_path, latency=50_000.0) as (daemon, ep):
+        with dealer(ep) as sock:
+            sock.send_multipart(_infer(1))
+            while daemon.frontend.plane is not None and daemon.frontend.plane.pending < 1:
+                time.sleep(0.001)  # state: admitted (the test's timeout bounds it)
+        # the connection is closed; the reply finds no one (ROUTER_MANDATORY: counted)
+        registry = daemon.metrics.registry
+        while not registry.get_sample_value("dlad_replies_dropped_total"):
+            time.sleep(0.01)  # the heartbeat's (state; the test's timeout bounds it)
+        assert registry.get_sample_value("dlad_replies_dropped_total") == 1
+    assert [e["dropped"] for e in logs if e["event"] == "reply_dropped"] == [1]
