@@ -792,7 +792,7 @@ class Frontend:
             lost = now[key] - seen.get(key, 0)
             if lost:
                 self.metrics.plane_lost(what, lost)
-                why = "the event loop fell 100,000 behind the native data plane"
+                why = "the event loop was gone, or fell a million replies behind"
                 log.error("plane_lost", what=what, lost=lost, reason=why)
 
     def totals(self) -> Counters:

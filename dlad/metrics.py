@@ -256,8 +256,8 @@ class Metrics:
         )  # fmt: skip
         self._plane_lost = Counter(
             "dlad_plane_lost",
-            "What the native data plane could not hand to the event loop, which had fallen "
-            "100,000 behind: a client's message (never answered) or a reply's observation.",
+            "What the native data plane could not hand to the event loop: a client's message "
+            "still waiting when the plane ended with the loop gone, or a reply's observation.",
             ["what"], registry=r,
         )  # fmt: skip
         self._device_ready = Gauge(

@@ -53,7 +53,9 @@ __all__ = [
     "loaded_libzmq",
 ]
 
-_FORWARD_HWM: Final = 100_000  # messages the control plane may fall behind by
+_FORWARD_HWM: Final = 100_000  # messages the control plane may fall behind by (then the
+# plane stops reading the ROUTER until it catches up: the clients' sockets push back)
+_FORWARD_LAST_WAIT_MS: Final = 2000  # at the plane's end, for a reader that may be gone
 _ids = itertools.count()
 
 
@@ -190,6 +192,7 @@ class NativePlane:
             sock.setsockopt(zmq.SNDHWM, _FORWARD_HWM)
             sock.setsockopt(zmq.RCVHWM, _FORWARD_HWM)
             sock.setsockopt(zmq.LINGER, 0)
+        self._plane_end.setsockopt(zmq.SNDTIMEO, _FORWARD_LAST_WAIT_MS)
         self.forwarded.bind(address)
         self._plane_end.connect(address)
         bounds = (limits.max_message_bytes, limits.max_header_bytes, limits.max_width,
@@ -289,7 +292,8 @@ class NativePlane:
         """``received`` (messages read), ``forwarded`` (of them, to :attr:`forwarded`),
         ``replied`` and ``by_status`` (the plane's own INFER replies, by status name),
         ``dropped`` (replies ZeroMQ could not queue, the control plane's included),
-        ``forward_lost`` (messages :attr:`forwarded` could not queue: its reader stalled) and
+        ``forward_lost`` (messages for :attr:`forwarded` still waiting when the plane ended and
+        its reader had gone: while it runs, the plane waits for room instead) and
         ``observations_lost``."""
         return self._plane.counters()
 

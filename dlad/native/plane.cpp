@@ -20,6 +20,7 @@ namespace {
 constexpr int kDontWait = 1;  // ZMQ_DONTWAIT
 constexpr int kSndMore = 2;   // ZMQ_SNDMORE
 constexpr short kPollIn = 1;  // ZMQ_POLLIN
+constexpr short kPollOut = 2;  // ZMQ_POLLOUT
 constexpr int kBurst = 64;    // messages read in a row before engines and replies get a turn
 
 // protocol.Status
@@ -422,6 +423,9 @@ void Plane::wake() {
 void Plane::run() {
     ZmqPollItem items[2] = {{router_, 0, kPollIn, 0}, {nullptr, event_fd_, kPollIn, 0}};
     while (true) {
+        // with a backlog for the control plane, wait for its room, not for more messages
+        items[0] = backlog_.empty() ? ZmqPollItem{router_, 0, kPollIn, 0}
+                                    : ZmqPollItem{forward_, 0, kPollOut, 0};
         int64_t now = now_ns();
         bool draining = false;
         int64_t until = 0;
@@ -464,6 +468,7 @@ void Plane::run() {
     for (const auto& [id, job] : jobs_) left.push_back(id);
     std::sort(left.begin(), left.end());
     for (int64_t id : left) answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+    flush_backlog(/*block=*/true);  // the control plane reads until this thread has ended
     // From here calls and sends run on their callers' threads; those queued before are run
     // and sent here first, in their order, before any caller's own.
     std::lock_guard<std::mutex> inline_lock(inline_mu_);
@@ -487,8 +492,9 @@ long Plane::poll_timeout(int64_t now) const {
 }
 
 int Plane::read_messages() {
+    flush_backlog(/*block=*/false);
     int n = 0;
-    for (; n < kBurst; ++n) {
+    for (; n < kBurst && backlog_.empty(); ++n) {
         std::vector<Part> parts;
         parts.reserve(4);
         parts.emplace_back(&api_);
@@ -525,22 +531,60 @@ void Plane::handle(std::vector<Part>& parts) {
 }
 
 void Plane::forward(std::vector<Part>& parts) {
-    // [routing id, the peer's address, its CURVE key, the message's parts...]: a message's
-    // metadata does not cross the pair, and the control plane needs the peer (shared memory is
-    // for this host's) and the key (who the client is)
-    const std::string address = property(parts, "Peer-Address");
-    const std::string user = property(parts, "User-Id");
-    const int more = parts.size() > 1 ? kSndMore : 0;
-    bool ok = api_.msg_send(parts[0].get(), forward_, kDontWait | kSndMore) >= 0 &&
-              api_.send(forward_, address.data(), address.size(), kDontWait | kSndMore) >= 0 &&
-              api_.send(forward_, user.data(), user.size(), kDontWait | more) >= 0;
-    for (size_t i = 1; ok && i < parts.size(); ++i) {
-        const int flags = kDontWait | (i + 1 < parts.size() ? kSndMore : 0);
-        ok = api_.msg_send(parts[i].get(), forward_, flags) >= 0;  // false: the pair is full
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.forwarded;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    ++counters_.forwarded;
-    if (!ok) ++counters_.forward_lost;
+    Pending m{std::move(parts), {}};
+    if (backlog_.empty() && send_forward(m, kDontWait)) return;
+    backlog_.push_back(std::move(m));  // in order, after what waits already
+}
+
+bool Plane::send_forward(Pending& m, int flags) {
+    bool ok = true;
+    if (!m.parts.empty()) {
+        // [routing id, the peer's address, its CURVE key, the message's parts...]: a message's
+        // metadata does not cross the pair, and the control plane needs the peer (shared
+        // memory is for this host's) and the key (who the client is)
+        std::vector<Part>& parts = m.parts;
+        const std::string address = property(parts, "Peer-Address");
+        const std::string user = property(parts, "User-Id");
+        // a message's first part is taken whole or not at all (the rest then always is)
+        if (api_.msg_send(parts[0].get(), forward_, flags | kSndMore) < 0) return false;
+        const int more = parts.size() > 1 ? kSndMore : 0;
+        ok = api_.send(forward_, address.data(), address.size(), flags | kSndMore) >= 0 &&
+             api_.send(forward_, user.data(), user.size(), flags | more) >= 0;
+        for (size_t i = 1; ok && i < parts.size(); ++i) {
+            ok = api_.msg_send(parts[i].get(), forward_,
+                               flags | (i + 1 < parts.size() ? kSndMore : 0)) >= 0;
+        }
+    } else {
+        const auto& frames = m.frames;
+        if (api_.send(forward_, frames[0].data(), frames[0].size(), flags | kSndMore) < 0) {
+            return false;
+        }
+        for (size_t i = 1; ok && i < frames.size(); ++i) {
+            ok = api_.send(forward_, frames[i].data(), frames[i].size(),
+                           flags | (i + 1 < frames.size() ? kSndMore : 0)) >= 0;
+        }
+    }
+    if (!ok) {  // cannot happen once its first part was taken
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.forward_lost;
+    }
+    return true;
+}
+
+void Plane::flush_backlog(bool block) {
+    while (!backlog_.empty()) {
+        if (!send_forward(backlog_.front(), block ? 0 : kDontWait)) break;
+        backlog_.pop_front();
+    }
+    if (block && !backlog_.empty()) {  // its reader is gone (the send timed out)
+        std::lock_guard<std::mutex> lock(mu_);
+        counters_.forward_lost += static_cast<int64_t>(backlog_.size());
+        backlog_.clear();
+    }
 }
 
 std::string Plane::property(std::vector<Part>& parts, const char* name) {
@@ -742,16 +786,9 @@ void Plane::deliver(const Job& job, const std::string& header, int64_t status) {
         return;
     }
     // an image of the control plane's request: its answer goes back there
-    const std::string parts[4] = {"", le64(*job.tag), le64(job.index), header};
-    bool ok = true;
-    for (size_t i = 0; ok && i < 4; ++i) {
-        ok = api_.send(forward_, parts[i].data(), parts[i].size(),
-                       kDontWait | (i < 3 ? kSndMore : 0)) >= 0;
-    }
-    if (!ok) {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++counters_.forward_lost;
-    }
+    Pending m{{}, {"", le64(*job.tag), le64(job.index), header}};
+    if (backlog_.empty() && send_forward(m, kDontWait)) return;
+    backlog_.push_back(std::move(m));
 }
 
 void Plane::observe(const Job& job, int64_t status, const std::optional<std::string>& device,

@@ -266,6 +266,17 @@ class Plane {
     int read_messages();  // how many it read (at most kBurst)
     void handle(std::vector<Part>& parts);
     void forward(std::vector<Part>& parts);
+    // A message for the forward socket: a client's (routing id first) or an outcome's frames.
+    struct Pending {
+        std::vector<Part> parts;
+        std::vector<std::string> frames;
+    };
+    // Send it (``flags``: ZMQ_DONTWAIT or 0, the socket's send timeout then); false where the
+    // socket took none of it (full: nothing is lost, it is sent later).
+    bool send_forward(Pending& m, int flags);
+    // Send what waits, in order, while the socket takes it (``block``: waiting for room, each
+    // for the socket's send timeout at most, what it still cannot take then being lost).
+    void flush_backlog(bool block);
     std::string property(std::vector<Part>& parts, const char* name);  // "" where none
     void infer(std::vector<Part>& parts, const wire::Infer& req);
     // The room check of one request (Frontend._room): (status, message) of a refusal.
@@ -309,6 +320,10 @@ class Plane {
     std::unordered_map<std::string, int64_t> in_use_;  // client + request id -> its jobs
     std::unordered_map<std::string, int64_t> in_flight_;  // owner -> jobs
     uint64_t buffered_ = 0;
+    // Messages the forward socket could not take yet (its reader has fallen a high-water mark
+    // behind): while any wait, the plane reads no more off the ROUTER, so that the clients'
+    // sockets push back and nothing is lost.
+    std::deque<Pending> backlog_;
     int64_t next_job_ = 0;
     int event_fd_ = -1;
 

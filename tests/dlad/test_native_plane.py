@@ -21,7 +21,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlad import native_scheduler, protocol
+from dlad import native_plane, native_scheduler, protocol
 from dlad.errors import Status
 from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, loaded_libzmq
 from dlad.protocol import InferReply, InferRequest
@@ -389,5 +389,30 @@ def test_calls_and_sends_after_the_thread_has_ended_run_on_the_callers() -> None
         )
         assert r.plane.cancel(client, 5) is CancelResult.NOT_QUEUED
         assert r.plane.state()[1:] == (0, 0)
+    finally:
+        r.close()
+
+
+def test_a_control_plane_that_falls_behind_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the forwarding pair full, the plane stops reading the socket until it has room
+    (the clients' sockets push back): every message arrives, in order."""
+    monkeypatch.setattr(native_plane, "_FORWARD_HWM", 2)
+    r = Rig([PlaneDevice("dla0", 500.0)])
+    try:
+        n = 300
+        for rid in range(n):
+            r.client.send_multipart(protocol.encode(protocol.StatusRequest(rid)))
+        r.infer(1000)  # behind them on the socket: read once they have gone through
+        while r.plane.counters()["received"] < 3:  # state: the plane has read a few
+            threading.Event().wait(0.001)
+        assert not r.client.poll(200)  # the INFER waits behind the backlog
+        got = []
+        for _ in range(n):
+            assert r.plane.forwarded.poll(WAIT_MS)
+            _, _, _, header = r.plane.forwarded.recv_multipart()
+            got.append(msgpack.unpackb(header)["id"])
+        assert got == list(range(n))
+        assert r.reply().id == 1000
+        assert r.plane.counters()["forward_lost"] == 0
     finally:
         r.close()
