@@ -763,21 +763,25 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
         device = job.device;
     }
     observe(job, status, device, timing);
-    deliver(job, wire::write_infer_reply(job.request_id, status, message, device, timing, 0),
-            status);
-    const std::string key = key_of(job.client, job.request_id);
+    const std::string header =
+        wire::write_infer_reply(job.request_id, status, message, device, timing, 0);
+    // The job's place is freed before its reply leaves: whoever has the reply sees it gone
+    // (pending, the client's cap, the counters).
+    const Job answered = std::move(job);
+    jobs_.erase(it);
+    pending_.store(static_cast<int64_t>(jobs_.size()));
+    const std::string key = key_of(answered.client, answered.request_id);
     if (--in_use_[key] <= 0) in_use_.erase(key);
-    if (--in_flight_[job.owner] <= 0) in_flight_.erase(job.owner);
-    buffered_ -= job.size;
-    if (!job.segment.empty()) {
-        const auto seg = segments_.find(job.segment);
+    if (--in_flight_[answered.owner] <= 0) in_flight_.erase(answered.owner);
+    buffered_ -= answered.size;
+    if (!answered.segment.empty()) {
+        const auto seg = segments_.find(answered.segment);
         if (seg != segments_.end()) {
             --seg->second.users;
             seg->second.last_used_ns = now;
         }
     }
-    jobs_.erase(it);
-    pending_.store(static_cast<int64_t>(jobs_.size()));
+    deliver(answered, header, status);
 }
 
 void Plane::deliver(const Job& job, const std::string& header, int64_t status) {
@@ -860,14 +864,20 @@ void Plane::send_reply(const std::string& client, const std::string& header, con
                        size_t payload_bytes, int64_t status) {
     // ROUTER_MANDATORY (set by the frontend): a reply that cannot be queued fails here instead
     // of vanishing, and is counted
+    // Counted before it leaves: whoever has the reply sees it counted.
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.replied;
+        ++counters_.by_status[status_name(status)];
+    }
     static const char none = 0;
     const bool ok = api_.send(router_, client.data(), client.size(), kDontWait | kSndMore) >= 0 &&
                     api_.send(router_, header.data(), header.size(), kDontWait | kSndMore) >= 0 &&
                     api_.send(router_, payload ? payload : &none, payload_bytes, kDontWait) >= 0;
-    std::lock_guard<std::mutex> lock(mu_);
-    ++counters_.replied;
-    ++counters_.by_status[status_name(status)];
-    if (!ok) ++counters_.dropped;
+    if (!ok) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.dropped;
+    }
 }
 
 }  // namespace dlad::plane
