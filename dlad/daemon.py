@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import structlog
 
 import dlad
@@ -231,23 +232,7 @@ class Daemon:
                 tg.start_soon(self.frontend.watch_connections)
                 if self.executors:
                     await self._warm.wait()
-                # What start-up built (models, engines, modules) lives as long as the daemon:
-                # out of the collector's sight, a collection walks only what serving allocates.
-                gc.collect()
-                gc.freeze()
-                self.ready.set()
-                log.info("listening", endpoints=self.bound, devices=list(self.executors),
-                         event_loop=_loop_name())  # fmt: skip
-                self.notifier.ready(f"serving {', '.join(self.executors) or 'no devices'} on "
-                                    f"{', '.join(self.bound)}")  # fmt: skip
-                await self._stop.wait()
-                await self._drain()
-                # Go on answering a while (INFER: SHUTTING_DOWN), so that clients still sending
-                # learn the daemon is going before the port closes; then stop reading and
-                # answer whatever the socket still holds.
-                self.lingering.set()
-                await anyio.sleep(self.config.daemon.close_linger_ms / 1e3)
-                tg.cancel_scope.cancel()
+                await self._serve_until_stopped(tg)
             late = await self.frontend.answer_what_is_queued()
             log.info("closing", answered_after_the_drain=late)
         finally:
@@ -283,20 +268,30 @@ class Daemon:
             tg.start_soon(self._heartbeat_loop)
             tg.start_soon(self.frontend.receive_loop)
             tg.start_soon(self.frontend.watch_connections)
-            gc.collect()
-            gc.freeze()
-            self.ready.set()
-            devices = self._device_names()
-            log.info("listening", endpoints=self.bound, devices=devices, data_plane="native",
-                     event_loop=_loop_name())  # fmt: skip
-            self.notifier.ready(f"serving {', '.join(devices)} on {', '.join(self.bound)}")
-            await self._stop.wait()
-            await self._drain()
-            self.lingering.set()
-            await anyio.sleep(self.config.daemon.close_linger_ms / 1e3)
-            tg.cancel_scope.cancel()
+            await self._serve_until_stopped(tg)
         late = await self.frontend.answer_what_is_queued()
         log.info("closing", answered_after_the_drain=late)
+
+    async def _serve_until_stopped(self, tg: anyio.abc.TaskGroup) -> None:
+        """Ready: serve until stopped, drain, linger, then cancel ``tg`` (the serving loops)."""
+        # What start-up built (models, engines, modules) lives as long as the daemon: out of
+        # the collector's sight, a collection walks only what serving allocates.
+        gc.collect()
+        gc.freeze()
+        self.ready.set()
+        devices = self._device_names()
+        log.info("listening", endpoints=self.bound, devices=devices,
+                 data_plane=self.config.frontend.data_plane, event_loop=_loop_name())  # fmt: skip
+        self.notifier.ready(f"serving {', '.join(devices) or 'no devices'} on "
+                            f"{', '.join(self.bound)}")  # fmt: skip
+        await self._stop.wait()
+        await self._drain()
+        # Go on answering a while (INFER: SHUTTING_DOWN), so that clients still sending learn
+        # the daemon is going before the port closes; then stop reading and answer whatever
+        # the socket still holds.
+        self.lingering.set()
+        await anyio.sleep(self.config.daemon.close_linger_ms / 1e3)
+        tg.cancel_scope.cancel()
 
     async def _start_gpu(self) -> None:
         """Choose the pre/post backend (logged): CUDA kernels where a GPU is configured and

@@ -752,7 +752,7 @@ class Frontend:
     def _plane_outcome(self, parts: Sequence[Any]) -> None:
         """An INFER_BATCH image's answer from the plane: the header it would have sent."""
         assert self.plane is not None
-        out = self.plane.outcome([p.bytes if isinstance(p, zmq.Frame) else p for p in parts])
+        out = self.plane.outcome([p.bytes for p in parts])  # zero-copy frames
         batch = self._tags.get(out.tag)
         if batch is None:  # cannot happen: a batch's tag lives until its last answer
             log.error("outcome_without_batch", tag=out.tag, index=out.index)

@@ -247,11 +247,11 @@ class NativePlane:
         )  # fmt: skip
 
     @staticmethod
-    def outcome(parts: Sequence[bytes | memoryview]) -> Outcome:
+    def outcome(parts: Sequence[bytes]) -> Outcome:
         """The :class:`Outcome` a message of :attr:`forwarded` with an empty routing id holds
         (``parts``: that message without its routing id)."""
-        tag, index = _OUTCOME.unpack(bytes(parts[0]) + bytes(parts[1]))
-        return Outcome(tag, index, bytes(parts[2]))
+        tag, index = _OUTCOME.unpack(parts[0] + parts[1])
+        return Outcome(tag, index, parts[2])
 
     def state(self) -> tuple[list[DeviceState], int, int]:
         """(each engine's state, jobs queued, streams waiting)."""

@@ -5,13 +5,11 @@ INFER_BATCH, the metrics, the drain and the linger after it."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgpack
@@ -31,7 +29,8 @@ from dlad.scheduler import no_device_serves
 from dlad.shm import SharedFrames
 from dlad_client import Client, CurveKeys
 from tests.dlad.serving import serve_in_thread
-from tests.dlad.test_daemon import _mutations, dealer, recv
+from tests.dlad.test_daemon import _mutations, _status, dealer, recv
+from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -104,11 +103,9 @@ def _infer(rid: int, **fields: object) -> list[bytes]:
     return [bytes(f) for f in protocol.encode(protocol.InferRequest(rid, image=IMAGE, **fields))]  # type: ignore[arg-type]
 
 
-def _status(sock: object, rid: int) -> protocol.StatusReply:
-    sock.send_multipart(protocol.encode(protocol.StatusRequest(rid, load=True)))  # type: ignore[attr-defined]
-    reply = recv(sock)  # type: ignore[arg-type]
-    assert isinstance(reply, protocol.StatusReply)
-    return reply
+def _pending(daemon: Daemon) -> int:
+    plane = daemon.frontend.plane
+    return 0 if plane is None else plane.pending
 
 
 def test_infers_are_served_by_the_plane_and_counted_everywhere(tmp_path: Path) -> None:
@@ -119,7 +116,7 @@ def test_infers_are_served_by_the_plane_and_counted_everywhere(tmp_path: Path) -
         assert sorted(int(r.id or 0) for r in replies) == list(range(12))
         assert {r.status for r in replies} == {Status.OK}
         assert {r.device for r in replies} <= {"dla0", "dla1"}
-        report: dict[str, Any] = dict(_status(sock, 99).report or {})
+        report = _status(sock, 99)
         assert daemon.frontend.plane is not None
         assert daemon.frontend.plane.counters()["by_status"] == {"OK": 12}  # the plane's
         assert daemon.counters.by_status == {"OK": 13}  # with the STATUS reply
@@ -161,7 +158,7 @@ def test_an_infer_batch_runs_in_the_plane_and_gets_one_reply(tmp_path: Path) -> 
         sock.send_multipart(protocol.encode(protocol.InferBatchRequest(7, "demo", items)))
         # The event loop handles what the plane forwards in order: once STATUS is answered,
         # the batch is in the plane (an INFER sent meanwhile could have overtaken it).
-        assert _status(sock, 70).id == 70
+        _status(sock, 70)
         sock.send_multipart(_infer(7))  # its id is in flight (the batch's)
         early = recv(sock)
         assert (early.id, early.status) == (7, Status.BAD_REQUEST)
@@ -184,8 +181,7 @@ def test_cancel_reaches_the_plane(tmp_path: Path) -> None:
     with native(tmp_path, latency=200_000.0, depth=4) as (_, ep), dealer(ep) as sock:
         for rid in range(5):  # 4 run (two cores, two slots), the fifth queues
             sock.send_multipart(_infer(rid))
-        while _status(sock, 100).report["queues"]["depth"] < 1:  # state, bounded by the timeout
-            pass
+        wait_for(lambda: _status(sock, 100)["queues"]["depth"] >= 1)
         sock.send_multipart(protocol.encode(protocol.CancelRequest(4)))
         replies = {type(r).__name__: r for r in (recv(sock), recv(sock))}
         infer, cancel = replies["InferReply"], replies["CancelReply"]
@@ -209,8 +205,7 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
     ):
         for rid in range(6):  # 4 run, 2 queue
             sock.send_multipart(_infer(rid))
-        while _status(sock, 100).report["queues"]["depth"] < 2:
-            pass
+        wait_for(lambda: _status(sock, 100)["queues"]["depth"] >= 2)
         daemon.stop_threadsafe()
         first = [recv(sock) for _ in range(6)]
         by_status = Counter(r.status for r in first)
@@ -344,8 +339,7 @@ def test_an_idle_segment_is_let_go_and_mapped_again_when_used(
         assert shm is not None
         sock.send_multipart([_shm_header(1, segment.name, SLOT)])
         assert recv(sock).status is Status.OK
-        while shm.segments:  # the heartbeat reclaims it (state; the test's timeout bounds it)
-            time.sleep(0.01)
+        wait_for(lambda: not shm.segments)  # the heartbeat reclaims it
         sock.send_multipart([_shm_header(2, segment.name, SLOT)])
         assert recv(sock).status is Status.OK
         assert _mapped(shm) == 1
@@ -463,8 +457,7 @@ def test_with_curve_a_client_is_its_key_across_connections(tmp_path: Path) -> No
         Client(ep, curve=keys) as two,
     ):
         held = [one.submit(IMAGE), one.submit(IMAGE)]  # the cap, on one connection
-        while daemon.frontend.plane is not None and daemon.frontend.plane.pending < 2:
-            time.sleep(0.001)  # state: both admitted (the test's timeout bounds it)
+        wait_for(lambda: _pending(daemon) >= 2)  # both admitted
         with pytest.raises(Overloaded, match="this client has 2 requests in flight"):
             two.detect(IMAGE)  # another connection, the same key
         assert one.status()["devices"][0]["in_flight"] >= 1  # STATUS through the plane
@@ -480,11 +473,9 @@ def test_a_reply_the_plane_could_not_send_is_counted_and_logged(tmp_path: Path) 
     with capture_logs() as logs, native(tmp_path, latency=50_000.0) as (daemon, ep):
         with dealer(ep) as sock:
             sock.send_multipart(_infer(1))
-            while daemon.frontend.plane is not None and daemon.frontend.plane.pending < 1:
-                time.sleep(0.001)  # state: admitted (the test's timeout bounds it)
+            wait_for(lambda: _pending(daemon) >= 1)  # admitted
         # the connection is closed; the reply finds no one (ROUTER_MANDATORY: counted)
         registry = daemon.metrics.registry
-        while not registry.get_sample_value("dlad_replies_dropped_total"):
-            time.sleep(0.01)  # the heartbeat's (state; the test's timeout bounds it)
+        wait_for(lambda: bool(registry.get_sample_value("dlad_replies_dropped_total")))
         assert registry.get_sample_value("dlad_replies_dropped_total") == 1
     assert [e["dropped"] for e in logs if e["event"] == "reply_dropped"] == [1]

@@ -26,6 +26,7 @@ from dlad.errors import Status
 from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, loaded_libzmq
 from dlad.protocol import InferReply, InferRequest
 from dlad.scheduler import no_device_serves, queues_full
+from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -403,8 +404,7 @@ def test_a_control_plane_that_falls_behind_loses_nothing(monkeypatch: pytest.Mon
         for rid in range(n):
             r.client.send_multipart(protocol.encode(protocol.StatusRequest(rid)))
         r.infer(1000)  # behind them on the socket: read once they have gone through
-        while r.plane.counters()["received"] < 3:  # state: the plane has read a few
-            threading.Event().wait(0.001)
+        wait_for(lambda: r.plane.counters()["received"] >= 3)  # the plane has read a few
         assert not r.client.poll(200)  # the INFER waits behind the backlog
         got = []
         for _ in range(n):
