@@ -33,7 +33,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, cast
@@ -351,6 +351,7 @@ class Frontend:
         loop = asyncio.get_running_loop()
         readable = self._readable
         self._inbox = sock
+        handle = self._handler(sock)
         loop.add_reader(sock.FD, readable.set)
         try:
             more = _waiting(sock)
@@ -373,10 +374,7 @@ class Frontend:
                 except zmq.Again:  # the message went (a peer's connection closed meanwhile)
                     more = _waiting(sock)
                     continue
-                if until is None:
-                    await self._handle(frames)
-                else:
-                    await self._handle_forwarded(frames)
+                await handle(frames)
                 more = _waiting(sock)
                 if more:
                     # Under a flood this loop would find a message at every read and run alone;
@@ -422,11 +420,12 @@ class Frontend:
                 except zmq.Again:
                     break
                 n += 1
-                if sock is self._socket:
-                    await self._handle(frames)
-                else:
-                    await self._handle_forwarded(frames)
+                await self._handler(sock)(frames)
         return n
+
+    def _handler(self, sock: zmq.Socket[bytes]) -> Callable[[list[Any]], Awaitable[None]]:
+        """What handles ``sock``'s messages: the ROUTER's, or the native plane's pair's."""
+        return self._handle if sock is self._socket else self._handle_forwarded
 
     async def _handle_forwarded(self, frames: list[Any]) -> None:
         """A message of the native plane's pair: [routing id, peer address, user id, *parts],
