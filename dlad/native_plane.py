@@ -19,15 +19,19 @@ INFER_BATCH's images, whose answers come back on :attr:`NativePlane.forwarded`),
 daemon's metrics.
 
 Engines: the emulated DLA core in timing mode (tasks back to back at the core's service time),
-with pre/post-processing off; that is what the plane runs today (BENCHMARKS §9.18), and what
-``[frontend] data_plane = "native"`` serves. The cuDLA engine and the GPU chain are the next
-steps (docs/daemon.md, "The native data plane").
+with pre/post-processing off, or on the GPU: a :class:`PlaneGpu` per core, which
+:meth:`dlad.gpu.service.GpuService.plane_gpu` builds, hands the plane the CUDA stream, buffers,
+fence words and post graphs of each slot, and the plane queues each frame's chain itself
+(``dlad/native/gpu_chain.hpp``) and replies with its detections. That is what
+``[frontend] data_plane = "native"`` serves. The cuDLA engine is the next step (docs/daemon.md,
+"The native data plane").
 
 Linux only (eventfd), and only where ``pip install`` built ``dlad._native``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import os
@@ -44,11 +48,15 @@ from dlad.native_scheduler import available
 
 __all__ = [
     "CancelResult",
+    "CudaFunctions",
     "DeviceState",
+    "Frame",
     "Item",
     "NativePlane",
     "Outcome",
     "PlaneDevice",
+    "PlaneGpu",
+    "PlaneGpuSlot",
     "PlaneUnavailable",
     "loaded_libzmq",
 ]
@@ -81,20 +89,97 @@ def loaded_libzmq() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class CudaFunctions:
+    """The CUDA driver functions the plane calls, by address in the libcuda this process
+    loaded (:func:`dlad.gpu.driver.plane_functions`), and ``CU_STREAM_WAIT_VALUE_GEQ``."""
+
+    ctx_set_current: int
+    memcpy_htod_async: int
+    launch_kernel: int
+    write_value32: int
+    wait_value32: int
+    graph_launch: int
+    launch_host_func: int
+    wait_geq: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneGpuSlot:
+    """One DLA slot's CUDA side (a :class:`~dlad.gpu.prepost.GpuPipeline` and the slot's fence
+    words), as addresses and handles: see ``GpuSlotSpec`` in ``dlad/native/gpu_chain.hpp``."""
+
+    stream: int
+    image: int  # device buffer for uploads (0: frames are staged)
+    staging: int  # pinned host buffer the pre kernel reads (0: frames are uploaded)
+    staging_device: int
+    image_bytes: int  # the largest frame either takes
+    input: int  # the DLA input buffer
+    ready: int  # host address of the word the stream writes after pre
+    ready_device: int
+    done: int  # host address of the word the core writes
+    done_device: int
+    post_copy: int  # the post graph that copies the frame's settings first
+    post_reuse: int  # the same without the copy
+    frame: int  # host address of the settings (FrameParams, Geometry)
+    out: int  # host address of the result record
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneGpu:
+    """A core's GPU pre/post: the context, the model's pre kernel (int8 ``DLA_HWC4`` input with
+    ``input_scale``, else fp16 ``CHW16``), its canvas ``(height, width)``, the pipelines'
+    largest ``max_det``, the model's defaults for an INFER that sets none, and one
+    :class:`PlaneGpuSlot` per core slot. Its owner (a :class:`~dlad.gpu.service.GpuService`)
+    keeps all of it alive until the plane is closed."""
+
+    context: int
+    pre_kernel: int
+    int8: bool
+    input_scale: float
+    canvas: tuple[int, int]
+    max_det: int
+    conf: float
+    iou: float
+    default_max_det: int
+    slots: tuple[PlaneGpuSlot, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PlaneDevice:
     """One emulated DLA core of the plane, in timing mode: ``latency_us`` a task, ``slots``
-    tasks on it at once (the DLA executor's slots), ``capacity`` jobs queued for it."""
+    tasks on it at once (the DLA executor's slots), ``capacity`` jobs queued for it; ``gpu``:
+    its frames are pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``), else
+    the replies carry no detections."""
 
     name: str
     latency_us: float
     slots: int = 2
     capacity: int = 4
+    gpu: PlaneGpu | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """An image's shape and settings, which a core with GPU pre/post needs (``None``: the
+    model's default)."""
+
+    height: int
+    width: int
+    channels: int
+    bgr: bool = False
+    conf: float | None = None
+    iou: float | None = None
+    max_det: int | None = None
+
+
+_NO_FRAME: Final = Frame(0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class Item:
     """An image the control plane decoded, for :meth:`NativePlane.submit`: ``size`` its bytes
-    in the daemon's budget."""
+    in the daemon's budget; for a core with GPU pre/post its ``frame`` and its ``pixels``
+    (empty where it lies in the segment ``shm``, at ``shm_offset``)."""
 
     model: str
     stream: str | None
@@ -102,6 +187,9 @@ class Item:
     deadline_ms: int | None
     size: int
     shm: str | None = None  # the registered segment its frame lies in (size 0 then)
+    shm_offset: int = 0
+    frame: Frame = _NO_FRAME
+    pixels: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +209,13 @@ class DeviceState:
 class Outcome:
     """An image's answer to a :meth:`NativePlane.submit` with a tag, read off
     :attr:`NativePlane.forwarded` by :meth:`NativePlane.outcome`: ``header`` is the
-    INFER_REPLY header the plane would have sent (no detections follow: pre/post is off)."""
+    INFER_REPLY header the plane would have sent, ``detections`` the frame that follows it
+    (N x 6 float32; empty with pre/post off)."""
 
     tag: int
     index: int
     header: bytes
+    detections: bytes = b""
 
 
 class CancelResult(enum.IntEnum):
@@ -137,6 +227,14 @@ class CancelResult(enum.IntEnum):
 
 
 _OUTCOME = struct.Struct("<qq")
+
+
+def _gpu_tuple(gpu: PlaneGpu | None) -> tuple[Any, ...] | None:
+    if gpu is None:
+        return None
+    return (gpu.context, gpu.pre_kernel, gpu.int8, gpu.input_scale, gpu.canvas[0],
+            gpu.canvas[1], gpu.max_det, gpu.conf, gpu.iou, gpu.default_max_det,
+            [dataclasses.astuple(s) for s in gpu.slots])  # fmt: skip
 
 
 class NativePlane:
@@ -155,6 +253,7 @@ class NativePlane:
         shm: take INFERs whose frame lies in a shared-memory segment registered with
             :meth:`add_segment` (others naming a segment are forwarded).
         curve: clients authenticate (CURVE): a client is its key, for the in-flight cap.
+        cuda: the driver functions, where a device has ``gpu``.
 
     Raises:
         PlaneUnavailable: see the class.
@@ -177,6 +276,7 @@ class NativePlane:
         pins: Mapping[str, str] | None = None,
         shm: bool = False,
         curve: bool = False,
+        cuda: CudaFunctions | None = None,
     ) -> None:
         if not available():
             raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
@@ -200,10 +300,12 @@ class NativePlane:
         try:
             self._plane = _native.Plane(
                 libzmq, router.underlying, self._plane_end.underlying, bounds,
-                [(d.name, float(d.latency_us), d.slots, d.capacity) for d in devices],
+                [(d.name, float(d.latency_us), d.slots, d.capacity, _gpu_tuple(d.gpu))
+                 for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
                 float(alpha), dict(pins or {}), shm, curve,
+                None if cuda is None else dataclasses.astuple(cuda),
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()
@@ -243,7 +345,8 @@ class NativePlane:
         :attr:`forwarded` (a message whose routing id is empty)."""
         return self._plane.submit(
             client, owner, request_id, tag,
-            [(i.model, i.stream, i.priority, i.deadline_ms, i.size, i.shm) for i in items],
+            [(i.model, i.stream, i.priority, i.deadline_ms, i.size, i.shm, i.shm_offset,
+              dataclasses.astuple(i.frame), i.pixels) for i in items],
         )  # fmt: skip
 
     @staticmethod
@@ -251,18 +354,22 @@ class NativePlane:
         """The :class:`Outcome` a message of :attr:`forwarded` with an empty routing id holds
         (``parts``: that message without its routing id)."""
         tag, index = _OUTCOME.unpack(parts[0] + parts[1])
-        return Outcome(tag, index, parts[2])
+        return Outcome(tag, index, parts[2], parts[3] if len(parts) > 3 else b"")
 
     def state(self) -> tuple[list[DeviceState], int, int]:
         """(each engine's state, jobs queued, streams waiting)."""
         devices, queued, streams = self._plane.state()
         return [DeviceState(*d) for d in devices], queued, streams
 
-    def add_segment(self, owner: str, name: str, size: int) -> bool:
+    def add_segment(
+        self, owner: str, name: str, size: int, host: int = 0, device: int = 0
+    ) -> bool:
         """Register ``owner``'s shared-memory segment ``name`` of ``size`` bytes (mapped and
-        checked by the caller): the plane takes INFERs whose frame lies inside it. False where
-        it is registered at another size while frames of it are in flight."""
-        return self._plane.add_segment(owner, name, size)
+        checked by the caller, at ``host``; ``device``: its address for the GPU, 0 where it is
+        not registered there): the plane takes INFERs whose frame lies inside it. False where
+        it is registered at another size while frames of it are in flight. The mapping must
+        stay until :meth:`idle_segments` (or :meth:`drop_segment`) has let it go."""
+        return self._plane.add_segment(owner, name, size, host, device)
 
     def drop_segment(self, owner: str, name: str) -> bool:
         """Unregister a segment; False while frames of it are in flight (it stays)."""
@@ -293,13 +400,16 @@ class NativePlane:
         ``replied`` and ``by_status`` (the plane's own INFER replies, by status name),
         ``dropped`` (replies ZeroMQ could not queue, the control plane's included),
         ``forward_lost`` (messages for :attr:`forwarded` still waiting when the plane ended and
-        its reader had gone: while it runs, the plane waits for room instead) and
-        ``observations_lost``."""
+        its reader had gone: while it runs, the plane waits for room instead),
+        ``observations_lost`` and ``gpu_errors`` (frames whose GPU chain could not be queued:
+        answered DEVICE_FAILED)."""
         return self._plane.counters()
 
     def close(self) -> None:
-        """Drain at once (:meth:`drain` with no time) and close the forwarding pair."""
-        self._plane.drain(0.0)
+        """Drain at once (:meth:`drain` with no time), stop the engines, wait for the GPU
+        chains still running (the GPU's resources may be freed after this), and close the
+        forwarding pair."""
+        self._plane.close()
         self._close_pair()
 
     def _close_pair(self) -> None:

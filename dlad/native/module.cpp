@@ -73,10 +73,73 @@ py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view messag
                                                    count));
 }
 
-using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t>;
-// model, stream, priority, deadline_ms, size, segment: an image for Plane::submit
+// A GPU slot's handles and addresses, in GpuSlotSpec's order: stream, image, staging,
+// staging_device, image_bytes, input, ready, ready_device, done, done_device, post_copy,
+// post_reuse, frame, out.
+using GpuSlotTuple = std::tuple<uintptr_t, uint64_t, uintptr_t, uint64_t, uint64_t, uint64_t,
+                                uintptr_t, uint64_t, uintptr_t, uint64_t, uintptr_t, uintptr_t,
+                                uintptr_t, uintptr_t>;
+// context, pre_kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
+// default_max_det, slots: a device's GpuSpec
+using GpuTuple = std::tuple<uintptr_t, uintptr_t, bool, float, int, int, int, double, double,
+                            int64_t, std::vector<GpuSlotTuple>>;
+// name, latency_us, slots, capacity, gpu
+using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t, std::optional<GpuTuple>>;
+// the CUDA driver's functions (CudaApi's order) and CU_STREAM_WAIT_VALUE_GEQ
+using CudaTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
+                             uintptr_t, unsigned>;
+// height, width, channels, bgr, conf, iou, max_det: an image's shape and settings
+using ImageTuple = std::tuple<int64_t, int64_t, int64_t, bool, std::optional<double>,
+                              std::optional<double>, std::optional<int64_t>>;
+// model, stream, priority, deadline_ms, size, segment, offset in it, image, pixels: an image
+// for Plane::submit
 using PlaneItem = std::tuple<std::string, std::optional<std::string>, int64_t,
-                             std::optional<int64_t>, uint64_t, std::optional<std::string>>;
+                             std::optional<int64_t>, uint64_t, std::optional<std::string>,
+                             uint64_t, ImageTuple, py::bytes>;
+
+template <typename T>
+T* ptr(uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+dlad::plane::GpuSpec gpu_of(const GpuTuple& t) {
+    const auto& [context, kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
+                 default_max_det, slots] = t;
+    dlad::plane::GpuSpec g;
+    g.context = ptr<void>(context);
+    g.pre_kernel = ptr<void>(kernel);
+    g.int8 = int8;
+    g.input_scale = input_scale;
+    g.canvas_h = canvas_h;
+    g.canvas_w = canvas_w;
+    g.max_det = max_det;
+    g.conf = conf;
+    g.iou = iou;
+    g.default_max_det = default_max_det;
+    for (const auto& [stream, image, staging, staging_device, image_bytes, input, ready,
+                      ready_device, done, done_device, post_copy, post_reuse, frame, out] :
+         slots) {
+        g.slots.push_back({ptr<void>(stream), image, ptr<uint8_t>(staging), staging_device,
+                           image_bytes, input, ptr<uint32_t>(ready), ready_device,
+                           ptr<uint32_t>(done), done_device, ptr<void>(post_copy),
+                           ptr<void>(post_reuse), ptr<uint8_t>(frame), ptr<const float>(out)});
+    }
+    return g;
+}
+
+dlad::plane::CudaApi cuda_of(const CudaTuple& t) {
+    const auto& [set_current, memcpy, launch, write, wait, graph, host, geq] = t;
+    dlad::plane::CudaApi c;
+    c.ctx_set_current = reinterpret_cast<decltype(c.ctx_set_current)>(set_current);
+    c.memcpy_htod_async = reinterpret_cast<decltype(c.memcpy_htod_async)>(memcpy);
+    c.launch_kernel = reinterpret_cast<decltype(c.launch_kernel)>(launch);
+    c.write_value32 = reinterpret_cast<decltype(c.write_value32)>(write);
+    c.wait_value32 = reinterpret_cast<decltype(c.wait_value32)>(wait);
+    c.graph_launch = reinterpret_cast<decltype(c.graph_launch)>(graph);
+    c.launch_host_func = reinterpret_cast<decltype(c.launch_host_func)>(host);
+    c.wait_geq = geq;
+    return c;
+}
 
 std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::string& libzmq, uintptr_t router, uintptr_t forward,
@@ -85,12 +148,15 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     std::map<std::string, std::vector<std::string>> models, double default_deadline_ms,
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
     const std::string& policy, double alpha,
-    std::unordered_map<std::string, std::string> pins, bool shm, bool curve) {
+    std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
+    const std::optional<CudaTuple>& cuda) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
-    for (const auto& [name, latency_us, slots, capacity] : devices) {
-        c.devices.push_back({name, latency_us, slots, capacity});
+    for (const auto& [name, latency_us, slots, capacity, gpu] : devices) {
+        c.devices.push_back({name, latency_us, slots, capacity, std::nullopt});
+        if (gpu) c.devices.back().gpu = gpu_of(*gpu);
     }
+    if (cuda) c.cuda = cuda_of(*cuda);
     c.models = std::move(models);
     c.default_deadline_ms = default_deadline_ms;
     c.max_deadline_ms = max_deadline_ms;
@@ -128,8 +194,9 @@ PYBIND11_MODULE(_native, m) {
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
-             py::arg("curve"))
+             py::arg("curve"), py::arg("cuda"))
         .def("start", &dlad::plane::Plane::start)
+        .def("close", &dlad::plane::Plane::close, py::call_guard<py::gil_scoped_release>())
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
              py::call_guard<py::gil_scoped_release>())
         .def("send",
@@ -149,8 +216,12 @@ PYBIND11_MODULE(_native, m) {
                const std::vector<PlaneItem>& items) {
                 std::vector<dlad::plane::Item> out;
                 out.reserve(items.size());
-                for (const auto& [model, stream, priority, deadline_ms, size, shm] : items) {
-                    out.push_back({model, stream, priority, deadline_ms, size, shm});
+                for (const auto& [model, stream, priority, deadline_ms, size, shm, offset, image,
+                                  pixels] : items) {
+                    const auto& [h, w, ch, bgr, conf, iou, max_det] = image;
+                    out.push_back({model, stream, priority, deadline_ms, size, shm, offset,
+                                   {h, w, ch, bgr, conf, iou, max_det},
+                                   static_cast<std::string>(pixels)});
                 }
                 py::gil_scoped_release release;
                 return p.submit(client, owner, request_id, tag, out);
@@ -173,8 +244,14 @@ PYBIND11_MODULE(_native, m) {
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })
-        .def("add_segment", &dlad::plane::Plane::add_segment, py::arg("owner"), py::arg("name"),
-             py::arg("size"), py::call_guard<py::gil_scoped_release>())
+        .def(
+            "add_segment",
+            [](dlad::plane::Plane& p, const std::string& owner, const std::string& name,
+               uint64_t size, uintptr_t host, uint64_t device) {
+                return p.add_segment(owner, name, size, ptr<const uint8_t>(host), device);
+            },
+            py::arg("owner"), py::arg("name"), py::arg("size"), py::arg("host"),
+            py::arg("device"), py::call_guard<py::gil_scoped_release>())
         .def("drop_segment", &dlad::plane::Plane::drop_segment, py::arg("owner"),
              py::arg("name"), py::call_guard<py::gil_scoped_release>())
         .def("idle_segments", &dlad::plane::Plane::idle_segments, py::arg("idle_ms"),
@@ -201,6 +278,7 @@ PYBIND11_MODULE(_native, m) {
             out["forward_lost"] = c.forward_lost;
             out["observations_lost"] = c.observations_lost;
             out["shm_frames"] = c.shm_frames;
+            out["gpu_errors"] = c.gpu_errors;
             out["by_status"] = c.by_status;
             return out;
         });

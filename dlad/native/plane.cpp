@@ -3,11 +3,13 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -136,43 +138,62 @@ TimingEngine::~TimingEngine() {
         std::lock_guard<std::mutex> lock(mu_);
         stop_ = true;
     }
+    stopping_.store(true);
     cv_.notify_one();
     thread_.join();
 }
 
-void TimingEngine::submit(int64_t job) {
+void TimingEngine::submit(int64_t job, Fence wait, Fence signal) {
     const int64_t now = now_ns();
     {
         std::lock_guard<std::mutex> lock(mu_);
-        tasks_.emplace_back(job, now);
+        tasks_.push_back({job, now, wait, signal});
     }
     cv_.notify_one();
+}
+
+bool TimingEngine::wait_for(const Fence& wait, int64_t* reached_ns) {
+    // The GPU writes the word into pinned host memory: polled every 10 µs (the thread's timer
+    // slack is 1 µs), the stand-in for a DLA's semaphore wait in hardware
+    const timespec pause{0, 10'000};
+    while (!word_reached(__atomic_load_n(wait.word, __ATOMIC_ACQUIRE), wait.value)) {
+        if (stopping_.load(std::memory_order_relaxed)) return false;
+        nanosleep(&pause, nullptr);
+    }
+    *reached_ns = now_ns();
+    return true;
 }
 
 void TimingEngine::run() {
     const std::string thread_name = (name_ + "-emulated").substr(0, 15);  // Linux's limit
     pthread_setname_np(pthread_self(), thread_name.c_str());
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     int64_t free_at = 0;  // when the core finishes its current task
     while (true) {
-        int64_t job = 0;
-        int64_t submitted = 0;
+        Task task{};
         {
             std::unique_lock<std::mutex> lock(mu_);
             cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
             if (stop_) return;
-            std::tie(job, submitted) = tasks_.front();
+            task = tasks_.front();
             tasks_.pop_front();
         }
         // Back to back, as a DLA runs: a task submitted while the one before ran starts the
-        // moment that one ends (not when this thread has woken and come back for it).
-        const int64_t start = std::max(submitted, free_at);
+        // moment that one ends (not when this thread has woken and come back for it), or
+        // when its fence is reached, if later.
+        int64_t ready = task.submitted_ns;
+        if (task.wait.word != nullptr && !wait_for(task.wait, &ready)) return;
+        const int64_t start = std::max({task.submitted_ns, free_at, ready});
         const int64_t end = start + service_ns_;
         const timespec until{static_cast<time_t>(end / 1'000'000'000),
                              static_cast<long>(end % 1'000'000'000)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
         }
         free_at = end;
-        on_done_({job, start, end});  // the task's own span, not this thread's wake-up
+        on_done_({task.job, start, end, -1});  // the task's own span, not this thread's wake-up
+        if (task.signal.word != nullptr) {  // after the span is reported: the chain's end reads it
+            __atomic_store_n(task.signal.word, task.signal.value, __ATOMIC_RELEASE);
+        }
     }
 }
 
@@ -193,6 +214,7 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
             throw std::invalid_argument("device " + d.name +
                                         ": latency_us, slots and capacity must be positive");
         }
+        if (d.gpu) add_gpu(d);
         if (engines_.count(d.name) != 0) throw std::invalid_argument("device " + d.name + " twice");
         auto& models = served[d.name];
         std::sort(models.begin(), models.end());
@@ -216,10 +238,48 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
     if (event_fd_ < 0) throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));
 }
 
+void Plane::add_gpu(const DeviceSpec& d) {
+    const GpuSpec& gpu = *d.gpu;
+    const std::string where = "device " + d.name + ": ";
+    if (!config_.cuda.complete()) throw std::invalid_argument(where + "no CUDA driver functions");
+    if (gpu.context == nullptr || gpu.pre_kernel == nullptr || gpu.canvas_h < 1 ||
+        gpu.canvas_w < 1 || gpu.max_det < 1 ||
+        static_cast<int64_t>(gpu.slots.size()) != d.slots) {
+        throw std::invalid_argument(where + "a GPU spec needs its context, kernel, canvas, "
+                                            "max_det and one slot per core slot");
+    }
+    for (const GpuSlotSpec& s : gpu.slots) {
+        if (s.stream == nullptr || s.input == 0 || s.ready == nullptr || s.done == nullptr ||
+            s.post_copy == nullptr || s.post_reuse == nullptr || s.frame == nullptr ||
+            s.out == nullptr || (s.image == 0 && s.staging == nullptr)) {
+            throw std::invalid_argument(where + "a GPU slot lacks a stream, buffer, word or graph");
+        }
+        ChainSlot slot;
+        slot.device = d.name;
+        slot.gpu = &gpu;
+        slot.state.spec = &s;
+        // the words may hold values already (a GpuPipeline used before): go on from them
+        slot.state.ready = __atomic_load_n(s.ready, __ATOMIC_ACQUIRE);
+        slot.state.done = __atomic_load_n(s.done, __ATOMIC_ACQUIRE);
+        slot.tag = std::make_unique<ChainTag>(ChainTag{this, static_cast<int64_t>(chains_.size())});
+        free_slots_[d.name].push_back(static_cast<int64_t>(chains_.size()));
+        chains_.push_back(std::move(slot));
+    }
+    // the first slot first: a lone frame always takes the same one
+    std::reverse(free_slots_[d.name].begin(), free_slots_[d.name].end());
+}
+
 Plane::~Plane() {
+    close();
+    if (event_fd_ >= 0) ::close(event_fd_);
+}
+
+void Plane::close() {
     drain(0);
+    std::lock_guard<std::mutex> lock(join_mu_);
+    if (engines_.empty()) return;
     engines_.clear();  // joins their threads: no completion arrives after this
-    if (event_fd_ >= 0) close(event_fd_);
+    settle_chains();
 }
 
 void Plane::start() {
@@ -339,9 +399,12 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
             job.model = items[i].model;
             job.received_ns = now;
             job.size = items[i].size;
+            job.image = items[i].image;
+            job.pixels = items[i].pixels;
             if (items[i].shm) {
                 std::string seg = segment_key(owner, *items[i].shm);
                 if (segments_.count(seg) != 0) job.segment = std::move(seg);
+                job.shm_offset = items[i].shm_offset;
             }
             // each to an idle core at once, as the plane's INFERs are: the queues then hold
             // what the cores cannot start
@@ -362,7 +425,8 @@ State Plane::state() {
     return out;
 }
 
-bool Plane::add_segment(const std::string& owner, const std::string& name, uint64_t size) {
+bool Plane::add_segment(const std::string& owner, const std::string& name, uint64_t size,
+                        const uint8_t* host, uint64_t device) {
     bool ok = true;
     call([&] {
         Segment& seg = segments_[segment_key(owner, name)];
@@ -372,6 +436,10 @@ bool Plane::add_segment(const std::string& owner, const std::string& name, uint6
         }
         seg.size = size;
         seg.last_used_ns = now_ns();
+        if (seg.users == 0) {  // else the same mapping, named again
+            seg.host = host;
+            seg.device = device;
+        }
     });
     return ok;
 }
@@ -604,6 +672,8 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     job.model = req.model;
     job.received_ns = now;
     job.size = req.image_bytes();
+    job.image = {req.height, req.width, req.channels, req.format == "BGR", req.conf, req.iou,
+                 req.max_det};
     if (req.shm) {
         // a frame in a segment the control plane registered, inside it: else the control
         // plane maps the segment, checks it and the peer, or refuses naming why
@@ -615,6 +685,7 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
             return;
         }
         job.segment = std::move(seg);
+        job.shm_offset = req.shm->offset;
         job.size = 0;  // the client's memory, not the daemon's budget
         std::lock_guard<std::mutex> lock(mu_);
         ++counters_.shm_frames;
@@ -624,7 +695,8 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
         refuse(job, why->first, why->second);
         return;
     }
-    const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size, std::nullopt};
+    const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size, std::nullopt,
+                    0,          {},         {}};
     std::unique_ptr<Part> payload;
     if (parts.size() == 3) payload = std::make_unique<Part>(std::move(parts[2]));
     if (admit(std::move(job), key, item, now, std::move(payload))) {
@@ -745,7 +817,7 @@ void Plane::refuse(const Job& job, int64_t status, const std::string& message) {
 }
 
 void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
-                   const std::optional<Done>& done) {
+                   const std::optional<Done>& done, const Detections* detections) {
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return;  // answered already (a task that ran past the drain)
     Job& job = it->second;
@@ -761,10 +833,21 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
         timing.start_ns = static_cast<uint64_t>(done->start_ns);
         timing.end_ns = static_cast<uint64_t>(done->end_ns);
         device = job.device;
+        if (job.chain_end_ns != 0) {  // the GPU's parts of the chain, as dla.py times them
+            timing.pre_us = static_cast<uint64_t>(
+                std::max<int64_t>(done->start_ns - job.dispatched_ns, 0) / 1000);
+            timing.post_us = static_cast<uint64_t>(
+                std::max<int64_t>(job.chain_end_ns - done->end_ns, 0) / 1000);
+        }
     }
     observe(job, status, device, timing);
+    const uint64_t count = detections ? static_cast<uint64_t>(detections->count) : 0;
     const std::string header =
-        wire::write_infer_reply(job.request_id, status, message, device, timing, 0);
+        wire::write_infer_reply(job.request_id, status, message, device, timing, count);
+    std::string rows;
+    if (count != 0) {
+        rows.assign(reinterpret_cast<const char*>(detections->rows), count * 6 * sizeof(float));
+    }
     // The job's place is freed before its reply leaves: whoever has the reply sees it gone
     // (pending, the client's cap, the counters).
     const Job answered = std::move(job);
@@ -781,16 +864,18 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
             seg->second.last_used_ns = now;
         }
     }
-    deliver(answered, header, status);
+    deliver(answered, header, status, rows);
 }
 
-void Plane::deliver(const Job& job, const std::string& header, int64_t status) {
+void Plane::deliver(const Job& job, const std::string& header, int64_t status,
+                    const std::string& detections) {
     if (!job.tag) {
-        send_reply(job.client, header, nullptr, 0, status);
+        send_reply(job.client, header, detections.empty() ? nullptr : detections.data(),
+                   detections.size(), status);
         return;
     }
-    // an image of the control plane's request: its answer goes back there
-    Pending m{{}, {"", le64(*job.tag), le64(job.index), header}};
+    // an image of the control plane's request: its answer (and detections) goes back there
+    Pending m{{}, {"", le64(*job.tag), le64(job.index), header, detections}};
     if (backlog_.empty() && send_forward(m, kDontWait)) return;
     backlog_.push_back(std::move(m));
 }
@@ -808,17 +893,169 @@ void Plane::observe(const Job& job, int64_t status, const std::optional<std::str
 
 void Plane::dispatch(int64_t now) {
     for (auto& [device, engine] : engines_) {
-        while (running_[device] < slots_[device]) {
+        const auto gpu = free_slots_.find(device);
+        while (gpu != free_slots_.end() ? !gpu->second.empty()
+                                        : running_[device] < slots_[device]) {
             auto [head, expired] = scheduler_.next_job(device, now);
             for (int64_t id : expired) {
                 answer(id, DEADLINE_EXCEEDED, "deadline passed while queued", std::nullopt);
             }
             if (!head) break;
             jobs_.at(*head).dispatched_ns = now;
+            if (gpu != free_slots_.end()) {
+                if (!start_chain(device, *head)) continue;  // answered; its slot is free again
+            } else {
+                engine->submit(*head);
+            }
             device_of_[*head] = device;
             ++running_[device];
-            engine->submit(*head);
         }
+    }
+}
+
+namespace {
+// Guards ChainTag::plane between CUDA's host-function thread and a plane going away.
+std::mutex& chain_tags_mu() {
+    static std::mutex mu;
+    return mu;
+}
+}  // namespace
+
+bool Plane::start_chain(const std::string& device, int64_t job_id) {
+    std::vector<int64_t>& free = free_slots_.at(device);
+    const int64_t index = free.back();
+    free.pop_back();
+    ChainSlot& c = chains_[static_cast<size_t>(index)];
+    Job& job = jobs_.at(job_id);
+    const GpuSpec& gpu = *c.gpu;
+    Frame f;
+    f.height = static_cast<int>(job.image.height);
+    f.width = static_cast<int>(job.image.width);
+    f.channels = static_cast<int>(job.image.channels);
+    f.bgr = job.image.bgr;
+    // the model's defaults where the INFER sets none (Frontend._admit: a max_det of 0 too)
+    f.conf = job.image.conf.value_or(gpu.conf);
+    f.iou = job.image.iou.value_or(gpu.iou);
+    f.max_det = static_cast<int>(job.image.max_det.value_or(0) > 0 ? *job.image.max_det
+                                                                    : gpu.default_max_det);
+    job.image.max_det = f.max_det;
+    std::string error;
+    if (job.payload) {
+        f.host = job.payload->data();
+    } else if (!job.pixels.empty()) {
+        f.host = reinterpret_cast<const uint8_t*>(job.pixels.data());
+    } else if (!job.segment.empty()) {
+        const Segment& seg = segments_.at(job.segment);
+        f.host = seg.host == nullptr ? nullptr : seg.host + job.shm_offset;
+        f.device = seg.device == 0 ? 0 : seg.device + job.shm_offset;
+    }
+    if (f.host == nullptr || f.max_det > gpu.max_det) {
+        error = "the frame's pixels are not where the GPU can read them";
+    }
+    // the plane's thread, or a caller's once it has ended: the device's context current there
+    static thread_local void* current = nullptr;
+    if (error.empty() && current != gpu.context) {
+        if (int r = config_.cuda.ctx_set_current(gpu.context)) {
+            error = "cuCtxSetCurrent failed (" + std::to_string(r) + ")";
+        } else {
+            current = gpu.context;
+        }
+    }
+    if (error.empty()) {
+        c.job = job_id;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            ++chains_running_;  // before the host function can run
+        }
+        error = enqueue_chain(config_.cuda, gpu, c.state, f, &Plane::chain_ended, c.tag.get());
+    }
+    if (!error.empty()) {
+        // Nothing of the chain reports back (its host function was not queued): a stream
+        // left waiting for the core's word is released by the CPU, and the slot is free.
+        if (c.job >= 0) {
+            std::lock_guard<std::mutex> lock(mu_);
+            --chains_running_;
+            ++counters_.gpu_errors;
+        }
+        if (c.state.waits) __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
+        c.job = -1;
+        free.push_back(index);
+        scheduler_.finished(device, job_id, std::nullopt);
+        answer(job_id, DEVICE_FAILED, device + ": the GPU chain could not be queued: " + error,
+               std::nullopt);
+        return false;
+    }
+    job.slot = index;
+    engines_.at(device)->submit(job_id, {c.state.spec->ready, c.state.ready},
+                                {c.state.spec->done, c.state.done});
+    return true;
+}
+
+void Plane::chain_ended(void* tag) {
+    const auto* t = static_cast<const ChainTag*>(tag);
+    std::lock_guard<std::mutex> guard(chain_tags_mu());
+    Plane* plane = t->plane;
+    if (plane == nullptr) return;  // the plane has gone (settle_chains gave up on this one)
+    {
+        std::lock_guard<std::mutex> lock(plane->mu_);
+        plane->done_.push_back({-1, 0, now_ns(), t->slot});
+        --plane->chains_running_;
+    }
+    plane->chains_cv_.notify_all();
+    plane->wake();
+}
+
+void Plane::end_chain(const Done& ended) {
+    ChainSlot& c = chains_[static_cast<size_t>(ended.slot)];
+    const int64_t job_id = c.job;
+    c.job = -1;
+    free_slots_.at(c.device).push_back(ended.slot);
+    --running_[c.device];
+    device_of_.erase(job_id);
+    const auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return;  // answered already (the drain's end)
+    Job& job = it->second;
+    job.chain_end_ns = ended.end_ns;
+    if (!job.task) {  // cannot happen: a core reports its task before it signals the stream
+        scheduler_.finished(c.device, job_id, std::nullopt);
+        answer(job_id, INTERNAL, "the GPU chain ended before its DLA task", std::nullopt);
+        return;
+    }
+    const Done task = *job.task;
+    scheduler_.finished(c.device, job_id, static_cast<double>(task.end_ns - task.start_ns) / 1e3);
+    const Detections d = read_detections(c.state, static_cast<int>(job.image.max_det.value_or(0)));
+    if (!d.valid || d.overflow) {
+        // an overflow needs more candidates than the model's cells (GpuService.plane_slots
+        // checks that none can): a record like this is a fault
+        answer(job_id, INTERNAL,
+               d.overflow ? "the GPU stored only part of the frame's candidates"
+                          : "the GPU's result record is malformed",
+               task);
+        return;
+    }
+    answer(job_id, OK, "", task, &d);
+}
+
+void Plane::settle_chains() {
+    if (chains_.empty()) return;
+    // A core stopped before its task ended never wrote its word: the CPU writes it, so that the
+    // stream runs on to its host function
+    for (const ChainSlot& c : chains_) {
+        if (c.job >= 0 && c.state.waits) {
+            __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
+        }
+    }
+    bool settled = false;
+    {
+        std::unique_lock<std::mutex> lock(mu_);
+        settled = chains_cv_.wait_for(lock, std::chrono::seconds(10),
+                                      [this] { return chains_running_ == 0; });
+    }
+    std::lock_guard<std::mutex> guard(chain_tags_mu());
+    for (ChainSlot& c : chains_) {
+        c.tag->plane = nullptr;
+        // a GPU that never ran a host function may still: its tag outlives the plane
+        if (!settled) static_cast<void>(c.tag.release());
     }
 }
 
@@ -829,11 +1066,19 @@ void Plane::take_completions() {
         done.swap(done_);
     }
     for (const Done& d : done) {
+        if (d.slot >= 0) {
+            end_chain(d);
+            continue;
+        }
         const std::string device = device_of_.at(d.job);
-        --running_[device];  // the core's slot is free, answered or not
         busy_ns_[device] += d.end_ns - d.start_ns;
-        device_of_.erase(d.job);
         auto it = jobs_.find(d.job);
+        if (free_slots_.count(device) != 0) {  // a chain's task: the chain ends later
+            if (it != jobs_.end()) it->second.task = d;
+            continue;
+        }
+        --running_[device];  // the core's slot is free, answered or not
+        device_of_.erase(d.job);
         if (it == jobs_.end()) continue;  // answered SHUTTING_DOWN while it ran
         scheduler_.finished(it->second.device, d.job,
                             static_cast<double>(d.end_ns - d.start_ns) / 1e3);

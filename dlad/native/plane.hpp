@@ -14,9 +14,11 @@
 //     goes whole, its routing id first, to the ``forward`` socket, where the control plane in
 //     Python answers it through send().
 // Engines are the plane's own: an emulated DLA core in timing mode (TimingEngine: tasks back to
-// back at the core's service time, each a thread's sleep), the first kind. The plane's engines
-// complete through an eventfd the thread polls beside the socket, as the Python daemon's do
-// through the event loop. Counters are read from any thread.
+// back at the core's service time, each a thread's sleep), the first kind. A core may have GPU
+// pre/post-processing (gpu_chain.hpp): each frame's chain (pre kernel, fence, the core's task,
+// fence, post graph) is queued from the plane's thread, and the reply carries the detections.
+// The plane's engines and chains complete through an eventfd the thread polls beside the
+// socket, as the Python daemon's do through the event loop. Counters are read from any thread.
 #pragma once
 
 #include <atomic>
@@ -33,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "gpu_chain.hpp"
 #include "scheduler.hpp"
 #include "wire.hpp"
 
@@ -91,6 +94,9 @@ struct DeviceSpec {
     double latency_us = 0;  // the core's service time for one task (timing mode)
     int64_t slots = 2;      // tasks in flight on it at once (the DLA executor's slots)
     int64_t capacity = 4;   // its queue in the scheduler
+    // GPU pre/post-processing, one GpuSlotSpec per slot (``slots`` is then their number);
+    // none: the reply carries no detections (pre/post off)
+    std::optional<GpuSpec> gpu;
 };
 
 struct Config {
@@ -106,6 +112,7 @@ struct Config {
     bool shm = false;  // [shm] enabled: INFERs naming a segment the control plane registered
     bool curve = false;  // [auth] mode = "curve": a client is its key (User-Id), not its connection
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
+    CudaApi cuda{};  // the driver's functions, where a device has GPU pre/post
 };
 
 struct Counters {
@@ -116,6 +123,7 @@ struct Counters {
     int64_t forward_lost = 0;  // messages the forward socket could not queue (its peer stalled)
     int64_t observations_lost = 0;  // replies not observed: the control plane fell far behind
     int64_t shm_frames = 0;  // INFERs whose frame lay in a registered shared-memory segment
+    int64_t gpu_errors = 0;  // frames whose GPU chain could not be queued (DEVICE_FAILED)
     std::map<std::string, int64_t> by_status;  // the plane's INFER replies, by status name
 };
 
@@ -137,6 +145,14 @@ struct State {
     int64_t streams_waiting = 0;
 };
 
+// The pixels and settings of a frame, for a device with GPU pre/post.
+struct Image {
+    int64_t height = 0, width = 0, channels = 0;
+    bool bgr = false;
+    std::optional<double> conf, iou;  // none: the model's defaults
+    std::optional<int64_t> max_det;
+};
+
 // An image the control plane decoded (an INFER the reader left, an INFER_BATCH's image), for
 // submit(): what the plane needs of it.
 struct Item {
@@ -146,39 +162,59 @@ struct Item {
     std::optional<int64_t> deadline_ms;
     uint64_t size = 0;  // the image's bytes in the daemon's budget (0: in shared memory)
     std::optional<std::string> shm;  // the registered segment it lies in, by name
+    uint64_t shm_offset = 0;         // and where in it
+    Image image;
+    std::string pixels;  // the image's bytes (empty: in the segment)
 };
 
 // What cancel() found.
 enum class CancelResult { cancelled = 0, not_queued = 1, running = 2 };
 
-// A finished task, as an engine reports it.
+// A finished task, as an engine reports it; or (``slot`` set) the end of a GPU chain.
 struct Done {
     int64_t job = 0;
     int64_t start_ns = 0;
     int64_t end_ns = 0;
+    int64_t slot = -1;  // the GPU slot whose chain ended (its host function ran)
+};
+
+// A fence of an engine's task: a 32-bit word reaching a value (wrap-safe), the emulated form of
+// the NvSciSync semaphore a DLA task waits on or signals.
+struct Fence {
+    uint32_t* word = nullptr;
+    uint32_t value = 0;
 };
 
 // An emulated DLA core in timing mode: tasks run back to back, each ``latency_us`` long, on a
 // thread of its own named "<device>-emulated" (work a DLA does in silicon, which benchmarks leave
-// out of the daemon's own CPU).
+// out of the daemon's own CPU). A task may wait on a fence before it starts (the core polls the
+// word, as a DLA's hardware waits on its semaphore) and signal one when it ends.
 class TimingEngine {
   public:
     TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done);
     ~TimingEngine();
     TimingEngine(const TimingEngine&) = delete;
     TimingEngine& operator=(const TimingEngine&) = delete;
-    void submit(int64_t job);
+    void submit(int64_t job, Fence wait = {}, Fence signal = {});
 
   private:
+    struct Task {
+        int64_t job;
+        int64_t submitted_ns;
+        Fence wait, signal;
+    };
     void run();
+    // Sleep until ``wait`` is reached; its time (false: stopped meanwhile).
+    bool wait_for(const Fence& wait, int64_t* reached_ns);
 
     std::string name_;
     int64_t service_ns_;
     std::function<void(Done)> on_done_;
     std::mutex mu_;
     std::condition_variable cv_;
-    std::deque<std::pair<int64_t, int64_t>> tasks_;  // (job, when submitted)
+    std::deque<Task> tasks_;
     bool stop_ = false;
+    std::atomic<bool> stopping_{false};
     std::thread thread_;
 };
 
@@ -202,6 +238,10 @@ class Plane {
     // A reply of the control plane's (to a forwarded message): sent from the plane's thread
     // (from the caller's once that thread has ended).
     void send(std::string client, std::vector<std::string> frames);
+    // drain(0), then stop the engines and wait for the GPU chains still running (their host
+    // functions): after this, nothing of the plane runs and the GPU's resources may be freed.
+    // Idempotent; the destructor's.
+    void close();
     Counters counters() const;
 
     // The calls below run on the plane's thread (the caller waits: one turn of its loop at
@@ -226,9 +266,11 @@ class Plane {
     // registers them here; an INFER naming one that is not registered, or not at that size,
     // or whose frame would not fit, is forwarded). A segment is held while frames of it are
     // admitted and not yet answered.
-    // Register ``owner``'s segment ``name`` of ``size`` bytes: false where it is registered at
+    // Register ``owner``'s segment ``name`` of ``size`` bytes, mapped at ``host`` here (and at
+    // ``device`` for the GPU, 0: not registered there): false where it is registered at
     // another size with frames in flight (a client must not resize a segment in use).
-    bool add_segment(const std::string& owner, const std::string& name, uint64_t size);
+    bool add_segment(const std::string& owner, const std::string& name, uint64_t size,
+                     const uint8_t* host = nullptr, uint64_t device = 0);
     // Unregister it: false while frames of it are in flight (it stays).
     bool drop_segment(const std::string& owner, const std::string& name);
     // Unregister the segments no frame holds that have not been used for ``idle_ms``; returns
@@ -256,9 +298,16 @@ class Plane {
         uint64_t size = 0;
         std::unique_ptr<Part> payload;  // the frame, alive until the reply
         std::string segment;  // the shared-memory segment it holds ("": none)
+        uint64_t shm_offset = 0;  // where in the segment the frame lies
         std::string device;
+        Image image;          // its shape and settings (GPU pre/post)
+        std::string pixels;   // a submitted image's bytes (none: payload or segment)
+        int64_t slot = -1;    // its GPU slot while its chain runs
+        std::optional<Done> task;  // the core's task, ended (its chain may still run)
+        int64_t chain_end_ns = 0;  // when its chain's host function ran
     };
 
+    void add_gpu(const DeviceSpec& d);  // its GPU slots (the constructor's)
     void run();
     void wake();
     void call(const std::function<void()>& fn);  // on the plane's thread (see cancel())
@@ -288,12 +337,22 @@ class Plane {
     bool admit(Job job, const std::string& key, const Item& item, int64_t now,
                std::unique_ptr<Part> payload);
     void refuse(const Job& job, int64_t status, const std::string& message);
-    void deliver(const Job& job, const std::string& header, int64_t status);
+    // ``detections``: the reply's second frame (none: an empty one)
+    void deliver(const Job& job, const std::string& header, int64_t status,
+                 const std::string& detections = {});
     void observe(const Job& job, int64_t status, const std::optional<std::string>& device,
                  const wire::Timing& timing);
     void answer(int64_t job_id, int64_t status, const std::string& message,
-                const std::optional<Done>& done);
+                const std::optional<Done>& done, const Detections* detections = nullptr);
     void dispatch(int64_t now);
+    // Queue ``job_id``'s chain on a free GPU slot of ``device`` and submit its task; false
+    // once a failure is answered (the slot is free again).
+    bool start_chain(const std::string& device, int64_t job_id);
+    void end_chain(const Done& done);
+    static void chain_ended(void* tag);  // CUDA's host function: the chain's last step
+    // Release the streams of chains whose cores stopped, and wait for their host functions
+    // (the destructor's: nothing may call into a destroyed plane).
+    void settle_chains();
     void take_completions();
     void send_outbox();
     void send_reply(const std::string& client, const std::string& header, const void* payload,
@@ -314,7 +373,25 @@ class Plane {
         uint64_t size = 0;
         int64_t users = 0;  // its frames admitted and not yet answered
         int64_t last_used_ns = 0;
+        const uint8_t* host = nullptr;  // where it is mapped here
+        uint64_t device = 0;            // and for the GPU (0: not registered there)
     };
+    // GPU slots: the device's spec, the chain's state, and the tag its host function gets
+    struct ChainTag {
+        Plane* plane;  // null once the plane is gone (read under chain_tags_mu)
+        int64_t slot;
+    };
+    struct ChainSlot {
+        std::string device;
+        const GpuSpec* gpu = nullptr;
+        GpuSlot state;
+        int64_t job = -1;  // the chain's frame (-1: free)
+        std::unique_ptr<ChainTag> tag;
+    };
+    std::vector<ChainSlot> chains_;
+    std::map<std::string, std::vector<int64_t>> free_slots_;  // device -> its free GPU slots
+    int64_t chains_running_ = 0;  // under mu_: chains queued whose host function has not run
+    std::condition_variable chains_cv_;  // a host function ran
     std::unordered_map<std::string, Segment> segments_;  // owner + NUL + name -> segment
     std::unordered_map<int64_t, Job> jobs_;
     std::unordered_map<std::string, int64_t> in_use_;  // client + request id -> its jobs

@@ -1,0 +1,160 @@
+// See gpu_chain.hpp.
+#include "gpu_chain.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace dlad::plane {
+namespace {
+
+constexpr int kSortCapacity = 8192;  // prepost.SORT_CAPACITY: GpuPipeline.post's default
+constexpr int kNmsRounds = 24;       // GpuPipeline.post's default
+constexpr int kPadValue = 114;       // GpuPipeline.pre's default
+constexpr int kRowAlignBytes = 64;   // dlad.imaging.pre.HWC4_ROW_ALIGN_BYTES
+
+// dlad.imaging.pre._scaled_extent
+int scaled_extent(int src, double scale, int dst) {
+    return std::min(dst, std::max(1, static_cast<int>(std::floor(src * scale + 0.5))));
+}
+
+// prepost._logit_cut, rounded to float32 as np.float32 does
+float logit_cut(double conf) {
+    if (conf == 0) return -std::numeric_limits<float>::infinity();
+    return static_cast<float>(std::log(conf / (1 - conf)) - 1e-3);
+}
+
+std::string failed(const char* call, int code) {
+    return std::string(call) + " failed (" + std::to_string(code) + ")";
+}
+
+}  // namespace
+
+Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h) {
+    Letterbox g;
+    g.scale = std::min(static_cast<double>(dst_w) / src_w, static_cast<double>(dst_h) / src_h);
+    g.new_w = scaled_extent(src_w, g.scale, dst_w);
+    g.new_h = scaled_extent(src_h, g.scale, dst_h);
+    g.pad_x = (dst_w - g.new_w) / 2;
+    g.pad_y = (dst_h - g.new_h) / 2;
+    g.src_w = src_w;
+    g.src_h = src_h;
+    g.dst_w = dst_w;
+    g.dst_h = dst_h;
+    return g;
+}
+
+std::string enqueue_chain(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
+                          const Frame& frame, void (*fn)(void*), void* data) {
+    const GpuSlotSpec& s = *slot.spec;
+    slot.waits = slot.hosted = false;
+    const uint64_t bytes = static_cast<uint64_t>(frame.height) * static_cast<uint64_t>(frame.width) *
+                           static_cast<uint64_t>(frame.channels);
+    // The frame where the pre kernel reads it (GpuPipeline.stage / upload, or in place)
+    uint64_t src = frame.device;
+    if (src == 0) {
+        if (bytes > s.image_bytes) {
+            return "a frame of " + std::to_string(bytes) + " B exceeds the GPU's " +
+                   std::to_string(s.image_bytes) + " B image buffer";
+        }
+        if (s.staging != nullptr) {
+            std::memcpy(s.staging, frame.host, bytes);  // the previous frame is pre-processed
+            src = s.staging_device;
+        } else {
+            if (int r = cuda.memcpy_htod_async(s.image, frame.host, bytes, s.stream)) {
+                return failed("cuMemcpyHtoDAsync", r);
+            }
+            src = s.image;
+        }
+    }
+    // GpuPipeline.pre
+    const Letterbox g = letterbox_geometry(frame.width, frame.height, spec.canvas_w, spec.canvas_h);
+    PreParams p{};
+    p.src = reinterpret_cast<const void*>(src);
+    p.dst = s.input;
+    p.src_w = frame.width;
+    p.src_h = frame.height;
+    p.src_pitch = frame.width * frame.channels;
+    p.src_c = frame.channels;
+    p.bgr = frame.bgr ? 1 : 0;
+    p.dst_w = g.dst_w;
+    p.dst_h = g.dst_h;
+    p.new_w = g.new_w;
+    p.new_h = g.new_h;
+    p.pad_x = g.pad_x;
+    p.pad_y = g.pad_y;
+    p.scale = static_cast<float>(g.scale);
+    p.pad_value = kPadValue;
+    int width = 0;
+    if (spec.int8) {
+        p.input_scale = spec.input_scale;
+        const int align_px = kRowAlignBytes / 4;  // hwc4_layout(3, h, w, 1): C' = 4, int8
+        p.dst_pitch_px = (g.dst_w + align_px - 1) / align_px * align_px;
+        width = p.dst_pitch_px;
+    } else {
+        p.input_scale = 1.0f;
+        p.dst_pitch_px = g.dst_w;
+        width = g.dst_w;
+    }
+    void* args[] = {&p};
+    const auto gx = static_cast<unsigned>((width + 31) / 32);
+    const auto gy = static_cast<unsigned>((g.dst_h + 7) / 8);
+    if (int r = cuda.launch_kernel(spec.pre_kernel, gx, gy, 1, 32, 8, 1, 0, s.stream, args,
+                                   nullptr)) {
+        return failed("cuLaunchKernel(pre)", r);
+    }
+    // The fence chain (GpuSlot.chain_task): the stream signals ready, waits for done
+    const uint32_t ready = slot.ready + 1;
+    if (int r = cuda.write_value32(s.stream, s.ready_device, ready, 0)) {
+        return failed("cuStreamWriteValue32", r);
+    }
+    slot.ready = ready;
+    const uint32_t done = slot.done + 1;
+    if (int r = cuda.wait_value32(s.stream, s.done_device, done, cuda.wait_geq)) {
+        return failed("cuStreamWaitValue32", r);
+    }
+    slot.done = done;
+    slot.waits = true;
+    // GpuPipeline.post: the settings are copied only when they differ from the last frame's
+    FrameParams f{};
+    f.conf = static_cast<float>(frame.conf);
+    f.obj_cut = logit_cut(frame.conf);
+    f.iou = static_cast<float>(frame.iou);
+    f.max_det = frame.max_det;
+    f.multi_label = 0;
+    f.max_candidates = kSortCapacity;
+    f.nms_rounds = kNmsRounds;
+    const Geometry geo{g.scale, g.pad_x, g.pad_y, g.src_w, g.src_h};
+    unsigned char settings[sizeof(FrameParams) + sizeof(Geometry)];
+    std::memcpy(settings, &f, sizeof f);
+    std::memcpy(settings + sizeof f, &geo, sizeof geo);
+    const bool copy = !slot.copied || std::memcmp(settings, slot.settings, sizeof settings) != 0;
+    if (copy) {
+        std::memcpy(s.frame, settings, sizeof settings);  // the slot's last frame is done
+        slot.copied = false;  // until the launch that copies them is queued
+    }
+    if (int r = cuda.graph_launch(copy ? s.post_copy : s.post_reuse, s.stream)) {
+        return failed("cuGraphLaunch", r);
+    }
+    if (copy) {
+        std::memcpy(slot.settings, settings, sizeof settings);
+        slot.copied = true;
+    }
+    if (int r = cuda.launch_host_func(s.stream, fn, data)) return failed("cuLaunchHostFunc", r);
+    slot.hosted = true;
+    return "";
+}
+
+Detections read_detections(const GpuSlot& slot, int max_det) {
+    const float* rec = slot.spec->out;
+    Detections d;
+    d.overflow = rec[2] != 0.0f;
+    const float kept = rec[0];
+    d.valid = kept >= 0 && kept <= static_cast<float>(max_det) && std::floor(kept) == kept;
+    d.count = d.valid ? static_cast<int64_t>(kept) : 0;
+    d.rows = rec + 4;
+    return d;
+}
+
+}  // namespace dlad::plane

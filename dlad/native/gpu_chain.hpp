@@ -1,0 +1,148 @@
+// The GPU half of the native data plane: one frame's chain of CUDA work around an emulated DLA
+// task, queued from the plane's thread with the driver calls dlad/executors/dla.py makes
+// (docs/daemon.md, "The native data plane"):
+//
+//     image (staged, uploaded, or read in place) ─▶ pre kernel ─▶ write ready = n
+//         ─▶ (the DLA task: waits ready >= n, runs, writes done = m) ─▶ wait done >= m
+//         ─▶ post graph (decode, select, NMS, results into pinned host memory) ─▶ host function
+//
+// Python builds everything the chain uses (dlad/gpu/service.py, GpuService.plane_slots): the
+// context, the kernels, one CUDA stream per DLA slot with its pinned buffers, the fence words
+// and the two post graphs (with and without the copy of the frame's settings). The plane gets
+// their handles and the driver's functions by address (CudaApi), from the libcuda that Python
+// loaded. Nothing here links against CUDA, so the plane builds and is tested on machines without
+// it (tests/dlad/cuda/fake_cuda.c has the same ABI).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dlad::plane {
+
+// The CUDA driver API the chain calls (cuda.h's signatures, handles as void*, CUresult as int;
+// 0 is CUDA_SUCCESS). All are required where a device has GPU pre/post.
+struct CudaApi {
+    int (*ctx_set_current)(void* ctx);                                        // cuCtxSetCurrent
+    int (*memcpy_htod_async)(uint64_t dst, const void* src, size_t bytes, void* stream);
+    int (*launch_kernel)(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                         unsigned by, unsigned bz, unsigned smem, void* stream, void** params,
+                         void** extra);                                       // cuLaunchKernel
+    int (*write_value32)(void* stream, uint64_t address, uint32_t value, unsigned flags);
+    int (*wait_value32)(void* stream, uint64_t address, uint32_t value, unsigned flags);
+    int (*graph_launch)(void* exec, void* stream);                            // cuGraphLaunch
+    int (*launch_host_func)(void* stream, void (*fn)(void*), void* data);    // cuLaunchHostFunc
+    unsigned wait_geq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
+
+    bool complete() const {
+        return ctx_set_current && memcpy_htod_async && launch_kernel && write_value32 &&
+               wait_value32 && graph_launch && launch_host_func;
+    }
+};
+
+// One DLA slot's CUDA side (a GpuPipeline and the slot's fence words; addresses as the GPU and
+// the CPU see them: the same on an integrated GPU).
+struct GpuSlotSpec {
+    void* stream = nullptr;
+    uint64_t image = 0;           // device buffer of ``image_bytes`` for uploads (0: none)
+    uint8_t* staging = nullptr;   // or pinned, device-mapped host memory the pre kernel reads
+    uint64_t staging_device = 0;  // its device address
+    uint64_t image_bytes = 0;     // the largest frame either takes
+    uint64_t input = 0;           // the DLA input buffer the pre kernel writes
+    uint32_t* ready = nullptr;    // the word the stream writes after pre (the DLA task waits)
+    uint64_t ready_device = 0;
+    uint32_t* done = nullptr;     // the word the DLA task writes (the stream waits)
+    uint64_t done_device = 0;
+    void* post_copy = nullptr;    // the post graph that first copies the frame's settings
+    void* post_reuse = nullptr;   // the same graph without the copy
+    uint8_t* frame = nullptr;     // pinned: FrameParams, then one Geometry (the settings)
+    const float* out = nullptr;   // pinned: the result record (n, found, overflow, m, n x 6)
+};
+
+// A device's GPU pre/post: the model's kernel, canvas and defaults, and its slots.
+struct GpuSpec {
+    void* context = nullptr;
+    void* pre_kernel = nullptr;  // pre_hwc4_i8 (int8 input) or pre_chw16_f16
+    bool int8 = true;
+    float input_scale = 1.0f;    // the int8 input's scale
+    int canvas_h = 0;
+    int canvas_w = 0;
+    int max_det = 0;             // the pipelines' largest
+    double conf = 0.25;          // [models.*] defaults, for an INFER that sets none
+    double iou = 0.45;
+    int64_t default_max_det = 300;
+    std::vector<GpuSlotSpec> slots;
+};
+
+// dlad.imaging.pre.Letterbox with its new_w, new_h: the same doubles, the same rounding.
+struct Letterbox {
+    double scale = 0;
+    int pad_x = 0, pad_y = 0, src_w = 0, src_h = 0, dst_w = 0, dst_h = 0, new_w = 0, new_h = 0;
+};
+Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h);
+
+// kernels.cu's structs, field for field.
+struct PreParams {
+    const void* src;
+    uint64_t dst;
+    int src_w, src_h, src_pitch, src_c, bgr, dst_w, dst_h, dst_pitch_px, new_w, new_h, pad_x,
+        pad_y;
+    float scale, input_scale;
+    int pad_value;
+};
+struct FrameParams {
+    float conf, obj_cut, iou;
+    int max_det, multi_label, max_candidates, nms_rounds, reserved;
+};
+struct Geometry {
+    double scale;
+    int pad_x, pad_y, src_w, src_h;
+};
+static_assert(sizeof(PreParams) == 80 && sizeof(FrameParams) == 32 && sizeof(Geometry) == 24,
+              "the kernels' structs");
+
+// One frame for the chain: its pixels where the CPU reads them (``host``) and, for a frame in
+// a segment registered with the GPU, where the GPU does (``device``, else 0).
+struct Frame {
+    const uint8_t* host = nullptr;
+    uint64_t device = 0;
+    int height = 0, width = 0, channels = 0;
+    bool bgr = false;
+    double conf = 0.25, iou = 0.45;
+    int max_det = 300;
+};
+
+// A slot's chain state (the plane's thread alone touches it, one frame at a time).
+struct GpuSlot {
+    const GpuSlotSpec* spec = nullptr;
+    uint32_t ready = 0;  // the last values written / waited for
+    uint32_t done = 0;
+    bool copied = false;  // the device holds ``settings``
+    unsigned char settings[sizeof(FrameParams) + sizeof(Geometry)] = {};
+    bool waits = false;   // the stream waits on ``done`` (released by the DLA task)
+    bool hosted = false;  // the host function is queued (the chain reports its end)
+};
+
+// Queue ``frame``'s chain on ``slot`` (the context current), ending with ``fn(data)`` on
+// CUDA's host-function thread. The DLA task to submit then waits ``ready >= slot.ready`` and
+// signals ``done = slot.done``. Returns "" or the failed call with its result code; on a
+// failure ``slot.waits`` and ``slot.hosted`` say how far it got.
+std::string enqueue_chain(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
+                          const Frame& frame, void (*fn)(void*), void* data);
+
+// The result record a finished chain left.
+struct Detections {
+    int64_t count = 0;
+    const float* rows = nullptr;  // count x 6: x1, y1, x2, y2, score, class
+    bool overflow = false;  // more candidates than the GPU stores: incomplete
+    bool valid = false;     // the count is a whole number within the frame's max_det
+};
+Detections read_detections(const GpuSlot& slot, int max_det);
+
+// Whether a 32-bit fence word has reached ``value`` (wrap-safe, as CU_STREAM_WAIT_VALUE_GEQ).
+inline bool word_reached(uint32_t word, uint32_t value) {
+    return static_cast<uint32_t>(word - value) < 0x80000000u;
+}
+
+}  // namespace dlad::plane
