@@ -99,7 +99,7 @@ class Plane:
         router: int,
         forward: int,
         limits: tuple[int, int, int, int, int],
-        devices: Sequence[tuple[str, float, int, int]],
+        devices: Sequence[tuple[str, float, int, int, tuple[Any, ...] | None]],
         models: Mapping[str, Sequence[str]],
         default_deadline_ms: float,
         max_deadline_ms: float,
@@ -110,8 +110,10 @@ class Plane:
         pins: Mapping[str, str],
         shm: bool,
         curve: bool,
+        cuda: tuple[int, int, int, int, int, int, int, int] | None,
     ) -> None: ...
     def start(self) -> None: ...
+    def close(self) -> None: ...
     def cancel(self, client: bytes, request_id: int) -> int: ...
     def submit(
         self,
@@ -119,12 +121,24 @@ class Plane:
         owner: str,
         request_id: int,
         tag: int | None,
-        items: Sequence[tuple[str, str | None, int, int | None, int, str | None]],
+        items: Sequence[
+            tuple[
+                str,
+                str | None,
+                int,
+                int | None,
+                int,
+                str | None,
+                int,
+                tuple[int, int, int, bool, float | None, float | None, int | None],
+                bytes,
+            ]
+        ],
     ) -> tuple[int, str] | None: ...
     def state(
         self,
     ) -> tuple[list[tuple[str, int, int, int, float, int, int]], int, int]: ...
-    def add_segment(self, owner: str, name: str, size: int) -> bool: ...
+    def add_segment(self, owner: str, name: str, size: int, host: int, device: int) -> bool: ...
     def drop_segment(self, owner: str, name: str) -> bool: ...
     def idle_segments(self, idle_ms: float) -> list[tuple[str, str]]: ...
     def take_observations(self) -> list[tuple[str, str, int, int, int, int]]: ...

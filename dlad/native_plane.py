@@ -361,9 +361,7 @@ class NativePlane:
         devices, queued, streams = self._plane.state()
         return [DeviceState(*d) for d in devices], queued, streams
 
-    def add_segment(
-        self, owner: str, name: str, size: int, host: int = 0, device: int = 0
-    ) -> bool:
+    def add_segment(self, owner: str, name: str, size: int, host: int = 0, device: int = 0) -> bool:
         """Register ``owner``'s shared-memory segment ``name`` of ``size`` bytes (mapped and
         checked by the caller, at ``host``; ``device``: its address for the GPU, 0 where it is
         not registered there): the plane takes INFERs whose frame lies inside it. False where

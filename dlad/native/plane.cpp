@@ -972,9 +972,9 @@ bool Plane::start_chain(const std::string& device, int64_t job_id) {
     if (!error.empty()) {
         // Nothing of the chain reports back (its host function was not queued): a stream
         // left waiting for the core's word is released by the CPU, and the slot is free.
-        if (c.job >= 0) {
+        {
             std::lock_guard<std::mutex> lock(mu_);
-            --chains_running_;
+            if (c.job >= 0) --chains_running_;
             ++counters_.gpu_errors;
         }
         if (c.state.waits) __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);

@@ -1,0 +1,453 @@
+"""The native plane's GPU chain (dlad/native/gpu_chain.cpp) on a fake CUDA driver (fake_cuda.c).
+
+Each frame's chain is the one dlad/executors/dla.py queues: the frame staged, uploaded or read
+in place, the pre kernel with the letterbox of dlad.imaging.pre, the ready word, the emulated
+core's task, the wait for its word, the post graph (the settings copied only when they change)
+and the host function that ends it; the reply carries the graph's detections. The fake runs each
+stream's operations in order on a thread and logs what ran and when: the tests read its logs
+(the pixels' checksum when the kernel ran, the words written, the graphs run) and the replies.
+What a real GPU computes is held to the numpy reference by tests/dlad/gpu (GPU machines).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import struct
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import zmq
+
+from dlad import native_scheduler, protocol
+from dlad.errors import Status
+from dlad.imaging.pre import hwc4_layout, letterbox_geometry
+from dlad.native_plane import (
+    CudaFunctions,
+    Frame,
+    Item,
+    NativePlane,
+    PlaneDevice,
+    PlaneGpu,
+    PlaneGpuSlot,
+)
+from dlad.protocol import InferReply, InferRequest, ShmRef
+from tests.dlad.test_metrics import wait_for
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
+    ),
+    pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds the fake CUDA driver"),
+]
+
+SOURCE = Path(__file__).with_name("fake_cuda.c")
+WAIT_MS = 20_000  # a hang guard: the replies come in milliseconds
+CANVAS = (64, 96)  # height, width
+MAX_DET = 1000
+DEFAULTS = (0.25, 0.45, 300)  # the model's conf, iou, max_det
+PRE = struct.Struct("<QQ12iffi4x")  # kernels.cu's PreParams
+IMAGE_BYTES = 1 << 16
+c_u64p = ctypes.POINTER(ctypes.c_uint64)
+c_i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+class Fake:
+    """The built fake and its controls."""
+
+    def __init__(self, path: Path) -> None:
+        lib = self.lib = ctypes.CDLL(str(path))
+        lib.fake_stream_create.restype = ctypes.c_void_p
+        for name in ("fake_stream_destroy", "fake_stream_sync", "fake_graph_destroy"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+        lib.fake_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.fake_graph_create.restype = ctypes.c_void_p
+        lib.fake_graph_create.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
+        lib.fake_graph_launches.argtypes = [ctypes.c_void_p]
+        lib.fake_fail_next.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.fake_launches.argtypes = [ctypes.c_char_p, c_u64p, c_i64p, ctypes.c_int]
+        lib.fake_writes.argtypes = [ctypes.POINTER(ctypes.c_uint32), c_i64p, ctypes.c_int]
+        lib.fake_posts.argtypes = [c_i64p, ctypes.c_int]
+        lib.fake_context.restype = ctypes.c_void_p
+        lib.fake_reset()
+
+    def function(self, name: str) -> int:
+        address = ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+        assert address is not None
+        return address
+
+    def functions(self) -> CudaFunctions:
+        names = ("ctx_set_current", "memcpy_htod_async", "launch_kernel", "write_value32",
+                 "wait_value32", "graph_launch", "launch_host_func")  # fmt: skip
+        f = [self.function(f"fake_{n}") for n in names]
+        return CudaFunctions(f[0], f[1], f[2], f[3], f[4], f[5], f[6], wait_geq=0)
+
+    def launches(self) -> list[tuple[tuple[Any, ...], int, int]]:
+        """(PreParams fields, the source's checksum, when it ran) of each pre kernel run."""
+        most = 256
+        params = ctypes.create_string_buffer(80 * most)
+        sums, at = (ctypes.c_uint64 * most)(), (ctypes.c_int64 * most)()
+        n = self.lib.fake_launches(params, sums, at, most)
+        return [(PRE.unpack_from(params.raw, 80 * i), sums[i], at[i]) for i in range(n)]
+
+    def writes(self) -> list[tuple[int, int]]:
+        """(value, when) of each ready word the streams wrote."""
+        most = 256
+        values, at = (ctypes.c_uint32 * most)(), (ctypes.c_int64 * most)()
+        n = self.lib.fake_writes(values, at, most)
+        return [(values[i], at[i]) for i in range(n)]
+
+    def posts(self) -> list[int]:
+        """When each post graph ran."""
+        at = (ctypes.c_int64 * 256)()
+        return list(at[: self.lib.fake_posts(at, 256)])
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Fake:
+    out = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
+         "-pthread", "-o", str(out), str(SOURCE)],
+        check=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return Fake(out)
+
+
+def _address(a: npt.NDArray[Any]) -> int:
+    return int(a.ctypes.data)
+
+
+@dataclass
+class GpuSlotBuffers:
+    """One slot's memory on the fake "GPU" (host memory: the fake's device addresses are host
+    addresses), its stream and its two graphs."""
+
+    fake: Fake
+    staging: bool
+    image: npt.NDArray[np.uint8] = field(init=False)
+    input: npt.NDArray[np.uint8] = field(init=False)
+    words: npt.NDArray[np.uint32] = field(init=False)
+    frame_host: npt.NDArray[np.uint8] = field(init=False)
+    frame_device: npt.NDArray[np.uint8] = field(init=False)
+    out: npt.NDArray[np.float32] = field(init=False)
+    stream: int = field(init=False)
+    graphs: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.image = np.zeros(IMAGE_BYTES, np.uint8)
+        self.input = np.zeros(1024, np.uint8)
+        self.words = np.zeros(32, np.uint32)  # ready at [0], done at [16]
+        self.frame_host = np.zeros(64, np.uint8)
+        self.frame_device = np.zeros(64, np.uint8)
+        self.out = np.zeros(4 + 6 * MAX_DET, np.float32)
+        lib = self.fake.lib
+        self.stream = lib.fake_stream_create()
+        frames = (_address(self.frame_host), _address(self.frame_device), _address(self.out))
+        self.graphs = (lib.fake_graph_create(1, *frames), lib.fake_graph_create(0, *frames))
+
+    def spec(self) -> PlaneGpuSlot:
+        image = _address(self.image)
+        words = _address(self.words)
+        return PlaneGpuSlot(
+            stream=self.stream,
+            image=0 if self.staging else image,
+            staging=image if self.staging else 0,
+            staging_device=image if self.staging else 0,
+            image_bytes=IMAGE_BYTES,
+            input=_address(self.input),
+            ready=words, ready_device=words, done=words + 64, done_device=words + 64,
+            post_copy=self.graphs[0], post_reuse=self.graphs[1],
+            frame=_address(self.frame_host), out=_address(self.out),
+        )  # fmt: skip
+
+    def graph_launches(self) -> tuple[int, int]:
+        """(with the settings' copy, without)."""
+        copy, reuse = (int(self.fake.lib.fake_graph_launches(g)) for g in self.graphs)
+        return copy, reuse
+
+    def close(self) -> None:
+        self.fake.lib.fake_stream_destroy(self.stream)
+        for g in self.graphs:
+            self.fake.lib.fake_graph_destroy(g)
+
+
+class Rig:
+    """A plane with one emulated core whose frames run on the fake GPU, and a DEALER."""
+
+    CONTEXT = 0xC0FFEE
+
+    def __init__(
+        self, fake: Fake, *, slots: int = 1, staging: bool = False, latency_us: float = 200.0,
+        int8: bool = True, **settings: Any,
+    ) -> None:  # fmt: skip
+        fake.lib.fake_reset()
+        self.fake = fake
+        self.slots = [GpuSlotBuffers(fake, staging) for _ in range(slots)]
+        self.int8 = int8
+        gpu = PlaneGpu(
+            context=self.CONTEXT, pre_kernel=0x5EED, int8=int8, input_scale=0.5, canvas=CANVAS,
+            max_det=MAX_DET, conf=DEFAULTS[0], iou=DEFAULTS[1], default_max_det=DEFAULTS[2],
+            slots=tuple(s.spec() for s in self.slots),
+        )  # fmt: skip
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        device = PlaneDevice("dla0", latency_us, slots=slots, capacity=64, gpu=gpu)
+        self.plane = NativePlane(
+            self.router, devices=[device], models={"demo": ["dla0"]}, cuda=fake.functions(),
+            **settings,
+        )  # fmt: skip
+        self.plane.start()
+        self.client = self.ctx.socket(zmq.DEALER)
+        self.client.setsockopt(zmq.LINGER, 0)
+        self.client.setsockopt(zmq.ROUTING_ID, b"cam")
+        self.client.connect(f"tcp://127.0.0.1:{port}")
+        self.closed = False
+
+    def infer(self, rid: int, image: npt.NDArray[np.uint8], **fields: Any) -> None:
+        request = InferRequest(id=rid, model="demo", image=image, **fields)
+        self.client.send_multipart(protocol.encode(request), copy=False)
+
+    def reply(self) -> InferReply:
+        assert self.client.poll(WAIT_MS), "no reply"
+        reply = protocol.decode_reply(self.client.recv_multipart())
+        assert isinstance(reply, InferReply)
+        return reply
+
+    def close(self) -> None:
+        if not self.closed:
+            self.plane.close()
+            self.closed = True
+        self.client.close(0)
+        self.router.close(0)
+        self.ctx.term()
+        for s in self.slots:
+            s.close()
+
+
+@pytest.fixture
+def rigs(fake: Fake) -> Iterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for r in made:
+        r.close()
+
+
+def _rig(rigs: list[Rig], fake: Fake, **kwargs: Any) -> Rig:
+    rigs.append(Rig(fake, **kwargs))
+    return rigs[-1]
+
+
+def _expected_pre(
+    shape: tuple[int, ...], fmt: str, src: int, dst: int, int8: bool
+) -> tuple[Any, ...]:
+    """The PreParams GpuPipeline.pre fills for this frame (dlad/gpu/prepost.py)."""
+    h, w, c = shape
+    g = letterbox_geometry(w, h, CANVAS)
+    pitch = hwc4_layout(3, g.dst_h, g.dst_w, 1)[0] if int8 else g.dst_w
+    scale = float(np.float32(0.5)) if int8 else 1.0
+    return (src, dst, w, h, w * c, c, int(fmt == "BGR"), g.dst_w, g.dst_h, pitch, g.new_w,
+            g.new_h, g.pad_x, g.pad_y, float(np.float32(g.scale)), scale, 114)  # fmt: skip
+
+
+def _expected_rows(shape: tuple[int, ...], conf: float, iou: float, n: int) -> npt.NDArray[Any]:
+    """What the fake's post graph writes from the settings it was given (fake_cuda.c)."""
+    h, w = shape[0], shape[1]
+    g = letterbox_geometry(w, h, CANVAS)
+    rows = [[g.pad_x, g.pad_y, w, h, np.float32(conf), np.float32(iou) + i] for i in range(n)]
+    return np.array(rows, np.float32).reshape(n, 6)
+
+
+CASES = [  # shape, format, conf, iou, max_det (None: the model's default)
+    ((4, 4, 3), "RGB", None, None, None),
+    ((17, 33, 3), "BGR", 0.5, 0.3, 1),
+    ((9, 5, 1), "GRAY", 0.1, None, None),
+    ((120, 40, 3), "RGB", 0.0, 1.0, 7),
+]
+
+
+@pytest.mark.parametrize("staging", [False, True], ids=["upload", "staging"])
+@pytest.mark.parametrize("int8", [True, False], ids=["hwc4-int8", "chw16-fp16"])
+def test_frames_run_the_chain_and_the_reply_carries_the_detections(
+    fake: Fake, rigs: list[Rig], staging: bool, int8: bool
+) -> None:
+    rig = _rig(rigs, fake, staging=staging, int8=int8)
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, size=shape, dtype=np.uint8) for shape, *_ in CASES]
+    for rid, ((_, fmt, conf, iou, max_det), image) in enumerate(zip(CASES, images, strict=True)):
+        rig.infer(rid, image, format=fmt, conf=conf, iou=iou, max_det=max_det)
+        r = rig.reply()  # one at a time: the log's i-th launch is frame i's
+        assert (r.id, r.status, r.device) == (rid, Status.OK, "dla0")
+        n = min(max_det or DEFAULTS[2], 2)
+        expected = _expected_rows(image.shape, DEFAULTS[0] if conf is None else conf,
+                                  DEFAULTS[1] if iou is None else iou, n)  # fmt: skip
+        np.testing.assert_array_equal(r.detections, expected)
+        t = r.timing
+        assert t.start_ns is not None
+        assert t.end_ns is not None
+        assert t.device_us >= 200
+        assert t.total_us >= t.pre_us + t.device_us + t.post_us - 3  # each rounded down
+    slot = rig.slots[0]
+    launches = fake.launches()
+    assert len(launches) == len(CASES)
+    for (params, checksum, _), image, (_, fmt, *_rest) in zip(launches, images, CASES, strict=True):
+        # the pixels were where the kernel read them when it ran (staged or uploaded)
+        assert params == _expected_pre(image.shape, fmt, _address(slot.image),
+                                       _address(slot.input), int8)  # fmt: skip
+        assert checksum == int(image.astype(np.uint64).sum())
+    assert fake.lib.fake_context() == Rig.CONTEXT
+    assert rig.plane.counters()["by_status"] == {"OK": len(CASES)}
+
+
+def test_the_settings_are_copied_to_the_gpu_only_when_they_change(
+    fake: Fake, rigs: list[Rig]
+) -> None:
+    rig = _rig(rigs, fake)
+    image = np.full((10, 20, 3), 7, np.uint8)
+    runs = [(0.25, 10), (0.25, 10), (0.25, 10), (0.6, 10), (0.6, 10), (0.6, 3)]
+    for rid, (conf, max_det) in enumerate(runs):
+        rig.infer(rid, image, conf=conf, max_det=max_det)
+        r = rig.reply()
+        # a frame run on the graph without the copy after its settings changed would show the
+        # last frame's conf here
+        np.testing.assert_array_equal(r.detections, _expected_rows(image.shape, conf, 0.45, 2))
+    assert rig.slots[0].graph_launches() == (3, 3)  # copies at frames 0, 3 and 5
+    other = np.full((11, 20, 3), 7, np.uint8)  # another size: another geometry to copy
+    rig.infer(99, other, conf=0.6, max_det=3)
+    np.testing.assert_array_equal(rig.reply().detections, _expected_rows(other.shape, 0.6, 0.45, 2))
+    assert rig.slots[0].graph_launches() == (4, 3)
+
+
+def test_the_core_waits_for_the_pre_kernel_and_post_waits_for_the_core(
+    fake: Fake, rigs: list[Rig]
+) -> None:
+    rig = _rig(rigs, fake, latency_us=2000.0)
+    image = np.zeros((8, 8, 3), np.uint8)
+    fake.lib.fake_stream_hold(rig.slots[0].stream, 1)  # the GPU has not run the pre kernel yet
+    rig.infer(1, image)
+    wait_for(lambda: rig.plane.state()[0][0].in_flight == 1)
+    assert fake.writes() == []  # the ready word is unwritten: the core must not have started
+    assert rig.plane.counters()["replied"] == 0
+    fake.lib.fake_stream_hold(rig.slots[0].stream, 0)
+    first = rig.reply()
+    for rid in range(2, 6):
+        rig.infer(rid, image)
+    replies = [first] + [rig.reply() for _ in range(4)]
+    writes, posts = fake.writes(), fake.posts()
+    assert [v for v, _ in writes] == [1, 2, 3, 4, 5]  # one ready value per frame, in order
+    for r, (_, written), posted in zip(replies, writes, posts, strict=True):
+        assert r.status is Status.OK
+        assert r.timing.start_ns is not None
+        assert r.timing.end_ns is not None
+        assert r.timing.start_ns >= written  # the task started after the pre kernel's signal
+        assert posted >= r.timing.end_ns  # post ran after the task ended
+    assert rig.slots[0].words[16] == 5  # the core signalled each frame's done value
+
+
+@pytest.mark.parametrize(
+    ("call", "staging"),
+    [("cuMemcpyHtoDAsync", False), ("cuLaunchKernel", True), ("cuStreamWriteValue32", False),
+     ("cuStreamWaitValue32", False), ("cuGraphLaunch", False), ("cuLaunchHostFunc", True),
+     ("cuCtxSetCurrent", False)],
+)  # fmt: skip
+def test_a_failed_cuda_call_answers_device_failed_and_frees_the_slot(
+    fake: Fake, rigs: list[Rig], call: str, staging: bool
+) -> None:
+    rig = _rig(rigs, fake, staging=staging)
+    image = np.ones((6, 6, 3), np.uint8)
+    fake.lib.fake_fail_next(call.encode(), 700)
+    rig.infer(1, image)
+    r = rig.reply()
+    assert (r.id, r.status) == (1, Status.DEVICE_FAILED)
+    assert r.message.startswith("dla0: the GPU chain could not be queued: ")
+    assert f"{call}" in r.message
+    assert "(700)" in r.message
+    assert rig.plane.counters()["gpu_errors"] == 1
+    # the slot is free and its stream runs on: a stream left waiting for the core's word was
+    # released
+    for rid in (2, 3):
+        rig.infer(rid, image)
+        ok = rig.reply()
+        assert (ok.id, ok.status) == (rid, Status.OK)
+        np.testing.assert_array_equal(ok.detections, _expected_rows(image.shape, 0.25, 0.45, 2))
+    assert rig.plane.pending == 0
+
+
+def test_submitted_images_answer_with_their_detections(fake: Fake, rigs: list[Rig]) -> None:
+    rig = _rig(rigs, fake, slots=2)
+    images = [np.full((5, 9, 3), i, np.uint8) for i in range(3)]
+    items = [
+        Item("demo", None, 0, None, img.nbytes, frame=Frame(5, 9, 3, conf=0.3 + i / 10),
+             pixels=img.tobytes())
+        for i, img in enumerate(images)
+    ]  # fmt: skip
+    assert rig.plane.submit(b"cam", "cam-owner", 42, items, tag=7) is None
+    outcomes = []
+    for _ in images:
+        assert rig.plane.forwarded.poll(WAIT_MS)
+        parts = rig.plane.forwarded.recv_multipart()
+        assert parts[0] == b""
+        outcomes.append(NativePlane.outcome(parts[1:]))
+    for o in sorted(outcomes, key=lambda o: o.index):
+        assert o.tag == 7
+        rows = np.frombuffer(o.detections, "<f4").reshape(-1, 6)
+        np.testing.assert_array_equal(rows, _expected_rows((5, 9), 0.3 + o.index / 10, 0.45, 2))
+        header = protocol.decode_reply([o.header, o.detections])
+        assert isinstance(header, InferReply)
+        assert (header.id, header.status, header.count) == (42, Status.OK, 2)
+    assert sorted(checksum for _, checksum, _ in fake.launches()) == [0, 135, 270]
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["in-place", "copied"])
+def test_shared_memory_frames_are_read_in_place_where_the_gpu_has_the_segment(
+    fake: Fake, rigs: list[Rig], registered: bool
+) -> None:
+    rig = _rig(rigs, fake, shm=True)
+    segment = np.zeros(4096, np.uint8)
+    image = np.arange(7 * 11 * 3, dtype=np.uint8).reshape(7, 11, 3)
+    offset = 1000
+    segment[offset : offset + image.nbytes] = image.reshape(-1)
+    base = _address(segment)
+    assert rig.plane.add_segment("63616d", "seg", segment.nbytes, host=base,
+                                 device=base if registered else 0)  # fmt: skip
+    ref = ShmRef("seg", offset, segment.nbytes)
+    rig.infer(1, image, shm=ref)
+    r = rig.reply()
+    assert r.status is Status.OK, r.message
+    ((params, checksum, _),) = fake.launches()
+    assert params[0] == (base + offset if registered else _address(rig.slots[0].image))
+    assert checksum == int(image.astype(np.uint64).sum())
+    assert rig.plane.counters()["shm_frames"] == 1
+
+
+def test_close_releases_a_chain_whose_core_stopped_and_waits_for_its_end(
+    fake: Fake, rigs: list[Rig]
+) -> None:
+    rig = _rig(rigs, fake)
+    stream = rig.slots[0].stream
+    fake.lib.fake_stream_hold(stream, 1)  # the core waits for a ready word that has not come
+    rig.infer(1, np.zeros((4, 4, 3), np.uint8))
+    wait_for(lambda: rig.plane.state()[0][0].in_flight == 1)
+    closing = threading.Thread(target=rig.plane.close)
+    closing.start()
+    r = rig.reply()  # the drain answers the frame whose chain still runs
+    assert (r.id, r.status) == (1, Status.SHUTTING_DOWN)
+    fake.lib.fake_stream_hold(stream, 0)  # the GPU goes on: the core is gone by now, or going
+    closing.join(WAIT_MS / 1e3)
+    assert not closing.is_alive()
+    rig.closed = True
+    # the stream reached its host function: the plane wrote the stopped core's done word (had
+    # it not, the stream would wait for it still, and close would have given up on it)
+    assert fake.lib.fake_host_calls() == 1
+    assert rig.slots[0].words[16] == 1
