@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14's H200 measurements (the lean hot path, shared-memory frames, GPU post latency):
-#   run(command="bash bench/h200_hot_path.sh tests|gpu|daemon|daemon-shm|profile-shm|frames|shm", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/h200_hot_path.sh tests|gpu|daemon|daemon-shm|profile-shm|frames|shm|plane-tests|plane-gpu", carry=[".whl"], timeout_s=600)
 # tests:  the GPU tests and the shared-memory tests (the host is a second x86 ISA);
 # gpu:    bench/gpu_prepost.py (pre/post kernels vs baselines; batch-1 post, sleeping and polling);
 # daemon: bench/daemon_throughput.py, pre/post off, CPU and CUDA, 3 trials, then one profiled run;
@@ -10,6 +10,9 @@
 # profile-shm: one run of each of those, profiled (py-spy), with the CPU by thread;
 # frames: bench/gpu_frames.py (a frame's way into the pre kernel: CPU, GPU and wall per frame);
 # shm:    bench/shm_frames.py (tcp / ipc / shared memory, 1.35 MB and 6.2 MB frames, 3 trials).
+# plane-tests: the native plane's tests, its GPU chain on the real GPU included;
+# plane-gpu: bench/daemon_throughput.py, GPU pre/post over tcp, the native plane against the
+#         Python data plane and the bare server, 3 trials (BENCHMARKS §9.21).
 set -uo pipefail
 source bench/h200_env.sh
 export PATH="/tmp/site/bin:$PATH"
@@ -45,6 +48,18 @@ for part in "$@"; do
         timeout 200 python3 bench/gpu_frames.py --json "$out/frames.json" 2>&1 | tail -20 ;;
     shm)
         timeout 500 python3 bench/shm_frames.py --seconds 4 --trials 3 2>&1 | tee "$out/shm.txt" ;;
+    plane-tests)
+        timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+            -W "ignore::DeprecationWarning" tests/dlad/gpu/test_native_chain.py \
+            tests/dlad/test_native_gpu.py tests/dlad/test_native_plane.py \
+            tests/dlad/test_native_daemon.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
+        status=$((status | PIPESTATUS[0])) ;;
+    plane-gpu)
+        timeout 540 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
+            --pre-post-backends cuda --floor --trials 3 --only on-cuda-plane,on-cuda-py \
+            --variant 'plane:frontend.data_plane="native";shm.enabled=false;soc.dram_contention=0' \
+            --variant 'py:shm.enabled=false;soc.dram_contention=0' 2>&1 \
+            | tee "$out/plane_gpu.txt" ;;
     esac
 done
 exit "$status"

@@ -237,9 +237,11 @@ class FrontendConfig:
     it and replies, without the interpreter; the event loop keeps STATUS, CANCEL, INFER_BATCH,
     malformed messages and the metrics, and handles what the plane forwards after the INFERs it
     read meanwhile (one connection's INFERs keep their order among themselves). Today it runs
-    emulated DLA cores in timing mode with pre/post-processing off only (``[pre_post] enabled =
-    false``, ``[soc] dram_contention = 0``): the daemon's own cost per frame, as an Orin's
-    engines would leave it (docs/BENCHMARKS.md §9.19). Shared-memory frames (``[shm]``) are taken
+    emulated DLA cores in timing mode (``[soc] dram_contention = 0``), with pre/post-processing
+    off or on the GPU (``[pre_post] backend`` not ``cpu``, a ``gpu`` device that serves no
+    model): the plane queues each frame's CUDA chain around the core's task itself and replies
+    with the detections. That is the daemon's own cost per frame, as an Orin's engines would
+    leave it (docs/BENCHMARKS.md §9.19). Shared-memory frames (``[shm]``) are taken
     by the plane once the event loop has mapped and checked their segment; CURVE (``[auth]``)
     is the socket's, and a client is its key in the plane as in the frontend."""
 
@@ -769,19 +771,27 @@ class Config:
         """What ``data_plane = "native"`` runs today (FrontendConfig.data_plane): each setting
         it cannot honour is named, with what to set instead."""
         why = 'data_plane = "native" runs'
+        serving = {name for m in self.models for name in m.devices}
         for d in self.devices:
+            if d.name not in serving:  # a gpu device for pre/post only, or an idle one
+                continue
             key = f"devices.{_quote(d.name)}"
             _check(d.kind == "dla", f"{key}.kind",
-                   f"{why} DLA cores only (its GPU engine is not built yet); serve the gpu "
+                   f"{why} models on DLA cores only (its GPU inference engine is not built "
+                   'yet; a gpu device may do pre/post-processing); serve models on the gpu '
                    'with data_plane = "python"')  # fmt: skip
             _check(d.mode == "timing", f"{key}.mode",
                    f'{why} cores in timing mode only: set mode = "timing"')  # fmt: skip
             _check(not d.faults.active, f"{key}.faults",
                    f"{why} no fault injection")  # fmt: skip
-        pre_post = "pre/post-processing off only: set [pre_post] enabled = false"
+        pre_post = ("pre/post-processing on the GPU only (or off): set [pre_post] backend = "
+                    "'cuda' or 'auto', or enabled = false")  # fmt: skip
         dram = "cores that do not share the emulated DRAM yet: set [soc] dram_contention = 0"
         settings = {
-            "pre_post.enabled": (self.pre_post.enabled, pre_post),
+            "pre_post.backend": (
+                self.pre_post.enabled and self.pre_post.backend == "cpu",
+                pre_post,
+            ),
             "soc.dram_contention": (self.soc.dram_contention != 0, dram),
         }
         for key, (given, fix) in settings.items():

@@ -40,7 +40,7 @@ from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
-from dlad.native_plane import PlaneDevice
+from dlad.native_plane import CudaFunctions, PlaneDevice, PlaneGpu
 from dlad.native_scheduler import NativeUnavailable, Scheduling, make_scheduler
 from dlad.systemd import Notifier
 
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["Daemon", "Overloaded", "StartupError", "State", "run"]
 
 log = structlog.get_logger("dlad")
+
+_PLANE_SLOTS = 2  # tasks in flight on each of the native plane's cores (a DlaExecutor's slots)
 
 
 class State(enum.Enum):
@@ -237,6 +239,7 @@ class Daemon:
             log.info("closing", answered_after_the_drain=late)
         finally:
             self.state = State.STOPPED
+            self.frontend.close_plane()  # its GPU chains use the GPU's memory
             if self._gpu is not None:  # after the executors: their streams use its memory
                 self._gpu.close()
             if self.metrics_server is not None:
@@ -247,7 +250,9 @@ class Daemon:
 
     async def _serve_native(self) -> None:
         """serve() with the native data plane: its engines instead of executors (the config
-        allows emulated DLA cores in timing mode only, each as its placement times it)."""
+        allows emulated DLA cores in timing mode only, each as its placement times it), with
+        pre/post-processing off or on the GPU (a :class:`~dlad.gpu.service.GpuService` builds
+        each core's slots and hands them to the plane)."""
         for p in self.plan.placements:
             core = self.config.device(p.device).core
             cudla = self.config.model(p.model).loadables.cudla_for_core(int(core or 0))
@@ -258,10 +263,14 @@ class Daemon:
                     'not built yet), and cuDLA loads here: set backend = "emulated"',
                     key=f"devices.{p.device}.backend",
                 )
-        self.frontend.start_plane([
-            PlaneDevice(p.device, p.latency_us, capacity=self.config.device(p.device).queue_depth)
-            for p in self.plan.placements
-        ])  # fmt: skip
+        gpus, cuda = await self._plane_gpus()
+        self.frontend.start_plane(
+            [PlaneDevice(p.device, p.latency_us, slots=_PLANE_SLOTS,
+                         capacity=self.config.device(p.device).queue_depth,
+                         gpu=gpus.get(p.device))
+             for p in self.plan.placements],
+            cuda=cuda,
+        )  # fmt: skip
         for p in self.plan.placements:
             self.metrics.device_state(p.device, "ready")
         async with anyio.create_task_group() as tg:
@@ -271,6 +280,45 @@ class Daemon:
             await self._serve_until_stopped(tg)
         late = await self.frontend.answer_what_is_queued()
         log.info("closing", answered_after_the_drain=late)
+
+    async def _plane_gpus(self) -> tuple[dict[str, PlaneGpu], CudaFunctions | None]:
+        """With pre/post-processing on: each core's GPU slots for the native plane, and the
+        driver's functions. Raises StartupError where no GPU is usable or it cannot serve."""
+        if not self.pre_post:
+            return {}, None
+        key = "pre_post.backend"
+        try:
+            await self._start_gpu()
+        except RuntimeError as exc:  # cuda required, no GPU usable
+            raise StartupError(str(exc), key=key) from None
+        gpu = self._gpu
+        if gpu is None:
+            raise StartupError(
+                'data_plane = "native" runs pre/post-processing on the GPU only, and no GPU is '
+                "usable here (see the pre_post line above): set [pre_post] enabled = false",
+                key=key,
+            )
+        if self.frontend.shm is not None:
+            self.frontend.shm.on_map = gpu.register_frames
+            self.frontend.shm.on_unmap = gpu.unregister_frames
+            self.frontend.shm_device = gpu.segment_device
+        from dlad.gpu.driver import CudaError, plane_functions  # noqa: PLC0415 (GPU only)
+
+        gpus: dict[str, PlaneGpu] = {}
+        try:
+            cuda = plane_functions()
+            for p in self.plan.placements:
+                m = self.config.model(p.model)
+                gpus[p.device] = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        gpu.plane_gpu, p.loadable, _PLANE_SLOTS, conf=m.conf_threshold,
+                        iou=m.iou_threshold, default_max_det=min(m.max_det, protocol.MAX_DET),
+                    )
+                )  # fmt: skip
+        except (CudaError, ValueError) as exc:
+            raise StartupError(f"the native plane's GPU pre/post cannot run: {exc}",
+                               key=key) from None  # fmt: skip
+        return gpus, cuda
 
     async def _serve_until_stopped(self, tg: anyio.abc.TaskGroup) -> None:
         """Ready: serve until stopped, drain, linger, then cancel ``tg`` (the serving loops)."""

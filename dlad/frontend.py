@@ -67,7 +67,15 @@ from dlad.errors import (
 )
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
-from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, PlaneUnavailable
+from dlad.native_plane import (
+    CancelResult,
+    CudaFunctions,
+    Frame,
+    Item,
+    NativePlane,
+    PlaneDevice,
+    PlaneUnavailable,
+)
 from dlad.native_scheduler import Scheduling
 from dlad.scheduler import Job
 from dlad.shm import SharedFrames
@@ -129,6 +137,11 @@ _MORE: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _NO_MODEL: Final = (0.25, 0.45, 300)  # an unknown model's request: refused, never run
 _STATUS_NAMES: Final = {s: s.name for s in Status}  # an enum's ``name`` is a Python property
 _STATUSES: Final = {int(s): s for s in Status}
+
+
+def _not_on_gpu(address: int) -> int:
+    """Frontend.shm_device without a GPU: no segment is registered there."""
+    return 0
 
 
 def _waiting(sock: zmq.Socket[bytes]) -> bool:
@@ -221,6 +234,10 @@ class Frontend:
         self._registered: set[tuple[str, str]] = set()  # segments the plane takes frames of
         self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
         self._plane_seen: dict[str, Any] = {}  # its counters at the last observe_plane()
+        self._plane_pixels = False  # the plane pre/post-processes: submitted images carry pixels
+        self.shm_device: Callable[[int], int] = _not_on_gpu
+        """The GPU address of a segment mapped at a host address (0: not registered there): the
+        daemon's GpuService.segment_device where the plane runs GPU pre/post."""
         self._next_tag = 0
         self._known_models = frozenset(self._models)
 
@@ -277,9 +294,12 @@ class Frontend:
                 os.chmod(path, f.ipc_mode)
             self.bound.append(bound)
 
-    def start_plane(self, devices: Sequence[PlaneDevice]) -> None:
+    def start_plane(
+        self, devices: Sequence[PlaneDevice], cuda: CudaFunctions | None = None
+    ) -> None:
         """Hand the socket to the native data plane (``data_plane = "native"``), serving the
-        config's models on ``devices``. Raises StartupError where the plane cannot run."""
+        config's models on ``devices`` (``cuda``: the driver's functions, where a device has
+        GPU pre/post). Raises StartupError where the plane cannot run."""
         assert self._socket is not None  # opened first
         c = self.config
         models = {m.name: list(m.devices) for m in c.models}
@@ -297,20 +317,27 @@ class Frontend:
                 pins=c.scheduler.pins,
                 shm=self.shm is not None,
                 curve=self._curve is not None,
+                cuda=cuda,
             )
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",
                                key="frontend.data_plane") from None  # fmt: skip
+        self._plane_pixels = any(d.gpu is not None for d in devices)
         self.plane.start()
 
-    def close(self, linger_ms: int = 0) -> None:
-        """Close the socket (replies already queued get ``linger_ms`` to leave) and its context
-        (idempotent)."""
-        if self.plane is not None:  # its thread ends before the socket it uses closes
+    def close_plane(self) -> None:
+        """Close the native plane, if any (idempotent): its thread, engines and GPU chains
+        end; the socket stays open."""
+        if self.plane is not None:
             self.observe_plane()
             self.plane.close()
             self._plane_counters = self.plane.counters()  # its last word, for totals()
             self.plane = None
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket (replies already queued get ``linger_ms`` to leave) and its context
+        (idempotent)."""
+        self.close_plane()  # its thread ends before the socket it uses closes
         if self._monitor is not None:
             self._monitor.close(0)
             self._monitor = None
@@ -521,9 +548,12 @@ class Frontend:
             self._registered.discard(key)
             self.shm.release(owner, ref.name)
         view = self.shm.resolve(owner, ref, nbytes)
-        if key not in self._registered and self.plane.add_segment(owner, ref.name, ref.size):
-            self._registered.add(key)
-            self.shm.hold(owner, ref.name)
+        if key not in self._registered:
+            host = self.shm.address_of(owner, ref.name)
+            device = self.shm_device(host)
+            if self.plane.add_segment(owner, ref.name, ref.size, host, device):
+                self._registered.add(key)
+                self.shm.hold(owner, ref.name)
         return view
 
     def reclaim_shm(self) -> None:
@@ -730,15 +760,24 @@ class Frontend:
         assert self.plane is not None
         if (client, request_id) in self._batches:  # the plane knows INFERs, not batches
             raise BadRequest(f"request id {request_id} is already in flight on this connection")
-        items = [
-            Item(i.model, i.stream, i.priority, i.deadline_ms, 0, i.shm.name)
-            if i.shm is not None
-            else Item(i.model, i.stream, i.priority, i.deadline_ms, i.image.nbytes)
-            for i in images
-        ]
+        items = [self._item(i) for i in images]
         refused = self.plane.submit(client, owner, request_id, items, tag)
         if refused is not None:
             raise error_for(*refused)
+
+    def _item(self, req: protocol.InferRequest) -> Item:
+        """What the plane needs of a decoded image: where a core pre/post-processes, its
+        shape, settings and (unless in shared memory) a copy of its pixels."""
+        frame = Frame(0, 0, 0)
+        if self._plane_pixels:
+            h, w, c = req.image.shape
+            frame = Frame(h, w, c, req.format == "BGR", req.conf, req.iou, req.max_det)
+        if req.shm is not None:
+            return Item(req.model, req.stream, req.priority, req.deadline_ms, 0, req.shm.name,
+                        req.shm.offset, frame)  # fmt: skip
+        pixels = req.image.tobytes() if self._plane_pixels else b""
+        return Item(req.model, req.stream, req.priority, req.deadline_ms, req.image.nbytes,
+                    frame=frame, pixels=pixels)  # fmt: skip
 
     def _submit_batch(self, client: bytes, owner: str, req: protocol.InferBatchRequest) -> None:
         images = req.images
@@ -749,7 +788,8 @@ class Frontend:
         self._batches[(client, req.id)] = batch
 
     def _plane_outcome(self, parts: Sequence[Any]) -> None:
-        """An INFER_BATCH image's answer from the plane: the header it would have sent."""
+        """An INFER_BATCH image's answer from the plane: the header it would have sent, and its
+        detections."""
         assert self.plane is not None
         out = self.plane.outcome([p.bytes for p in parts])  # zero-copy frames
         batch = self._tags.get(out.tag)
@@ -757,8 +797,10 @@ class Frontend:
             log.error("outcome_without_batch", tag=out.tag, index=out.index)
             return
         h = msgpack.unpackb(out.header)  # the plane's own INFER_REPLY header
+        found = (np.frombuffer(out.detections, "<f4").reshape(-1, 6) if out.detections
+                 else _NO_DETECTIONS)  # fmt: skip
         self._fill(batch, out.index, (h["status"], h["message"], h["device"], h["timing"],
-                                      _NO_DETECTIONS))  # fmt: skip
+                                      found))  # fmt: skip
 
     async def _cancel_in_plane(self, client: bytes, req: protocol.CancelRequest) -> None:
         assert self.plane is not None

@@ -125,6 +125,11 @@ class SharedFrames:
         seg = self._segments.get((owner, name))
         return None if seg is None else seg.size
 
+    def address_of(self, owner: str, name: str) -> int:
+        """Where ``owner``'s segment ``name`` is mapped in this process (0: it is not)."""
+        seg = self._segments.get((owner, name))
+        return 0 if seg is None else _address(seg.map)
+
     def unmap(self, owner: str, name: str) -> None:
         """Unmap ``owner``'s segment ``name`` now, whatever holds it (the native data plane's
         reclaim: it has let the segment go)."""

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -34,8 +34,12 @@ __all__ = [
     "Kernel",
     "compile_cubin",
     "launch",
+    "plane_functions",
     "probe",
 ]
+
+if TYPE_CHECKING:
+    from dlad.native_plane import CudaFunctions
 
 log = structlog.get_logger("dlad.gpu")
 
@@ -398,3 +402,40 @@ def launch(  # noqa: PLR0917 (the CUDA launch tuple, in cuLaunchKernel's order)
     )
     if int(result[0]) != 0:  # the call's name is formatted only when it failed
         _check(result, f"cuLaunchKernel({kernel.name})")
+
+
+# The driver's entry points the native plane's GPU chain calls (dlad/native/gpu_chain.hpp's
+# CudaApi order), by their versioned names in libcuda (cuda.h maps the plain names to these).
+_PLANE_FUNCTIONS = (
+    "cuCtxSetCurrent",
+    "cuMemcpyHtoDAsync_v2",
+    "cuLaunchKernel",
+    "cuStreamWriteValue32_v2",
+    "cuStreamWaitValue32_v2",
+    "cuGraphLaunch",
+    "cuLaunchHostFunc",
+)
+
+
+def plane_functions() -> CudaFunctions:
+    """The addresses of the driver functions the native plane calls, in the libcuda this
+    process has loaded (cuda-python's), and ``CU_STREAM_WAIT_VALUE_GEQ``. Raises CudaError
+    naming a function the driver lacks (one older than CUDA 11.7)."""
+    from dlad.native_plane import CudaFunctions
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise CudaError("dlopen(libcuda.so.1)", -1, str(exc)) from None
+    addresses: list[int] = []
+    for name in _PLANE_FUNCTIONS:
+        try:
+            address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        except AttributeError:
+            address = None
+        if not address:
+            raise CudaError(name, -1, "not in this driver's libcuda")
+        addresses.append(address)
+    geq = int(_driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    a = addresses
+    return CudaFunctions(a[0], a[1], a[2], a[3], a[4], a[5], a[6], wait_geq=geq)

@@ -69,6 +69,11 @@ class MappedFence(EmulatedFence):
         self._spare: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     @property
+    def host_ptr(self) -> int:
+        """The word's host address (the native plane's emulated core polls and writes it)."""
+        return self._memory.host_ptr
+
+    @property
     def word(self) -> int:
         """The word's current contents."""
         return int(self._word[0])

@@ -587,6 +587,43 @@ class GpuPipeline:
         graph_exec = _check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         return graph, graph_exec
 
+    def plane_handles(self, head_ptrs: Sequence[int]) -> dict[str, int]:
+        """What the native plane needs to run this pipeline's frames itself, one image at a
+        time (``PlaneGpuSlot``'s fields but the slot's own: stream, image, staging,
+        staging_device, image_bytes, post_copy, post_reuse, frame, out), the post graphs for
+        ``head_ptrs`` captured if they are not yet. The plane then owns the pipeline's
+        per-frame state: nothing may run a frame here afterwards. Raises ValueError for a
+        pipeline whose image buffer grows on demand (``max_image_bytes`` 0) or of a batch
+        above 1, CudaError when a capture fails."""
+        if not self._image_fixed or self.batch != 1:
+            raise ValueError("the plane needs a pipeline of batch 1 with a fixed image buffer")
+        sizes = [h.nbytes for h in self.heads]
+        graphs = []
+        for copy in (True, False):
+            key = (1, tuple(head_ptrs), tuple(sizes), copy)
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(1, head_ptrs, sizes, copy=copy)
+            graphs.append(int(self._graphs[key][1]))  # type: ignore[call-overload]
+        staging = self._staging
+        return {
+            "stream": int(self.stream),
+            "image": 0 if self._image is None else self._image.ptr,
+            "staging": 0 if staging is None else staging.host_ptr,
+            "staging_device": 0 if staging is None else staging.device_ptr,
+            "image_bytes": self._max_image_bytes,
+            "post_copy": graphs[0],
+            "post_reuse": graphs[1],
+            "frame": self._frame_host.host_ptr,
+            "out": self._out_host.host_ptr,
+        }
+
+    @property
+    def candidate_capacity_holds(self) -> bool:
+        """Whether no frame can overflow the candidate store: every anchor cell gives one
+        candidate at most (``multi_label`` off, as the daemon runs), and there are no more cells
+        than :attr:`cand_capacity`."""
+        return self._cells <= self.cand_capacity
+
     def synchronize(self, spin_us: float = 0.0) -> list[PostResult]:
         """Block the calling thread until the queued frame is done; the results of each image.
         With ``spin_us``, first poll the frame's event for up to that long (a thread that sleeps

@@ -38,6 +38,7 @@ from dlad.loadable import DataType, Loadable
 
 if TYPE_CHECKING:
     from dlad.devices.cudla.backend import CudlaBuffer, CudlaDlaCore
+    from dlad.native_plane import PlaneGpu
 
 __all__ = ["GpuService", "GpuSlot", "select_backend"]
 
@@ -194,6 +195,62 @@ class GpuService:
                 if base <= at and at + image.nbytes <= base + nbytes:
                     return dev + (at - base)
         return None
+
+    def segment_device(self, address: int) -> int:
+        """The GPU address of the segment :meth:`register_frames` registered at ``address``,
+        or 0 where none is."""
+        with self._lock:
+            known = self._frames.get(address)
+        return 0 if known is None else known[1]
+
+    def plane_gpu(
+        self, loadable: Loadable, slots: int, *, conf: float, iou: float, default_max_det: int
+    ) -> PlaneGpu:
+        """GPU pre/post for a core of the native plane (``data_plane = "native"``): ``slots``
+        slots as :meth:`slot` makes them (zeroed DLA buffers from :meth:`host_array`, kernels
+        warmed up), handed over as handles and addresses; ``conf``, ``iou`` and
+        ``default_max_det`` are the model's defaults. Everything stays this service's, freed by
+        :meth:`close`, which must come after the plane's close. Raises ValueError where a frame
+        could overflow the GPU's candidate store (the plane has no numpy fallback), CudaError
+        from the driver."""
+        from dlad.native_plane import PlaneGpu, PlaneGpuSlot  # noqa: PLC0415 (plane types)
+        from dlad.protocol import MAX_DET  # noqa: PLC0415
+
+        made = []
+        for _ in range(slots):
+            inputs = self.host_array(loadable.inputs[0].size)
+            outputs = [self.host_array(d.size) for d in loadable.outputs]
+            slot = self.slot(loadable, inputs, outputs, max_det=MAX_DET)
+            if not slot.pipeline.candidate_capacity_holds:
+                raise ValueError(
+                    f"the model has more anchor cells than the GPU's candidate store holds "
+                    f"({slot.pipeline.cand_capacity}): serve it with data_plane = 'python'"
+                )
+            handles = slot.pipeline.plane_handles(slot.head_ptrs)
+            made.append(
+                PlaneGpuSlot(
+                    input=slot.input_ptr,
+                    ready=slot.ready.host_ptr,
+                    ready_device=slot.ready.device_ptr,
+                    done=slot.done.host_ptr,
+                    done_device=slot.done.device_ptr,
+                    **handles,
+                )
+            )
+        int8 = loadable.inputs[0].data_type == DataType.INT8
+        kernel = self.ctx.kernels["pre_hwc4_i8" if int8 else "pre_chw16_f16"]
+        return PlaneGpu(
+            context=int(self.ctx.context),
+            pre_kernel=int(kernel.function),
+            int8=int8,
+            input_scale=float(np.float32(loadable.input_scale)) if int8 else 1.0,
+            canvas=(int(loadable.image_size[0]), int(loadable.image_size[1])),
+            max_det=MAX_DET,
+            conf=conf,
+            iou=iou,
+            default_max_det=default_max_det,
+            slots=tuple(made),
+        )
 
     def host_array(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """``nbytes`` of zeroed, pinned, GPU-mapped host memory (an emulated core's allocator)."""

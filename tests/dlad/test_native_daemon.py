@@ -25,6 +25,7 @@ from dlad.auth import write_keypair
 from dlad.config import ConfigError, load_config
 from dlad.daemon import Daemon
 from dlad.errors import DladError, Overloaded, StartupError, Status
+from dlad.gpu.driver import GpuProbe
 from dlad.scheduler import no_device_serves
 from dlad.shm import SharedFrames
 from dlad_client import Client, CurveKeys
@@ -222,7 +223,8 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
 @pytest.mark.parametrize(
     ("change", "key"),
     [
-        (("[pre_post]\nenabled = false", "[pre_post]\nenabled = true"), "pre_post.enabled"),
+        (("[pre_post]\nenabled = false", '[pre_post]\nenabled = true\nbackend = "cpu"'),
+         "pre_post.backend"),
         (("dram_contention = 0", "dram_contention = 1"), "soc.dram_contention"),
         (('mode = "timing"\nlatency_us = {latency}\n[devices.dla1]',
           'mode = "numeric"\nlatency_us = {latency}\n[devices.dla1]'), "devices.dla0.mode"),
@@ -241,13 +243,34 @@ def test_what_the_native_plane_cannot_run_is_refused_at_load(
     assert 'data_plane = "native"' in err.value.reason
 
 
-def test_a_gpu_device_is_refused_with_the_native_plane(tmp_path: Path) -> None:
+def test_a_model_on_the_gpu_is_refused_with_the_native_plane(tmp_path: Path) -> None:
+    """A gpu device may pre/post-process for the plane's cores, not serve a model."""
     text = _config() + '[devices.gpu]\nkind = "gpu"\n'
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(text)
+    assert load_config(cfg).devices[-1].kind == "gpu"  # serving no model: taken
+    cfg.write_text(text.replace('devices = ["dla0", "dla1"]', 'devices = ["dla0", "gpu"]'))
     with pytest.raises(ConfigError) as err:
         load_config(cfg)
     assert err.value.key == "devices.gpu.kind"
+    assert "models on DLA cores only" in err.value.reason
+
+
+def test_gpu_pre_post_without_a_gpu_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plane pre/post-processes on the GPU only: where the probe finds none, ``auto``
+    falls to the CPU, which the plane cannot run; the daemon says so and starts nothing."""
+    monkeypatch.setattr("dlad.gpu.service.probe", lambda: GpuProbe(False, "no driver here"))
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(_config().replace("[pre_post]\nenabled = false", "[pre_post]\nenabled = true")
+                   + '[devices.gpu]\nkind = "gpu"\n')  # fmt: skip
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with pytest.raises(StartupError) as err:
+        anyio.run(daemon.serve)
+    assert err.value.key == "pre_post.backend"
+    assert "on the GPU only" in str(err.value)
+    assert daemon.frontend.plane is None  # nothing left running
 
 
 def test_a_core_that_would_run_cuda_is_refused_at_start(

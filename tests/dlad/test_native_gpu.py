@@ -18,8 +18,9 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +28,10 @@ import pytest
 import zmq
 
 from dlad import native_scheduler, protocol
+from dlad.config import load_config
+from dlad.daemon import Daemon
 from dlad.errors import Status
+from dlad.gpu.driver import GpuProbe
 from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 from dlad.native_plane import (
     CudaFunctions,
@@ -39,6 +43,8 @@ from dlad.native_plane import (
     PlaneGpuSlot,
 )
 from dlad.protocol import InferReply, InferRequest, ShmRef
+from tests.dlad.serving import serve_in_thread
+from tests.dlad.test_daemon import dealer, recv
 from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
@@ -261,10 +267,12 @@ def _expected_pre(
             g.new_h, g.pad_x, g.pad_y, float(np.float32(g.scale)), scale, 114)  # fmt: skip
 
 
-def _expected_rows(shape: tuple[int, ...], conf: float, iou: float, n: int) -> npt.NDArray[Any]:
+def _expected_rows(
+    shape: tuple[int, ...], conf: float, iou: float, n: int, canvas: tuple[int, int] = CANVAS
+) -> npt.NDArray[Any]:
     """What the fake's post graph writes from the settings it was given (fake_cuda.c)."""
     h, w = shape[0], shape[1]
-    g = letterbox_geometry(w, h, CANVAS)
+    g = letterbox_geometry(w, h, canvas)
     rows = [[g.pad_x, g.pad_y, w, h, np.float32(conf), np.float32(iou) + i] for i in range(n)]
     return np.array(rows, np.float32).reshape(n, 6)
 
@@ -451,3 +459,139 @@ def test_close_releases_a_chain_whose_core_stopped_and_waits_for_its_end(
     # it not, the stream would wait for it still, and close would have given up on it)
     assert fake.lib.fake_host_calls() == 1
     assert rig.slots[0].words[16] == 1
+
+
+# ----------------------------------------------------------------------------- the daemon
+
+
+class FakeService:
+    """GpuService's part in a daemon on the native plane, on the fake driver: each core's
+    slots from :class:`GpuSlotBuffers`, segments "registered" at their host address."""
+
+    fake: Fake
+    made: ClassVar[list[FakeService]] = []
+
+    def __init__(self, *, max_image_bytes: int, frames: str) -> None:
+        self.slots: list[GpuSlotBuffers] = []
+        self.registered: dict[int, int] = {}
+        self.plane_closed_first: bool | None = None
+        self.daemon: Daemon | None = None
+        FakeService.made.append(self)
+
+    def plane_gpu(
+        self, loadable: Any, slots: int, *, conf: float, iou: float, default_max_det: int
+    ) -> PlaneGpu:
+        made = [GpuSlotBuffers(self.fake, staging=False) for _ in range(slots)]
+        self.slots += made
+        h, w = loadable.image_size
+        return PlaneGpu(
+            context=Rig.CONTEXT, pre_kernel=0x5EED, int8=True, input_scale=0.5, canvas=(h, w),
+            max_det=MAX_DET, conf=conf, iou=iou, default_max_det=default_max_det,
+            slots=tuple(s.spec() for s in made),
+        )  # fmt: skip
+
+    def register_frames(self, address: int, nbytes: int) -> None:
+        self.registered[address] = nbytes
+
+    def unregister_frames(self, address: int) -> None:
+        self.registered.pop(address, None)
+
+    def segment_device(self, address: int) -> int:
+        return address if address in self.registered else 0
+
+    def close(self) -> None:
+        assert self.daemon is not None
+        self.plane_closed_first = self.daemon.frontend.plane is None
+        for s in self.slots:
+            s.close()
+
+
+DAEMON = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+data_plane = "native"
+[pre_post]
+enabled = true
+[soc]
+dram_contention = 0
+[devices.dla0]
+kind = "dla"
+backend = "emulated"
+core = 0
+mode = "timing"
+latency_us = 300.0
+[devices.gpu]
+kind = "gpu"
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+def test_the_daemon_serves_gpu_pre_post_on_the_plane(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's wiring on the fake driver: each core's slots built by the GPU service and
+    handed to the plane; INFERs, an INFER_BATCH (through the event loop) and shared-memory
+    frames (read in place once the segment is mapped and registered) come back with their
+    detections; the plane is closed before the GPU's memory is freed."""
+    fake.lib.fake_reset()
+    FakeService.fake = fake
+    FakeService.made = []
+    found = GpuProbe(True, name="fake")
+    monkeypatch.setattr("dlad.gpu.service.select_backend", lambda requested, gpu: ("cuda", found))
+    monkeypatch.setattr("dlad.gpu.service.GpuService", FakeService)
+    monkeypatch.setattr("dlad.gpu.driver.plane_functions", fake.functions)
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(DAEMON)
+    plan = load_config(cfg).plan()
+    canvas = plan.placements[0].loadable.image_size
+    daemon = Daemon(plan, endpoints=["tcp://127.0.0.1:0"])
+    image = np.arange(6 * 10 * 3, dtype=np.uint8).reshape(6, 10, 3)
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        with serve_in_thread(daemon) as endpoint, dealer(endpoint) as sock:
+            (service,) = FakeService.made
+            service.daemon = daemon
+            sock.send_multipart(protocol.encode(InferRequest(1, "demo", image, conf=0.5)))
+            r = recv(sock)
+            assert isinstance(r, InferReply)
+            assert (r.id, r.status, r.device) == (1, Status.OK, "dla0")
+            expected = _expected_rows(image.shape, 0.5, 0.45, 2, canvas)
+            np.testing.assert_array_equal(r.detections, expected)
+            small = np.ascontiguousarray(image[:3])
+            images = (InferRequest(2, "demo", image, max_det=1),
+                      InferRequest(2, "demo", small, max_det=1))  # fmt: skip
+            batch = protocol.InferBatchRequest(2, "demo", images)
+            sock.send_multipart(protocol.encode(batch))
+            b = recv(sock)
+            assert isinstance(b, protocol.InferBatchReply)
+            assert [x.status for x in b.results] == [Status.OK, Status.OK]
+            for result, shape in zip(b.results, ((6, 10), (3, 10)), strict=True):
+                expected = _expected_rows(shape, 0.25, 0.45, 1, canvas)
+                np.testing.assert_array_equal(result.detections, expected)
+            offset = 512
+            buf = segment.buf
+            assert buf is not None
+            np.frombuffer(buf, np.uint8)[offset : offset + image.nbytes] = image.reshape(-1)
+            ref = ShmRef(segment.name, offset, segment.size)
+            for rid in (3, 4):  # the first through the event loop, the second the plane's own
+                sock.send_multipart(protocol.encode(InferRequest(rid, "demo", image, shm=ref)))
+                s = recv(sock)
+                assert isinstance(s, InferReply)
+                assert (s.id, s.status) == (rid, Status.OK), s.message
+            launches = fake.launches()
+            assert len(launches) == 5
+            (base,) = service.registered  # mapped by the event loop, registered with the GPU
+            for params, checksum, _ in launches[3:]:
+                assert params[0] == base + offset  # read in place
+                assert checksum == int(image.astype(np.uint64).sum())
+            assert daemon.frontend.plane is not None
+            assert daemon.frontend.plane.counters()["shm_frames"] == 1
+    finally:
+        segment.close()
+        segment.unlink()
+    assert service.plane_closed_first is True

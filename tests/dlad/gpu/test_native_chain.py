@@ -1,0 +1,105 @@
+"""The native plane's GPU chain on a real GPU: a daemon on ``data_plane = "native"`` with CUDA
+pre/post answers each frame, sent in the message or in shared memory, with the detections the
+Python data plane gives the same frame (the same kernels, settings and geometry; the emulated
+core in timing mode leaves its zeroed heads, whose every cell scores 0.25, so a conf below that
+makes NMS work on thousands of candidates). tests/dlad/test_native_gpu.py holds the chain's
+steps to the driver's rules on a fake driver."""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from dlad import native_scheduler, protocol
+from dlad.config import load_config
+from dlad.daemon import Daemon
+from dlad.errors import Status
+from dlad.protocol import InferReply, InferRequest, ShmRef
+from tests.dlad.gpu.conftest import needs_gpu
+from tests.dlad.serving import serve_in_thread
+from tests.dlad.test_daemon import dealer, recv
+
+pytestmark = [
+    needs_gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
+    ),
+]
+
+CONFIG = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+data_plane = "{plane}"
+[pre_post]
+enabled = true
+backend = "cuda"
+[soc]
+dram_contention = 0
+[devices.dla0]
+kind = "dla"
+backend = "emulated"
+core = 0
+mode = "timing"
+latency_us = 500.0
+[devices.gpu]
+kind = "gpu"
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+# shape, format, conf, iou, max_det
+FRAMES: list[tuple[tuple[int, ...], protocol.PixelFormat, float, float | None, int | None]] = [
+    ((480, 640, 3), "RGB", 0.1, 0.45, 300),
+    ((720, 1280, 3), "BGR", 0.2, 0.6, 50),
+    ((333, 257, 1), "GRAY", 0.1, 0.3, None),
+    ((64, 64, 3), "RGB", 0.3, None, None),  # nothing passes 0.3: no detections
+    ((480, 640, 3), "RGB", 0.1, 0.45, 300),  # the first's settings again: no copy
+]
+
+
+def _detections(tmp_path: Path, plane: str) -> list[npt.NDArray[np.float32]]:
+    cfg = tmp_path / f"{plane}.toml"
+    cfg.write_text(CONFIG.format(plane=plane))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    rng = np.random.default_rng(11)
+    out = []
+    segment = shared_memory.SharedMemory(create=True, size=8 << 20)
+    try:
+        with serve_in_thread(daemon) as endpoint, dealer(endpoint) as sock:
+            for rid, (shape, fmt, conf, iou, max_det) in enumerate(FRAMES):
+                image = rng.integers(0, 256, size=shape, dtype=np.uint8)
+                for shm in (False, True, True):  # in the message, then twice in shared memory
+                    ref = None
+                    if shm:
+                        buf = segment.buf
+                        assert buf is not None
+                        np.frombuffer(buf, np.uint8)[4096 : 4096 + image.nbytes] = image.ravel()
+                        ref = ShmRef(segment.name, 4096, segment.size)
+                    request = InferRequest(rid, "demo", image, format=fmt, conf=conf, iou=iou,
+                                           max_det=max_det, shm=ref)  # fmt: skip
+                    sock.send_multipart(protocol.encode(request))
+                    reply = recv(sock)
+                    assert isinstance(reply, InferReply)
+                    assert reply.status is Status.OK, reply.message
+                    out.append(reply.detections)
+    finally:
+        segment.close()
+        segment.unlink()
+    return out
+
+
+def test_the_native_plane_gives_the_python_planes_detections(tmp_path: Path) -> None:
+    python = _detections(tmp_path, "python")
+    native = _detections(tmp_path, "native")
+    assert sum(len(d) for d in python) > 0  # the comparison has boxes to compare
+    for i, (p, n) in enumerate(zip(python, native, strict=True)):
+        np.testing.assert_array_equal(n, p, err_msg=f"frame {i}")
