@@ -301,7 +301,8 @@ class Daemon:
         if self.frontend.shm is not None:
             self.frontend.shm.on_map = gpu.register_frames
             self.frontend.shm.on_unmap = gpu.unregister_frames
-            self.frontend.shm_device = gpu.segment_device
+            if gpu.read_frames_in_place:  # [pre_post] gpu_frames = "copy": DMA-copied
+                self.frontend.shm_device = gpu.segment_device
         from dlad.gpu.driver import CudaError, plane_functions  # noqa: PLC0415 (GPU only)
 
         gpus: dict[str, PlaneGpu] = {}
