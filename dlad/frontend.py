@@ -829,6 +829,9 @@ class Frontend:
             self.metrics.reply_dropped(dropped)
             log.warning("reply_dropped", reason="a client's queue was full, or it had gone",
                         dropped=dropped, dropped_total=now["dropped"])  # fmt: skip
+        failed = now["gpu_errors"] - seen.get("gpu_errors", 0)
+        if failed:  # each frame was answered DEVICE_FAILED with these words
+            log.error("gpu_chain_failed", frames=failed, last=now["last_gpu_error"])
         for what, key in (("message", "forward_lost"), ("observation", "observations_lost")):
             lost = now[key] - seen.get(key, 0)
             if lost:

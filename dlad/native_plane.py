@@ -399,8 +399,8 @@ class NativePlane:
         ``dropped`` (replies ZeroMQ could not queue, the control plane's included),
         ``forward_lost`` (messages for :attr:`forwarded` still waiting when the plane ended and
         its reader had gone: while it runs, the plane waits for room instead),
-        ``observations_lost`` and ``gpu_errors`` (frames whose GPU chain could not be queued:
-        answered DEVICE_FAILED)."""
+        ``observations_lost``, ``gpu_errors`` (frames whose GPU chain could not be queued:
+        answered DEVICE_FAILED) and ``last_gpu_error`` (the last one's words)."""
         return self._plane.counters()
 
     def close(self) -> None:

@@ -279,6 +279,7 @@ PYBIND11_MODULE(_native, m) {
             out["observations_lost"] = c.observations_lost;
             out["shm_frames"] = c.shm_frames;
             out["gpu_errors"] = c.gpu_errors;
+            out["last_gpu_error"] = c.last_gpu_error;
             out["by_status"] = c.by_status;
             return out;
         });

@@ -976,6 +976,7 @@ bool Plane::start_chain(const std::string& device, int64_t job_id) {
             std::lock_guard<std::mutex> lock(mu_);
             if (c.job >= 0) --chains_running_;
             ++counters_.gpu_errors;
+            counters_.last_gpu_error = device + ": " + error;
         }
         if (c.state.waits) __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
         c.job = -1;

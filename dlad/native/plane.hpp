@@ -124,6 +124,7 @@ struct Counters {
     int64_t observations_lost = 0;  // replies not observed: the control plane fell far behind
     int64_t shm_frames = 0;  // INFERs whose frame lay in a registered shared-memory segment
     int64_t gpu_errors = 0;  // frames whose GPU chain could not be queued (DEVICE_FAILED)
+    std::string last_gpu_error;  // the last one's words
     std::map<std::string, int64_t> by_status;  // the plane's INFER replies, by status name
 };
 

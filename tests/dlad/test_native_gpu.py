@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import zmq
+from structlog.testing import capture_logs
 
 from dlad import native_scheduler, protocol
 from dlad.config import load_config
@@ -470,12 +471,13 @@ class FakeService:
 
     fake: Fake
     made: ClassVar[list[FakeService]] = []
+    daemon: Daemon | None = None  # the daemon it serves (set before it starts)
+    read_frames_in_place = True  # [pre_post] gpu_frames = "auto"
 
     def __init__(self, *, max_image_bytes: int, frames: str) -> None:
         self.slots: list[GpuSlotBuffers] = []
         self.registered: dict[int, int] = {}
         self.plane_closed_first: bool | None = None
-        self.daemon: Daemon | None = None
         FakeService.made.append(self)
 
     def plane_gpu(
@@ -516,6 +518,8 @@ data_plane = "native"
 enabled = true
 [soc]
 dram_contention = 0
+[metrics]
+heartbeat_s = 0.05
 [devices.dla0]
 kind = "dla"
 backend = "emulated"
@@ -549,13 +553,12 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
     cfg.write_text(DAEMON)
     plan = load_config(cfg).plan()
     canvas = plan.placements[0].loadable.image_size
-    daemon = Daemon(plan, endpoints=["tcp://127.0.0.1:0"])
+    daemon = FakeService.daemon = Daemon(plan, endpoints=["tcp://127.0.0.1:0"])
     image = np.arange(6 * 10 * 3, dtype=np.uint8).reshape(6, 10, 3)
     segment = shared_memory.SharedMemory(create=True, size=4096)
     try:
-        with serve_in_thread(daemon) as endpoint, dealer(endpoint) as sock:
+        with capture_logs() as logs, serve_in_thread(daemon) as endpoint, dealer(endpoint) as sock:
             (service,) = FakeService.made
-            service.daemon = daemon
             sock.send_multipart(protocol.encode(InferRequest(1, "demo", image, conf=0.5)))
             r = recv(sock)
             assert isinstance(r, InferReply)
@@ -591,7 +594,18 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
                 assert checksum == int(image.astype(np.uint64).sum())
             assert daemon.frontend.plane is not None
             assert daemon.frontend.plane.counters()["shm_frames"] == 1
+            # a failed call: that frame is DEVICE_FAILED, and the heartbeat logs it
+            fake.lib.fake_fail_next(b"cuGraphLaunch", 719)
+            sock.send_multipart(protocol.encode(InferRequest(5, "demo", image)))
+            failed = recv(sock)
+            assert isinstance(failed, InferReply)
+            assert (failed.id, failed.status) == (5, Status.DEVICE_FAILED)
+            assert failed.message.endswith("cuGraphLaunch failed (719)")
+            wait_for(lambda: any(e["event"] == "gpu_chain_failed" for e in logs))
     finally:
         segment.close()
         segment.unlink()
     assert service.plane_closed_first is True
+    (logged,) = [e for e in logs if e["event"] == "gpu_chain_failed"]
+    assert logged["frames"] == 1
+    assert logged["last"] == "dla0: cuGraphLaunch failed (719)"
