@@ -949,8 +949,11 @@ bool Plane::start_chain(const std::string& device, int64_t job_id) {
         f.host = seg.host == nullptr ? nullptr : seg.host + job.shm_offset;
         f.device = seg.device == 0 ? 0 : seg.device + job.shm_offset;
     }
-    if (f.host == nullptr || f.max_det > gpu.max_det) {
+    if (f.host == nullptr) {
         error = "the frame's pixels are not where the GPU can read them";
+    } else if (f.max_det > gpu.max_det) {
+        error = "max_det " + std::to_string(f.max_det) + " is above the GPU's " +
+                std::to_string(gpu.max_det);
     }
     // the plane's thread, or a caller's once it has ended: the device's context current there
     static thread_local void* current = nullptr;
