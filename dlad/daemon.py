@@ -528,7 +528,7 @@ class Daemon:
                 "in_flight": d.in_flight,
                 "queue_depth": d.queue_depth,
                 "completed": d.completed,
-                "failed": 0,  # timing mode: its tasks cannot fail
+                "failed": d.failed,  # its GPU chains that could not be queued
                 "service_time_us": float(d.service_time_us),
                 "max_batch": 1,
                 "batches": [d.completed],

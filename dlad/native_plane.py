@@ -203,6 +203,7 @@ class DeviceState:
     service_time_us: float
     completed: int
     busy_ns: int  # its tasks' time so far
+    failed: int  # its frames answered DEVICE_FAILED (a GPU chain that could not be queued)
 
 
 @dataclass(frozen=True, slots=True)

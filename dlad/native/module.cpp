@@ -238,9 +238,11 @@ PYBIND11_MODULE(_native, m) {
                  py::list devices;
                  for (const auto& d : s.devices) {
                      const auto busy = s.busy_ns.find(d.name);
+                     const auto failed = s.failed.find(d.name);
                      devices.append(py::make_tuple(
                          d.name, d.queue_depth, d.capacity, d.in_flight, d.service_time_us,
-                         d.completed, busy == s.busy_ns.end() ? int64_t{0} : busy->second));
+                         d.completed, busy == s.busy_ns.end() ? int64_t{0} : busy->second,
+                         failed == s.failed.end() ? int64_t{0} : failed->second));
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })

@@ -419,6 +419,7 @@ State Plane::state() {
     call([&] {
         out.devices = scheduler_.snapshot();
         out.busy_ns = busy_ns_;
+        out.failed = failed_;
         out.queued = scheduler_.queued();
         out.streams_waiting = scheduler_.streams_waiting();
     });
@@ -984,6 +985,7 @@ bool Plane::start_chain(const std::string& device, int64_t job_id) {
         if (c.state.waits) __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
         c.job = -1;
         free.push_back(index);
+        ++failed_[device];
         scheduler_.finished(device, job_id, std::nullopt);
         answer(job_id, DEVICE_FAILED, device + ": the GPU chain could not be queued: " + error,
                std::nullopt);

@@ -142,6 +142,7 @@ struct Observation {
 struct State {
     std::vector<Snapshot> devices;
     std::map<std::string, int64_t> busy_ns;  // device -> its tasks' time so far
+    std::map<std::string, int64_t> failed;   // device -> its frames answered DEVICE_FAILED
     int64_t queued = 0;
     int64_t streams_waiting = 0;
 };
@@ -370,6 +371,7 @@ class Plane {
     std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
     std::map<std::string, int64_t> slots_;
     std::map<std::string, int64_t> busy_ns_;  // device -> its tasks' time so far
+    std::map<std::string, int64_t> failed_;   // device -> its frames answered DEVICE_FAILED
     struct Segment {
         uint64_t size = 0;
         int64_t users = 0;  // its frames admitted and not yet answered

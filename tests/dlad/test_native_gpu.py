@@ -602,6 +602,11 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
             assert (failed.id, failed.status) == (5, Status.DEVICE_FAILED)
             assert failed.message.endswith("cuGraphLaunch failed (719)")
             wait_for(lambda: any(e["event"] == "gpu_chain_failed" for e in logs))
+            sock.send_multipart(protocol.encode(protocol.StatusRequest(6)))
+            status = recv(sock)
+            assert isinstance(status, protocol.StatusReply)
+            (dla0,) = status.report["devices"]
+            assert (dla0["name"], dla0["failed"], dla0["completed"]) == ("dla0", 1, 5)
     finally:
         segment.close()
         segment.unlink()
