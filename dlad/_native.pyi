@@ -1,6 +1,8 @@
 # Types of the C++ scheduler core (dlad/native/module.cpp); used through dlad/native_scheduler.py.
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+_Kind = Literal["dla", "gpu"]
 
 class Scheduler:
     policy: str
@@ -91,6 +93,16 @@ def write_infer_reply(
     count: int,
 ) -> bytes: ...
 
+# The plane's DRAM model (dlad/native/dram.hpp), for tests.
+class SharedDram:
+    def __init__(
+        self, contention: float, k: Mapping[tuple[_Kind, _Kind], float], clock: Callable[[], int]
+    ) -> None: ...
+    def begin(self, kind: str, work_ns: float) -> int: ...
+    def finish(self, id: int) -> None: ...
+    def end_ns(self, id: int) -> int: ...
+    def slowdown(self, id: int) -> float: ...
+
 # The native data plane (dlad/native/plane.hpp); used through dlad/native_plane.py.
 class Plane:
     def __init__(
@@ -111,6 +123,8 @@ class Plane:
         shm: bool,
         curve: bool,
         cuda: tuple[int, int, int, int, int, int, int, int] | None,
+        dram_contention: float,
+        dram_k: Mapping[tuple[_Kind, _Kind], float],
     ) -> None: ...
     def start(self) -> None: ...
     def close(self) -> None: ...

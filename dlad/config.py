@@ -237,7 +237,7 @@ class FrontendConfig:
     it and replies, without the interpreter; the event loop keeps STATUS, CANCEL, INFER_BATCH,
     malformed messages and the metrics, and handles what the plane forwards after the INFERs it
     read meanwhile (one connection's INFERs keep their order among themselves). Today it runs
-    emulated DLA cores in timing mode (``[soc] dram_contention = 0``), with pre/post-processing
+    emulated DLA cores in timing mode (sharing the emulated DRAM), with pre/post-processing
     off or on the GPU (``[pre_post] backend`` not ``cpu``, a ``gpu`` device that serves no
     model): the plane queues each frame's CUDA chain around the core's task itself and replies
     with the detections. That is the daemon's own cost per frame, as an Orin's engines would
@@ -786,16 +786,8 @@ class Config:
                    f"{why} no fault injection")  # fmt: skip
         pre_post = ("pre/post-processing on the GPU only (or off): set [pre_post] backend = "
                     "'cuda' or 'auto', or enabled = false")  # fmt: skip
-        dram = "cores that do not share the emulated DRAM yet: set [soc] dram_contention = 0"
-        settings = {
-            "pre_post.backend": (
-                self.pre_post.enabled and self.pre_post.backend == "cpu",
-                pre_post,
-            ),
-            "soc.dram_contention": (self.soc.dram_contention != 0, dram),
-        }
-        for key, (given, fix) in settings.items():
-            _check(not given, key, f"{why} {fix}")
+        _check(not (self.pre_post.enabled and self.pre_post.backend == "cpu"),
+               "pre_post.backend", f"{why} {pre_post}")  # fmt: skip
 
     def device(self, name: str) -> DeviceConfig:
         """The device called ``name``. Raises KeyError."""

@@ -318,6 +318,7 @@ class Frontend:
                 shm=self.shm is not None,
                 curve=self._curve is not None,
                 cuda=cuda,
+                dram_contention=c.soc.dram_contention,
             )
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",

@@ -44,6 +44,7 @@ from typing import Any, Final
 import zmq
 
 from dlad import protocol
+from dlad.devices.dram import ORIN_DRAM_K
 from dlad.native_scheduler import available
 
 __all__ = [
@@ -255,6 +256,8 @@ class NativePlane:
             :meth:`add_segment` (others naming a segment are forwarded).
         curve: clients authenticate (CURVE): a client is its key, for the in-flight cap.
         cuda: the driver functions, where a device has ``gpu``.
+        dram_contention: ``[soc] dram_contention``: the cores share the emulated DRAM
+            (:mod:`dlad.devices.dram`; 0: they never slow each other).
 
     Raises:
         PlaneUnavailable: see the class.
@@ -278,6 +281,7 @@ class NativePlane:
         shm: bool = False,
         curve: bool = False,
         cuda: CudaFunctions | None = None,
+        dram_contention: float = 0.0,
     ) -> None:
         if not available():
             raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
@@ -306,7 +310,8 @@ class NativePlane:
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
                 float(alpha), dict(pins or {}), shm, curve,
-                None if cuda is None else dataclasses.astuple(cuda),
+                None if cuda is None else dataclasses.astuple(cuda), float(dram_contention),
+                dict(ORIN_DRAM_K),
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()

@@ -97,6 +97,25 @@ using PlaneItem = std::tuple<std::string, std::optional<std::string>, int64_t,
                              std::optional<int64_t>, uint64_t, std::optional<std::string>,
                              uint64_t, ImageTuple, py::bytes>;
 
+// dram.py's ORIN_DRAM_K: {(victim kind, aggressor kind): slowdown per aggressor}
+dlad::plane::SharedDram::Coefficients coefficients(
+    const std::map<std::pair<std::string, std::string>, double>& k) {
+    const auto kind = [](const std::string& name) -> size_t {
+        if (name == "dla") return 0;
+        if (name == "gpu") return 1;
+        throw std::invalid_argument("an engine kind is 'dla' or 'gpu', got " + name);
+    };
+    dlad::plane::SharedDram::Coefficients out{};
+    for (const auto& [pair, value] : k) out[kind(pair.first)][kind(pair.second)] = value;
+    return out;
+}
+
+dlad::plane::EngineKind engine_kind(const std::string& name) {
+    if (name == "dla") return dlad::plane::EngineKind::dla;
+    if (name == "gpu") return dlad::plane::EngineKind::gpu;
+    throw std::invalid_argument("an engine kind is 'dla' or 'gpu', got " + name);
+}
+
 template <typename T>
 T* ptr(uintptr_t address) {
     return reinterpret_cast<T*>(address);
@@ -149,7 +168,8 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
     const std::string& policy, double alpha,
     std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
-    const std::optional<CudaTuple>& cuda) {
+    const std::optional<CudaTuple>& cuda, double dram_contention,
+    const std::map<std::pair<std::string, std::string>, double>& dram_k) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
     for (const auto& [name, latency_us, slots, capacity, gpu] : devices) {
@@ -157,6 +177,8 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
         if (gpu) c.devices.back().gpu = gpu_of(*gpu);
     }
     if (cuda) c.cuda = cuda_of(*cuda);
+    c.dram_contention = dram_contention;
+    c.dram_k = coefficients(dram_k);
     c.models = std::move(models);
     c.default_deadline_ms = default_deadline_ms;
     c.max_deadline_ms = max_deadline_ms;
@@ -194,7 +216,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
-             py::arg("curve"), py::arg("cuda"))
+             py::arg("curve"), py::arg("cuda"), py::arg("dram_contention"),
+             py::arg("dram_k"))
         .def("start", &dlad::plane::Plane::start)
         .def("close", &dlad::plane::Plane::close, py::call_guard<py::gil_scoped_release>())
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
@@ -285,6 +308,23 @@ PYBIND11_MODULE(_native, m) {
             out["by_status"] = c.by_status;
             return out;
         });
+    // The plane's DRAM model, for the tests that hold it to dlad/devices/dram.py (a Python
+    // clock: the GIL is held through every call).
+    py::class_<dlad::plane::SharedDram>(m, "SharedDram")
+        .def(py::init([](double contention,
+                         const std::map<std::pair<std::string, std::string>, double>& k,
+                         py::function clock) {
+                 return std::make_unique<dlad::plane::SharedDram>(
+                     contention, coefficients(k), [clock] { return clock().cast<int64_t>(); });
+             }),
+             py::arg("contention"), py::arg("k"), py::arg("clock"))
+        .def("begin",
+             [](dlad::plane::SharedDram& d, const std::string& kind, double work_ns) {
+                 return d.begin(engine_kind(kind), work_ns);
+             })
+        .def("finish", &dlad::plane::SharedDram::finish)
+        .def("end_ns", &dlad::plane::SharedDram::end_ns)
+        .def("slowdown", &dlad::plane::SharedDram::slowdown);
     py::class_<Scheduler>(m, "Scheduler")
         .def(py::init([](double alpha, const std::string& policy,
                          std::vector<std::tuple<std::string, std::string, double>> interference,

@@ -88,6 +88,20 @@ std::string le64(int64_t v) {
     return out;
 }
 
+// The scheduler's interference terms (victim kind, aggressor kind, slowdown per aggressor) of
+// the DRAM the cores share, as the daemon gives its Python scheduler.
+std::vector<std::tuple<std::string, std::string, double>> interference(const Config& c) {
+    static const char* kinds[] = {"dla", "gpu"};
+    std::vector<std::tuple<std::string, std::string, double>> out;
+    for (size_t v = 0; v < 2; ++v) {
+        for (size_t a = 0; a < 2; ++a) {
+            const double k = c.dram_k[v][a] * c.dram_contention;
+            if (k != 0) out.emplace_back(kinds[v], kinds[a], k);
+        }
+    }
+    return out;
+}
+
 template <typename F>
 F symbol(void* lib, const char* name) {
     void* p = dlsym(lib, name);
@@ -127,10 +141,12 @@ Part::Part(Part&& o) noexcept : api_(o.api_) {
 
 // ------------------------------------------------------------------------------ engines
 
-TimingEngine::TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done)
+TimingEngine::TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done,
+                           SharedDram* dram)
     : name_(std::move(name)),
       service_ns_(static_cast<int64_t>(std::llround(latency_us * 1e3))),
       on_done_(std::move(on_done)),
+      dram_(dram),
       thread_([this] { run(); }) {}
 
 TimingEngine::~TimingEngine() {
@@ -140,6 +156,7 @@ TimingEngine::~TimingEngine() {
     }
     stopping_.store(true);
     cv_.notify_one();
+    if (dram_ != nullptr) dram_->wake();  // a task waiting out its shared time sees the stop
     thread_.join();
 }
 
@@ -183,11 +200,24 @@ void TimingEngine::run() {
         // when its fence is reached, if later.
         int64_t ready = task.submitted_ns;
         if (task.wait.word != nullptr && !wait_for(task.wait, &ready)) return;
-        const int64_t start = std::max({task.submitted_ns, free_at, ready});
-        const int64_t end = start + service_ns_;
-        const timespec until{static_cast<time_t>(end / 1'000'000'000),
-                             static_cast<long>(end % 1'000'000'000)};
-        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
+        const int64_t now = now_ns();
+        const int64_t start = std::min(now, std::max({task.submitted_ns, free_at, ready}));
+        int64_t end = start + service_ns_;
+        if (dram_ != nullptr) {
+            // The service time is the task's work alone; sharing the DRAM stretches it
+            // (EmulatedDlaCore._execute): the work done before this thread got here is not
+            // waited for again
+            const int64_t transfer =
+                dram_->begin(EngineKind::dla, static_cast<double>(service_ns_ - (now - start)));
+            const std::optional<int64_t> done = dram_->wait(transfer, stopping_);
+            dram_->finish(transfer);
+            if (!done) return;
+            end = std::min(now_ns(), std::max(*done, start));
+        } else {
+            const timespec until{static_cast<time_t>(end / 1'000'000'000),
+                                 static_cast<long>(end % 1'000'000'000)};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
+            }
         }
         free_at = end;
         on_done_({task.job, start, end, -1});  // the task's own span, not this thread's wake-up
@@ -204,7 +234,10 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
       router_(router),
       forward_(forward),
       config_(std::move(config)),
-      scheduler_(config_.alpha, config_.policy, {}, config_.pins) {
+      scheduler_(config_.alpha, config_.policy, interference(config_), config_.pins) {
+    if (config_.dram_contention > 0) {
+        dram_ = std::make_unique<SharedDram>(config_.dram_contention, config_.dram_k);
+    }
     std::map<std::string, std::vector<std::string>> served;  // device -> its models
     for (const auto& [model, devices] : config_.models) {
         for (const auto& d : devices) served[d].push_back(model);
@@ -219,13 +252,16 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         auto& models = served[d.name];
         std::sort(models.begin(), models.end());
         scheduler_.add_device(d.name, models, d.capacity, 1, {{1, d.latency_us * 1e3}}, 0, "dla");
-        engines_[d.name] = std::make_unique<TimingEngine>(d.name, d.latency_us, [this](Done done) {
-            {
-                std::lock_guard<std::mutex> lock(mu_);
-                done_.push_back(done);
-            }
-            wake();
-        });
+        engines_[d.name] = std::make_unique<TimingEngine>(
+            d.name, d.latency_us,
+            [this](Done done) {
+                {
+                    std::lock_guard<std::mutex> lock(mu_);
+                    done_.push_back(done);
+                }
+                wake();
+            },
+            dram_.get());
         running_[d.name] = 0;
         slots_[d.name] = d.slots;
     }

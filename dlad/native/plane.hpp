@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dram.hpp"
 #include "gpu_chain.hpp"
 #include "scheduler.hpp"
 #include "wire.hpp"
@@ -113,6 +114,10 @@ struct Config {
     bool curve = false;  // [auth] mode = "curve": a client is its key (User-Id), not its connection
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
     CudaApi cuda{};  // the driver's functions, where a device has GPU pre/post
+    // [soc] dram_contention: the cores share the emulated DRAM (0: they never slow each
+    // other), with dram.py's ORIN_DRAM_K; the scheduler's estimates know it too
+    double dram_contention = 0;
+    SharedDram::Coefficients dram_k{};
 };
 
 struct Counters {
@@ -193,7 +198,10 @@ struct Fence {
 // word, as a DLA's hardware waits on its semaphore) and signal one when it ends.
 class TimingEngine {
   public:
-    TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done);
+    // ``dram``: the DRAM it shares with the other cores (their tasks running at once slow each
+    // other), or null; it must outlive the engine.
+    TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done,
+                 SharedDram* dram = nullptr);
     ~TimingEngine();
     TimingEngine(const TimingEngine&) = delete;
     TimingEngine& operator=(const TimingEngine&) = delete;
@@ -212,6 +220,7 @@ class TimingEngine {
     std::string name_;
     int64_t service_ns_;
     std::function<void(Done)> on_done_;
+    SharedDram* dram_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Task> tasks_;
@@ -366,6 +375,7 @@ class Plane {
     void* forward_;
     Config config_;
     Scheduler scheduler_;
+    std::unique_ptr<SharedDram> dram_;  // before the engines that use it
     std::map<std::string, std::unique_ptr<TimingEngine>> engines_;
     std::map<std::string, int64_t> running_;  // device -> tasks on it
     std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core

@@ -225,7 +225,6 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
     [
         (("[pre_post]\nenabled = false", '[pre_post]\nenabled = true\nbackend = "cpu"'),
          "pre_post.backend"),
-        (("dram_contention = 0", "dram_contention = 1"), "soc.dram_contention"),
         (('mode = "timing"\nlatency_us = {latency}\n[devices.dla1]',
           'mode = "numeric"\nlatency_us = {latency}\n[devices.dla1]'), "devices.dla0.mode"),
     ],

@@ -416,3 +416,28 @@ def test_a_control_plane_that_falls_behind_loses_nothing(monkeypatch: pytest.Mon
         assert r.plane.counters()["forward_lost"] == 0
     finally:
         r.close()
+
+
+def test_cores_that_share_the_dram_stretch_each_others_tasks() -> None:
+    """With ``dram_contention``, a task that runs while the other core runs takes longer than
+    its service time (dlad/devices/dram.py's model, in the plane: test_native_dram.py); one
+    alone never takes less."""
+    latency_us = 20_000.0
+    r = Rig(
+        [
+            PlaneDevice("dla0", latency_us, capacity=16),
+            PlaneDevice("dla1", latency_us, capacity=16),
+        ],
+        dram_contention=1.0,
+    )
+    try:
+        for rid in range(20):  # ten on each core: they run side by side
+            r.infer(rid)
+        replies = [r.reply() for _ in range(20)]
+        assert {x.status for x in replies} == {Status.OK}
+        spans = [x.timing.device_us for x in replies]
+        assert min(spans) >= latency_us
+        # K[dla, dla] = 0.043 at contention 1: a task beside the other core's is 4.3% longer
+        assert max(spans) >= latency_us * 1.02
+    finally:
+        r.close()
