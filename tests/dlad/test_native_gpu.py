@@ -26,6 +26,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from dlad import native_scheduler, protocol
@@ -33,6 +35,7 @@ from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import Status
 from dlad.gpu.driver import GpuProbe
+from dlad.gpu.prepost import SORT_CAPACITY, FrameParams, Geometry, _logit_cut
 from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 from dlad.native_plane import (
     CudaFunctions,
@@ -140,6 +143,7 @@ class GpuSlotBuffers:
 
     fake: Fake
     staging: bool
+    image_bytes: int = IMAGE_BYTES
     image: npt.NDArray[np.uint8] = field(init=False)
     input: npt.NDArray[np.uint8] = field(init=False)
     words: npt.NDArray[np.uint32] = field(init=False)
@@ -150,7 +154,7 @@ class GpuSlotBuffers:
     graphs: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.image = np.zeros(IMAGE_BYTES, np.uint8)
+        self.image = np.zeros(self.image_bytes, np.uint8)
         self.input = np.zeros(1024, np.uint8)
         self.words = np.zeros(32, np.uint32)  # ready at [0], done at [16]
         self.frame_host = np.zeros(64, np.uint8)
@@ -169,7 +173,7 @@ class GpuSlotBuffers:
             image=0 if self.staging else image,
             staging=image if self.staging else 0,
             staging_device=image if self.staging else 0,
-            image_bytes=IMAGE_BYTES,
+            image_bytes=self.image_bytes,
             input=_address(self.input),
             ready=words, ready_device=words, done=words + 64, done_device=words + 64,
             post_copy=self.graphs[0], post_reuse=self.graphs[1],
@@ -194,11 +198,11 @@ class Rig:
 
     def __init__(
         self, fake: Fake, *, slots: int = 1, staging: bool = False, latency_us: float = 200.0,
-        int8: bool = True, **settings: Any,
+        int8: bool = True, image_bytes: int = IMAGE_BYTES, **settings: Any,
     ) -> None:  # fmt: skip
         fake.lib.fake_reset()
         self.fake = fake
-        self.slots = [GpuSlotBuffers(fake, staging) for _ in range(slots)]
+        self.slots = [GpuSlotBuffers(fake, staging, image_bytes) for _ in range(slots)]
         self.int8 = int8
         gpu = PlaneGpu(
             context=self.CONTEXT, pre_kernel=0x5EED, int8=int8, input_scale=0.5, canvas=CANVAS,
@@ -317,6 +321,47 @@ def test_frames_run_the_chain_and_the_reply_carries_the_detections(
         assert checksum == int(image.astype(np.uint64).sum())
     assert fake.lib.fake_context() == Rig.CONTEXT
     assert rig.plane.counters()["by_status"] == {"OK": len(CASES)}
+
+
+def _expected_settings(shape: tuple[int, ...], conf: float, iou: float, max_det: int) -> bytes:
+    """The FrameParams and Geometry GpuPipeline.post writes for this frame (prepost.py)."""
+    h, w = shape[0], shape[1]
+    g = letterbox_geometry(w, h, CANVAS)
+    f = FrameParams(
+        conf=float(np.float32(conf)), obj_cut=float(_logit_cut(conf)), iou=float(iou),
+        max_det=max_det, multi_label=0, max_candidates=SORT_CAPACITY, nms_rounds=24,
+    )  # fmt: skip
+    geo = Geometry(scale=g.scale, pad_x=g.pad_x, pad_y=g.pad_y, src_w=g.src_w, src_h=g.src_h)
+    return bytes(f) + bytes(geo)
+
+
+def test_the_planes_letterbox_and_settings_are_the_pipelines(fake: Fake, rigs: list[Rig]) -> None:
+    """The plane's C++ port of the letterbox and of the frame's settings gives the bytes
+    GpuPipeline.pre and .post give, on generated sizes and thresholds: the GPU then computes
+    what the Python path makes it compute."""
+    rig = _rig(rigs, fake, image_bytes=1200 * 1200 * 3)
+    pixels = np.zeros(1200 * 1200 * 3, np.uint8)
+    rid = iter(range(1 << 30))
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        h=st.integers(1, 1200), w=st.integers(1, 1200), fmt=st.sampled_from(["RGB", "BGR", "GRAY"]),
+        conf=st.floats(0, 1, exclude_max=True), iou=st.floats(0, 1, exclude_min=True),
+        max_det=st.integers(1, MAX_DET),
+    )  # fmt: skip
+    def check(h: int, w: int, fmt: str, conf: float, iou: float, max_det: int) -> None:
+        c = 1 if fmt == "GRAY" else 3
+        image = pixels[: h * w * c].reshape(h, w, c)
+        rig.infer(next(rid), image, format=fmt, conf=conf, iou=iou, max_det=max_det)
+        assert rig.reply().status is Status.OK
+        params, _, _ = fake.launches()[-1]
+        slot = rig.slots[0]
+        assert params == _expected_pre(image.shape, fmt, _address(slot.image),
+                                       _address(slot.input), True)  # fmt: skip
+        settings_bytes = _expected_settings(image.shape, conf, iou, max_det)
+        assert bytes(slot.frame_host[: len(settings_bytes)]) == settings_bytes
+
+    check()
 
 
 def test_the_settings_are_copied_to_the_gpu_only_when_they_change(
