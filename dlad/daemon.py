@@ -35,12 +35,12 @@ from dlad.config import Config, Plan
 from dlad.devices.dram import ORIN_DRAM_K
 from dlad.devices.factory import resolve_backend
 from dlad.errors import DladError, Overloaded, StartupError
-from dlad.executors.base import Executor, Outcome, Request
+from dlad.executors.base import UNHEALTHY_AFTER, Executor, Outcome, Request
 from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
-from dlad.native_plane import CudaFunctions, PlaneDevice, PlaneGpu
+from dlad.native_plane import CudaFunctions, DeviceState, PlaneDevice, PlaneGpu
 from dlad.native_scheduler import NativeUnavailable, Scheduling, make_scheduler
 from dlad.systemd import Notifier
 
@@ -52,6 +52,13 @@ __all__ = ["Daemon", "Overloaded", "StartupError", "State", "run"]
 log = structlog.get_logger("dlad")
 
 _PLANE_SLOTS = 2  # tasks in flight on each of the native plane's cores (a DlaExecutor's slots)
+
+
+def _plane_failing(d: DeviceState) -> str:
+    """Why a core of the native plane is unhealthy (Executor.health's words), or ""."""
+    if d.failing < UNHEALTHY_AFTER:
+        return ""
+    return f"{d.failing} consecutive tasks failed; last: {d.last_failure}"
 
 
 class State(enum.Enum):
@@ -418,6 +425,18 @@ class Daemon:
             else:
                 log.warning("device_unhealthy", device=device, reason=why)
 
+    def _track_plane_health(self, d: DeviceState) -> None:
+        """_track_health for a core of the native plane: ``failed`` while its last frames all
+        failed, ``ready`` again after one goes through (the plane quarantines nothing)."""
+        healthy = d.failing < UNHEALTHY_AFTER
+        if self._healthy.get(d.name, True) is not healthy:  # only changes reach the metrics
+            self._healthy[d.name] = healthy
+            self.metrics.device_state(d.name, "ready" if healthy else "failed")
+            if healthy:
+                log.info("device_healthy", device=d.name)
+            else:
+                log.warning("device_unhealthy", device=d.name, reason=_plane_failing(d))
+
     async def _heartbeat_loop(self) -> None:
         """Every ``metrics.heartbeat_s``: prove the loop turns (``/health/live``) and sample the
         queues and devices into the gauges (the scrape itself never touches them)."""
@@ -441,9 +460,12 @@ class Daemon:
             plane = self.frontend.plane
             if plane is not None:
                 self.frontend.observe_plane()
+                states = plane.state()[0]
                 self.metrics.tick(DeviceSample(d.name, d.queue_depth, d.capacity, d.in_flight,
                                                d.busy_ns, "dla", (d.completed,))
-                                  for d in plane.state()[0])  # fmt: skip
+                                  for d in states)  # fmt: skip
+                for d in states:
+                    self._track_plane_health(d)
                 await anyio.sleep(self.config.metrics.heartbeat_s)
                 continue
             snaps = {s.name: s for s in self._scheduler.snapshot()}
@@ -521,9 +543,9 @@ class Daemon:
                 "name": d.name,
                 "kind": "dla",
                 "core": self.config.device(d.name).core,
-                "healthy": True,
+                "healthy": d.failing < UNHEALTHY_AFTER,
                 "state": "serving",
-                "reason": "",
+                "reason": _plane_failing(d)[: protocol.MAX_MESSAGE_CHARS],
                 "busy": d.in_flight > 0,
                 "in_flight": d.in_flight,
                 "queue_depth": d.queue_depth,

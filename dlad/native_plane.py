@@ -205,6 +205,8 @@ class DeviceState:
     completed: int
     busy_ns: int  # its tasks' time so far
     failed: int  # its frames answered DEVICE_FAILED (a GPU chain that could not be queued)
+    failing: int  # of them, the last in a row (0 after a frame that went through)
+    last_failure: str  # the last one's words ("" before any)
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,10 +262,14 @@ PYBIND11_MODULE(_native, m) {
                  for (const auto& d : s.devices) {
                      const auto busy = s.busy_ns.find(d.name);
                      const auto failed = s.failed.find(d.name);
+                     const auto failing = s.failing.find(d.name);
+                     const auto why = s.last_failure.find(d.name);
                      devices.append(py::make_tuple(
                          d.name, d.queue_depth, d.capacity, d.in_flight, d.service_time_us,
                          d.completed, busy == s.busy_ns.end() ? int64_t{0} : busy->second,
-                         failed == s.failed.end() ? int64_t{0} : failed->second));
+                         failed == s.failed.end() ? int64_t{0} : failed->second,
+                         failing == s.failing.end() ? int64_t{0} : failing->second,
+                         why == s.last_failure.end() ? std::string() : why->second));
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })

@@ -456,6 +456,8 @@ State Plane::state() {
         out.devices = scheduler_.snapshot();
         out.busy_ns = busy_ns_;
         out.failed = failed_;
+        out.failing = failing_;
+        out.last_failure = last_failure_;
         out.queued = scheduler_.queued();
         out.streams_waiting = scheduler_.streams_waiting();
     });
@@ -1021,10 +1023,12 @@ bool Plane::start_chain(const std::string& device, int64_t job_id) {
         if (c.state.waits) __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
         c.job = -1;
         free.push_back(index);
+        const std::string why = device + ": the GPU chain could not be queued: " + error;
         ++failed_[device];
+        ++failing_[device];
+        last_failure_[device] = why;
         scheduler_.finished(device, job_id, std::nullopt);
-        answer(job_id, DEVICE_FAILED, device + ": the GPU chain could not be queued: " + error,
-               std::nullopt);
+        answer(job_id, DEVICE_FAILED, why, std::nullopt);
         return false;
     }
     job.slot = index;
@@ -1075,6 +1079,7 @@ void Plane::end_chain(const Done& ended) {
                task);
         return;
     }
+    failing_[c.device] = 0;  // a frame that went through: the device serves again
     answer(job_id, OK, "", task, &d);
 }
 

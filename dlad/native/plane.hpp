@@ -148,6 +148,8 @@ struct State {
     std::vector<Snapshot> devices;
     std::map<std::string, int64_t> busy_ns;  // device -> its tasks' time so far
     std::map<std::string, int64_t> failed;   // device -> its frames answered DEVICE_FAILED
+    std::map<std::string, int64_t> failing;  // device -> of them, the last in a row
+    std::map<std::string, std::string> last_failure;  // device -> the last one's words
     int64_t queued = 0;
     int64_t streams_waiting = 0;
 };
@@ -382,6 +384,8 @@ class Plane {
     std::map<std::string, int64_t> slots_;
     std::map<std::string, int64_t> busy_ns_;  // device -> its tasks' time so far
     std::map<std::string, int64_t> failed_;   // device -> its frames answered DEVICE_FAILED
+    std::map<std::string, int64_t> failing_;  // device -> of them, the last in a row
+    std::map<std::string, std::string> last_failure_;
     struct Segment {
         uint64_t size = 0;
         int64_t users = 0;  // its frames admitted and not yet answered

@@ -652,10 +652,30 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
             assert isinstance(status, protocol.StatusReply)
             (dla0,) = status.report["devices"]
             assert (dla0["name"], dla0["failed"], dla0["completed"]) == ("dla0", 1, 5)
+            assert dla0["healthy"] is True  # one failure: not yet UNHEALTHY_AFTER in a row
+            # two more in a row: the core is unhealthy (STATUS, the gauge, the log) until a
+            # frame goes through again
+            ready = daemon.metrics.registry.get_sample_value
+            for rid in (7, 8):
+                fake.lib.fake_fail_next(b"cuLaunchKernel", 700)
+                sock.send_multipart(protocol.encode(InferRequest(rid, "demo", image)))
+                assert recv(sock).status is Status.DEVICE_FAILED
+            wait_for(lambda: ready("dlad_device_ready", {"device": "dla0"}) == 0)
+            sock.send_multipart(protocol.encode(protocol.StatusRequest(9)))
+            status = recv(sock)
+            assert isinstance(status, protocol.StatusReply)
+            (dla0,) = status.report["devices"]
+            assert dla0["healthy"] is False
+            assert dla0["reason"].startswith("3 consecutive tasks failed; last: dla0: the GPU")
+            sock.send_multipart(protocol.encode(InferRequest(10, "demo", image)))
+            assert recv(sock).status is Status.OK
+            wait_for(lambda: ready("dlad_device_ready", {"device": "dla0"}) == 1)
     finally:
         segment.close()
         segment.unlink()
     assert service.plane_closed_first is True
-    (logged,) = [e for e in logs if e["event"] == "gpu_chain_failed"]
-    assert logged["frames"] == 1
-    assert logged["last"] == "dla0: cuGraphLaunch failed (719)"
+    logged = [e for e in logs if e["event"] == "gpu_chain_failed"]
+    assert sum(e["frames"] for e in logged) == 3
+    assert logged[0]["last"] == "dla0: cuGraphLaunch failed (719)"
+    assert [e["event"] for e in logs if e["event"].startswith("device_")] == [
+        "device_unhealthy", "device_healthy"]  # fmt: skip
