@@ -35,7 +35,7 @@ from dlad.config import Config, Plan
 from dlad.devices.dram import ORIN_DRAM_K
 from dlad.devices.factory import resolve_backend
 from dlad.errors import DladError, Overloaded, StartupError
-from dlad.executors.base import UNHEALTHY_AFTER, Executor, Outcome, Request
+from dlad.executors.base import UNHEALTHY_AFTER, Executor, Outcome, Request, failing_words
 from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
@@ -56,9 +56,7 @@ _PLANE_SLOTS = 2  # tasks in flight on each of the native plane's cores (a DlaEx
 
 def _plane_failing(d: DeviceState) -> str:
     """Why a core of the native plane is unhealthy (Executor.health's words), or ""."""
-    if d.failing < UNHEALTHY_AFTER:
-        return ""
-    return f"{d.failing} consecutive tasks failed; last: {d.last_failure}"
+    return "" if d.failing < UNHEALTHY_AFTER else failing_words(d.failing, d.last_failure)
 
 
 class State(enum.Enum):
@@ -215,9 +213,8 @@ class Daemon:
                 await self._serve_native()
                 return
             await self._start_gpu()
-            if self._gpu is not None and self.frontend.shm is not None:
-                self.frontend.shm.on_map = self._gpu.register_frames
-                self.frontend.shm.on_unmap = self._gpu.unregister_frames
+            if self._gpu is not None:
+                self._shm_to_gpu(self._gpu)
             try:
                 self.executors.update(
                     build_executors(
@@ -305,11 +302,7 @@ class Daemon:
                 "usable here (see the pre_post line above): set [pre_post] enabled = false",
                 key=key,
             )
-        if self.frontend.shm is not None:
-            self.frontend.shm.on_map = gpu.register_frames
-            self.frontend.shm.on_unmap = gpu.unregister_frames
-            if gpu.read_frames_in_place:  # [pre_post] gpu_frames = "copy": DMA-copied
-                self.frontend.shm_device = gpu.segment_device
+        self._shm_to_gpu(gpu)
         from dlad.gpu.driver import CudaError, plane_functions  # noqa: PLC0415 (GPU only)
 
         gpus: dict[str, PlaneGpu] = {}
@@ -417,25 +410,35 @@ class Daemon:
         if executor is None or executor.warm != "ok" or self.health.state(device)[0] != "serving":
             return  # warming, warm-up failed or quarantined: that state stands
         healthy, why = executor.health()
-        if self._healthy.get(device) is not healthy:  # only changes reach the metrics and log
-            self._healthy[device] = healthy
-            self.metrics.device_state(device, "ready" if healthy else "failed")
-            if healthy:
-                log.info("device_healthy", device=device)
-            else:
-                log.warning("device_unhealthy", device=device, reason=why)
+        self._set_health(device, healthy, why, was=self._healthy.get(device))
 
     def _track_plane_health(self, d: DeviceState) -> None:
         """_track_health for a core of the native plane: ``failed`` while its last frames all
         failed, ``ready`` again after one goes through (the plane quarantines nothing)."""
         healthy = d.failing < UNHEALTHY_AFTER
-        if self._healthy.get(d.name, True) is not healthy:  # only changes reach the metrics
-            self._healthy[d.name] = healthy
-            self.metrics.device_state(d.name, "ready" if healthy else "failed")
-            if healthy:
-                log.info("device_healthy", device=d.name)
-            else:
-                log.warning("device_unhealthy", device=d.name, reason=_plane_failing(d))
+        self._set_health(d.name, healthy, _plane_failing(d), was=self._healthy.get(d.name, True))
+
+    def _set_health(self, device: str, healthy: bool, why: str, *, was: bool | None) -> None:
+        """Only changes reach the metrics and the log."""
+        if was is healthy:
+            return
+        self._healthy[device] = healthy
+        self.metrics.device_state(device, "ready" if healthy else "failed")
+        if healthy:
+            log.info("device_healthy", device=device)
+        else:
+            log.warning("device_unhealthy", device=device, reason=why)
+
+    def _shm_to_gpu(self, gpu: GpuService) -> None:
+        """Register each client segment ``dlad/shm.py`` maps with the GPU, so that its frames
+        reach the pre kernel without a CPU copy (docs/gpu.md, "The frame's way in"); the
+        native plane reads them in place unless ``[pre_post] gpu_frames = "copy"``."""
+        if self.frontend.shm is None:
+            return
+        self.frontend.shm.on_map = gpu.register_frames
+        self.frontend.shm.on_unmap = gpu.unregister_frames
+        if gpu.read_frames_in_place:
+            self.frontend.shm_device = gpu.segment_device
 
     async def _heartbeat_loop(self) -> None:
         """Every ``metrics.heartbeat_s``: prove the loop turns (``/health/live``) and sample the

@@ -35,6 +35,7 @@ __all__ = [
     "Outcome",
     "Request",
     "WarmState",
+    "failing_words",
 ]
 
 UNHEALTHY_AFTER: Final = 3
@@ -42,6 +43,11 @@ UNHEALTHY_AFTER: Final = 3
 succeeds)."""
 
 WarmState = Literal["pending", "ok", "failed"]
+
+
+def failing_words(failures: int, last: str) -> str:
+    """Why an engine whose last ``failures`` tasks all failed is unhealthy (STATUS, the log)."""
+    return f"{failures} consecutive tasks failed; last: {last}"
 
 
 @dataclass(slots=True)
@@ -169,7 +175,7 @@ class Executor(abc.ABC):
             return False, f"warm-up failed: {self.warm_error}"
         n = self.stats.consecutive_failures
         if n >= UNHEALTHY_AFTER:
-            return False, f"{n} consecutive tasks failed; last: {self.stats.last_failure}"
+            return False, failing_words(n, self.stats.last_failure)
         return True, "ok"
 
     def failed(self, error: DeviceFailed) -> DeviceFailed:

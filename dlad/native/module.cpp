@@ -98,22 +98,20 @@ using PlaneItem = std::tuple<std::string, std::optional<std::string>, int64_t,
                              uint64_t, ImageTuple, py::bytes>;
 
 // dram.py's ORIN_DRAM_K: {(victim kind, aggressor kind): slowdown per aggressor}
-dlad::plane::SharedDram::Coefficients coefficients(
-    const std::map<std::pair<std::string, std::string>, double>& k) {
-    const auto kind = [](const std::string& name) -> size_t {
-        if (name == "dla") return 0;
-        if (name == "gpu") return 1;
-        throw std::invalid_argument("an engine kind is 'dla' or 'gpu', got " + name);
-    };
-    dlad::plane::SharedDram::Coefficients out{};
-    for (const auto& [pair, value] : k) out[kind(pair.first)][kind(pair.second)] = value;
-    return out;
-}
-
 dlad::plane::EngineKind engine_kind(const std::string& name) {
     if (name == "dla") return dlad::plane::EngineKind::dla;
     if (name == "gpu") return dlad::plane::EngineKind::gpu;
     throw std::invalid_argument("an engine kind is 'dla' or 'gpu', got " + name);
+}
+
+dlad::plane::SharedDram::Coefficients coefficients(
+    const std::map<std::pair<std::string, std::string>, double>& k) {
+    const auto index = [](const std::string& name) {
+        return static_cast<size_t>(engine_kind(name));
+    };
+    dlad::plane::SharedDram::Coefficients out{};
+    for (const auto& [pair, value] : k) out[index(pair.first)][index(pair.second)] = value;
+    return out;
 }
 
 template <typename T>
@@ -247,7 +245,7 @@ PYBIND11_MODULE(_native, m) {
                                    static_cast<std::string>(pixels)});
                 }
                 py::gil_scoped_release release;
-                return p.submit(client, owner, request_id, tag, out);
+                return p.submit(client, owner, request_id, tag, std::move(out));
             },
             py::arg("client"), py::arg("owner"), py::arg("request_id"), py::arg("tag"),
             py::arg("items"))

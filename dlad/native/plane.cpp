@@ -416,7 +416,7 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
                                                              const std::string& owner,
                                                              uint64_t request_id,
                                                              std::optional<int64_t> tag,
-                                                             const std::vector<Item>& items) {
+                                                             std::vector<Item> items) {
     std::optional<std::pair<int64_t, std::string>> out;
     call([&] {
         const int64_t now = now_ns();
@@ -436,7 +436,7 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
             job.received_ns = now;
             job.size = items[i].size;
             job.image = items[i].image;
-            job.pixels = items[i].pixels;
+            job.pixels = std::move(items[i].pixels);  // the items are this call's
             if (items[i].shm) {
                 std::string seg = segment_key(owner, *items[i].shm);
                 if (segments_.count(seg) != 0) job.segment = std::move(seg);
@@ -883,10 +883,12 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
     const uint64_t count = detections ? static_cast<uint64_t>(detections->count) : 0;
     const std::string header =
         wire::write_infer_reply(job.request_id, status, message, device, timing, count);
-    std::string rows;
-    if (count != 0) {
-        rows.assign(reinterpret_cast<const char*>(detections->rows), count * 6 * sizeof(float));
-    }
+    // read where the GPU wrote them: the slot's record stays until its next chain, which
+    // this thread queues only after the reply has gone
+    const std::string_view rows =
+        count == 0 ? std::string_view()
+                   : std::string_view(reinterpret_cast<const char*>(detections->rows),
+                                      count * 6 * sizeof(float));
     // The job's place is freed before its reply leaves: whoever has the reply sees it gone
     // (pending, the client's cap, the counters).
     const Job answered = std::move(job);
@@ -907,14 +909,14 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
 }
 
 void Plane::deliver(const Job& job, const std::string& header, int64_t status,
-                    const std::string& detections) {
+                    std::string_view detections) {
     if (!job.tag) {
         send_reply(job.client, header, detections.empty() ? nullptr : detections.data(),
                    detections.size(), status);
         return;
     }
     // an image of the control plane's request: its answer (and detections) goes back there
-    Pending m{{}, {"", le64(*job.tag), le64(job.index), header, detections}};
+    Pending m{{}, {"", le64(*job.tag), le64(job.index), header, std::string(detections)}};
     if (backlog_.empty() && send_forward(m, kDontWait)) return;
     backlog_.push_back(std::move(m));
 }

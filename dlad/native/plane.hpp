@@ -31,6 +31,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -273,7 +274,7 @@ class Plane {
                                                           const std::string& owner,
                                                           uint64_t request_id,
                                                           std::optional<int64_t> tag,
-                                                          const std::vector<Item>& items);
+                                                          std::vector<Item> items);
     State state();
     // Shared-memory segments (the control plane maps them, checks them and the peer, and
     // registers them here; an INFER naming one that is not registered, or not at that size,
@@ -352,7 +353,7 @@ class Plane {
     void refuse(const Job& job, int64_t status, const std::string& message);
     // ``detections``: the reply's second frame (none: an empty one)
     void deliver(const Job& job, const std::string& header, int64_t status,
-                 const std::string& detections = {});
+                 std::string_view detections = {});
     void observe(const Job& job, int64_t status, const std::optional<std::string>& device,
                  const wire::Timing& timing);
     void answer(int64_t job_id, int64_t status, const std::string& message,

@@ -22,6 +22,7 @@ from dlad.protocol import InferReply, InferRequest, ShmRef
 from tests.dlad.gpu.conftest import needs_gpu
 from tests.dlad.serving import serve_in_thread
 from tests.dlad.test_daemon import dealer, recv
+from tests.dlad.test_native_gpu import DAEMON
 
 pytestmark = [
     needs_gpu,
@@ -31,30 +32,10 @@ pytestmark = [
     ),
 ]
 
-CONFIG = """
-[daemon]
-default_deadline_ms = 60000.0
-[frontend]
-endpoints = ["tcp://127.0.0.1:5555"]
-data_plane = "{plane}"
-[pre_post]
-enabled = true
-backend = "cuda"
-[soc]
-dram_contention = 0
-[devices.dla0]
-kind = "dla"
-backend = "emulated"
-core = 0
-mode = "timing"
-latency_us = 500.0
-[devices.gpu]
-kind = "gpu"
-[models.demo]
-devices = ["dla0"]
-[models.demo.loadables]
-core0 = "bundled:demo/fp16_heads.dla0.emu"
-"""
+# test_native_gpu's daemon on the fake driver, here on the GPU and either data plane
+CONFIG = DAEMON.replace('data_plane = "native"', 'data_plane = "{plane}"').replace(
+    "[pre_post]\nenabled = true", '[pre_post]\nenabled = true\nbackend = "cuda"'
+)
 
 # shape, format, conf, iou, max_det
 FRAMES: list[tuple[tuple[int, ...], protocol.PixelFormat, float, float | None, int | None]] = [
