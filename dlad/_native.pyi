@@ -111,7 +111,9 @@ class Plane:
         router: int,
         forward: int,
         limits: tuple[int, int, int, int, int],
-        devices: Sequence[tuple[str, float, int, int, tuple[Any, ...] | None]],
+        devices: Sequence[
+            tuple[str, float, int, int, tuple[Any, ...] | None, tuple[Any, ...] | None]
+        ],
         models: Mapping[str, Sequence[str]],
         default_deadline_ms: float,
         max_deadline_ms: float,
@@ -122,7 +124,8 @@ class Plane:
         pins: Mapping[str, str],
         shm: bool,
         curve: bool,
-        cuda: tuple[int, int, int, int, int, int, int, int] | None,
+        cuda: tuple[int, int, int, int, int, int, int, int, int, int] | None,
+        cudla: tuple[int, int, int, int] | None,
         dram_contention: float,
         dram_k: Mapping[tuple[_Kind, _Kind], float],
     ) -> None: ...

@@ -237,13 +237,15 @@ class FrontendConfig:
     it and replies, without the interpreter; the event loop keeps STATUS, CANCEL, INFER_BATCH,
     malformed messages and the metrics, and handles what the plane forwards after the INFERs it
     read meanwhile (one connection's INFERs keep their order among themselves). Today it runs
-    emulated DLA cores in timing mode (sharing the emulated DRAM), with pre/post-processing
-    off or on the GPU (``[pre_post] backend`` not ``cpu``, a ``gpu`` device that serves no
-    model): the plane queues each frame's CUDA chain around the core's task itself and replies
-    with the detections. That is the daemon's own cost per frame, as an Orin's engines would
-    leave it (docs/BENCHMARKS.md §9.19). Shared-memory frames (``[shm]``) are taken
-    by the plane once the event loop has mapped and checked their segment; CURVE (``[auth]``)
-    is the socket's, and a client is its key in the plane as in the frontend."""
+    DLA cores: emulated ones in timing mode (sharing the emulated DRAM), or real ones through
+    cuDLA (the plane submits their tasks), with pre/post-processing off or on the GPU
+    (``[pre_post] backend`` not ``cpu``, a ``gpu`` device that serves no model): the plane
+    queues each frame's CUDA chain around the core's task itself (fence words, or NvSciSync
+    semaphores for a cuDLA core) and replies with the detections. That is the daemon's own
+    cost per frame, as an Orin's engines would leave it (docs/BENCHMARKS.md §9.19).
+    Shared-memory frames (``[shm]``) are taken by the plane once the event loop has mapped and
+    checked their segment; CURVE (``[auth]``) is the socket's, and a client is its key in the
+    plane as in the frontend."""
 
     def __post_init__(self) -> None:
         _check(bool(self.endpoints), "endpoints", "needs at least one endpoint")
@@ -780,8 +782,10 @@ class Config:
                    f"{why} models on DLA cores only (its GPU inference engine is not built "
                    'yet; a gpu device may do pre/post-processing); serve models on the gpu '
                    'with data_plane = "python"')  # fmt: skip
-            _check(d.mode == "timing", f"{key}.mode",
-                   f'{why} cores in timing mode only: set mode = "timing"')  # fmt: skip
+            # a cuDLA core has no mode; with backend "auto" the daemon checks it at start,
+            # once it knows whether cuDLA loads here
+            _check(d.mode == "timing" or d.backend != "emulated", f"{key}.mode",
+                   f'{why} emulated cores in timing mode only: set mode = "timing"')  # fmt: skip
             _check(not d.faults.active, f"{key}.faults",
                    f"{why} no fault injection")  # fmt: skip
         pre_post = ("pre/post-processing on the GPU only (or off): set [pre_post] backend = "

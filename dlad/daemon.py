@@ -32,6 +32,7 @@ import structlog
 import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
+from dlad.devices.base import DlaError
 from dlad.devices.dram import ORIN_DRAM_K
 from dlad.devices.factory import resolve_backend
 from dlad.errors import DladError, Overloaded, StartupError
@@ -40,12 +41,22 @@ from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
-from dlad.native_plane import CudaFunctions, DeviceState, PlaneDevice, PlaneGpu
+from dlad.native_plane import (
+    CudaFunctions,
+    CudlaFunctions,
+    DeviceState,
+    PlaneCudla,
+    PlaneDevice,
+    PlaneGpu,
+)
 from dlad.native_scheduler import NativeUnavailable, Scheduling, make_scheduler
 from dlad.systemd import Notifier
 
 if TYPE_CHECKING:
+    from dlad.config import Placement
+    from dlad.devices.base import DlaCore
     from dlad.gpu.service import GpuService
+    from dlad.plane_cores import PlaneCore
 
 __all__ = ["Daemon", "Overloaded", "StartupError", "State", "run"]
 
@@ -146,6 +157,7 @@ class Daemon:
             ),
         )
         self._gpu: GpuService | None = None
+        self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
         self._warming = 0
         self._warm = anyio.Event()
         self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
@@ -244,6 +256,7 @@ class Daemon:
         finally:
             self.state = State.STOPPED
             self.frontend.close_plane()  # its GPU chains use the GPU's memory
+            self._close_plane_cores()  # after the plane, before the GPU (their CUDA imports)
             if self._gpu is not None:  # after the executors: their streams use its memory
                 self._gpu.close()
             if self.metrics_server is not None:
@@ -254,27 +267,35 @@ class Daemon:
 
     async def _serve_native(self) -> None:
         """serve() with the native data plane: its engines instead of executors (the config
-        allows emulated DLA cores in timing mode only, each as its placement times it), with
-        pre/post-processing off or on the GPU (a :class:`~dlad.gpu.service.GpuService` builds
-        each core's slots and hands them to the plane)."""
+        allows DLA cores only: emulated ones in timing mode, each as its placement times it,
+        or real ones through cuDLA), with pre/post-processing off or on the GPU (a
+        :class:`~dlad.gpu.service.GpuService` builds each core's slots and hands them to the
+        plane)."""
+        gpu, cuda = await self._plane_gpu()
+        devices: list[PlaneDevice] = []
+        cudla: CudlaFunctions | None = None
         for p in self.plan.placements:
-            core = self.config.device(p.device).core
-            cudla = self.config.model(p.model).loadables.cudla_for_core(int(core or 0))
-            backend = self.config.device(p.device).backend
-            if resolve_backend(backend, cudla) != "emulated":  # auto, where cuDLA loads
+            d = self.config.device(p.device)
+            m = self.config.model(p.model)
+            defaults = {"conf": m.conf_threshold, "iou": m.iou_threshold,
+                        "default_max_det": min(m.max_det, protocol.MAX_DET)}  # fmt: skip
+            plane_gpu: PlaneGpu | None = None
+            spec: PlaneCudla | None = None
+            if resolve_backend(d.backend, m.loadables.cudla_for_core(int(d.core or 0))) == "cudla":
+                core = await self._open_plane_core(p, gpu, defaults)
+                plane_gpu, spec, cudla = core.gpu, core.spec, core.functions
+            elif d.mode != "timing":  # backend auto, and cuDLA does not load here
                 raise StartupError(
-                    'data_plane = "native" runs emulated DLA cores only (its cuDLA engine is '
-                    'not built yet), and cuDLA loads here: set backend = "emulated"',
-                    key=f"devices.{p.device}.backend",
+                    'data_plane = "native" runs emulated cores in timing mode only, and cuDLA '
+                    'does not load here: set mode = "timing"',
+                    key=f"devices.{p.device}.mode",
                 )
-        gpus, cuda = await self._plane_gpus()
-        self.frontend.start_plane(
-            [PlaneDevice(p.device, p.latency_us, slots=_PLANE_SLOTS,
-                         capacity=self.config.device(p.device).queue_depth,
-                         gpu=gpus.get(p.device))
-             for p in self.plan.placements],
-            cuda=cuda,
-        )  # fmt: skip
+            elif gpu is not None:
+                plane_gpu = await self._plane_slots(gpu, p, defaults)
+            device = PlaneDevice(p.device, p.latency_us, slots=_PLANE_SLOTS,
+                                 capacity=d.queue_depth, gpu=plane_gpu, cudla=spec)  # fmt: skip
+            devices.append(device)
+        self.frontend.start_plane(devices, cuda=cuda, cudla=cudla)
         for p in self.plan.placements:
             self.metrics.device_state(p.device, "ready")
         async with anyio.create_task_group() as tg:
@@ -285,11 +306,11 @@ class Daemon:
         late = await self.frontend.answer_what_is_queued()
         log.info("closing", answered_after_the_drain=late)
 
-    async def _plane_gpus(self) -> tuple[dict[str, PlaneGpu], CudaFunctions | None]:
-        """With pre/post-processing on: each core's GPU slots for the native plane, and the
-        driver's functions. Raises StartupError where no GPU is usable or it cannot serve."""
+    async def _plane_gpu(self) -> tuple[GpuService | None, CudaFunctions | None]:
+        """With pre/post-processing on: the GPU and the driver's functions for the native
+        plane (else None, None). Raises StartupError where no GPU is usable."""
         if not self.pre_post:
-            return {}, None
+            return None, None
         key = "pre_post.backend"
         try:
             await self._start_gpu()
@@ -305,21 +326,48 @@ class Daemon:
         self._shm_to_gpu(gpu)
         from dlad.gpu.driver import CudaError, plane_functions  # noqa: PLC0415 (GPU only)
 
-        gpus: dict[str, PlaneGpu] = {}
         try:
-            cuda = plane_functions()
-            for p in self.plan.placements:
-                m = self.config.model(p.model)
-                gpus[p.device] = await anyio.to_thread.run_sync(
-                    functools.partial(
-                        gpu.plane_gpu, p.loadable, _PLANE_SLOTS, conf=m.conf_threshold,
-                        iou=m.iou_threshold, default_max_det=min(m.max_det, protocol.MAX_DET),
-                    )
-                )  # fmt: skip
-        except (CudaError, ValueError) as exc:
+            return gpu, plane_functions()
+        except CudaError as exc:
             raise StartupError(f"the native plane's GPU pre/post cannot run: {exc}",
                                key=key) from None  # fmt: skip
-        return gpus, cuda
+
+    async def _plane_slots(
+        self, gpu: GpuService, p: Placement, defaults: dict[str, Any]
+    ) -> PlaneGpu:
+        """An emulated core's GPU slots for the native plane. Raises StartupError."""
+        from dlad.gpu.driver import CudaError  # noqa: PLC0415 (GPU only)
+
+        try:
+            return await anyio.to_thread.run_sync(
+                functools.partial(gpu.plane_gpu, p.loadable, _PLANE_SLOTS, **defaults)
+            )
+        except (CudaError, ValueError) as exc:
+            raise StartupError(f"the native plane's GPU pre/post cannot run: {exc}",
+                               key="pre_post.backend") from None  # fmt: skip
+
+    async def _open_plane_core(
+        self, p: Placement, gpu: GpuService | None, defaults: dict[str, Any]
+    ) -> PlaneCore:
+        """A real DLA core for the native plane (closed after it). Raises StartupError."""
+        from dlad.devices.cudla.cuda_interop import CudaInteropError  # noqa: PLC0415
+        from dlad.gpu.driver import CudaError  # noqa: PLC0415 (imports no CUDA until called)
+        from dlad.plane_cores import open_plane_core  # noqa: PLC0415
+
+        try:
+            opening = functools.partial(
+                open_plane_core, self.plan, p, slots=_PLANE_SLOTS, gpu=gpu, **defaults
+            )
+            core = await anyio.to_thread.run_sync(opening)
+        except (DlaError, CudaError, CudaInteropError, ValueError) as exc:
+            raise StartupError(
+                f"DLA core {self.config.device(p.device).core} cannot serve the native plane: "
+                f"{exc}",
+                key=f"devices.{p.device}.backend",
+            ) from None
+        self._plane_cores.append(core.core)
+        log.info("cudla_plane_core", device=p.device, gpu_pre_post=gpu is not None)
+        return core
 
     async def _serve_until_stopped(self, tg: anyio.abc.TaskGroup) -> None:
         """Ready: serve until stopped, drain, linger, then cancel ``tg`` (the serving loops)."""
@@ -341,6 +389,16 @@ class Daemon:
         self.lingering.set()
         await anyio.sleep(self.config.daemon.close_linger_ms / 1e3)
         tg.cancel_scope.cancel()
+
+    def _close_plane_cores(self) -> None:
+        """Close the native plane's cuDLA cores (after the plane: its engines waited for
+        their tasks). A failure is logged: the daemon is stopping."""
+        cores, self._plane_cores = self._plane_cores, []
+        for core in cores:
+            try:
+                core.close(force=True)
+            except DlaError as exc:  # noqa: PERF203 (two cores at most)
+                log.error("cudla_close_failed", core=getattr(core, "core", None), error=str(exc))
 
     async def _start_gpu(self) -> None:
         """Choose the pre/post backend (logged): CUDA kernels where a GPU is configured and

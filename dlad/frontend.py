@@ -70,6 +70,7 @@ from dlad.metrics import Metrics
 from dlad.native_plane import (
     CancelResult,
     CudaFunctions,
+    CudlaFunctions,
     Frame,
     Item,
     NativePlane,
@@ -295,11 +296,15 @@ class Frontend:
             self.bound.append(bound)
 
     def start_plane(
-        self, devices: Sequence[PlaneDevice], cuda: CudaFunctions | None = None
+        self,
+        devices: Sequence[PlaneDevice],
+        cuda: CudaFunctions | None = None,
+        cudla: CudlaFunctions | None = None,
     ) -> None:
         """Hand the socket to the native data plane (``data_plane = "native"``), serving the
         config's models on ``devices`` (``cuda``: the driver's functions, where a device has
-        GPU pre/post). Raises StartupError where the plane cannot run."""
+        GPU pre/post; ``cudla``: cuDLA's, where one is a real core). Raises StartupError
+        where the plane cannot run."""
         assert self._socket is not None  # opened first
         c = self.config
         models = {m.name: list(m.devices) for m in c.models}
@@ -318,6 +323,7 @@ class Frontend:
                 shm=self.shm is not None,
                 curve=self._curve is not None,
                 cuda=cuda,
+                cudla=cudla,
                 dram_contention=c.soc.dram_contention,
             )
         except (PlaneUnavailable, ValueError) as exc:

@@ -19,12 +19,14 @@ INFER_BATCH's images, whose answers come back on :attr:`NativePlane.forwarded`),
 daemon's metrics.
 
 Engines: the emulated DLA core in timing mode (tasks back to back at the core's service time),
-with pre/post-processing off, or on the GPU: a :class:`PlaneGpu` per core, which
-:meth:`dlad.gpu.service.GpuService.plane_gpu` builds, hands the plane the CUDA stream, buffers,
-fence words and post graphs of each slot, and the plane queues each frame's chain itself
-(``dlad/native/gpu_chain.hpp``) and replies with its detections. That is what
-``[frontend] data_plane = "native"`` serves. The cuDLA engine is the next step (docs/daemon.md,
-"The native data plane").
+or a real one through cuDLA (a :class:`PlaneCudla`: the handle, module, buffers and semaphores
+:class:`~dlad.devices.cudla.backend.CudlaDlaCore` opened, which the plane submits tasks to,
+``dlad/native/cudla_engine.hpp``); with pre/post-processing off, or on the GPU: a
+:class:`PlaneGpu` per core, which :meth:`dlad.gpu.service.GpuService.plane_gpu` builds, hands the
+plane the CUDA stream, buffers, fences and post graphs of each slot, and the plane queues each
+frame's chain around the core's task itself (``dlad/native/gpu_chain.hpp``) and replies with its
+detections. That is what ``[frontend] data_plane = "native"`` serves (docs/daemon.md, "The
+native data plane").
 
 Linux only (eventfd), and only where ``pip install`` built ``dlad._native``.
 """
@@ -50,11 +52,14 @@ from dlad.native_scheduler import available
 __all__ = [
     "CancelResult",
     "CudaFunctions",
+    "CudlaFunctions",
     "DeviceState",
     "Frame",
     "Item",
     "NativePlane",
     "Outcome",
+    "PlaneCudla",
+    "PlaneCudlaSlot",
     "PlaneDevice",
     "PlaneGpu",
     "PlaneGpuSlot",
@@ -102,6 +107,45 @@ class CudaFunctions:
     graph_launch: int
     launch_host_func: int
     wait_geq: int
+    signal_external: int = 0  # cuSignalExternalSemaphoresAsync: a cuDLA core's chain
+    wait_external: int = 0  # cuWaitExternalSemaphoresAsync
+
+
+@dataclass(frozen=True, slots=True)
+class CudlaFunctions:
+    """The cuDLA and NvSciSync functions a cuDLA core of the plane calls, by address in the
+    libraries :class:`~dlad.devices.cudla.abi.Libraries` loaded."""
+
+    submit_task: int
+    get_last_error: int
+    fence_wait: int
+    fence_clear: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneCudlaSlot:
+    """One slot of a cuDLA core: the registered pointers of its input and output buffers, in
+    the module's order, and of the DLA-signalled semaphore its tasks signal."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    signal: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneCudla:
+    """A real DLA core, opened by :class:`~dlad.devices.cudla.backend.CudlaDlaCore`
+    (:meth:`~dlad.devices.cudla.backend.CudlaDlaCore.plane_core` makes this): its handle and
+    module, a CPU wait context of its NvSciSync module, cudlaSubmitTask's flags, how long an
+    EOF fence is waited for (µs), and one :class:`PlaneCudlaSlot` per core slot. The core
+    keeps all of it alive until the plane is closed."""
+
+    device: int
+    module: int
+    wait_context: int
+    flags: int
+    timeout_us: int
+    slots: tuple[PlaneCudlaSlot, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +167,10 @@ class PlaneGpuSlot:
     post_reuse: int  # the same without the copy
     frame: int  # host address of the settings (FrameParams, Geometry)
     out: int  # host address of the result record
+    # A cuDLA core's fences instead of the words (then 0): CUDA's imports of the NvSciSync
+    # objects the stream signals and the DLA task signals
+    ready_semaphore: int = 0
+    done_semaphore: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,16 +195,19 @@ class PlaneGpu:
 
 @dataclass(frozen=True, slots=True)
 class PlaneDevice:
-    """One emulated DLA core of the plane, in timing mode: ``latency_us`` a task, ``slots``
-    tasks on it at once (the DLA executor's slots), ``capacity`` jobs queued for it; ``gpu``:
-    its frames are pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``), else
-    the replies carry no detections."""
+    """One DLA core of the plane: ``slots`` tasks on it at once (the DLA executor's slots),
+    ``capacity`` jobs queued for it; ``cudla``: a real core (``slots`` is then
+    ``len(cudla.slots)``, ``latency_us`` the scheduler's first estimate of a task), else an
+    emulated one in timing mode, ``latency_us`` a task; ``gpu``: its frames are
+    pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``), else the replies
+    carry no detections."""
 
     name: str
     latency_us: float
     slots: int = 2
     capacity: int = 4
     gpu: PlaneGpu | None = None
+    cudla: PlaneCudla | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,9 +287,18 @@ _OUTCOME = struct.Struct("<qq")
 def _gpu_tuple(gpu: PlaneGpu | None) -> tuple[Any, ...] | None:
     if gpu is None:
         return None
+    slots = [(s.stream, s.image, s.staging, s.staging_device, s.image_bytes, s.input, s.ready,
+              s.ready_device, s.done, s.done_device, s.ready_semaphore, s.done_semaphore,
+              s.post_copy, s.post_reuse, s.frame, s.out) for s in gpu.slots]  # fmt: skip
     return (gpu.context, gpu.pre_kernel, gpu.int8, gpu.input_scale, gpu.canvas[0],
-            gpu.canvas[1], gpu.max_det, gpu.conf, gpu.iou, gpu.default_max_det,
-            [dataclasses.astuple(s) for s in gpu.slots])  # fmt: skip
+            gpu.canvas[1], gpu.max_det, gpu.conf, gpu.iou, gpu.default_max_det, slots)  # fmt: skip
+
+
+def _cudla_tuple(core: PlaneCudla | None) -> tuple[Any, ...] | None:
+    if core is None:
+        return None
+    slots = [(list(s.inputs), list(s.outputs), s.signal) for s in core.slots]
+    return (core.device, core.module, core.wait_context, core.flags, core.timeout_us, slots)
 
 
 class NativePlane:
@@ -258,6 +318,7 @@ class NativePlane:
             :meth:`add_segment` (others naming a segment are forwarded).
         curve: clients authenticate (CURVE): a client is its key, for the in-flight cap.
         cuda: the driver functions, where a device has ``gpu``.
+        cudla: cuDLA's and NvSciSync's functions, where a device has ``cudla``.
         dram_contention: ``[soc] dram_contention``: the cores share the emulated DRAM
             (:mod:`dlad.devices.dram`; 0: they never slow each other).
 
@@ -283,6 +344,7 @@ class NativePlane:
         shm: bool = False,
         curve: bool = False,
         cuda: CudaFunctions | None = None,
+        cudla: CudlaFunctions | None = None,
         dram_contention: float = 0.0,
     ) -> None:
         if not available():
@@ -307,12 +369,13 @@ class NativePlane:
         try:
             self._plane = _native.Plane(
                 libzmq, router.underlying, self._plane_end.underlying, bounds,
-                [(d.name, float(d.latency_us), d.slots, d.capacity, _gpu_tuple(d.gpu))
-                 for d in devices],
+                [(d.name, float(d.latency_us), d.slots, d.capacity, _gpu_tuple(d.gpu),
+                  _cudla_tuple(d.cudla)) for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
                 float(alpha), dict(pins or {}), shm, curve,
-                None if cuda is None else dataclasses.astuple(cuda), float(dram_contention),
+                None if cuda is None else dataclasses.astuple(cuda),
+                None if cudla is None else dataclasses.astuple(cudla), float(dram_contention),
                 dict(ORIN_DRAM_K),
             )  # fmt: skip
         except (RuntimeError, ValueError):

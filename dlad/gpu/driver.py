@@ -414,6 +414,9 @@ _PLANE_FUNCTIONS = (
     "cuStreamWaitValue32_v2",
     "cuGraphLaunch",
     "cuLaunchHostFunc",
+    # a cuDLA core's chain (recipe A): the NvSciSync objects imported as external semaphores
+    "cuSignalExternalSemaphoresAsync",
+    "cuWaitExternalSemaphoresAsync",
 )
 
 
@@ -438,4 +441,5 @@ def plane_functions() -> CudaFunctions:
         addresses.append(address)
     geq = int(_driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
     a = addresses
-    return CudaFunctions(a[0], a[1], a[2], a[3], a[4], a[5], a[6], wait_geq=geq)
+    return CudaFunctions(a[0], a[1], a[2], a[3], a[4], a[5], a[6], wait_geq=geq,
+                         signal_external=a[7], wait_external=a[8])  # fmt: skip

@@ -31,7 +31,13 @@ from dlad.gpu.driver import (
     probe,
 )
 from dlad.gpu.fences import FencePoller, MappedFence
-from dlad.gpu.links import CudlaInterop, GpuFenceLink, MappedFenceLink, link_cudla_slot
+from dlad.gpu.links import (
+    CudlaFenceLink,
+    CudlaInterop,
+    GpuFenceLink,
+    MappedFenceLink,
+    link_cudla_slot,
+)
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
 from dlad.imaging.pre import letterbox_geometry
 from dlad.loadable import DataType, Loadable
@@ -204,39 +210,54 @@ class GpuService:
         return 0 if known is None else known[1]
 
     def plane_gpu(
-        self, loadable: Loadable, slots: int, *, conf: float, iou: float, default_max_det: int
+        self,
+        loadable: Loadable,
+        slots: int,
+        *,
+        conf: float,
+        iou: float,
+        default_max_det: int,
+        cudla: Sequence[GpuSlot] = (),
     ) -> PlaneGpu:
         """GPU pre/post for a core of the native plane (``data_plane = "native"``): ``slots``
-        slots as :meth:`slot` makes them (zeroed DLA buffers from :meth:`host_array`, kernels
-        warmed up), handed over as handles and addresses; ``conf``, ``iou`` and
-        ``default_max_det`` are the model's defaults. Everything stays this service's, freed by
-        :meth:`close`, which must come after the plane's close. Raises ValueError where a frame
-        could overflow the GPU's candidate store (the plane has no numpy fallback), CudaError
-        from the driver."""
+        slots as :meth:`slot` makes them for an emulated core (zeroed DLA buffers from
+        :meth:`host_array`, kernels warmed up), or a cuDLA core's slots from :meth:`cudla_slot`
+        (``cudla``; ``slots`` is then their number), handed over as handles and addresses;
+        ``conf``, ``iou`` and ``default_max_det`` are the model's defaults. Everything stays
+        this service's (a cuDLA slot's imports its core's), freed by :meth:`close`, which must
+        come after the plane's close. Raises ValueError where a frame could overflow the GPU's
+        candidate store (the plane has no numpy fallback), CudaError from the driver."""
         from dlad.native_plane import PlaneGpu, PlaneGpuSlot  # noqa: PLC0415 (plane types)
         from dlad.protocol import MAX_DET  # noqa: PLC0415
 
         made = []
-        for _ in range(slots):
-            inputs = self.host_array(loadable.inputs[0].size)
-            outputs = [self.host_array(d.size) for d in loadable.outputs]
-            slot = self.slot(loadable, inputs, outputs, max_det=MAX_DET)
+        for i in range(len(cudla) if cudla else slots):
+            if cudla:
+                slot = cudla[i]
+            else:
+                inputs = self.host_array(loadable.inputs[0].size)
+                outputs = [self.host_array(d.size) for d in loadable.outputs]
+                slot = self.slot(loadable, inputs, outputs, max_det=MAX_DET)
             if not slot.pipeline.candidate_capacity_holds:
                 raise ValueError(
                     f"the model has more anchor cells than the GPU's candidate store holds "
                     f"({slot.pipeline.cand_capacity}): serve it with data_plane = 'python'"
                 )
             handles = slot.pipeline.plane_handles(slot.head_ptrs)
-            made.append(
-                PlaneGpuSlot(
-                    input=slot.input_ptr,
-                    ready=slot.ready.host_ptr,
-                    ready_device=slot.ready.device_ptr,
-                    done=slot.done.host_ptr,
-                    done_device=slot.done.device_ptr,
-                    **handles,
-                )
-            )
+            ready, done = slot.ready_link, slot.done_link
+            if isinstance(ready, CudlaFenceLink) and isinstance(done, CudlaFenceLink):
+                # a cuDLA core's NvSciSync objects, imported as external semaphores
+                fences: dict[str, int] = {
+                    "ready": 0, "ready_device": 0, "done": 0, "done_device": 0,
+                    "ready_semaphore": _handle(ready.semaphore),
+                    "done_semaphore": _handle(done.semaphore),
+                }  # fmt: skip
+            else:
+                fences = {
+                    "ready": slot.ready.host_ptr, "ready_device": slot.ready.device_ptr,
+                    "done": slot.done.host_ptr, "done_device": slot.done.device_ptr,
+                }  # fmt: skip
+            made.append(PlaneGpuSlot(input=slot.input_ptr, **fences, **handles))
         int8 = loadable.inputs[0].data_type == DataType.INT8
         kernel = self.ctx.kernels["pre_hwc4_i8" if int8 else "pre_chw16_f16"]
         return PlaneGpu(
@@ -392,3 +413,9 @@ class GpuService:
         for address in frames:
             self.unregister_frames(address)
         self.ctx.close()
+
+
+def _handle(obj: Any) -> int:
+    """The value of a cuda-python handle (``int()`` of a ``cudaExternalSemaphore_t``, which is
+    the driver's ``CUexternalSemaphore``)."""
+    return int(obj)

@@ -45,8 +45,8 @@ Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h) {
     return g;
 }
 
-std::string enqueue_chain(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
-                          const Frame& frame, void (*fn)(void*), void* data) {
+std::string enqueue_pre(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
+                        const Frame& frame, NvSciSyncFence* pre_fence) {
     const GpuSlotSpec& s = *slot.spec;
     slot.waits = slot.hosted = false;
     const uint64_t bytes = static_cast<uint64_t>(frame.height) * static_cast<uint64_t>(frame.width) *
@@ -70,6 +70,7 @@ std::string enqueue_chain(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slo
     }
     // GpuPipeline.pre
     const Letterbox g = letterbox_geometry(frame.width, frame.height, spec.canvas_w, spec.canvas_h);
+    slot.geometry = g;
     PreParams p{};
     p.src = reinterpret_cast<const void*>(src);
     p.dst = s.input;
@@ -104,19 +105,40 @@ std::string enqueue_chain(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slo
                                    nullptr)) {
         return failed("cuLaunchKernel(pre)", r);
     }
-    // The fence chain (GpuSlot.chain_task): the stream signals ready, waits for done
+    // The ready signal (GpuSlot.chain_task): the word, or the semaphore (CudlaFenceLink)
+    if (s.ready_semaphore != nullptr) {
+        ExternalSemaphoreParams params;
+        params.nvsci_fence = pre_fence;
+        if (int r = cuda.signal_external(&s.ready_semaphore, &params, 1, s.stream)) {
+            return failed("cuSignalExternalSemaphoresAsync", r);
+        }
+        return "";
+    }
     const uint32_t ready = slot.ready + 1;
     if (int r = cuda.write_value32(s.stream, s.ready_device, ready, 0)) {
         return failed("cuStreamWriteValue32", r);
     }
     slot.ready = ready;
-    const uint32_t done = slot.done + 1;
-    if (int r = cuda.wait_value32(s.stream, s.done_device, done, cuda.wait_geq)) {
-        return failed("cuStreamWaitValue32", r);
+    return "";
+}
+
+std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
+                         const NvSciSyncFence* eof, void (*fn)(void*), void* data) {
+    const GpuSlotSpec& s = *slot.spec;
+    if (s.done_semaphore != nullptr) {
+        ExternalSemaphoreParams params;
+        params.nvsci_fence = const_cast<NvSciSyncFence*>(eof);  // CUDA reads it at the call
+        if (int r = cuda.wait_external(&s.done_semaphore, &params, 1, s.stream)) {
+            return failed("cuWaitExternalSemaphoresAsync", r);
+        }
+    } else {
+        if (int r = cuda.wait_value32(s.stream, s.done_device, slot.done, cuda.wait_geq)) {
+            return failed("cuStreamWaitValue32", r);
+        }
+        slot.waits = true;
     }
-    slot.done = done;
-    slot.waits = true;
     // GpuPipeline.post: the settings are copied only when they differ from the last frame's
+    const Letterbox& g = slot.geometry;
     FrameParams f{};
     f.conf = static_cast<float>(frame.conf);
     f.obj_cut = logit_cut(frame.conf);

@@ -1,10 +1,17 @@
-// The GPU half of the native data plane: one frame's chain of CUDA work around an emulated DLA
-// task, queued from the plane's thread with the driver calls dlad/executors/dla.py makes
+// The GPU half of the native data plane: one frame's chain of CUDA work around a DLA task,
+// queued from the plane's thread with the driver calls dlad/executors/dla.py makes
 // (docs/daemon.md, "The native data plane"):
 //
-//     image (staged, uploaded, or read in place) ─▶ pre kernel ─▶ write ready = n
-//         ─▶ (the DLA task: waits ready >= n, runs, writes done = m) ─▶ wait done >= m
+//     image (staged, uploaded, or read in place) ─▶ pre kernel ─▶ signal ready
+//         ─▶ (the DLA task: waits for ready, runs, signals done) ─▶ wait for done
 //         ─▶ post graph (decode, select, NMS, results into pinned host memory) ─▶ host function
+//
+// The fences are 32-bit words for an emulated core (cuStreamWriteValue32 / WaitValue32), and
+// NvSciSync objects imported into CUDA as external semaphores for a cuDLA core (recipe A of
+// docs/reference/cudla.md §4.7: CUDA fills the task's pre-fence when it queues the signal, and
+// the stream waits on the task's EOF fence, which exists once the task is submitted). So the
+// chain is queued in two halves, enqueue_pre before the task's submission and enqueue_post
+// after it.
 //
 // Python builds everything the chain uses (dlad/gpu/service.py, GpuService.plane_slots): the
 // context, the kernels, one CUDA stream per DLA slot with its pinned buffers, the fence words
@@ -21,6 +28,37 @@
 
 namespace dlad::plane {
 
+// A finished task, as an engine reports it; or (``slot`` set) the end of a GPU chain.
+struct Done {
+    int64_t job = 0;
+    int64_t start_ns = 0;
+    int64_t end_ns = 0;
+    int64_t slot = -1;  // the GPU slot whose chain ended (its host function ran)
+    int status = 0;     // a cuDLA task's status (0: it succeeded)
+};
+
+// nvscisync.h's fence: 48 opaque bytes, all zero when cleared (NvSciSyncFenceInitializer).
+struct NvSciSyncFence {
+    uint64_t payload[6];
+};
+
+// cuda.h's CUDA_EXTERNAL_SEMAPHORE_SIGNAL_PARAMS and _WAIT_PARAMS as the chain fills them (an
+// NvSciSync semaphore: the fence pointer, flags 0; the rest zero). Both are 144 bytes, the
+// fence pointer at 8.
+struct ExternalSemaphoreParams {
+    uint64_t fence_value = 0;
+    void* nvsci_fence = nullptr;  // NvSciSyncFence*
+    uint64_t keyed_mutex[2] = {};
+    uint32_t reserved[10] = {};
+    uint32_t flags = 0;
+    uint32_t reserved2[16] = {};
+    uint32_t pad = 0;
+};
+static_assert(sizeof(ExternalSemaphoreParams) == 144 &&
+                  offsetof(ExternalSemaphoreParams, nvsci_fence) == 8 &&
+                  offsetof(ExternalSemaphoreParams, flags) == 72,
+              "cuda.h's external semaphore parameters");
+
 // The CUDA driver API the chain calls (cuda.h's signatures, handles as void*, CUresult as int;
 // 0 is CUDA_SUCCESS). All are required where a device has GPU pre/post.
 struct CudaApi {
@@ -34,15 +72,22 @@ struct CudaApi {
     int (*graph_launch)(void* exec, void* stream);                            // cuGraphLaunch
     int (*launch_host_func)(void* stream, void (*fn)(void*), void* data);    // cuLaunchHostFunc
     unsigned wait_geq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
+    // cuSignalExternalSemaphoresAsync / cuWaitExternalSemaphoresAsync: a cuDLA core's chain
+    int (*signal_external)(void* const* semaphores, const ExternalSemaphoreParams* params,
+                           unsigned count, void* stream) = nullptr;
+    int (*wait_external)(void* const* semaphores, const ExternalSemaphoreParams* params,
+                         unsigned count, void* stream) = nullptr;
 
     bool complete() const {
         return ctx_set_current && memcpy_htod_async && launch_kernel && write_value32 &&
                wait_value32 && graph_launch && launch_host_func;
     }
+    bool semaphores() const { return signal_external && wait_external; }
 };
 
-// One DLA slot's CUDA side (a GpuPipeline and the slot's fence words; addresses as the GPU and
-// the CPU see them: the same on an integrated GPU).
+// One DLA slot's CUDA side (a GpuPipeline and the slot's fences; addresses as the GPU and the
+// CPU see them: the same on an integrated GPU). The fences are the words (an emulated core's)
+// or the two semaphores (a cuDLA core's).
 struct GpuSlotSpec {
     void* stream = nullptr;
     uint64_t image = 0;           // device buffer of ``image_bytes`` for uploads (0: none)
@@ -54,6 +99,8 @@ struct GpuSlotSpec {
     uint64_t ready_device = 0;
     uint32_t* done = nullptr;     // the word the DLA task writes (the stream waits)
     uint64_t done_device = 0;
+    void* ready_semaphore = nullptr;  // CUDA's import of the NvSciSync object the stream signals
+    void* done_semaphore = nullptr;   // and of the one the DLA task signals
     void* post_copy = nullptr;    // the post graph that first copies the frame's settings
     void* post_reuse = nullptr;   // the same graph without the copy
     uint8_t* frame = nullptr;     // pinned: FrameParams, then one Geometry (the settings)
@@ -116,20 +163,27 @@ struct Frame {
 // A slot's chain state (the plane's thread alone touches it, one frame at a time).
 struct GpuSlot {
     const GpuSlotSpec* spec = nullptr;
-    uint32_t ready = 0;  // the last values written / waited for
+    uint32_t ready = 0;  // the last values written / waited for (the words)
     uint32_t done = 0;
     bool copied = false;  // the device holds ``settings``
     unsigned char settings[sizeof(FrameParams) + sizeof(Geometry)] = {};
-    bool waits = false;   // the stream waits on ``done`` (released by the DLA task)
+    Letterbox geometry;   // the frame's, from enqueue_pre for enqueue_post
+    bool waits = false;   // the stream waits on the ``done`` word (released by the DLA task)
     bool hosted = false;  // the host function is queued (the chain reports its end)
 };
 
-// Queue ``frame``'s chain on ``slot`` (the context current), ending with ``fn(data)`` on
-// CUDA's host-function thread. The DLA task to submit then waits ``ready >= slot.ready`` and
-// signals ``done = slot.done``. Returns "" or the failed call with its result code; on a
-// failure ``slot.waits`` and ``slot.hosted`` say how far it got.
-std::string enqueue_chain(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
-                          const Frame& frame, void (*fn)(void*), void* data);
+// Queue the first half of ``frame``'s chain on ``slot`` (the context current): the pixels
+// where the pre kernel reads them, the kernel, and the ready signal: the word, the task then
+// to wait for ``ready >= slot.ready``; or the ready semaphore, CUDA filling ``pre_fence`` with
+// the fence the task is to wait on. Returns "" or the failed call with its result code.
+std::string enqueue_pre(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
+                        const Frame& frame, NvSciSyncFence* pre_fence = nullptr);
+// The second half, once the DLA task is submitted: the wait for it (the word ``done`` reaching
+// ``slot.done``, the value the task writes; or ``eof``, its EOF fence), the post graph with the frame's
+// settings, and ``fn(data)`` on CUDA's host-function thread. Returns "" or the failed call;
+// ``slot.waits`` and ``slot.hosted`` then say how far it got.
+std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
+                         const NvSciSyncFence* eof, void (*fn)(void*), void* data);
 
 // The result record a finished chain left.
 struct Detections {

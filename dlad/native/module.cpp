@@ -74,20 +74,29 @@ py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view messag
 }
 
 // A GPU slot's handles and addresses, in GpuSlotSpec's order: stream, image, staging,
-// staging_device, image_bytes, input, ready, ready_device, done, done_device, post_copy,
-// post_reuse, frame, out.
+// staging_device, image_bytes, input, ready, ready_device, done, done_device, ready_semaphore,
+// done_semaphore, post_copy, post_reuse, frame, out.
 using GpuSlotTuple = std::tuple<uintptr_t, uint64_t, uintptr_t, uint64_t, uint64_t, uint64_t,
                                 uintptr_t, uint64_t, uintptr_t, uint64_t, uintptr_t, uintptr_t,
-                                uintptr_t, uintptr_t>;
+                                uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
 // context, pre_kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
 // default_max_det, slots: a device's GpuSpec
 using GpuTuple = std::tuple<uintptr_t, uintptr_t, bool, float, int, int, int, double, double,
                             int64_t, std::vector<GpuSlotTuple>>;
-// name, latency_us, slots, capacity, gpu
-using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t, std::optional<GpuTuple>>;
-// the CUDA driver's functions (CudaApi's order) and CU_STREAM_WAIT_VALUE_GEQ
+// a cuDLA slot's registered pointers: inputs, outputs, the semaphore its tasks signal
+using CudlaSlotTuple = std::tuple<std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t>;
+// device handle, module, CPU wait context, submit flags, timeout_us, slots: a CudlaSpec
+using CudlaTuple =
+    std::tuple<uintptr_t, uintptr_t, uintptr_t, uint32_t, int64_t, std::vector<CudlaSlotTuple>>;
+// name, latency_us, slots, capacity, gpu, cudla
+using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t, std::optional<GpuTuple>,
+                               std::optional<CudlaTuple>>;
+// the CUDA driver's functions (CudaApi's order), CU_STREAM_WAIT_VALUE_GEQ, and the external
+// semaphore functions (0: none)
 using CudaTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
-                             uintptr_t, unsigned>;
+                             uintptr_t, unsigned, uintptr_t, uintptr_t>;
+// cudlaSubmitTask, cudlaGetLastError, NvSciSyncFenceWait, NvSciSyncFenceClear
+using CudlaApiTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
 // height, width, channels, bgr, conf, iou, max_det: an image's shape and settings
 using ImageTuple = std::tuple<int64_t, int64_t, int64_t, bool, std::optional<double>,
                               std::optional<double>, std::optional<int64_t>>;
@@ -134,18 +143,49 @@ dlad::plane::GpuSpec gpu_of(const GpuTuple& t) {
     g.iou = iou;
     g.default_max_det = default_max_det;
     for (const auto& [stream, image, staging, staging_device, image_bytes, input, ready,
-                      ready_device, done, done_device, post_copy, post_reuse, frame, out] :
-         slots) {
+                      ready_device, done, done_device, ready_semaphore, done_semaphore, post_copy,
+                      post_reuse, frame, out] : slots) {
         g.slots.push_back({ptr<void>(stream), image, ptr<uint8_t>(staging), staging_device,
                            image_bytes, input, ptr<uint32_t>(ready), ready_device,
-                           ptr<uint32_t>(done), done_device, ptr<void>(post_copy),
+                           ptr<uint32_t>(done), done_device, ptr<void>(ready_semaphore),
+                           ptr<void>(done_semaphore), ptr<void>(post_copy),
                            ptr<void>(post_reuse), ptr<uint8_t>(frame), ptr<const float>(out)});
     }
     return g;
 }
 
+dlad::plane::CudlaSpec cudla_of(const CudlaTuple& t) {
+    const auto& [device, module, wait_context, flags, timeout_us, slots] = t;
+    dlad::plane::CudlaSpec c;
+    c.device = ptr<void>(device);
+    c.module = ptr<void>(module);
+    c.wait_context = ptr<void>(wait_context);
+    c.flags = flags;
+    c.timeout_us = timeout_us;
+    const auto registered = [](const std::vector<uintptr_t>& addresses) {
+        std::vector<uint64_t*> out;
+        for (uintptr_t a : addresses) out.push_back(ptr<uint64_t>(a));
+        return out;
+    };
+    for (const auto& [inputs, outputs, signal] : slots) {
+        c.slots.push_back({registered(inputs), registered(outputs), ptr<uint64_t>(signal)});
+    }
+    return c;
+}
+
+dlad::plane::CudlaApi cudla_api_of(const CudlaApiTuple& t) {
+    const auto& [submit, last_error, wait, clear] = t;
+    dlad::plane::CudlaApi c;
+    c.submit_task = reinterpret_cast<decltype(c.submit_task)>(submit);
+    c.get_last_error = reinterpret_cast<decltype(c.get_last_error)>(last_error);
+    c.fence_wait = reinterpret_cast<decltype(c.fence_wait)>(wait);
+    c.fence_clear = reinterpret_cast<decltype(c.fence_clear)>(clear);
+    return c;
+}
+
 dlad::plane::CudaApi cuda_of(const CudaTuple& t) {
-    const auto& [set_current, memcpy, launch, write, wait, graph, host, geq] = t;
+    const auto& [set_current, memcpy, launch, write, wait, graph, host, geq, signal_ext,
+                 wait_ext] = t;
     dlad::plane::CudaApi c;
     c.ctx_set_current = reinterpret_cast<decltype(c.ctx_set_current)>(set_current);
     c.memcpy_htod_async = reinterpret_cast<decltype(c.memcpy_htod_async)>(memcpy);
@@ -155,6 +195,8 @@ dlad::plane::CudaApi cuda_of(const CudaTuple& t) {
     c.graph_launch = reinterpret_cast<decltype(c.graph_launch)>(graph);
     c.launch_host_func = reinterpret_cast<decltype(c.launch_host_func)>(host);
     c.wait_geq = geq;
+    c.signal_external = reinterpret_cast<decltype(c.signal_external)>(signal_ext);
+    c.wait_external = reinterpret_cast<decltype(c.wait_external)>(wait_ext);
     return c;
 }
 
@@ -166,15 +208,17 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
     const std::string& policy, double alpha,
     std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
-    const std::optional<CudaTuple>& cuda, double dram_contention,
-    const std::map<std::pair<std::string, std::string>, double>& dram_k) {
+    const std::optional<CudaTuple>& cuda, const std::optional<CudlaApiTuple>& cudla,
+    double dram_contention, const std::map<std::pair<std::string, std::string>, double>& dram_k) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
-    for (const auto& [name, latency_us, slots, capacity, gpu] : devices) {
-        c.devices.push_back({name, latency_us, slots, capacity, std::nullopt});
+    for (const auto& [name, latency_us, slots, capacity, gpu, core] : devices) {
+        c.devices.push_back({name, latency_us, slots, capacity, std::nullopt, std::nullopt});
         if (gpu) c.devices.back().gpu = gpu_of(*gpu);
+        if (core) c.devices.back().cudla = cudla_of(*core);
     }
     if (cuda) c.cuda = cuda_of(*cuda);
+    if (cudla) c.cudla = cudla_api_of(*cudla);
     c.dram_contention = dram_contention;
     c.dram_k = coefficients(dram_k);
     c.models = std::move(models);
@@ -214,7 +258,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
-             py::arg("curve"), py::arg("cuda"), py::arg("dram_contention"),
+             py::arg("curve"), py::arg("cuda"), py::arg("cudla"), py::arg("dram_contention"),
              py::arg("dram_k"))
         .def("start", &dlad::plane::Plane::start)
         .def("close", &dlad::plane::Plane::close, py::call_guard<py::gil_scoped_release>())

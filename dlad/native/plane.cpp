@@ -252,16 +252,24 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         auto& models = served[d.name];
         std::sort(models.begin(), models.end());
         scheduler_.add_device(d.name, models, d.capacity, 1, {{1, d.latency_us * 1e3}}, 0, "dla");
-        engines_[d.name] = std::make_unique<TimingEngine>(
-            d.name, d.latency_us,
-            [this](Done done) {
-                {
-                    std::lock_guard<std::mutex> lock(mu_);
-                    done_.push_back(done);
-                }
-                wake();
-            },
-            dram_.get());
+        auto on_done = [this](Done done) {
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                done_.push_back(done);
+            }
+            wake();
+        };
+        Engine& engine = engines_[d.name];
+        if (d.cudla) {
+            if (static_cast<int64_t>(d.cudla->slots.size()) != d.slots) {
+                throw std::invalid_argument("device " + d.name + ": one cuDLA slot per core slot");
+            }
+            // real silicon shares real DRAM: the emulated model is not applied to it
+            engine.cudla = std::make_unique<CudlaEngine>(d.name, config_.cudla, *d.cudla, on_done);
+        } else {
+            engine.timing =
+                std::make_unique<TimingEngine>(d.name, d.latency_us, on_done, dram_.get());
+        }
         running_[d.name] = 0;
         slots_[d.name] = d.slots;
     }
@@ -284,19 +292,32 @@ void Plane::add_gpu(const DeviceSpec& d) {
         throw std::invalid_argument(where + "a GPU spec needs its context, kernel, canvas, "
                                             "max_det and one slot per core slot");
     }
+    // an emulated core's chain signals words, a cuDLA core's its NvSciSync semaphores
+    const bool semaphores = d.cudla.has_value();
+    if (semaphores && !config_.cuda.semaphores()) {
+        throw std::invalid_argument(where + "no CUDA external semaphore functions");
+    }
     for (const GpuSlotSpec& s : gpu.slots) {
-        if (s.stream == nullptr || s.input == 0 || s.ready == nullptr || s.done == nullptr ||
-            s.post_copy == nullptr || s.post_reuse == nullptr || s.frame == nullptr ||
-            s.out == nullptr || (s.image == 0 && s.staging == nullptr)) {
-            throw std::invalid_argument(where + "a GPU slot lacks a stream, buffer, word or graph");
+        const bool fences = semaphores ? s.ready_semaphore != nullptr && s.done_semaphore != nullptr
+                                       : s.ready != nullptr && s.done != nullptr &&
+                                             s.ready_semaphore == nullptr &&
+                                             s.done_semaphore == nullptr;
+        if (s.stream == nullptr || s.input == 0 || !fences || s.post_copy == nullptr ||
+            s.post_reuse == nullptr || s.frame == nullptr || s.out == nullptr ||
+            (s.image == 0 && s.staging == nullptr)) {
+            throw std::invalid_argument(where +
+                                        "a GPU slot lacks a stream, buffer, fence or graph");
         }
         ChainSlot slot;
         slot.device = d.name;
+        slot.local = static_cast<int64_t>(free_slots_[d.name].size());
         slot.gpu = &gpu;
         slot.state.spec = &s;
-        // the words may hold values already (a GpuPipeline used before): go on from them
-        slot.state.ready = __atomic_load_n(s.ready, __ATOMIC_ACQUIRE);
-        slot.state.done = __atomic_load_n(s.done, __ATOMIC_ACQUIRE);
+        if (!semaphores) {
+            // the words may hold values already (a GpuPipeline used before): go on from them
+            slot.state.ready = __atomic_load_n(s.ready, __ATOMIC_ACQUIRE);
+            slot.state.done = __atomic_load_n(s.done, __ATOMIC_ACQUIRE);
+        }
         slot.tag = std::make_unique<ChainTag>(ChainTag{this, static_cast<int64_t>(chains_.size())});
         free_slots_[d.name].push_back(static_cast<int64_t>(chains_.size()));
         chains_.push_back(std::move(slot));
@@ -856,7 +877,8 @@ void Plane::refuse(const Job& job, int64_t status, const std::string& message) {
 }
 
 void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
-                   const std::optional<Done>& done, const Detections* detections) {
+                   const std::optional<Done>& done, const Detections* detections,
+                   int64_t chain_end_ns) {
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return;  // answered already (a task that ran past the drain)
     Job& job = it->second;
@@ -872,11 +894,11 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
         timing.start_ns = static_cast<uint64_t>(done->start_ns);
         timing.end_ns = static_cast<uint64_t>(done->end_ns);
         device = job.device;
-        if (job.chain_end_ns != 0) {  // the GPU's parts of the chain, as dla.py times them
+        if (chain_end_ns != 0) {  // the GPU's parts of the chain, as dla.py times them
             timing.pre_us = static_cast<uint64_t>(
                 std::max<int64_t>(done->start_ns - job.dispatched_ns, 0) / 1000);
-            timing.post_us = static_cast<uint64_t>(
-                std::max<int64_t>(job.chain_end_ns - done->end_ns, 0) / 1000);
+            timing.post_us =
+                static_cast<uint64_t>(std::max<int64_t>(chain_end_ns - done->end_ns, 0) / 1000);
         }
     }
     observe(job, status, device, timing);
@@ -944,14 +966,32 @@ void Plane::dispatch(int64_t now) {
             if (!head) break;
             jobs_.at(*head).dispatched_ns = now;
             if (gpu != free_slots_.end()) {
-                if (!start_chain(device, *head)) continue;  // answered; its slot is free again
+                start_chain(device, engine, *head);
             } else {
-                engine->submit(*head);
+                start_task(device, engine, *head);
             }
-            device_of_[*head] = device;
-            ++running_[device];
         }
     }
+}
+
+void Plane::fail(const std::string& device, int64_t job_id, const std::string& why,
+                 const std::optional<Done>& task) {
+    ++failed_[device];
+    ++failing_[device];
+    last_failure_[device] = why;
+    scheduler_.finished(device, job_id, std::nullopt);
+    answer(job_id, DEVICE_FAILED, why, task);
+}
+
+void Plane::start_task(const std::string& device, Engine& engine, int64_t job_id) {
+    if (engine.timing) {
+        engine.timing->submit(job_id);
+    } else if (std::string error = engine.cudla->submit(job_id); !error.empty()) {
+        fail(device, job_id, device + ": " + error);
+        return;
+    }
+    device_of_[job_id] = device;
+    ++running_[device];
 }
 
 namespace {
@@ -962,10 +1002,9 @@ std::mutex& chain_tags_mu() {
 }
 }  // namespace
 
-bool Plane::start_chain(const std::string& device, int64_t job_id) {
+void Plane::start_chain(const std::string& device, Engine& engine, int64_t job_id) {
     std::vector<int64_t>& free = free_slots_.at(device);
     const int64_t index = free.back();
-    free.pop_back();
     ChainSlot& c = chains_[static_cast<size_t>(index)];
     Job& job = jobs_.at(job_id);
     const GpuSpec& gpu = *c.gpu;
@@ -1005,38 +1044,44 @@ bool Plane::start_chain(const std::string& device, int64_t job_id) {
             current = gpu.context;
         }
     }
+    // The chain's first half, the core's task, then its second half (gpu_chain.hpp)
+    CudlaEngine* cudla = engine.cudla.get();
     if (error.empty()) {
+        error = enqueue_pre(config_.cuda, gpu, c.state, f,
+                            cudla ? cudla->pre_fence(c.local) : nullptr);
+    }
+    if (error.empty() && cudla) error = cudla->submit(job_id, c.local, true);
+    const bool submitted = error.empty();
+    if (submitted) {
+        if (engine.timing) {
+            ++c.state.done;  // the value its task writes, and the stream waits for
+            engine.timing->submit(job_id, {c.state.spec->ready, c.state.ready},
+                                  {c.state.spec->done, c.state.done});
+        }
+        free.pop_back();
         c.job = job_id;
+        c.task.reset();
+        c.chain_ended = false;
+        device_of_[job_id] = device;
+        ++running_[device];
         {
             std::lock_guard<std::mutex> lock(mu_);
             ++chains_running_;  // before the host function can run
         }
-        error = enqueue_chain(config_.cuda, gpu, c.state, f, &Plane::chain_ended, c.tag.get());
+        error = enqueue_post(config_.cuda, c.state, f, cudla ? cudla->eof(c.local) : nullptr,
+                             &Plane::chain_ended, c.tag.get());
     }
-    if (!error.empty()) {
-        // Nothing of the chain reports back (its host function was not queued): a stream
-        // left waiting for the core's word is released by the CPU, and the slot is free.
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (c.job >= 0) --chains_running_;
-            ++counters_.gpu_errors;
-            counters_.last_gpu_error = device + ": " + error;
-        }
-        if (c.state.waits) __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
-        c.job = -1;
-        free.push_back(index);
-        const std::string why = device + ": the GPU chain could not be queued: " + error;
-        ++failed_[device];
-        ++failing_[device];
-        last_failure_[device] = why;
-        scheduler_.finished(device, job_id, std::nullopt);
-        answer(job_id, DEVICE_FAILED, why, std::nullopt);
-        return false;
+    if (error.empty()) return;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (submitted) --chains_running_;  // its host function was not queued
+        ++counters_.gpu_errors;
+        counters_.last_gpu_error = device + ": " + error;
     }
-    job.slot = index;
-    engines_.at(device)->submit(job_id, {c.state.spec->ready, c.state.ready},
-                                {c.state.spec->done, c.state.done});
-    return true;
+    // The core's task, where it was submitted, runs on: the slot is free once it has ended
+    // (the stream, where it waits for the task, is released by it).
+    if (submitted) c.chain_ended = true;
+    fail(device, job_id, device + ": the GPU chain could not be queued: " + error);
 }
 
 void Plane::chain_ended(void* tag) {
@@ -1053,23 +1098,53 @@ void Plane::chain_ended(void* tag) {
     plane->wake();
 }
 
+void Plane::task_ended(const Done& d) {
+    const std::string device = device_of_.at(d.job);
+    busy_ns_[device] += d.end_ns - d.start_ns;
+    const auto gpu = free_slots_.find(device);
+    if (gpu != free_slots_.end()) {  // a chain's task: the frame is answered once both ended
+        for (size_t i = 0; i < chains_.size(); ++i) {
+            ChainSlot& c = chains_[i];
+            if (c.device != device || c.job != d.job) continue;
+            c.task = d;
+            if (d.status != 0 && jobs_.count(d.job) != 0) {  // its chain may never end
+                fail(device, d.job, device + ": task failed: " + cudla_status_name(d.status), d);
+            }
+            if (c.chain_ended) finish_chain(c, static_cast<int64_t>(i));
+            return;
+        }
+        return;
+    }
+    --running_[device];  // the core's slot is free, answered or not
+    device_of_.erase(d.job);
+    if (jobs_.count(d.job) == 0) return;  // answered SHUTTING_DOWN while it ran
+    if (d.status != 0) {
+        fail(device, d.job, device + ": task failed: " + cudla_status_name(d.status), d);
+        return;
+    }
+    failing_[device] = 0;  // a frame that went through: the device serves again
+    scheduler_.finished(device, d.job, static_cast<double>(d.end_ns - d.start_ns) / 1e3);
+    answer(d.job, OK, "", d);
+}
+
 void Plane::end_chain(const Done& ended) {
     ChainSlot& c = chains_[static_cast<size_t>(ended.slot)];
+    c.chain_ended = true;
+    c.chain_end_ns = ended.end_ns;
+    if (c.task) finish_chain(c, ended.slot);
+}
+
+void Plane::finish_chain(ChainSlot& c, int64_t index) {
     const int64_t job_id = c.job;
+    const Done task = *c.task;
     c.job = -1;
-    free_slots_.at(c.device).push_back(ended.slot);
+    c.task.reset();
+    free_slots_.at(c.device).push_back(index);
     --running_[c.device];
     device_of_.erase(job_id);
     const auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return;  // answered already (the drain's end)
+    if (it == jobs_.end()) return;  // answered already (a failure, the drain's end)
     Job& job = it->second;
-    job.chain_end_ns = ended.end_ns;
-    if (!job.task) {  // cannot happen: a core reports its task before it signals the stream
-        scheduler_.finished(c.device, job_id, std::nullopt);
-        answer(job_id, INTERNAL, "the GPU chain ended before its DLA task", std::nullopt);
-        return;
-    }
-    const Done task = *job.task;
     scheduler_.finished(c.device, job_id, static_cast<double>(task.end_ns - task.start_ns) / 1e3);
     const Detections d = read_detections(c.state, static_cast<int>(job.image.max_det.value_or(0)));
     if (!d.valid || d.overflow) {
@@ -1078,17 +1153,18 @@ void Plane::end_chain(const Done& ended) {
         answer(job_id, INTERNAL,
                d.overflow ? "the GPU stored only part of the frame's candidates"
                           : "the GPU's result record is malformed",
-               task);
+               task, nullptr, c.chain_end_ns);
         return;
     }
     failing_[c.device] = 0;  // a frame that went through: the device serves again
-    answer(job_id, OK, "", task, &d);
+    answer(job_id, OK, "", task, &d, c.chain_end_ns);
 }
 
 void Plane::settle_chains() {
     if (chains_.empty()) return;
-    // A core stopped before its task ended never wrote its word: the CPU writes it, so that the
-    // stream runs on to its host function
+    // An emulated core stopped before its task ended never wrote its word: the CPU writes it,
+    // so that the stream runs on to its host function (a cuDLA core's tasks all ended when
+    // its engine was destroyed, and signalled their fences)
     for (const ChainSlot& c : chains_) {
         if (c.job >= 0 && c.state.waits) {
             __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
@@ -1117,21 +1193,9 @@ void Plane::take_completions() {
     for (const Done& d : done) {
         if (d.slot >= 0) {
             end_chain(d);
-            continue;
+        } else {
+            task_ended(d);
         }
-        const std::string device = device_of_.at(d.job);
-        busy_ns_[device] += d.end_ns - d.start_ns;
-        auto it = jobs_.find(d.job);
-        if (free_slots_.count(device) != 0) {  // a chain's task: the chain ends later
-            if (it != jobs_.end()) it->second.task = d;
-            continue;
-        }
-        --running_[device];  // the core's slot is free, answered or not
-        device_of_.erase(d.job);
-        if (it == jobs_.end()) continue;  // answered SHUTTING_DOWN while it ran
-        scheduler_.finished(it->second.device, d.job,
-                            static_cast<double>(d.end_ns - d.start_ns) / 1e3);
-        answer(d.job, OK, "", d);
     }
 }
 

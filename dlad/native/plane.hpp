@@ -36,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cudla_engine.hpp"
 #include "dram.hpp"
 #include "gpu_chain.hpp"
 #include "scheduler.hpp"
@@ -93,12 +94,16 @@ class Part {
 
 struct DeviceSpec {
     std::string name;
-    double latency_us = 0;  // the core's service time for one task (timing mode)
+    double latency_us = 0;  // the core's service time for one task (timing mode; for a cuDLA
+                            // core, the scheduler's first estimate)
     int64_t slots = 2;      // tasks in flight on it at once (the DLA executor's slots)
     int64_t capacity = 4;   // its queue in the scheduler
     // GPU pre/post-processing, one GpuSlotSpec per slot (``slots`` is then their number);
     // none: the reply carries no detections (pre/post off)
     std::optional<GpuSpec> gpu;
+    // A real DLA core, driven through cuDLA (one CudlaSlotSpec per slot); none: an emulated
+    // core in timing mode
+    std::optional<CudlaSpec> cudla;
 };
 
 struct Config {
@@ -115,6 +120,7 @@ struct Config {
     bool curve = false;  // [auth] mode = "curve": a client is its key (User-Id), not its connection
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
     CudaApi cuda{};  // the driver's functions, where a device has GPU pre/post
+    CudlaApi cudla{};  // cuDLA's and NvSciSync's, where a device is a cuDLA core
     // [soc] dram_contention: the cores share the emulated DRAM (0: they never slow each
     // other), with dram.py's ORIN_DRAM_K; the scheduler's estimates know it too
     double dram_contention = 0;
@@ -179,14 +185,6 @@ struct Item {
 
 // What cancel() found.
 enum class CancelResult { cancelled = 0, not_queued = 1, running = 2 };
-
-// A finished task, as an engine reports it; or (``slot`` set) the end of a GPU chain.
-struct Done {
-    int64_t job = 0;
-    int64_t start_ns = 0;
-    int64_t end_ns = 0;
-    int64_t slot = -1;  // the GPU slot whose chain ended (its host function ran)
-};
 
 // A fence of an engine's task: a 32-bit word reaching a value (wrap-safe), the emulated form of
 // the NvSciSync semaphore a DLA task waits on or signals.
@@ -300,6 +298,30 @@ class Plane {
     }
 
   private:
+    // A device's engine: an emulated core in timing mode, or a cuDLA core
+    struct Engine {
+        std::unique_ptr<TimingEngine> timing;
+        std::unique_ptr<CudlaEngine> cudla;
+    };
+    // GPU slots: the device's spec, the chain's state, and the tag its host function gets
+    struct ChainTag {
+        Plane* plane;  // null once the plane is gone (read under chain_tags_mu)
+        int64_t slot;
+    };
+    struct ChainSlot {
+        std::string device;
+        int64_t local = 0;  // its index among the device's slots (a cuDLA core's slot)
+        const GpuSpec* gpu = nullptr;
+        GpuSlot state;
+        int64_t job = -1;  // the chain's frame (-1: free)
+        // The slot is free again once both have ended: the core's task (a cuDLA core's may
+        // be reported after the stream has run on) and the chain (its host function ran, or
+        // none was queued)
+        std::optional<Done> task;
+        bool chain_ended = false;
+        int64_t chain_end_ns = 0;
+        std::unique_ptr<ChainTag> tag;
+    };
     struct Job {
         std::string client;
         uint64_t request_id = 0;
@@ -316,9 +338,6 @@ class Plane {
         std::string device;
         Image image;          // its shape and settings (GPU pre/post)
         std::string pixels;   // a submitted image's bytes (none: payload or segment)
-        int64_t slot = -1;    // its GPU slot while its chain runs
-        std::optional<Done> task;  // the core's task, ended (its chain may still run)
-        int64_t chain_end_ns = 0;  // when its chain's host function ran
     };
 
     void add_gpu(const DeviceSpec& d);  // its GPU slots (the constructor's)
@@ -356,13 +375,22 @@ class Plane {
                  std::string_view detections = {});
     void observe(const Job& job, int64_t status, const std::optional<std::string>& device,
                  const wire::Timing& timing);
+    // ``chain_end_ns``: when its GPU chain ended (0: none), for the pre and post times
     void answer(int64_t job_id, int64_t status, const std::string& message,
-                const std::optional<Done>& done, const Detections* detections = nullptr);
+                const std::optional<Done>& done, const Detections* detections = nullptr,
+                int64_t chain_end_ns = 0);
     void dispatch(int64_t now);
-    // Queue ``job_id``'s chain on a free GPU slot of ``device`` and submit its task; false
-    // once a failure is answered (the slot is free again).
-    bool start_chain(const std::string& device, int64_t job_id);
-    void end_chain(const Done& done);
+    // Submit ``job_id``'s task to ``device``'s core (with a GPU: its chain around it, on a
+    // free GPU slot); a failure is answered DEVICE_FAILED.
+    void start_task(const std::string& device, Engine& engine, int64_t job_id);
+    void start_chain(const std::string& device, Engine& engine, int64_t job_id);
+    // A frame that failed on ``device`` (answered DEVICE_FAILED, counted for its health)
+    void fail(const std::string& device, int64_t job_id, const std::string& why,
+              const std::optional<Done>& task = std::nullopt);
+    void task_ended(const Done& done);
+    void end_chain(const Done& done);  // its host function ran
+    // Once a slot's task and chain have both ended: answer its frame, free the slot
+    void finish_chain(ChainSlot& c, int64_t index);
     static void chain_ended(void* tag);  // CUDA's host function: the chain's last step
     // Release the streams of chains whose cores stopped, and wait for their host functions
     // (the destructor's: nothing may call into a destroyed plane).
@@ -379,7 +407,7 @@ class Plane {
     Config config_;
     Scheduler scheduler_;
     std::unique_ptr<SharedDram> dram_;  // before the engines that use it
-    std::map<std::string, std::unique_ptr<TimingEngine>> engines_;
+    std::map<std::string, Engine> engines_;
     std::map<std::string, int64_t> running_;  // device -> tasks on it
     std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
     std::map<std::string, int64_t> slots_;
@@ -393,18 +421,6 @@ class Plane {
         int64_t last_used_ns = 0;
         const uint8_t* host = nullptr;  // where it is mapped here
         uint64_t device = 0;            // and for the GPU (0: not registered there)
-    };
-    // GPU slots: the device's spec, the chain's state, and the tag its host function gets
-    struct ChainTag {
-        Plane* plane;  // null once the plane is gone (read under chain_tags_mu)
-        int64_t slot;
-    };
-    struct ChainSlot {
-        std::string device;
-        const GpuSpec* gpu = nullptr;
-        GpuSlot state;
-        int64_t job = -1;  // the chain's frame (-1: free)
-        std::unique_ptr<ChainTag> tag;
     };
     std::vector<ChainSlot> chains_;
     std::map<std::string, std::vector<int64_t>> free_slots_;  // device -> its free GPU slots

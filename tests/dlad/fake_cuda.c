@@ -12,7 +12,12 @@
 //   - fake_graph_launch runs a fake post graph (fake_graph_create): the "copy" one first copies
 //     the settings from pinned to device memory; both then write a result record computed from
 //     the device's copy, so a frame run on the wrong graph shows stale settings;
-//   - fake_launch_host_func calls the function on the stream's thread.
+//   - fake_launch_host_func calls the function on the stream's thread;
+//   - external semaphores (a cuDLA core's chain, recipe A) are NvSciSync objects of the fake
+//     cuDLA library (tests/dlad/cudla/fake_cudla.c), whose functions fake_set_nvsci hands in:
+//     fake_signal_external fills the caller's fence at the call, as CUDA does (the object's
+//     next value), and signals the object when the stream reaches it; fake_wait_external
+//     copies the fence at the call and waits for it when the stream reaches it.
 // Controls: fake_fail_next makes a call return an error code once; fake_stream_hold makes a
 // stream stop before its next operation until released.
 #define _GNU_SOURCE
@@ -24,7 +29,7 @@
 
 #define API __attribute__((visibility("default")))
 
-enum { OP_COPY, OP_KERNEL, OP_WRITE, OP_WAIT, OP_GRAPH, OP_HOST };
+enum { OP_COPY, OP_KERNEL, OP_WRITE, OP_WAIT, OP_GRAPH, OP_HOST, OP_SIGNAL_EXT, OP_WAIT_EXT };
 
 typedef struct Op {
     int kind;
@@ -37,6 +42,8 @@ typedef struct Op {
     void* graph;
     void (*fn)(void*);
     void* data;
+    void* semaphore;
+    uint64_t fence[6];  // an NvSciSyncFence
 } Op;
 
 typedef struct Stream {
@@ -72,6 +79,15 @@ static char g_fail_call[64];
 static int g_fail_code;
 static int g_host_calls;
 static void* g_context;
+static int64_t g_signalled_ns[MAX_LOG];
+static int g_nsignalled;
+// the fake cuDLA library's NvSciSync functions and a CPU wait context (fake_set_nvsci)
+static int (*g_generate)(void* obj, void* fence);
+static int (*g_signal)(void* obj);
+static int (*g_dup)(const void* src, void* dst);
+static int (*g_wait)(const void* fence, void* ctx, int64_t timeout_us);
+static void (*g_clear)(void* fence);
+static void* g_wait_ctx;
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -165,6 +181,16 @@ static void run_op(Op* op) {
         case OP_HOST:
             op->fn(op->data);
             __atomic_add_fetch(&g_host_calls, 1, __ATOMIC_SEQ_CST);
+            break;
+        case OP_SIGNAL_EXT:
+            g_signal(op->semaphore);
+            pthread_mutex_lock(&g_mu);
+            if (g_nsignalled < MAX_LOG) g_signalled_ns[g_nsignalled++] = now_ns();
+            pthread_mutex_unlock(&g_mu);
+            break;
+        case OP_WAIT_EXT:
+            g_wait(op->fence, g_wait_ctx, -1);
+            g_clear(op->fence);
             break;
     }
 }
@@ -280,7 +306,63 @@ API int fake_launch_host_func(void* stream, void (*fn)(void*), void* data) {
     return 0;
 }
 
+// CUDA_EXTERNAL_SEMAPHORE_{SIGNAL,WAIT}_PARAMS: the NvSciSyncFence* at 8, flags at 72.
+static int semaphore_params(const unsigned char* params, unsigned count, void** fence) {
+    unsigned flags;
+    memcpy(fence, params + 8, sizeof *fence);
+    memcpy(&flags, params + 72, sizeof flags);
+    return count == 1 && flags == 0 && *fence != NULL && g_generate != NULL;
+}
+
+API int fake_signal_external(void* const* semaphores, const unsigned char* params,
+                             unsigned count, void* stream) {
+    void* fence;
+    if (!semaphore_params(params, count, &fence)) return 1;  // CUDA_ERROR_INVALID_VALUE
+    int r = failing("cuSignalExternalSemaphoresAsync");
+    if (r) return r;
+    if (g_generate(semaphores[0], fence) != 0) return 1;  // filled at the call, as CUDA does
+    Op* op = new_op(OP_SIGNAL_EXT);
+    op->semaphore = semaphores[0];
+    push(stream, op);
+    return 0;
+}
+
+API int fake_wait_external(void* const* semaphores, const unsigned char* params, unsigned count,
+                           void* stream) {
+    void* fence;
+    if (!semaphore_params(params, count, &fence)) return 1;
+    int r = failing("cuWaitExternalSemaphoresAsync");
+    if (r) return r;
+    Op* op = new_op(OP_WAIT_EXT);
+    op->semaphore = semaphores[0];
+    if (g_dup(fence, op->fence) != 0) {  // read at the call, as CUDA does
+        free(op);
+        return 1;
+    }
+    push(stream, op);
+    return 0;
+}
+
 // ------------------------------------------------------------------ test controls
+
+API void fake_set_nvsci(void* generate, void* signal, void* dup, void* wait, void* clear,
+                        void* ctx) {
+    g_generate = (int (*)(void*, void*))generate;
+    g_signal = (int (*)(void*))signal;
+    g_dup = (int (*)(const void*, void*))dup;
+    g_wait = (int (*)(const void*, void*, int64_t))wait;
+    g_clear = (void (*)(void*))clear;
+    g_wait_ctx = ctx;
+}
+
+// When each external semaphore signal ran.
+API int fake_signals(int64_t* at, int most) {
+    pthread_mutex_lock(&g_mu);
+    int n = g_nsignalled < most ? g_nsignalled : most;
+    memcpy(at, g_signalled_ns, sizeof *at * (size_t)n);
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
 
 API void* fake_stream_create(void) {
     Stream* s = calloc(1, sizeof *s);
@@ -377,7 +459,7 @@ API void* fake_context(void) { return g_context; }
 
 API void fake_reset(void) {
     pthread_mutex_lock(&g_mu);
-    g_nlaunches = g_nwritten = g_nposted = 0;
+    g_nlaunches = g_nwritten = g_nposted = g_nsignalled = 0;
     g_fail_code = 0;
     pthread_mutex_unlock(&g_mu);
     __atomic_store_n(&g_host_calls, 0, __ATOMIC_SEQ_CST);

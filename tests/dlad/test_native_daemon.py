@@ -272,11 +272,14 @@ def test_gpu_pre_post_without_a_gpu_is_refused_at_start(
     assert daemon.frontend.plane is None  # nothing left running
 
 
-def test_a_core_that_would_run_cuda_is_refused_at_start(
+def test_a_cudla_core_that_cannot_open_is_refused_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """backend = "auto" on a host where cuDLA loads: the plane has no cuDLA engine yet."""
+    """A core the daemon takes for a cuDLA one (backend = "auto" where cuDLA loads) whose
+    library or loadable then fails: the daemon says which and starts nothing
+    (tests/dlad/cudla/test_native_cudla.py serves through the fake library)."""
     monkeypatch.setattr("dlad.daemon.resolve_backend", lambda backend, loadable: "cudla")
+    monkeypatch.setenv("DLAD_CUDLA_LIB", str(tmp_path / "nowhere.so"))
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(_config().replace(
         'backend = "emulated"\ncore = 1', 'backend = "auto"\ncore = 1'))  # fmt: skip
@@ -284,7 +287,7 @@ def test_a_core_that_would_run_cuda_is_refused_at_start(
     with pytest.raises(StartupError) as err:
         anyio.run(daemon.serve)
     assert err.value.key == "devices.dla0.backend"
-    assert "cuDLA loads here" in str(err.value)
+    assert "DLA core 0 cannot serve the native plane" in str(err.value)
     assert daemon.frontend.plane is None  # nothing left running
 
 

@@ -57,10 +57,10 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from ctypes import POINTER, byref, c_uint64, c_void_p, cast, pointer
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import structlog
 
@@ -107,6 +107,9 @@ from dlad.devices.cudla.modules import (
 )
 from dlad.devices.cudla.nvsci import NvSciSession, check_cudla
 from dlad.loadable import TensorDescriptor
+
+if TYPE_CHECKING:
+    from dlad.native_plane import CudlaFunctions, PlaneCudla
 
 __all__ = [
     "ABORTED_STATUS",
@@ -569,6 +572,78 @@ class CudlaDlaCore:
         fence._record(value, eof)
         return _Record(handle, fence, value, eof, keep, prefences, waits)
 
+    # ------------------------------------------------------------------ the native plane
+
+    def plane_functions(self) -> CudlaFunctions:
+        """The addresses of the functions the native data plane calls for this core
+        (``dlad/native/cudla_engine.hpp``), in the libraries this core loaded."""
+        from dlad.native_plane import CudlaFunctions  # noqa: PLC0415 (the plane's types)
+
+        libs = self.libs
+        address = [
+            int(cast(getattr(libs, name), c_void_p).value or 0)
+            for name in ("cudlaSubmitTask", "cudlaGetLastError", "NvSciSyncFenceWait",
+                         "NvSciSyncFenceClear")
+        ]  # fmt: skip
+        return CudlaFunctions(*address)
+
+    def plane_core(
+        self, slots: Sequence[tuple[Sequence[CudlaBuffer], Sequence[CudlaBuffer], CudlaFence_]]
+    ) -> PlaneCudla:
+        """This core for the native data plane (``[frontend] data_plane = "native"``): its
+        handle, module, CPU wait context, submit flags and how long an EOF fence is waited for
+        (the task timeout and the grace), and for each slot ``(inputs, outputs, fence)`` the
+        registered pointers of its buffers and of the DLA-signalled fence its tasks signal.
+        From then on only the plane submits to this core, until the plane is closed; then
+        :meth:`close` as usual.
+
+        Raises DlaError: ``ERROR_INVALID_MODULE`` with no module loaded;
+        ``ERROR_UNSUPPORTED_OPERATION`` in deterministic-semaphore mode (the plane takes the
+        EOF fences cuDLA fills; dlad computes none there); ``ERROR_INVALID_PARAM`` for a slot
+        whose buffers are not this core's in the module's shapes, or whose fence is not a
+        DLA-signalled fence of this core.
+        """
+        from dlad.native_plane import PlaneCudla, PlaneCudlaSlot  # noqa: PLC0415
+
+        call = "cudlaSubmitTask"
+        with self._cv:
+            self._enter(call)
+            module = self._module
+        if module is None:
+            raise DlaError(CudlaStatus.ERROR_INVALID_MODULE, call, "no module is loaded")
+        if self._semaphores == "deterministic":
+            raise DlaError(
+                CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
+                "the native data plane needs syncpoint fences; this core uses deterministic "
+                "semaphores: serve it with data_plane = 'python'",
+            )  # fmt: skip
+        made = []
+        for inputs, outputs, fence in slots:
+            ok = (
+                [b.descriptor for b in inputs] == list(module.inputs)
+                and [b.descriptor for b in outputs] == list(module.outputs)
+                and all(b.owner is self for b in (*inputs, *outputs))
+            )  # fmt: skip
+            if not ok:
+                raise DlaError(_INVALID, call, "a slot's buffers are not this core's module's")
+            if fence.owner is not self or fence.signaller != "dla":
+                raise DlaError(_INVALID, call, f"{fence.name}: not a DLA fence of this core")
+            made.append(
+                PlaneCudlaSlot(
+                    inputs=tuple(_address(b.registered) for b in inputs),
+                    outputs=tuple(_address(b.registered) for b in outputs),
+                    signal=_address(fence.registered[id(self)]),
+                )
+            )
+        return PlaneCudla(
+            device=int(self._dev.value or 0),
+            module=int(module.handle),
+            wait_context=int(self.nvsci.cpu_wait.value or 0),
+            flags=self._flags,
+            timeout_us=(self._timeout_ms + self._grace_ms) * 1000,
+            slots=tuple(made),
+        )
+
     # ------------------------------------------------------------------ completion
 
     def _complete(self) -> None:
@@ -713,3 +788,8 @@ class CudlaDlaCore:
         self.nvsci.close()
         if errors:
             raise errors[0]
+
+
+def _address(pointer: Any) -> int:
+    """The address a ctypes pointer holds (a registered pointer cuDLA returned)."""
+    return int(cast(pointer, c_void_p).value or 0)
