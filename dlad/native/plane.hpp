@@ -14,9 +14,11 @@
 //     goes whole, its routing id first, to the ``forward`` socket, where the control plane in
 //     Python answers it through send().
 // Engines are the plane's own: an emulated DLA core in timing mode (TimingEngine: tasks back to
-// back at the core's service time, each a thread's sleep), the first kind. A core may have GPU
-// pre/post-processing (gpu_chain.hpp): each frame's chain (pre kernel, fence, the core's task,
-// fence, post graph) is queued from the plane's thread, and the reply carries the detections.
+// back at the core's service time, each a thread's sleep), or a real one through cuDLA
+// (cudla_engine.hpp: the plane submits its tasks, a thread waits for their EOF fences). A core
+// may have GPU pre/post-processing (gpu_chain.hpp): each frame's chain (pre kernel, fence, the
+// core's task, fence, post graph) is queued from the plane's thread, and the reply carries the
+// detections.
 // The plane's engines and chains complete through an eventfd the thread polls beside the
 // socket, as the Python daemon's do through the event loop. Counters are read from any thread.
 #pragma once
