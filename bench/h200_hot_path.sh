@@ -10,7 +10,8 @@
 # profile-shm: one run of each of those, profiled (py-spy), with the CPU by thread;
 # frames: bench/gpu_frames.py (a frame's way into the pre kernel: CPU, GPU and wall per frame);
 # shm:    bench/shm_frames.py (tcp / ipc / shared memory, 1.35 MB and 6.2 MB frames, 3 trials).
-# plane-tests: the native plane's tests, its GPU chain on the real GPU included;
+# plane-tests: the native plane's tests, its GPU chain on the real GPU included (and its cuDLA
+#         engine on the fakes: a second x86 ISA);
 # plane-gpu: bench/daemon_throughput.py, GPU pre/post over tcp, the native plane against the
 #         Python data plane and the bare server, 3 trials (BENCHMARKS §9.21).
 set -uo pipefail
@@ -52,7 +53,7 @@ for part in "$@"; do
         timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
             -W "ignore::DeprecationWarning" tests/dlad/gpu/test_native_chain.py \
             tests/dlad/test_native_gpu.py tests/dlad/test_native_plane.py \
-            tests/dlad/test_native_daemon.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
+            tests/dlad/test_native_daemon.py tests/dlad/cudla/test_native_cudla.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
         status=$((status | PIPESTATUS[0])) ;;
     plane-gpu)
         timeout 540 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
