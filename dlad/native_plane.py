@@ -255,7 +255,7 @@ class DeviceState:
     service_time_us: float
     completed: int
     busy_ns: int  # its tasks' time so far
-    failed: int  # its frames answered DEVICE_FAILED (a GPU chain that could not be queued)
+    failed: int  # its frames answered DEVICE_FAILED (a GPU chain not queued, a cuDLA task)
     failing: int  # of them, the last in a row (0 after a frame that went through)
     last_failure: str  # the last one's words ("" before any)
 

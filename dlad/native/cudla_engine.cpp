@@ -130,6 +130,7 @@ void CudlaEngine::run() {
     const std::string thread_name = ("cudla-" + name_).substr(0, 15);  // Linux's limit
     pthread_setname_np(pthread_self(), thread_name.c_str());
     int64_t last_end = 0;
+    int carried = 0;  // a failure that may have been the next task's (see below)
     while (true) {
         Task task{};
         {
@@ -147,6 +148,19 @@ void CudlaEngine::run() {
             status = kCudlaUnknown;  // the wait itself failed: the task's end is unknown
         } else {
             status = api_.get_last_error(spec_.device);
+        }
+        if (status == 0) status = carried;
+        carried = 0;
+        // cuDLA's error is the handle's, not a task's: where the next task had also ended when
+        // this one's was read, the failure may be either's, and both are failed (a failed
+        // frame must not be answered OK)
+        if (status != 0) {
+            std::unique_lock<std::mutex> lock(mu_);
+            if (tasks_.size() > 1) {
+                const NvSciSyncFence* next = &records_[static_cast<size_t>(tasks_[1].slot)].eof;
+                lock.unlock();  // its record stays until this thread has reported it
+                if (api_.fence_wait(next, spec_.wait_context, 0) == 0) carried = status;
+            }
         }
         const int64_t end = now_ns();
         // cuDLA reports no start: the task began once submitted and its predecessor ended

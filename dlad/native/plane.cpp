@@ -1050,7 +1050,12 @@ void Plane::start_chain(const std::string& device, Engine& engine, int64_t job_i
         error = enqueue_pre(config_.cuda, gpu, c.state, f,
                             cudla ? cudla->pre_fence(c.local) : nullptr);
     }
-    if (error.empty() && cudla) error = cudla->submit(job_id, c.local, true);
+    if (error.empty() && cudla) {
+        if (std::string refused = cudla->submit(job_id, c.local, true); !refused.empty()) {
+            fail(device, job_id, device + ": " + refused);  // the core's, not the GPU's
+            return;
+        }
+    }
     const bool submitted = error.empty();
     if (submitted) {
         if (engine.timing) {

@@ -647,6 +647,7 @@ class CudlaDlaCore:
     # ------------------------------------------------------------------ completion
 
     def _complete(self) -> None:
+        carried = CudlaStatus.SUCCESS  # a failure that may have been the next task's
         while True:
             with self._cv:
                 while not self._pending and not self._stopping:
@@ -654,9 +655,19 @@ class CudlaDlaCore:
                 if not self._pending:
                     return
                 record = self._pending[0]
+                after = self._pending[1] if len(self._pending) > 1 else None
                 timeout_us = (self._timeout_ms + self._grace_ms) * 1000
             try:
                 status = self._await(record, timeout_us)
+                if status is CudlaStatus.SUCCESS:
+                    status = carried
+                carried = CudlaStatus.SUCCESS
+                # cuDLA's error is the handle's, not a task's: where the next task had also
+                # ended when this one's was read, the failure may be either's, and both are
+                # failed (a failed frame must not be answered OK)
+                failed = status is not CudlaStatus.SUCCESS
+                if failed and after is not None and self.nvsci.wait(after.eof, 0):
+                    carried = status
             except Exception:  # noqa: BLE001 (a bug must fail one task, not wedge the core)
                 _log.exception("cudla_completion_failed", core=self._core, task=record.handle.id)
                 status = CudlaStatus.ERROR_UNKNOWN

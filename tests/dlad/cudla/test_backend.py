@@ -5,6 +5,7 @@ INT8 engine running behind the fake through its task callback."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from dlad.devices.emulated import EmulatedDlaCore
 from dlad.imaging.pre import quantize_hwc4
 from dlad.loadable import read_loadable
 from dlad.models import DEMO
-from tests.dlad.cudla.fakelib import FakeLib, expected_default_output, fake_loadable
+from tests.dlad.cudla.fakelib import FAULT_ERROR, FakeLib, expected_default_output, fake_loadable
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
@@ -278,3 +279,32 @@ def test_async_error_from_the_fake_is_reported_by_status(
     assert dla.in_flight == 0
     dla.submit(Task(module, ins, outs, signal=[(done, 1)]))  # nothing was reserved
     assert done.wait(1, WAIT_S)
+
+
+def test_a_failure_that_may_be_either_of_two_tasks_fails_both(
+    fake: FakeLib, cores: list[CudlaDlaCore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDLA's error is the handle's: when the second of two tasks failed before the first's
+    status was read, the failure cannot be told apart, and both are reported failed (never a
+    failed task reported SUCCESS)."""
+    dla, module, ins, outs = open_loaded(fake, cores)
+    first, second = dla.create_fence(), dla.create_fence()
+    original = dla._await
+    fake.clear_log()
+
+    def late(record: Any, timeout_us: int) -> CudlaStatus:  # read once both have run
+        deadline = time.monotonic() + WAIT_S
+        while sum(c.startswith("done ") for c in fake.calls()) < 2:
+            assert time.monotonic() < deadline, "the fake did not run both tasks"
+            time.sleep(0.001)
+        return original(record, timeout_us)
+
+    monkeypatch.setattr(dla, "_await", late)
+    fake.option("task_delay_us", 20_000)  # both are submitted before the first has ended
+    ok = dla.submit(Task(module, ins, outs, signal=[(first, 1)]))
+    fake.task_fault(0, FAULT_ERROR, int(CudlaStatus.DLA_ERR_ENGINE_TIMEOUT), 1)
+    bad = dla.submit(Task(module, ins, outs, signal=[(second, 1)]))
+    assert first.wait(1, WAIT_S)
+    assert second.wait(1, WAIT_S)
+    assert bad.status is CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
+    assert ok.status is CudlaStatus.DLA_ERR_ENGINE_TIMEOUT  # either's, as far as cuDLA says

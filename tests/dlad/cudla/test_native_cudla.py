@@ -28,6 +28,8 @@ import anyio
 import numpy as np
 import pytest
 import zmq
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from dlad import native_scheduler, protocol
 from dlad.config import load_config
@@ -413,3 +415,67 @@ def test_plane_core_refuses_what_the_plane_cannot_submit(fake: FakeLib) -> None:
         )
         assert spec.timeout_us > 0
         assert spec.wait_context == core.nvsci.cpu_wait.value
+
+
+# What may happen to a frame of the chain, and the reply's words it must get.
+FATES = {
+    "ok": None,
+    "task fails": "dla0: task failed: cudlaErrorDlaErrEngineTimeout",
+    "submit refused": "dla0: cudlaSubmitTask: cudlaErrorUmd (7)",
+    "signal fails": "dla0: the GPU chain could not be queued: "
+    "cuSignalExternalSemaphoresAsync failed (999)",
+    "wait fails": "dla0: the GPU chain could not be queued: "
+    "cuWaitExternalSemaphoresAsync failed (999)",
+    "post fails": "dla0: the GPU chain could not be queued: cuGraphLaunch failed (999)",
+}
+
+
+@given(fates=st.lists(st.sampled_from(sorted(FATES)), min_size=1, max_size=12),
+       burst=st.integers(0, 6))  # fmt: skip
+@example(fates=["ok", "wait fails", "task fails"], burst=2)  # the failure both frames'
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+def test_every_frame_of_the_chain_is_answered_once_whatever_fails(
+    fake: FakeLib, cuda: FakeCuda, fates: list[str], burst: int
+) -> None:
+    """Failures anywhere in a cuDLA core's chain (the core's task, its submission, the CUDA
+    calls before and after it) answer that frame DEVICE_FAILED with what failed, and nothing
+    else: the slots come back (a burst after them is served on both), and at close every
+    cuDLA and NvSci object is released."""
+    before = fake.live()
+    fake.clear_log()
+    rig = ChainRig(fake, cuda)
+    try:
+        for rid, fate in enumerate(fates):  # one at a time: each injection is that frame's
+            if fate == "task fails":
+                fake.task_fault(0, FAULT_ERROR, ENGINE_TIMEOUT, 1)
+            elif fate == "submit refused":
+                fake.fail_next("cudlaSubmitTask", 7)
+            else:
+                call = {"signal fails": b"cuSignalExternalSemaphoresAsync",
+                        "wait fails": b"cuWaitExternalSemaphoresAsync",
+                        "post fails": b"cuGraphLaunch"}.get(fate)  # fmt: skip
+                if call is not None:
+                    cuda.lib.fake_fail_next(call, 999)
+            rig.infer(rid)
+            r = rig.reply()
+            # (a frame answered at a CUDA failure leaves its task running: the next frame's
+            # task may end before that one's status is read, and cuDLA's error is the
+            # handle's, not a task's; a failure is then reported on both, never lost)
+            assert r.id == rid
+            if FATES[fate] is None:
+                assert r.status == Status.OK
+            else:
+                assert (r.status, r.message) == (Status.DEVICE_FAILED, FATES[fate])
+        for rid in range(100, 100 + burst):
+            rig.infer(rid)
+        replies = [rig.reply() for _ in range(burst)]
+        assert sorted(r.id or 0 for r in replies) == list(range(100, 100 + burst))
+        assert {r.status for r in replies} <= {Status.OK}
+        counts = rig.plane.counters()["by_status"]
+        failed = sum(FATES[f] is not None for f in fates)
+        assert counts.get("DEVICE_FAILED", 0) == failed
+        assert counts.get("OK", 0) == len(fates) - failed + burst
+    finally:
+        rig.close()
+    assert fake.live() == before
