@@ -171,6 +171,9 @@ class PlaneGpuSlot:
     # objects the stream signals and the DLA task signals
     ready_semaphore: int = 0
     done_semaphore: int = 0
+    # An emulated core's output buffers, host addresses in the module's order: its task writes
+    # PlaneGpu.patterns there (none for a cuDLA core, whose DLA writes them)
+    outputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +194,9 @@ class PlaneGpu:
     iou: float
     default_max_det: int
     slots: tuple[PlaneGpuSlot, ...]
+    # what an emulated core in timing mode writes into each output (EmulatedDlaCore's patterns,
+    # dlad.devices.emulated.timing_pattern), so that both data planes answer a frame alike
+    patterns: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,9 +295,11 @@ def _gpu_tuple(gpu: PlaneGpu | None) -> tuple[Any, ...] | None:
         return None
     slots = [(s.stream, s.image, s.staging, s.staging_device, s.image_bytes, s.input, s.ready,
               s.ready_device, s.done, s.done_device, s.ready_semaphore, s.done_semaphore,
-              s.post_copy, s.post_reuse, s.frame, s.out) for s in gpu.slots]  # fmt: skip
+              s.post_copy, s.post_reuse, s.frame, s.out, list(s.outputs))
+             for s in gpu.slots]  # fmt: skip
     return (gpu.context, gpu.pre_kernel, gpu.int8, gpu.input_scale, gpu.canvas[0],
-            gpu.canvas[1], gpu.max_det, gpu.conf, gpu.iou, gpu.default_max_det, slots)  # fmt: skip
+            gpu.canvas[1], gpu.max_det, gpu.conf, gpu.iou, gpu.default_max_det, slots,
+            list(gpu.patterns))  # fmt: skip
 
 
 def _cudla_tuple(core: PlaneCudla | None) -> tuple[Any, ...] | None:

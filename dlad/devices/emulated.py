@@ -203,7 +203,7 @@ def _image(buf: EmulatedBuffer, desc: TensorDescriptor) -> npt.NDArray[Any]:
     return image
 
 
-def _pattern(desc: TensorDescriptor) -> npt.NDArray[Any]:
+def timing_pattern(desc: TensorDescriptor) -> npt.NDArray[Any]:
     """Timing-mode contents of one output image: deterministic per tensor name, finite, in the
     range of real head logits (objectness mostly far below threshold, a few boxes above), and
     zero in the padding, as the DLA writes it."""
@@ -416,7 +416,7 @@ class EmulatedDlaCore:
         try:
             parsed = self._read(loadable, call)
             engine = self._engine(parsed, call) if self.mode == "numeric" else None
-            patterns = () if engine else tuple(_pattern(d) for d in parsed.outputs)
+            patterns = () if engine else tuple(timing_pattern(d) for d in parsed.outputs)
             module = EmulatedModule(
                 self._core, parsed.inputs, parsed.outputs, parsed, engine, patterns
             )

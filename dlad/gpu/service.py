@@ -227,16 +227,19 @@ class GpuService:
         this service's (a cuDLA slot's imports its core's), freed by :meth:`close`, which must
         come after the plane's close. Raises ValueError where a frame could overflow the GPU's
         candidate store (the plane has no numpy fallback), CudaError from the driver."""
+        from dlad.devices.emulated import timing_pattern  # noqa: PLC0415
         from dlad.native_plane import PlaneGpu, PlaneGpuSlot  # noqa: PLC0415 (plane types)
         from dlad.protocol import MAX_DET  # noqa: PLC0415
 
         made = []
         for i in range(len(cudla) if cudla else slots):
+            hosts: tuple[int, ...] = ()
             if cudla:
                 slot = cudla[i]
             else:
                 inputs = self.host_array(loadable.inputs[0].size)
                 outputs = [self.host_array(d.size) for d in loadable.outputs]
+                hosts = tuple(int(a.ctypes.data) for a in outputs)
                 slot = self.slot(loadable, inputs, outputs, max_det=MAX_DET)
             if not slot.pipeline.candidate_capacity_holds:
                 raise ValueError(
@@ -257,7 +260,7 @@ class GpuService:
                     "ready": slot.ready.host_ptr, "ready_device": slot.ready.device_ptr,
                     "done": slot.done.host_ptr, "done_device": slot.done.device_ptr,
                 }  # fmt: skip
-            made.append(PlaneGpuSlot(input=slot.input_ptr, **fences, **handles))
+            made.append(PlaneGpuSlot(input=slot.input_ptr, outputs=hosts, **fences, **handles))
         int8 = loadable.inputs[0].data_type == DataType.INT8
         kernel = self.ctx.kernels["pre_hwc4_i8" if int8 else "pre_chw16_f16"]
         return PlaneGpu(
@@ -271,6 +274,8 @@ class GpuService:
             iou=iou,
             default_max_det=default_max_det,
             slots=tuple(made),
+            # an emulated core's timing-mode outputs, as EmulatedDlaCore writes them
+            patterns=() if cudla else tuple(timing_pattern(d).tobytes() for d in loadable.outputs),
         )
 
     def host_array(self, nbytes: int) -> npt.NDArray[np.uint8]:

@@ -35,6 +35,7 @@ struct Done {
     int64_t end_ns = 0;
     int64_t slot = -1;  // the GPU slot whose chain ended (its host function ran)
     int status = 0;     // a cuDLA task's status (0: it succeeded)
+    bool wake = true;   // the plane must be woken for it (false: its chain's end will wake it)
 };
 
 // nvscisync.h's fence: 48 opaque bytes, all zero when cleared (NvSciSyncFenceInitializer).
@@ -105,6 +106,9 @@ struct GpuSlotSpec {
     void* post_reuse = nullptr;   // the same graph without the copy
     uint8_t* frame = nullptr;     // pinned: FrameParams, then one Geometry (the settings)
     const float* out = nullptr;   // pinned: the result record (n, found, overflow, m, n x 6)
+    // An emulated core's output buffers where the CPU writes them (its timing-mode pattern
+    // goes there at each task's end; none for a cuDLA core, whose DLA writes them)
+    std::vector<uint8_t*> outputs;
 };
 
 // A device's GPU pre/post: the model's kernel, canvas and defaults, and its slots.
@@ -120,6 +124,9 @@ struct GpuSpec {
     double iou = 0.45;
     int64_t default_max_det = 300;
     std::vector<GpuSlotSpec> slots;
+    // What an emulated core in timing mode writes into each output (EmulatedDlaCore's
+    // patterns: real-looking head logits), in the slots' ``outputs`` order
+    std::vector<std::string> patterns;
 };
 
 // dlad.imaging.pre.Letterbox with its new_w, new_h: the same doubles, the same rounding.

@@ -75,14 +75,15 @@ py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view messag
 
 // A GPU slot's handles and addresses, in GpuSlotSpec's order: stream, image, staging,
 // staging_device, image_bytes, input, ready, ready_device, done, done_device, ready_semaphore,
-// done_semaphore, post_copy, post_reuse, frame, out.
-using GpuSlotTuple = std::tuple<uintptr_t, uint64_t, uintptr_t, uint64_t, uint64_t, uint64_t,
-                                uintptr_t, uint64_t, uintptr_t, uint64_t, uintptr_t, uintptr_t,
-                                uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
+// done_semaphore, post_copy, post_reuse, frame, out, outputs.
+using GpuSlotTuple =
+    std::tuple<uintptr_t, uint64_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uint64_t,
+               uintptr_t, uint64_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
+               uintptr_t, std::vector<uintptr_t>>;
 // context, pre_kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
-// default_max_det, slots: a device's GpuSpec
+// default_max_det, slots, patterns: a device's GpuSpec
 using GpuTuple = std::tuple<uintptr_t, uintptr_t, bool, float, int, int, int, double, double,
-                            int64_t, std::vector<GpuSlotTuple>>;
+                            int64_t, std::vector<GpuSlotTuple>, std::vector<std::string>>;
 // a cuDLA slot's registered pointers: inputs, outputs, the semaphore its tasks signal
 using CudlaSlotTuple = std::tuple<std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t>;
 // device handle, module, CPU wait context, submit flags, timeout_us, slots: a CudlaSpec
@@ -130,7 +131,7 @@ T* ptr(uintptr_t address) {
 
 dlad::plane::GpuSpec gpu_of(const GpuTuple& t) {
     const auto& [context, kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
-                 default_max_det, slots] = t;
+                 default_max_det, slots, patterns] = t;
     dlad::plane::GpuSpec g;
     g.context = ptr<void>(context);
     g.pre_kernel = ptr<void>(kernel);
@@ -144,13 +145,17 @@ dlad::plane::GpuSpec gpu_of(const GpuTuple& t) {
     g.default_max_det = default_max_det;
     for (const auto& [stream, image, staging, staging_device, image_bytes, input, ready,
                       ready_device, done, done_device, ready_semaphore, done_semaphore, post_copy,
-                      post_reuse, frame, out] : slots) {
+                      post_reuse, frame, out, outputs] : slots) {
+        std::vector<uint8_t*> hosts;
+        for (uintptr_t a : outputs) hosts.push_back(ptr<uint8_t>(a));
         g.slots.push_back({ptr<void>(stream), image, ptr<uint8_t>(staging), staging_device,
                            image_bytes, input, ptr<uint32_t>(ready), ready_device,
                            ptr<uint32_t>(done), done_device, ptr<void>(ready_semaphore),
                            ptr<void>(done_semaphore), ptr<void>(post_copy),
-                           ptr<void>(post_reuse), ptr<uint8_t>(frame), ptr<const float>(out)});
+                           ptr<void>(post_reuse), ptr<uint8_t>(frame), ptr<const float>(out),
+                           std::move(hosts)});
     }
+    g.patterns = patterns;
     return g;
 }
 

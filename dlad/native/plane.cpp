@@ -142,11 +142,12 @@ Part::Part(Part&& o) noexcept : api_(o.api_) {
 // ------------------------------------------------------------------------------ engines
 
 TimingEngine::TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done,
-                           SharedDram* dram)
+                           SharedDram* dram, std::vector<std::string> patterns)
     : name_(std::move(name)),
       service_ns_(static_cast<int64_t>(std::llround(latency_us * 1e3))),
       on_done_(std::move(on_done)),
       dram_(dram),
+      patterns_(std::move(patterns)),
       thread_([this] { run(); }) {}
 
 TimingEngine::~TimingEngine() {
@@ -160,11 +161,12 @@ TimingEngine::~TimingEngine() {
     thread_.join();
 }
 
-void TimingEngine::submit(int64_t job, Fence wait, Fence signal) {
+void TimingEngine::submit(int64_t job, Fence wait, Fence signal,
+                          const std::vector<uint8_t*>* outputs, const std::atomic<bool>* quiet) {
     const int64_t now = now_ns();
     {
         std::lock_guard<std::mutex> lock(mu_);
-        tasks_.push_back({job, now, wait, signal});
+        tasks_.push_back({job, now, wait, signal, outputs, quiet});
     }
     cv_.notify_one();
 }
@@ -220,7 +222,15 @@ void TimingEngine::run() {
             }
         }
         free_at = end;
-        on_done_({task.job, start, end, -1});  // the task's own span, not this thread's wake-up
+        if (task.outputs != nullptr) {  // EmulatedDlaCore's timing mode: the fixed pattern
+            for (size_t i = 0; i < patterns_.size() && i < task.outputs->size(); ++i) {
+                std::memcpy((*task.outputs)[i], patterns_[i].data(), patterns_[i].size());
+            }
+        }
+        // the task's own span, not this thread's wake-up; a chain's end follows it (the stream
+        // waits for the word written below), which wakes the plane for both
+        const bool quiet = task.quiet != nullptr && task.quiet->load(std::memory_order_acquire);
+        on_done_({task.job, start, end, -1, 0, !quiet});
         if (task.signal.word != nullptr) {  // after the span is reported: the chain's end reads it
             __atomic_store_n(task.signal.word, task.signal.value, __ATOMIC_RELEASE);
         }
@@ -257,7 +267,7 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
                 std::lock_guard<std::mutex> lock(mu_);
                 done_.push_back(done);
             }
-            wake();
+            if (done.wake) wake();
         };
         Engine& engine = engines_[d.name];
         if (d.cudla) {
@@ -267,8 +277,9 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
             // real silicon shares real DRAM: the emulated model is not applied to it
             engine.cudla = std::make_unique<CudlaEngine>(d.name, config_.cudla, *d.cudla, on_done);
         } else {
-            engine.timing =
-                std::make_unique<TimingEngine>(d.name, d.latency_us, on_done, dram_.get());
+            engine.timing = std::make_unique<TimingEngine>(
+                d.name, d.latency_us, on_done, dram_.get(),
+                d.gpu ? d.gpu->patterns : std::vector<std::string>{});
         }
         running_[d.name] = 0;
         slots_[d.name] = d.slots;
@@ -302,11 +313,16 @@ void Plane::add_gpu(const DeviceSpec& d) {
                                        : s.ready != nullptr && s.done != nullptr &&
                                              s.ready_semaphore == nullptr &&
                                              s.done_semaphore == nullptr;
-        if (s.stream == nullptr || s.input == 0 || !fences || s.post_copy == nullptr ||
+        const bool outputs =  // an emulated core writes its pattern into each, a DLA itself
+            semaphores ? s.outputs.empty()
+                       : s.outputs.size() == gpu.patterns.size() &&
+                             std::none_of(s.outputs.begin(), s.outputs.end(),
+                                          [](const uint8_t* p) { return p == nullptr; });
+        if (s.stream == nullptr || s.input == 0 || !fences || !outputs || s.post_copy == nullptr ||
             s.post_reuse == nullptr || s.frame == nullptr || s.out == nullptr ||
             (s.image == 0 && s.staging == nullptr)) {
-            throw std::invalid_argument(where +
-                                        "a GPU slot lacks a stream, buffer, fence or graph");
+            throw std::invalid_argument(
+                where + "a GPU slot lacks a stream, buffer, fence, graph or its outputs");
         }
         ChainSlot slot;
         slot.device = d.name;
@@ -318,7 +334,9 @@ void Plane::add_gpu(const DeviceSpec& d) {
             slot.state.ready = __atomic_load_n(s.ready, __ATOMIC_ACQUIRE);
             slot.state.done = __atomic_load_n(s.done, __ATOMIC_ACQUIRE);
         }
-        slot.tag = std::make_unique<ChainTag>(ChainTag{this, static_cast<int64_t>(chains_.size())});
+        slot.tag = std::make_unique<ChainTag>();
+        slot.tag->plane = this;
+        slot.tag->slot = static_cast<int64_t>(chains_.size());
         free_slots_[d.name].push_back(static_cast<int64_t>(chains_.size()));
         chains_.push_back(std::move(slot));
     }
@@ -1060,8 +1078,10 @@ void Plane::start_chain(const std::string& device, Engine& engine, int64_t job_i
     if (submitted) {
         if (engine.timing) {
             ++c.state.done;  // the value its task writes, and the stream waits for
+            c.tag->hosted.store(false, std::memory_order_relaxed);
             engine.timing->submit(job_id, {c.state.spec->ready, c.state.ready},
-                                  {c.state.spec->done, c.state.done});
+                                  {c.state.spec->done, c.state.done}, &c.state.spec->outputs,
+                                  &c.tag->hosted);
         }
         free.pop_back();
         c.job = job_id;
@@ -1076,7 +1096,10 @@ void Plane::start_chain(const std::string& device, Engine& engine, int64_t job_i
         error = enqueue_post(config_.cuda, c.state, f, cudla ? cudla->eof(c.local) : nullptr,
                              &Plane::chain_ended, c.tag.get());
     }
-    if (error.empty()) return;
+    if (error.empty()) {
+        c.tag->hosted.store(true, std::memory_order_release);
+        return;
+    }
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (submitted) --chains_running_;  // its host function was not queued

@@ -198,23 +198,30 @@ struct Fence {
 // An emulated DLA core in timing mode: tasks run back to back, each ``latency_us`` long, on a
 // thread of its own named "<device>-emulated" (work a DLA does in silicon, which benchmarks leave
 // out of the daemon's own CPU). A task may wait on a fence before it starts (the core polls the
-// word, as a DLA's hardware waits on its semaphore) and signal one when it ends.
+// word, as a DLA's hardware waits on its semaphore), write the core's timing-mode ``patterns``
+// into its output buffers, and signal a fence when it ends.
 class TimingEngine {
   public:
     // ``dram``: the DRAM it shares with the other cores (their tasks running at once slow each
     // other), or null; it must outlive the engine.
     TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done,
-                 SharedDram* dram = nullptr);
+                 SharedDram* dram = nullptr, std::vector<std::string> patterns = {});
     ~TimingEngine();
     TimingEngine(const TimingEngine&) = delete;
     TimingEngine& operator=(const TimingEngine&) = delete;
-    void submit(int64_t job, Fence wait = {}, Fence signal = {});
+    // ``outputs``: where the task writes the patterns (null: nowhere); ``quiet``: at the
+    // task's end, whether its Done need not wake the plane. Both must outlive the task.
+    void submit(int64_t job, Fence wait = {}, Fence signal = {},
+                const std::vector<uint8_t*>* outputs = nullptr,
+                const std::atomic<bool>* quiet = nullptr);
 
   private:
     struct Task {
         int64_t job;
         int64_t submitted_ns;
         Fence wait, signal;
+        const std::vector<uint8_t*>* outputs;
+        const std::atomic<bool>* quiet;
     };
     void run();
     // Sleep until ``wait`` is reached; its time (false: stopped meanwhile).
@@ -224,6 +231,7 @@ class TimingEngine {
     int64_t service_ns_;
     std::function<void(Done)> on_done_;
     SharedDram* dram_;
+    std::vector<std::string> patterns_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<Task> tasks_;
@@ -307,8 +315,11 @@ class Plane {
     };
     // GPU slots: the device's spec, the chain's state, and the tag its host function gets
     struct ChainTag {
-        Plane* plane;  // null once the plane is gone (read under chain_tags_mu)
-        int64_t slot;
+        Plane* plane = nullptr;  // null once the plane is gone (read under chain_tags_mu)
+        int64_t slot = 0;
+        // The chain's host function is queued: its emulated task's end need not wake the
+        // plane, the host function's will (set once the chain's second half is queued)
+        std::atomic<bool> hosted{false};
     };
     struct ChainSlot {
         std::string device;

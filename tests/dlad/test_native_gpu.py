@@ -144,6 +144,8 @@ class GpuSlotBuffers:
     fake: Fake
     staging: bool
     image_bytes: int = IMAGE_BYTES
+    output_bytes: tuple[int, ...] = ()  # the DLA outputs an emulated core writes its pattern to
+    outputs: list[npt.NDArray[np.uint8]] = field(init=False)
     image: npt.NDArray[np.uint8] = field(init=False)
     input: npt.NDArray[np.uint8] = field(init=False)
     words: npt.NDArray[np.uint32] = field(init=False)
@@ -160,6 +162,7 @@ class GpuSlotBuffers:
         self.frame_host = np.zeros(64, np.uint8)
         self.frame_device = np.zeros(64, np.uint8)
         self.out = np.zeros(4 + 6 * MAX_DET, np.float32)
+        self.outputs = [np.zeros(n, np.uint8) for n in self.output_bytes]
         lib = self.fake.lib
         self.stream = lib.fake_stream_create()
         frames = (_address(self.frame_host), _address(self.frame_device), _address(self.out))
@@ -178,6 +181,7 @@ class GpuSlotBuffers:
             ready=words, ready_device=words, done=words + 64, done_device=words + 64,
             post_copy=self.graphs[0], post_reuse=self.graphs[1],
             frame=_address(self.frame_host), out=_address(self.out),
+            outputs=tuple(_address(o) for o in self.outputs),
         )  # fmt: skip
 
     def graph_launches(self) -> tuple[int, int]:
@@ -198,16 +202,18 @@ class Rig:
 
     def __init__(
         self, fake: Fake, *, slots: int = 1, staging: bool = False, latency_us: float = 200.0,
-        int8: bool = True, image_bytes: int = IMAGE_BYTES, **settings: Any,
+        int8: bool = True, image_bytes: int = IMAGE_BYTES, patterns: tuple[bytes, ...] = (),
+        **settings: Any,
     ) -> None:  # fmt: skip
         fake.lib.fake_reset()
         self.fake = fake
-        self.slots = [GpuSlotBuffers(fake, staging, image_bytes) for _ in range(slots)]
+        sizes = tuple(len(p) for p in patterns)
+        self.slots = [GpuSlotBuffers(fake, staging, image_bytes, sizes) for _ in range(slots)]
         self.int8 = int8
         gpu = PlaneGpu(
             context=self.CONTEXT, pre_kernel=0x5EED, int8=int8, input_scale=0.5, canvas=CANVAS,
             max_det=MAX_DET, conf=DEFAULTS[0], iou=DEFAULTS[1], default_max_det=DEFAULTS[2],
-            slots=tuple(s.spec() for s in self.slots),
+            slots=tuple(s.spec() for s in self.slots), patterns=patterns,
         )  # fmt: skip
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -679,3 +685,19 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
     assert logged[0]["last"] == "dla0: cuGraphLaunch failed (719)"
     assert [e["event"] for e in logs if e["event"].startswith("device_")] == [
         "device_unhealthy", "device_healthy"]  # fmt: skip
+
+
+def test_the_emulated_core_writes_its_timing_pattern_before_the_post_graph(
+    fake: Fake, rigs: list[Rig]
+) -> None:
+    """As EmulatedDlaCore in timing mode does, the plane's core writes each output's pattern
+    at its task's end, before the stream's post graph reads the heads: both data planes
+    answer a frame alike (tests/dlad/gpu/test_native_chain.py on a real GPU)."""
+    patterns = (bytes(range(1, 65)), bytes(range(100, 117)))
+    rig = _rig(rigs, fake, slots=2, patterns=patterns)
+    for rid in range(4):
+        rig.infer(rid, np.zeros((8, 8, 3), np.uint8))
+    assert {rig.reply().status for _ in range(4)} == {Status.OK}
+    assert [o.tobytes() for o in rig.slots[0].outputs] == list(patterns)  # a lone frame's slot
+    untouched = [bytes(len(p)) for p in patterns]
+    assert [o.tobytes() for o in rig.slots[1].outputs] in (list(patterns), untouched)

@@ -1,9 +1,9 @@
 """The native plane's GPU chain on a real GPU: a daemon on ``data_plane = "native"`` with CUDA
 pre/post answers each frame, sent in the message or in shared memory, with the detections the
 Python data plane gives the same frame (the same kernels, settings and geometry; the emulated
-core in timing mode leaves its zeroed heads, whose every cell scores 0.25, so a conf below that
-makes NMS work on thousands of candidates). tests/dlad/test_native_gpu.py holds the chain's
-steps to the driver's rules on a fake driver."""
+core in timing mode writes the same pattern into its heads in both planes, EmulatedDlaCore's
+real-looking logits with a few boxes above the thresholds). tests/dlad/test_native_gpu.py holds
+the chain's steps to the driver's rules on a fake driver."""
 
 from __future__ import annotations
 
