@@ -84,6 +84,7 @@ def read_infer(
     ]
     | None
 ): ...  # fmt: skip
+def cudla_status_name(status: int) -> str: ...
 def write_infer_reply(
     id: int,
     status: int,

@@ -250,6 +250,8 @@ PYBIND11_MODULE(_native, m) {
           py::arg("payload_bytes"), py::arg("limits"), py::arg("shm"));
     m.def("write_infer_reply", &write_infer_reply, py::arg("id"), py::arg("status"),
           py::arg("message"), py::arg("device"), py::arg("timing"), py::arg("count"));
+    m.def("cudla_status_name", &dlad::plane::cudla_status_name, py::arg("status"),
+          "The C name of a cudlaStatus, as the plane's replies spell it.");
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);

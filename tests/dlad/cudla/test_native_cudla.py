@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from dlad import native_scheduler, protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
-from dlad.devices.base import DlaError
+from dlad.devices.base import CudlaStatus, DlaError
 from dlad.devices.cudla.abi import NvSciSyncAttrKey, NvSciSyncAttrKeyValuePair
 from dlad.devices.cudla.backend import CudlaDlaCore
 from dlad.devices.cudla.nvsci import _pairs
@@ -479,3 +479,12 @@ def test_every_frame_of_the_chain_is_answered_once_whatever_fails(
     finally:
         rig.close()
     assert fake.live() == before
+
+
+def test_the_planes_status_names_are_the_python_backends() -> None:
+    """A failed frame's words name cuDLA's status as DlaError does (CudlaStatus.c_name)."""
+    from dlad import _native
+
+    for status in CudlaStatus:
+        assert _native.cudla_status_name(int(status)) == status.c_name
+    assert _native.cudla_status_name(0x12345) == CudlaStatus.ERROR_UNKNOWN.c_name
