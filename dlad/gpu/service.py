@@ -252,8 +252,9 @@ class GpuService:
                 # a cuDLA core's NvSciSync objects, imported as external semaphores
                 fences: dict[str, int] = {
                     "ready": 0, "ready_device": 0, "done": 0, "done_device": 0,
-                    "ready_semaphore": _handle(ready.semaphore),
-                    "done_semaphore": _handle(done.semaphore),
+                    # int() of a cudaExternalSemaphore_t: the driver's CUexternalSemaphore
+                    "ready_semaphore": int(ready.semaphore),
+                    "done_semaphore": int(done.semaphore),
                 }  # fmt: skip
             else:
                 fences = {
@@ -418,9 +419,3 @@ class GpuService:
         for address in frames:
             self.unregister_frames(address)
         self.ctx.close()
-
-
-def _handle(obj: Any) -> int:
-    """The value of a cuda-python handle (``int()`` of a ``cudaExternalSemaphore_t``, which is
-    the driver's ``CUexternalSemaphore``)."""
-    return int(obj)

@@ -355,14 +355,17 @@ API void fake_set_nvsci(void* generate, void* signal, void* dup, void* wait, voi
     g_wait_ctx = ctx;
 }
 
-// When each external semaphore signal ran.
-API int fake_signals(int64_t* at, int most) {
+// Copy out a log of times (``logged``: its length, read under the lock).
+static int copy_times(const int64_t* log, const int* logged, int64_t* at, int most) {
     pthread_mutex_lock(&g_mu);
-    int n = g_nsignalled < most ? g_nsignalled : most;
-    memcpy(at, g_signalled_ns, sizeof *at * (size_t)n);
+    int n = *logged < most ? *logged : most;
+    memcpy(at, log, sizeof *at * (size_t)n);
     pthread_mutex_unlock(&g_mu);
     return n;
 }
+
+// When each external semaphore signal ran.
+API int fake_signals(int64_t* at, int most) { return copy_times(g_signalled_ns, &g_nsignalled, at, most); }
 
 API void* fake_stream_create(void) {
     Stream* s = calloc(1, sizeof *s);
@@ -445,13 +448,7 @@ API int fake_writes(uint32_t* values, int64_t* at, int most) {
     return n;
 }
 
-API int fake_posts(int64_t* at, int most) {
-    pthread_mutex_lock(&g_mu);
-    int n = g_nposted < most ? g_nposted : most;
-    memcpy(at, g_posted_ns, sizeof *at * (size_t)n);
-    pthread_mutex_unlock(&g_mu);
-    return n;
-}
+API int fake_posts(int64_t* at, int most) { return copy_times(g_posted_ns, &g_nposted, at, most); }
 
 API int fake_host_calls(void) { return __atomic_load_n(&g_host_calls, __ATOMIC_SEQ_CST); }
 

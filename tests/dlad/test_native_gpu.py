@@ -86,6 +86,7 @@ class Fake:
         lib.fake_launches.argtypes = [ctypes.c_char_p, c_u64p, c_i64p, ctypes.c_int]
         lib.fake_writes.argtypes = [ctypes.POINTER(ctypes.c_uint32), c_i64p, ctypes.c_int]
         lib.fake_posts.argtypes = [c_i64p, ctypes.c_int]
+        lib.fake_signals.argtypes = [c_i64p, ctypes.c_int]
         lib.fake_context.restype = ctypes.c_void_p
         lib.fake_reset()
 
@@ -120,16 +121,26 @@ class Fake:
         at = (ctypes.c_int64 * 256)()
         return list(at[: self.lib.fake_posts(at, 256)])
 
+    def signals(self) -> list[int]:
+        """When each external semaphore signal ran (a cuDLA core's ready fence)."""
+        at = (ctypes.c_int64 * 256)()
+        return list(at[: self.lib.fake_signals(at, 256)])
 
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Fake:
-    out = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
+
+def build_fake(out_dir: Path) -> Fake:
+    """Compile fake_cuda.c into ``out_dir`` with gcc and load it."""
+    out = out_dir / "libfakecuda.so"
     subprocess.run(
         ["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
          "-pthread", "-o", str(out), str(SOURCE)],
         check=True, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     return Fake(out)
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Fake:
+    return build_fake(tmp_path_factory.mktemp("fake_cuda"))
 
 
 def _address(a: npt.NDArray[Any]) -> int:

@@ -5,7 +5,6 @@ INT8 engine running behind the fake through its task callback."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from dlad.imaging.pre import quantize_hwc4
 from dlad.loadable import read_loadable
 from dlad.models import DEMO
 from tests.dlad.cudla.fakelib import FAULT_ERROR, FakeLib, expected_default_output, fake_loadable
+from tests.dlad.test_metrics import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
@@ -293,10 +293,7 @@ def test_a_failure_that_may_be_either_of_two_tasks_fails_both(
     fake.clear_log()
 
     def late(record: Any, timeout_us: int) -> CudlaStatus:  # read once both have run
-        deadline = time.monotonic() + WAIT_S
-        while sum(c.startswith("done ") for c in fake.calls()) < 2:
-            assert time.monotonic() < deadline, "the fake did not run both tasks"
-            time.sleep(0.001)
+        wait_for(lambda: sum(c.startswith("done ") for c in fake.calls()) >= 2)
         return original(record, timeout_us)
 
     monkeypatch.setattr(dla, "_await", late)
