@@ -159,13 +159,15 @@ static void run_op(Op* op) {
             break;
         }
         case OP_WRITE:
-            __atomic_store_n((uint32_t*)(uintptr_t)op->address, op->value, __ATOMIC_RELEASE);
+            // The time is taken before the word is written: whoever the word wakes records
+            // later, whichever thread the scheduler runs first
             pthread_mutex_lock(&g_mu);
             if (g_nwritten < MAX_LOG) {
                 g_written_value[g_nwritten] = op->value;
                 g_written_ns[g_nwritten++] = now_ns();
             }
             pthread_mutex_unlock(&g_mu);
+            __atomic_store_n((uint32_t*)(uintptr_t)op->address, op->value, __ATOMIC_RELEASE);
             break;
         case OP_WAIT: {
             const struct timespec pause = {0, 20000};
@@ -182,11 +184,11 @@ static void run_op(Op* op) {
             op->fn(op->data);
             __atomic_add_fetch(&g_host_calls, 1, __ATOMIC_SEQ_CST);
             break;
-        case OP_SIGNAL_EXT:
-            g_signal(op->semaphore);
+        case OP_SIGNAL_EXT:  // timed before the signal, as OP_WRITE is
             pthread_mutex_lock(&g_mu);
             if (g_nsignalled < MAX_LOG) g_signalled_ns[g_nsignalled++] = now_ns();
             pthread_mutex_unlock(&g_mu);
+            g_signal(op->semaphore);
             break;
         case OP_WAIT_EXT:
             g_wait(op->fence, g_wait_ctx, -1);
