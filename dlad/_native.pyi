@@ -112,8 +112,23 @@ class Plane:
         router: int,
         forward: int,
         limits: tuple[int, int, int, int, int],
+        # name, latency_us, slots, capacity, gpu, cudla, kind, max_batch, max_queue_delay_us,
+        # curve_us, tier, run (native_plane.PlaneDevice)
         devices: Sequence[
-            tuple[str, float, int, int, tuple[Any, ...] | None, tuple[Any, ...] | None]
+            tuple[
+                str,
+                float,
+                int,
+                int,
+                tuple[Any, ...] | None,
+                tuple[Any, ...] | None,
+                str,
+                int,
+                float,
+                Mapping[int, float],
+                int,
+                Callable[..., Any] | None,
+            ]
         ],
         models: Mapping[str, Sequence[str]],
         default_deadline_ms: float,

@@ -38,7 +38,7 @@ import enum
 import itertools
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -64,6 +64,7 @@ __all__ = [
     "PlaneGpu",
     "PlaneGpuSlot",
     "PlaneUnavailable",
+    "PythonRun",
     "loaded_libzmq",
 ]
 
@@ -199,14 +200,27 @@ class PlaneGpu:
     patterns: tuple[bytes, ...] = ()
 
 
+PythonRun = Callable[
+    [list[tuple[int, memoryview | None, tuple[Any, ...]]]],
+    tuple[int, int, Sequence[tuple[Any, ...]]],
+]
+"""A Python engine's work (``dlad/native/python_engine.hpp`` states the contract): a batch of
+``(job, pixels, (height, width, channels, bgr, conf, iou, max_det))`` in, ``(start_ns, end_ns,
+results)`` out, one ``(failure, message, detections, pre_us, post_us)`` per job."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlaneDevice:
-    """One DLA core of the plane: ``slots`` tasks on it at once (the DLA executor's slots),
-    ``capacity`` jobs queued for it; ``cudla``: a real core (``slots`` is then
-    ``len(cudla.slots)``, ``latency_us`` the scheduler's first estimate of a task), else an
-    emulated one in timing mode, ``latency_us`` a task; ``gpu``: its frames are
-    pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``), else the replies
-    carry no detections."""
+    """One engine of the plane: ``slots`` batches on it at once, ``capacity`` jobs queued for
+    it, ``max_batch`` jobs a batch (a partial batch waiting ``max_queue_delay_us`` at most for
+    more), ``curve_us`` its service time by batch size where more than batch 1 is known.
+
+    Its engine, the first that applies: ``run``, a Python engine (that callable on ``slots``
+    threads of its own, ``latency_us`` the scheduler's first estimate); ``gpu``, a DLA core
+    whose frames are pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``);
+    ``cudla``, a real core (``slots`` is then ``len(cudla.slots)``, ``latency_us`` the
+    scheduler's first estimate of a task); else an emulated core in timing mode,
+    ``latency_us`` a task. Without ``gpu`` or ``run`` the replies carry no detections."""
 
     name: str
     latency_us: float
@@ -214,6 +228,12 @@ class PlaneDevice:
     capacity: int = 4
     gpu: PlaneGpu | None = None
     cudla: PlaneCudla | None = None
+    kind: str = "dla"
+    max_batch: int = 1
+    max_queue_delay_us: float = 0.0
+    curve_us: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    tier: int = 0
+    run: PythonRun | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +398,9 @@ class NativePlane:
             self._plane = _native.Plane(
                 libzmq, router.underlying, self._plane_end.underlying, bounds,
                 [(d.name, float(d.latency_us), d.slots, d.capacity, _gpu_tuple(d.gpu),
-                  _cudla_tuple(d.cudla)) for d in devices],
+                  _cudla_tuple(d.cudla), d.kind, d.max_batch, float(d.max_queue_delay_us),
+                  {int(k): float(v) for k, v in d.curve_us.items()}, d.tier, d.run)
+                 for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
                 float(alpha), dict(pins or {}), shm, curve,

@@ -51,7 +51,7 @@ std::string cudla_status_name(int status) {
 }
 
 CudlaEngine::CudlaEngine(std::string name, const CudlaApi& api, const CudlaSpec& spec,
-                         std::function<void(Done)> on_done)
+                         OnFinished on_done)
     : name_(std::move(name)), api_(api), spec_(spec), on_done_(std::move(on_done)) {
     if (!api_.complete()) throw std::invalid_argument("device " + name_ + ": no cuDLA functions");
     if (spec_.device == nullptr || spec_.module == nullptr || spec_.wait_context == nullptr ||
@@ -80,6 +80,12 @@ CudlaEngine::~CudlaEngine() {
     }
     cv_.notify_all();
     thread_.join();
+}
+
+void CudlaEngine::start(std::vector<Work> batch) {
+    if (std::string error = submit(batch.front().job); !error.empty()) {
+        on_done_(refused(batch, Failure::device, std::move(error)));
+    }
 }
 
 std::string CudlaEngine::submit(int64_t job, int64_t slot, bool wait) {
@@ -173,7 +179,15 @@ void CudlaEngine::run() {
             tasks_.pop_front();
             r.busy = false;
         }
-        on_done_({task.job, start, end, -1, status});
+        Finished f;
+        f.jobs = {task.job};
+        f.start_ns = start;
+        f.end_ns = end;
+        if (status != 0) {
+            f.failure = status == kCudlaEngineTimeout ? Failure::hung : Failure::device;
+            f.message = "task failed: " + cudla_status_name(status);
+        }
+        on_done_(std::move(f));
     }
 }
 

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine.hpp"
 #include "gpu_chain.hpp"
 
 namespace dlad::plane {
@@ -88,23 +89,23 @@ std::string cudla_status_name(int status);
 constexpr int kCudlaEngineTimeout = 0x40000006;  // cudlaErrorDlaErrEngineTimeout
 constexpr int kCudlaUnknown = 0x7FFFFFFF;        // cudlaErrorUnknown
 
-class CudlaEngine {
+class CudlaEngine : public Engine {
   public:
-    // ``on_done`` gets each task (status 0, or the cuDLA status of a failed one) on the
-    // engine's thread, in submission order.
-    CudlaEngine(std::string name, const CudlaApi& api, const CudlaSpec& spec,
-                std::function<void(Done)> on_done);
+    // ``on_done`` gets each task on the engine's thread, in submission order: its span, and
+    // for a failed one the failure (``hung`` for cudlaErrorDlaErrEngineTimeout) with
+    // "task failed: <cudlaStatus>".
+    CudlaEngine(std::string name, const CudlaApi& api, const CudlaSpec& spec, OnFinished on_done);
     // Waits for the tasks in flight (a DLA task cannot be aborted; each wait is bounded by
     // the spec's timeout), then ends the thread. Python releases the core afterwards.
-    ~CudlaEngine();
-    CudlaEngine(const CudlaEngine&) = delete;
-    CudlaEngine& operator=(const CudlaEngine&) = delete;
+    ~CudlaEngine() override;
 
-    int64_t slots() const { return static_cast<int64_t>(records_.size()); }
+    int64_t slots() const override { return static_cast<int64_t>(records_.size()); }
+    // The job's task on a free slot's buffers (pre/post off: its inputs are what they are).
+    void start(std::vector<Work> batch) override;
     // Submit ``job``'s task on ``slot``'s buffers (-1: a free slot's), first waiting for
     // ``pre_fence(slot)`` where ``wait`` (a fence CUDA filled when it queued its signal).
     // Returns "" or the failure in words; a slot in use is the caller's error. After it,
-    // eof(slot) is the task's EOF fence until its Done is reported.
+    // eof(slot) is the task's EOF fence until its Finished is reported.
     std::string submit(int64_t job, int64_t slot = -1, bool wait = false);
     NvSciSyncFence* pre_fence(int64_t slot) { return &records_.at(static_cast<size_t>(slot)).pre; }
     NvSciSyncFence* eof(int64_t slot) { return &records_.at(static_cast<size_t>(slot)).eof; }
@@ -132,7 +133,7 @@ class CudlaEngine {
     std::string name_;
     CudlaApi api_;
     CudlaSpec spec_;
-    std::function<void(Done)> on_done_;
+    OnFinished on_done_;
     std::vector<Record> records_;  // one per slot
     std::mutex mu_;
     std::condition_variable cv_;

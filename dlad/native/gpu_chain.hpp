@@ -28,16 +28,6 @@
 
 namespace dlad::plane {
 
-// A finished task, as an engine reports it; or (``slot`` set) the end of a GPU chain.
-struct Done {
-    int64_t job = 0;
-    int64_t start_ns = 0;
-    int64_t end_ns = 0;
-    int64_t slot = -1;  // the GPU slot whose chain ended (its host function ran)
-    int status = 0;     // a cuDLA task's status (0: it succeeded)
-    bool wake = true;   // the plane must be woken for it (false: its chain's end will wake it)
-};
-
 // nvscisync.h's fence: 48 opaque bytes, all zero when cleared (NvSciSyncFenceInitializer).
 struct NvSciSyncFence {
     uint64_t payload[6];

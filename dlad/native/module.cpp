@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "plane.hpp"
+#include "python_engine.hpp"
 #include "scheduler.hpp"
 #include "wire.hpp"
 
@@ -89,9 +90,11 @@ using CudlaSlotTuple = std::tuple<std::vector<uintptr_t>, std::vector<uintptr_t>
 // device handle, module, CPU wait context, submit flags, timeout_us, slots: a CudlaSpec
 using CudlaTuple =
     std::tuple<uintptr_t, uintptr_t, uintptr_t, uint32_t, int64_t, std::vector<CudlaSlotTuple>>;
-// name, latency_us, slots, capacity, gpu, cudla
+// name, latency_us, slots, capacity, gpu, cudla, kind, max_batch, max_queue_delay_us,
+// curve_us, tier, run (a Python engine's callable, or None)
 using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t, std::optional<GpuTuple>,
-                               std::optional<CudlaTuple>>;
+                               std::optional<CudlaTuple>, std::string, int64_t, double,
+                               std::map<int64_t, double>, int64_t, py::object>;
 // the CUDA driver's functions (CudaApi's order), CU_STREAM_WAIT_VALUE_GEQ, and the external
 // semaphore functions (0: none)
 using CudaTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
@@ -217,10 +220,28 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     double dram_contention, const std::map<std::pair<std::string, std::string>, double>& dram_k) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
-    for (const auto& [name, latency_us, slots, capacity, gpu, core] : devices) {
-        c.devices.push_back({name, latency_us, slots, capacity, std::nullopt, std::nullopt});
-        if (gpu) c.devices.back().gpu = gpu_of(*gpu);
-        if (core) c.devices.back().cudla = cudla_of(*core);
+    for (const auto& [name, latency_us, slots, capacity, gpu, core, kind, max_batch, delay_us,
+                      curve_us, tier, run] : devices) {
+        dlad::plane::DeviceSpec d;
+        d.name = name;
+        d.latency_us = latency_us;
+        d.slots = slots;
+        d.capacity = capacity;
+        d.kind = kind;
+        d.max_batch = max_batch;
+        d.max_queue_delay_us = delay_us;
+        d.curve_us = curve_us;
+        d.tier = tier;
+        if (gpu) d.gpu = gpu_of(*gpu);
+        if (core) d.cudla = cudla_of(*core);
+        if (!run.is_none()) {
+            d.make = [name = name, slots = slots, max_batch = max_batch,
+                      run = run](dlad::plane::OnFinished on_done) {
+                return std::make_unique<dlad::plane::PythonEngine>(name, slots, max_batch, run,
+                                                                   std::move(on_done));
+            };
+        }
+        c.devices.push_back(std::move(d));
     }
     if (cuda) c.cuda = cuda_of(*cuda);
     if (cudla) c.cudla = cudla_api_of(*cudla);
@@ -291,9 +312,12 @@ PYBIND11_MODULE(_native, m) {
                 for (const auto& [model, stream, priority, deadline_ms, size, shm, offset, image,
                                   pixels] : items) {
                     const auto& [h, w, ch, bgr, conf, iou, max_det] = image;
+                    auto bytes = static_cast<std::string>(pixels);
                     out.push_back({model, stream, priority, deadline_ms, size, shm, offset,
                                    {h, w, ch, bgr, conf, iou, max_det},
-                                   static_cast<std::string>(pixels)});
+                                   bytes.empty() ? nullptr
+                                                 : std::make_shared<const std::string>(
+                                                       std::move(bytes))});
                 }
                 py::gil_scoped_release release;
                 return p.submit(client, owner, request_id, tag, std::move(out));

@@ -1,6 +1,9 @@
 // See plane.hpp.
 #include "plane.hpp"
 
+#include "chain_engine.hpp"
+#include "timing_engine.hpp"
+
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sys/prctl.h>
@@ -139,104 +142,6 @@ Part::Part(Part&& o) noexcept : api_(o.api_) {
     api_->msg_move(&msg_, &o.msg_);  // o is left an empty message
 }
 
-// ------------------------------------------------------------------------------ engines
-
-TimingEngine::TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done,
-                           SharedDram* dram, std::vector<std::string> patterns)
-    : name_(std::move(name)),
-      service_ns_(static_cast<int64_t>(std::llround(latency_us * 1e3))),
-      on_done_(std::move(on_done)),
-      dram_(dram),
-      patterns_(std::move(patterns)),
-      thread_([this] { run(); }) {}
-
-TimingEngine::~TimingEngine() {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        stop_ = true;
-    }
-    stopping_.store(true);
-    cv_.notify_one();
-    if (dram_ != nullptr) dram_->wake();  // a task waiting out its shared time sees the stop
-    thread_.join();
-}
-
-void TimingEngine::submit(int64_t job, Fence wait, Fence signal,
-                          const std::vector<uint8_t*>* outputs, const std::atomic<bool>* quiet) {
-    const int64_t now = now_ns();
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        tasks_.push_back({job, now, wait, signal, outputs, quiet});
-    }
-    cv_.notify_one();
-}
-
-bool TimingEngine::wait_for(const Fence& wait, int64_t* reached_ns) {
-    // The GPU writes the word into pinned host memory: polled every 10 µs (the thread's timer
-    // slack is 1 µs), the stand-in for a DLA's semaphore wait in hardware
-    const timespec pause{0, 10'000};
-    while (!word_reached(__atomic_load_n(wait.word, __ATOMIC_ACQUIRE), wait.value)) {
-        if (stopping_.load(std::memory_order_relaxed)) return false;
-        nanosleep(&pause, nullptr);
-    }
-    *reached_ns = now_ns();
-    return true;
-}
-
-void TimingEngine::run() {
-    const std::string thread_name = (name_ + "-emulated").substr(0, 15);  // Linux's limit
-    pthread_setname_np(pthread_self(), thread_name.c_str());
-    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
-    int64_t free_at = 0;  // when the core finishes its current task
-    while (true) {
-        Task task{};
-        {
-            std::unique_lock<std::mutex> lock(mu_);
-            cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
-            if (stop_) return;
-            task = tasks_.front();
-            tasks_.pop_front();
-        }
-        // Back to back, as a DLA runs: a task submitted while the one before ran starts the
-        // moment that one ends (not when this thread has woken and come back for it), or
-        // when its fence is reached, if later.
-        int64_t ready = task.submitted_ns;
-        if (task.wait.word != nullptr && !wait_for(task.wait, &ready)) return;
-        const int64_t now = now_ns();
-        const int64_t start = std::min(now, std::max({task.submitted_ns, free_at, ready}));
-        int64_t end = start + service_ns_;
-        if (dram_ != nullptr) {
-            // The service time is the task's work alone; sharing the DRAM stretches it
-            // (EmulatedDlaCore._execute): the work done before this thread got here is not
-            // waited for again
-            const int64_t transfer =
-                dram_->begin(EngineKind::dla, static_cast<double>(service_ns_ - (now - start)));
-            const std::optional<int64_t> done = dram_->wait(transfer, stopping_);
-            dram_->finish(transfer);
-            if (!done) return;
-            end = std::min(now_ns(), std::max(*done, start));
-        } else {
-            const timespec until{static_cast<time_t>(end / 1'000'000'000),
-                                 static_cast<long>(end % 1'000'000'000)};
-            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
-            }
-        }
-        free_at = end;
-        if (task.outputs != nullptr) {  // EmulatedDlaCore's timing mode: the fixed pattern
-            for (size_t i = 0; i < patterns_.size() && i < task.outputs->size(); ++i) {
-                std::memcpy((*task.outputs)[i], patterns_[i].data(), patterns_[i].size());
-            }
-        }
-        // the task's own span, not this thread's wake-up; a chain's end follows it (the stream
-        // waits for the word written below), which wakes the plane for both
-        const bool quiet = task.quiet != nullptr && task.quiet->load(std::memory_order_acquire);
-        on_done_({task.job, start, end, -1, 0, !quiet});
-        if (task.signal.word != nullptr) {  // after the span is reported: the chain's end reads it
-            __atomic_store_n(task.signal.word, task.signal.value, __ATOMIC_RELEASE);
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------ the plane
 
 Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
@@ -253,36 +158,48 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         for (const auto& d : devices) served[d].push_back(model);
     }
     for (const auto& d : config_.devices) {
-        if (!(d.latency_us > 0) || d.slots < 1 || d.capacity < 1) {
+        if (!(d.latency_us > 0) || d.slots < 1 || d.capacity < 1 || d.max_batch < 1) {
             throw std::invalid_argument("device " + d.name +
-                                        ": latency_us, slots and capacity must be positive");
+                                        ": latency_us, slots, capacity and max_batch must be "
+                                        "positive");
         }
-        if (d.gpu) add_gpu(d);
+        if (d.kind != "dla" && d.kind != "gpu") {
+            throw std::invalid_argument("device " + d.name + ": its kind is dla or gpu");
+        }
         if (engines_.count(d.name) != 0) throw std::invalid_argument("device " + d.name + " twice");
-        auto& models = served[d.name];
-        std::sort(models.begin(), models.end());
-        scheduler_.add_device(d.name, models, d.capacity, 1, {{1, d.latency_us * 1e3}}, 0, "dla");
-        auto on_done = [this](Done done) {
+        auto on_done = [this, name = d.name](Finished f) {
             {
                 std::lock_guard<std::mutex> lock(mu_);
-                done_.push_back(done);
+                done_.emplace_back(name, std::move(f));
             }
-            if (done.wake) wake();
+            wake();
         };
-        Engine& engine = engines_[d.name];
-        if (d.cudla) {
-            if (static_cast<int64_t>(d.cudla->slots.size()) != d.slots) {
-                throw std::invalid_argument("device " + d.name + ": one cuDLA slot per core slot");
-            }
+        std::unique_ptr<Engine> engine;
+        if (d.make) {
+            engine = d.make(on_done);
+        } else if (d.gpu) {
+            engine = std::make_unique<ChainEngine>(d.name, config_.cuda, *d.gpu, d.latency_us,
+                                                   dram_.get(), config_.cudla, d.cudla, on_done);
+        } else if (d.cudla) {
             // real silicon shares real DRAM: the emulated model is not applied to it
-            engine.cudla = std::make_unique<CudlaEngine>(d.name, config_.cudla, *d.cudla, on_done);
+            engine = std::make_unique<CudlaEngine>(d.name, config_.cudla, *d.cudla, on_done);
         } else {
-            engine.timing = std::make_unique<TimingEngine>(
-                d.name, d.latency_us, on_done, dram_.get(),
-                d.gpu ? d.gpu->patterns : std::vector<std::string>{});
+            engine = std::make_unique<TimingEngine>(d.name, d.latency_us, d.slots, on_done,
+                                                    dram_.get());
         }
+        if (engine == nullptr || engine->slots() != d.slots ||
+            engine->max_batch() != d.max_batch) {
+            throw std::invalid_argument("device " + d.name +
+                                        ": its engine's slots or batch differ from its spec");
+        }
+        auto& models = served[d.name];
+        std::sort(models.begin(), models.end());
+        std::map<int64_t, double> known{{1, d.latency_us * 1e3}};
+        for (const auto& [size, us] : d.curve_us) known[size] = us * 1e3;
+        scheduler_.add_device(d.name, models, d.capacity, d.max_batch, known, d.tier, d.kind);
+        engines_[d.name] = std::move(engine);
+        batch_delay_us_[d.name] = d.max_queue_delay_us;
         running_[d.name] = 0;
-        slots_[d.name] = d.slots;
     }
     for (const auto& [device, models] : served) {
         if (engines_.count(device) == 0) {
@@ -293,57 +210,6 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
     if (event_fd_ < 0) throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));
 }
 
-void Plane::add_gpu(const DeviceSpec& d) {
-    const GpuSpec& gpu = *d.gpu;
-    const std::string where = "device " + d.name + ": ";
-    if (!config_.cuda.complete()) throw std::invalid_argument(where + "no CUDA driver functions");
-    if (gpu.context == nullptr || gpu.pre_kernel == nullptr || gpu.canvas_h < 1 ||
-        gpu.canvas_w < 1 || gpu.max_det < 1 ||
-        static_cast<int64_t>(gpu.slots.size()) != d.slots) {
-        throw std::invalid_argument(where + "a GPU spec needs its context, kernel, canvas, "
-                                            "max_det and one slot per core slot");
-    }
-    // an emulated core's chain signals words, a cuDLA core's its NvSciSync semaphores
-    const bool semaphores = d.cudla.has_value();
-    if (semaphores && !config_.cuda.semaphores()) {
-        throw std::invalid_argument(where + "no CUDA external semaphore functions");
-    }
-    for (const GpuSlotSpec& s : gpu.slots) {
-        const bool fences = semaphores ? s.ready_semaphore != nullptr && s.done_semaphore != nullptr
-                                       : s.ready != nullptr && s.done != nullptr &&
-                                             s.ready_semaphore == nullptr &&
-                                             s.done_semaphore == nullptr;
-        const bool outputs =  // an emulated core writes its pattern into each, a DLA itself
-            semaphores ? s.outputs.empty()
-                       : s.outputs.size() == gpu.patterns.size() &&
-                             std::none_of(s.outputs.begin(), s.outputs.end(),
-                                          [](const uint8_t* p) { return p == nullptr; });
-        if (s.stream == nullptr || s.input == 0 || !fences || !outputs || s.post_copy == nullptr ||
-            s.post_reuse == nullptr || s.frame == nullptr || s.out == nullptr ||
-            (s.image == 0 && s.staging == nullptr)) {
-            throw std::invalid_argument(
-                where + "a GPU slot lacks a stream, buffer, fence, graph or its outputs");
-        }
-        ChainSlot slot;
-        slot.device = d.name;
-        slot.local = static_cast<int64_t>(free_slots_[d.name].size());
-        slot.gpu = &gpu;
-        slot.state.spec = &s;
-        if (!semaphores) {
-            // the words may hold values already (a GpuPipeline used before): go on from them
-            slot.state.ready = __atomic_load_n(s.ready, __ATOMIC_ACQUIRE);
-            slot.state.done = __atomic_load_n(s.done, __ATOMIC_ACQUIRE);
-        }
-        slot.tag = std::make_unique<ChainTag>();
-        slot.tag->plane = this;
-        slot.tag->slot = static_cast<int64_t>(chains_.size());
-        free_slots_[d.name].push_back(static_cast<int64_t>(chains_.size()));
-        chains_.push_back(std::move(slot));
-    }
-    // the first slot first: a lone frame always takes the same one
-    std::reverse(free_slots_[d.name].begin(), free_slots_[d.name].end());
-}
-
 Plane::~Plane() {
     close();
     if (event_fd_ >= 0) ::close(event_fd_);
@@ -352,9 +218,9 @@ Plane::~Plane() {
 void Plane::close() {
     drain(0);
     std::lock_guard<std::mutex> lock(join_mu_);
-    if (engines_.empty()) return;
-    engines_.clear();  // joins their threads: no completion arrives after this
-    settle_chains();
+    // Each engine stops as it says (engine.hpp): no report arrives after this, and nothing
+    // of theirs runs on the GPU
+    engines_.clear();
 }
 
 void Plane::start() {
@@ -444,7 +310,7 @@ CancelResult Plane::cancel(const std::string& client, uint64_t request_id) {
         std::sort(found.begin(), found.end());
         for (int64_t id : found) {
             if (!scheduler_.cancel(id)) continue;  // running: it gets its normal result
-            answer(id, CANCELLED, "cancelled by the client", std::nullopt);
+            answer(id, CANCELLED, "cancelled by the client");
             out = CancelResult::cancelled;
         }
     });
@@ -584,7 +450,7 @@ void Plane::run() {
             // the daemon's drain: what is queued is answered at once, what runs finishes
             shed_ = true;
             for (int64_t id : scheduler_.drain()) {
-                answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+                answer(id, SHUTTING_DOWN, "the daemon is shutting down");
             }
         }
         if (draining && (jobs_.empty() || now >= until)) break;
@@ -599,7 +465,7 @@ void Plane::run() {
         send_outbox();
         read_messages();
         for (int64_t id : scheduler_.expire(now_ns())) {
-            answer(id, DEADLINE_EXCEEDED, "deadline passed while queued", std::nullopt);
+            answer(id, DEADLINE_EXCEEDED, "deadline passed while queued");
         }
         dispatch(now_ns());
     }
@@ -608,12 +474,12 @@ void Plane::run() {
     while (read_messages() == kBurst) {
     }
     for (int64_t id : scheduler_.drain()) {
-        answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+        answer(id, SHUTTING_DOWN, "the daemon is shutting down");
     }
     std::vector<int64_t> left;
     for (const auto& [id, job] : jobs_) left.push_back(id);
     std::sort(left.begin(), left.end());
-    for (int64_t id : left) answer(id, SHUTTING_DOWN, "the daemon is shutting down", std::nullopt);
+    for (int64_t id : left) answer(id, SHUTTING_DOWN, "the daemon is shutting down");
     flush_backlog(/*block=*/true);  // the control plane reads until this thread has ended
     // From here calls and sends run on their callers' threads; those queued before are run
     // and sent here first, in their order, before any caller's own.
@@ -628,6 +494,7 @@ void Plane::run() {
 
 long Plane::poll_timeout(int64_t now) const {
     std::optional<int64_t> at = scheduler_.earliest_deadline();
+    if (batch_wake_ns_ && (!at || *batch_wake_ns_ < *at)) at = batch_wake_ns_;
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (draining_ && (!at || drain_until_ns_ < *at)) at = drain_until_ns_;
@@ -775,8 +642,8 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     }
     const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size, std::nullopt,
                     0,          {},         {}};
-    std::unique_ptr<Part> payload;
-    if (parts.size() == 3) payload = std::make_unique<Part>(std::move(parts[2]));
+    std::shared_ptr<Part> payload;
+    if (parts.size() == 3) payload = std::make_shared<Part>(std::move(parts[2]));
     if (admit(std::move(job), key, item, now, std::move(payload))) {
         dispatch(now);  // an idle core takes it now, not after the rest of the burst
     }
@@ -819,7 +686,7 @@ std::optional<std::pair<int64_t, std::string>> Plane::room(const std::string& ke
 }
 
 bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now,
-                  std::unique_ptr<Part> payload) {
+                  std::shared_ptr<Part> payload) {
     // Frontend._admit: the deadline, then the scheduler's verdict
     const double budget_ms = std::min(
         item.deadline_ms ? static_cast<double>(*item.deadline_ms) : config_.default_deadline_ms,
@@ -876,11 +743,10 @@ bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now
     if (victim) {
         answer(*victim, OVERLOADED,
                "displaced by another client's frame: this client held the most of the full "
-               "queues",
-               std::nullopt);
+               "queues");
     }
     for (int64_t old : r.superseded) {
-        answer(old, CANCELLED, "superseded by a newer frame of its stream", std::nullopt);
+        answer(old, CANCELLED, "superseded by a newer frame of its stream");
     }
     return true;
 }
@@ -895,8 +761,7 @@ void Plane::refuse(const Job& job, int64_t status, const std::string& message) {
 }
 
 void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
-                   const std::optional<Done>& done, const Detections* detections,
-                   int64_t chain_end_ns) {
+                   const Finished* ran, const JobResult* result) {
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return;  // answered already (a task that ran past the drain)
     Job& job = it->second;
@@ -904,31 +769,26 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
     wire::Timing timing;
     timing.total_us = static_cast<uint64_t>(std::max<int64_t>(now - job.received_ns, 0) / 1000);
     std::optional<std::string> device;
-    if (done) {
+    if (ran != nullptr && ran->end_ns != 0) {
         timing.queue_us = static_cast<uint64_t>(
             std::max<int64_t>(job.dispatched_ns - job.received_ns, 0) / 1000);
         timing.device_us =
-            static_cast<uint64_t>(std::max<int64_t>(done->end_ns - done->start_ns, 0) / 1000);
-        timing.start_ns = static_cast<uint64_t>(done->start_ns);
-        timing.end_ns = static_cast<uint64_t>(done->end_ns);
+            static_cast<uint64_t>(std::max<int64_t>(ran->end_ns - ran->start_ns, 0) / 1000);
+        timing.start_ns = static_cast<uint64_t>(ran->start_ns);
+        timing.end_ns = static_cast<uint64_t>(ran->end_ns);
         device = job.device;
-        if (chain_end_ns != 0) {  // the GPU's parts of the chain, as dla.py times them
-            timing.pre_us = static_cast<uint64_t>(
-                std::max<int64_t>(done->start_ns - job.dispatched_ns, 0) / 1000);
-            timing.post_us =
-                static_cast<uint64_t>(std::max<int64_t>(chain_end_ns - done->end_ns, 0) / 1000);
+        if (result != nullptr) {  // the engine's pre/post-processing of the frame
+            timing.pre_us = result->pre_us.value_or(0);
+            timing.post_us = result->post_us.value_or(0);
         }
     }
     observe(job, status, device, timing);
-    const uint64_t count = detections ? static_cast<uint64_t>(detections->count) : 0;
+    const std::string_view rows = status == OK && result != nullptr
+                                      ? std::string_view(result->detections)
+                                      : std::string_view();
+    const uint64_t count = rows.size() / (6 * sizeof(float));
     const std::string header =
         wire::write_infer_reply(job.request_id, status, message, device, timing, count);
-    // read where the GPU wrote them: the slot's record stays until its next chain, which
-    // this thread queues only after the reply has gone
-    const std::string_view rows =
-        count == 0 ? std::string_view()
-                   : std::string_view(reinterpret_cast<const char*>(detections->rows),
-                                      count * 6 * sizeof(float));
     // The job's place is freed before its reply leaves: whoever has the reply sees it gone
     // (pending, the client's cap, the counters).
     const Job answered = std::move(job);
@@ -973,258 +833,115 @@ void Plane::observe(const Job& job, int64_t status, const std::optional<std::str
 }
 
 void Plane::dispatch(int64_t now) {
+    batch_wake_ns_.reset();
     for (auto& [device, engine] : engines_) {
-        const auto gpu = free_slots_.find(device);
-        while (gpu != free_slots_.end() ? !gpu->second.empty()
-                                        : running_[device] < slots_[device]) {
-            auto [head, expired] = scheduler_.next_job(device, now);
-            for (int64_t id : expired) {
-                answer(id, DEADLINE_EXCEEDED, "deadline passed while queued", std::nullopt);
-            }
-            if (!head) break;
-            jobs_.at(*head).dispatched_ns = now;
-            if (gpu != free_slots_.end()) {
-                start_chain(device, engine, *head);
+        int64_t& running = running_[device];
+        while (running < engine->slots()) {
+            std::vector<int64_t> ids;
+            std::vector<int64_t> expired;
+            if (engine->max_batch() > 1) {
+                BatchResult b = scheduler_.next_batch(device, engine->max_batch(),
+                                                      batch_delay_us_[device], now);
+                ids = std::move(b.jobs);
+                expired = std::move(b.expired);
+                if (b.wait_until_ns && (!batch_wake_ns_ || *b.wait_until_ns < *batch_wake_ns_)) {
+                    batch_wake_ns_ = b.wait_until_ns;  // a partial batch waits for more
+                }
             } else {
-                start_task(device, engine, *head);
+                auto [head, gone] = scheduler_.next_job(device, now);
+                if (head) ids.push_back(*head);
+                expired = std::move(gone);
             }
+            for (int64_t id : expired) {
+                answer(id, DEADLINE_EXCEEDED, "deadline passed while queued");
+            }
+            if (ids.empty()) break;
+            ++running;
+            engine->start(work_of(ids, now));
         }
     }
 }
 
-void Plane::fail(const std::string& device, int64_t job_id, const std::string& why,
-                 const std::optional<Done>& task) {
-    ++failed_[device];
-    ++failing_[device];
-    last_failure_[device] = why;
-    scheduler_.finished(device, job_id, std::nullopt);
-    answer(job_id, DEVICE_FAILED, why, task);
+std::vector<Work> Plane::work_of(const std::vector<int64_t>& ids, int64_t now) {
+    std::vector<Work> batch;
+    batch.reserve(ids.size());
+    for (int64_t id : ids) {
+        Job& job = jobs_.at(id);
+        job.dispatched_ns = now;
+        Work w;
+        w.job = id;
+        w.image = job.image;
+        if (job.payload) {
+            w.host = job.payload->data();
+            w.keep = job.payload;
+        } else if (job.pixels) {
+            w.host = reinterpret_cast<const uint8_t*>(job.pixels->data());
+            w.keep = job.pixels;
+        } else if (!job.segment.empty()) {
+            const Segment& seg = segments_.at(job.segment);
+            w.host = seg.host == nullptr ? nullptr : seg.host + job.shm_offset;
+            w.device = seg.device == 0 ? 0 : seg.device + job.shm_offset;
+        }
+        batch.push_back(std::move(w));
+    }
+    return batch;
 }
 
-void Plane::start_task(const std::string& device, Engine& engine, int64_t job_id) {
-    if (engine.timing) {
-        engine.timing->submit(job_id);
-    } else if (std::string error = engine.cudla->submit(job_id); !error.empty()) {
-        fail(device, job_id, device + ": " + error);
-        return;
-    }
-    device_of_[job_id] = device;
-    ++running_[device];
-}
-
-namespace {
-// Guards ChainTag::plane between CUDA's host-function thread and a plane going away.
-std::mutex& chain_tags_mu() {
-    static std::mutex mu;
-    return mu;
-}
-}  // namespace
-
-void Plane::start_chain(const std::string& device, Engine& engine, int64_t job_id) {
-    std::vector<int64_t>& free = free_slots_.at(device);
-    const int64_t index = free.back();
-    ChainSlot& c = chains_[static_cast<size_t>(index)];
-    Job& job = jobs_.at(job_id);
-    const GpuSpec& gpu = *c.gpu;
-    Frame f;
-    f.height = static_cast<int>(job.image.height);
-    f.width = static_cast<int>(job.image.width);
-    f.channels = static_cast<int>(job.image.channels);
-    f.bgr = job.image.bgr;
-    // the model's defaults where the INFER sets none (Frontend._admit: a max_det of 0 too)
-    f.conf = job.image.conf.value_or(gpu.conf);
-    f.iou = job.image.iou.value_or(gpu.iou);
-    f.max_det = static_cast<int>(job.image.max_det.value_or(0) > 0 ? *job.image.max_det
-                                                                    : gpu.default_max_det);
-    job.image.max_det = f.max_det;
-    std::string error;
-    if (job.payload) {
-        f.host = job.payload->data();
-    } else if (!job.pixels.empty()) {
-        f.host = reinterpret_cast<const uint8_t*>(job.pixels.data());
-    } else if (!job.segment.empty()) {
-        const Segment& seg = segments_.at(job.segment);
-        f.host = seg.host == nullptr ? nullptr : seg.host + job.shm_offset;
-        f.device = seg.device == 0 ? 0 : seg.device + job.shm_offset;
-    }
-    if (f.host == nullptr) {
-        error = "the frame's pixels are not where the GPU can read them";
-    } else if (f.max_det > gpu.max_det) {
-        error = "max_det " + std::to_string(f.max_det) + " is above the GPU's " +
-                std::to_string(gpu.max_det);
-    }
-    // the plane's thread, or a caller's once it has ended: the device's context current there
-    static thread_local void* current = nullptr;
-    if (error.empty() && current != gpu.context) {
-        if (int r = config_.cuda.ctx_set_current(gpu.context)) {
-            error = "cuCtxSetCurrent failed (" + std::to_string(r) + ")";
-        } else {
-            current = gpu.context;
+void Plane::finished(const std::string& device, const Finished& f) {
+    if (f.end_ns != 0) busy_ns_[device] += f.end_ns - f.start_ns;
+    if (f.frees) --running_[device];
+    std::vector<int64_t> ok;  // what the scheduler learns from: the jobs that went through
+    for (size_t i = 0; i < f.jobs.size(); ++i) {
+        const int64_t id = f.jobs[i];
+        const JobResult* r = i < f.results.size() ? &f.results[i] : nullptr;
+        const Failure failure = f.failure != Failure::none ? f.failure
+                                : r != nullptr            ? r->failure
+                                                          : Failure::none;
+        if (jobs_.count(id) == 0) continue;  // answered SHUTTING_DOWN while it ran
+        if (failure == Failure::none) {
+            ok.push_back(id);
+            continue;
         }
-    }
-    // The chain's first half, the core's task, then its second half (gpu_chain.hpp)
-    CudlaEngine* cudla = engine.cudla.get();
-    if (error.empty()) {
-        error = enqueue_pre(config_.cuda, gpu, c.state, f,
-                            cudla ? cudla->pre_fence(c.local) : nullptr);
-    }
-    if (error.empty() && cudla) {
-        if (std::string refused = cudla->submit(job_id, c.local, true); !refused.empty()) {
-            fail(device, job_id, device + ": " + refused);  // the core's, not the GPU's
-            return;
+        const std::string& words = f.failure != Failure::none ? f.message : r->message;
+        scheduler_.finished(device, id, std::nullopt);
+        if (failure == Failure::internal) {
+            answer(id, INTERNAL, device + ": " + words, &f, r);
+            continue;
         }
-    }
-    const bool submitted = error.empty();
-    if (submitted) {
-        if (engine.timing) {
-            ++c.state.done;  // the value its task writes, and the stream waits for
-            c.tag->hosted.store(false, std::memory_order_relaxed);
-            engine.timing->submit(job_id, {c.state.spec->ready, c.state.ready},
-                                  {c.state.spec->done, c.state.done}, &c.state.spec->outputs,
-                                  &c.tag->hosted);
-        }
-        free.pop_back();
-        c.job = job_id;
-        c.task.reset();
-        c.chain_ended = false;
-        device_of_[job_id] = device;
-        ++running_[device];
-        {
+        const std::string why =
+            device + ": " + (failure == Failure::gpu ? "the GPU chain could not be queued: " : "") +
+            words;
+        ++failed_[device];
+        ++failing_[device];
+        last_failure_[device] = why;
+        if (failure == Failure::gpu) {
             std::lock_guard<std::mutex> lock(mu_);
-            ++chains_running_;  // before the host function can run
+            ++counters_.gpu_errors;
+            counters_.last_gpu_error = device + ": " + words;
         }
-        error = enqueue_post(config_.cuda, c.state, f, cudla ? cudla->eof(c.local) : nullptr,
-                             &Plane::chain_ended, c.tag.get());
+        answer(id, DEVICE_FAILED, why, &f, r);
     }
-    if (error.empty()) {
-        c.tag->hosted.store(true, std::memory_order_release);
-        return;
-    }
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (submitted) --chains_running_;  // its host function was not queued
-        ++counters_.gpu_errors;
-        counters_.last_gpu_error = device + ": " + error;
-    }
-    // The core's task, where it was submitted, runs on: the slot is free once it has ended
-    // (the stream, where it waits for the task, is released by it).
-    if (submitted) c.chain_ended = true;
-    fail(device, job_id, device + ": the GPU chain could not be queued: " + error);
-}
-
-void Plane::chain_ended(void* tag) {
-    const auto* t = static_cast<const ChainTag*>(tag);
-    std::lock_guard<std::mutex> guard(chain_tags_mu());
-    Plane* plane = t->plane;
-    if (plane == nullptr) return;  // the plane has gone (settle_chains gave up on this one)
-    {
-        std::lock_guard<std::mutex> lock(plane->mu_);
-        plane->done_.push_back({-1, 0, now_ns(), t->slot});
-        --plane->chains_running_;
-    }
-    plane->chains_cv_.notify_all();
-    plane->wake();
-}
-
-void Plane::task_ended(const Done& d) {
-    const std::string device = device_of_.at(d.job);
-    busy_ns_[device] += d.end_ns - d.start_ns;
-    const auto gpu = free_slots_.find(device);
-    if (gpu != free_slots_.end()) {  // a chain's task: the frame is answered once both ended
-        for (size_t i = 0; i < chains_.size(); ++i) {
-            ChainSlot& c = chains_[i];
-            if (c.device != device || c.job != d.job) continue;
-            c.task = d;
-            if (d.status != 0 && jobs_.count(d.job) != 0) {  // its chain may never end
-                fail(device, d.job, device + ": task failed: " + cudla_status_name(d.status), d);
-            }
-            if (c.chain_ended) finish_chain(c, static_cast<int64_t>(i));
-            return;
-        }
-        return;
-    }
-    --running_[device];  // the core's slot is free, answered or not
-    device_of_.erase(d.job);
-    if (jobs_.count(d.job) == 0) return;  // answered SHUTTING_DOWN while it ran
-    if (d.status != 0) {
-        fail(device, d.job, device + ": task failed: " + cudla_status_name(d.status), d);
-        return;
-    }
+    if (ok.empty()) return;
     failing_[device] = 0;  // a frame that went through: the device serves again
-    scheduler_.finished(device, d.job, static_cast<double>(d.end_ns - d.start_ns) / 1e3);
-    answer(d.job, OK, "", d);
-}
-
-void Plane::end_chain(const Done& ended) {
-    ChainSlot& c = chains_[static_cast<size_t>(ended.slot)];
-    c.chain_ended = true;
-    c.chain_end_ns = ended.end_ns;
-    if (c.task) finish_chain(c, ended.slot);
-}
-
-void Plane::finish_chain(ChainSlot& c, int64_t index) {
-    const int64_t job_id = c.job;
-    const Done task = *c.task;
-    c.job = -1;
-    c.task.reset();
-    free_slots_.at(c.device).push_back(index);
-    --running_[c.device];
-    device_of_.erase(job_id);
-    const auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return;  // answered already (a failure, the drain's end)
-    Job& job = it->second;
-    scheduler_.finished(c.device, job_id, static_cast<double>(task.end_ns - task.start_ns) / 1e3);
-    const Detections d = read_detections(c.state, static_cast<int>(job.image.max_det.value_or(0)));
-    if (!d.valid || d.overflow) {
-        // an overflow needs more candidates than the model's cells (GpuService.plane_slots
-        // checks that none can): a record like this is a fault
-        answer(job_id, INTERNAL,
-               d.overflow ? "the GPU stored only part of the frame's candidates"
-                          : "the GPU's result record is malformed",
-               task, nullptr, c.chain_end_ns);
-        return;
+    const double device_us = static_cast<double>(f.end_ns - f.start_ns) / 1e3;
+    if (ok.size() == 1 && f.jobs.size() == 1) {
+        scheduler_.finished(device, ok.front(), device_us);
+    } else {
+        scheduler_.finished_batch(device, ok, device_us);
     }
-    failing_[c.device] = 0;  // a frame that went through: the device serves again
-    answer(job_id, OK, "", task, &d, c.chain_end_ns);
-}
-
-void Plane::settle_chains() {
-    if (chains_.empty()) return;
-    // An emulated core stopped before its task ended never wrote its word: the CPU writes it,
-    // so that the stream runs on to its host function (a cuDLA core's tasks all ended when
-    // its engine was destroyed, and signalled their fences)
-    for (const ChainSlot& c : chains_) {
-        if (c.job >= 0 && c.state.waits) {
-            __atomic_store_n(c.state.spec->done, c.state.done, __ATOMIC_RELEASE);
-        }
-    }
-    bool settled = false;
-    {
-        std::unique_lock<std::mutex> lock(mu_);
-        settled = chains_cv_.wait_for(lock, std::chrono::seconds(10),
-                                      [this] { return chains_running_ == 0; });
-    }
-    std::lock_guard<std::mutex> guard(chain_tags_mu());
-    for (ChainSlot& c : chains_) {
-        c.tag->plane = nullptr;
-        // a GPU that never ran a host function may still: its tag outlives the plane
-        if (!settled) static_cast<void>(c.tag.release());
+    for (size_t i = 0; i < f.jobs.size(); ++i) {
+        if (std::find(ok.begin(), ok.end(), f.jobs[i]) == ok.end()) continue;
+        answer(f.jobs[i], OK, "", &f, i < f.results.size() ? &f.results[i] : nullptr);
     }
 }
 
 void Plane::take_completions() {
-    std::vector<Done> done;
+    std::vector<std::pair<std::string, Finished>> done;
     {
         std::lock_guard<std::mutex> lock(mu_);
         done.swap(done_);
     }
-    for (const Done& d : done) {
-        if (d.slot >= 0) {
-            end_chain(d);
-        } else {
-            task_ended(d);
-        }
-    }
+    for (const auto& [device, f] : done) finished(device, f);
 }
 
 void Plane::send_outbox() {

@@ -13,14 +13,14 @@
 //   - every other message (STATUS, CANCEL, INFER_BATCH, a malformed one, a shared-memory notice)
 //     goes whole, its routing id first, to the ``forward`` socket, where the control plane in
 //     Python answers it through send().
-// Engines are the plane's own: an emulated DLA core in timing mode (TimingEngine: tasks back to
-// back at the core's service time, each a thread's sleep), or a real one through cuDLA
-// (cudla_engine.hpp: the plane submits its tasks, a thread waits for their EOF fences). A core
-// may have GPU pre/post-processing (gpu_chain.hpp): each frame's chain (pre kernel, fence, the
-// core's task, fence, post graph) is queued from the plane's thread, and the reply carries the
-// detections.
-// The plane's engines and chains complete through an eventfd the thread polls beside the
-// socket, as the Python daemon's do through the event loop. Counters are read from any thread.
+// Every frame runs on an engine (engine.hpp: one interface): an emulated DLA core in timing mode
+// (timing_engine.hpp), a real one through cuDLA (cudla_engine.hpp), either with GPU
+// pre/post-processing around each task (chain_engine.hpp), or an engine built from Python (a
+// callable run on the engine's own threads: the numeric emulation, the GPU's inference). The
+// plane takes a batch off the scheduler whenever an engine has a free slot (one job, or up to
+// its max_batch in dynamic batches), and answers each job from the engine's report.
+// The engines report through an eventfd the thread polls beside the socket. Counters are read
+// from any thread.
 #pragma once
 
 #include <atomic>
@@ -40,6 +40,7 @@
 
 #include "cudla_engine.hpp"
 #include "dram.hpp"
+#include "engine.hpp"
 #include "gpu_chain.hpp"
 #include "scheduler.hpp"
 #include "wire.hpp"
@@ -96,16 +97,25 @@ class Part {
 
 struct DeviceSpec {
     std::string name;
-    double latency_us = 0;  // the core's service time for one task (timing mode; for a cuDLA
-                            // core, the scheduler's first estimate)
-    int64_t slots = 2;      // tasks in flight on it at once (the DLA executor's slots)
+    double latency_us = 0;  // the engine's service time for one task (an emulated core's in
+                            // timing mode; for the others, the scheduler's first estimate)
+    int64_t slots = 2;      // batches in flight on it at once (the DLA executor's slots)
     int64_t capacity = 4;   // its queue in the scheduler
+    std::string kind = "dla";  // "dla" or "gpu", for the DRAM model and placement
+    int64_t max_batch = 1;     // the most jobs a batch holds (a GPU's dynamic batches)
+    double max_queue_delay_us = 0;  // how long a partial batch may wait for more
+    // the service time by batch size (µs), where more than batch 1 is known (a GPU's curve)
+    std::map<int64_t, double> curve_us;
+    int64_t tier = 0;  // placement's tier (the throughput policy takes the lowest first)
     // GPU pre/post-processing, one GpuSlotSpec per slot (``slots`` is then their number);
     // none: the reply carries no detections (pre/post off)
     std::optional<GpuSpec> gpu;
     // A real DLA core, driven through cuDLA (one CudlaSlotSpec per slot); none: an emulated
     // core in timing mode
     std::optional<CudlaSpec> cudla;
+    // An engine built elsewhere (a Python-backed one, module.cpp), given the callback for its
+    // reports; it takes precedence over the kinds above
+    std::function<std::unique_ptr<Engine>(OnFinished)> make;
 };
 
 struct Config {
@@ -163,14 +173,6 @@ struct State {
     int64_t streams_waiting = 0;
 };
 
-// The pixels and settings of a frame, for a device with GPU pre/post.
-struct Image {
-    int64_t height = 0, width = 0, channels = 0;
-    bool bgr = false;
-    std::optional<double> conf, iou;  // none: the model's defaults
-    std::optional<int64_t> max_det;
-};
-
 // An image the control plane decoded (an INFER the reader left, an INFER_BATCH's image), for
 // submit(): what the plane needs of it.
 struct Item {
@@ -182,63 +184,11 @@ struct Item {
     std::optional<std::string> shm;  // the registered segment it lies in, by name
     uint64_t shm_offset = 0;         // and where in it
     Image image;
-    std::string pixels;  // the image's bytes (empty: in the segment)
+    std::shared_ptr<const std::string> pixels;  // the image's bytes (none: in the segment)
 };
 
 // What cancel() found.
 enum class CancelResult { cancelled = 0, not_queued = 1, running = 2 };
-
-// A fence of an engine's task: a 32-bit word reaching a value (wrap-safe), the emulated form of
-// the NvSciSync semaphore a DLA task waits on or signals.
-struct Fence {
-    uint32_t* word = nullptr;
-    uint32_t value = 0;
-};
-
-// An emulated DLA core in timing mode: tasks run back to back, each ``latency_us`` long, on a
-// thread of its own named "<device>-emulated" (work a DLA does in silicon, which benchmarks leave
-// out of the daemon's own CPU). A task may wait on a fence before it starts (the core polls the
-// word, as a DLA's hardware waits on its semaphore), write the core's timing-mode ``patterns``
-// into its output buffers, and signal a fence when it ends.
-class TimingEngine {
-  public:
-    // ``dram``: the DRAM it shares with the other cores (their tasks running at once slow each
-    // other), or null; it must outlive the engine.
-    TimingEngine(std::string name, double latency_us, std::function<void(Done)> on_done,
-                 SharedDram* dram = nullptr, std::vector<std::string> patterns = {});
-    ~TimingEngine();
-    TimingEngine(const TimingEngine&) = delete;
-    TimingEngine& operator=(const TimingEngine&) = delete;
-    // ``outputs``: where the task writes the patterns (null: nowhere); ``quiet``: at the
-    // task's end, whether its Done need not wake the plane. Both must outlive the task.
-    void submit(int64_t job, Fence wait = {}, Fence signal = {},
-                const std::vector<uint8_t*>* outputs = nullptr,
-                const std::atomic<bool>* quiet = nullptr);
-
-  private:
-    struct Task {
-        int64_t job;
-        int64_t submitted_ns;
-        Fence wait, signal;
-        const std::vector<uint8_t*>* outputs;
-        const std::atomic<bool>* quiet;
-    };
-    void run();
-    // Sleep until ``wait`` is reached; its time (false: stopped meanwhile).
-    bool wait_for(const Fence& wait, int64_t* reached_ns);
-
-    std::string name_;
-    int64_t service_ns_;
-    std::function<void(Done)> on_done_;
-    SharedDram* dram_;
-    std::vector<std::string> patterns_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<Task> tasks_;
-    bool stop_ = false;
-    std::atomic<bool> stopping_{false};
-    std::thread thread_;
-};
 
 class Plane {
   public:
@@ -308,33 +258,6 @@ class Plane {
     }
 
   private:
-    // A device's engine: an emulated core in timing mode, or a cuDLA core
-    struct Engine {
-        std::unique_ptr<TimingEngine> timing;
-        std::unique_ptr<CudlaEngine> cudla;
-    };
-    // GPU slots: the device's spec, the chain's state, and the tag its host function gets
-    struct ChainTag {
-        Plane* plane = nullptr;  // null once the plane is gone (read under chain_tags_mu)
-        int64_t slot = 0;
-        // The chain's host function is queued: its emulated task's end need not wake the
-        // plane, the host function's will (set once the chain's second half is queued)
-        std::atomic<bool> hosted{false};
-    };
-    struct ChainSlot {
-        std::string device;
-        int64_t local = 0;  // its index among the device's slots (a cuDLA core's slot)
-        const GpuSpec* gpu = nullptr;
-        GpuSlot state;
-        int64_t job = -1;  // the chain's frame (-1: free)
-        // The slot is free again once both have ended: the core's task (a cuDLA core's may
-        // be reported after the stream has run on) and the chain (its host function ran, or
-        // none was queued)
-        std::optional<Done> task;
-        bool chain_ended = false;
-        int64_t chain_end_ns = 0;
-        std::unique_ptr<ChainTag> tag;
-    };
     struct Job {
         std::string client;
         uint64_t request_id = 0;
@@ -345,15 +268,15 @@ class Plane {
         int64_t received_ns = 0;
         int64_t dispatched_ns = 0;
         uint64_t size = 0;
-        std::unique_ptr<Part> payload;  // the frame, alive until the reply
+        std::shared_ptr<Part> payload;  // the frame, alive until the reply (and its task)
         std::string segment;  // the shared-memory segment it holds ("": none)
         uint64_t shm_offset = 0;  // where in the segment the frame lies
         std::string device;
         Image image;          // its shape and settings (GPU pre/post)
-        std::string pixels;   // a submitted image's bytes (none: payload or segment)
+        std::shared_ptr<const std::string> pixels;  // a submitted image's bytes (none:
+                                                    // payload or segment)
     };
 
-    void add_gpu(const DeviceSpec& d);  // its GPU slots (the constructor's)
     void run();
     void wake();
     void call(const std::function<void()>& fn);  // on the plane's thread (see cancel())
@@ -381,33 +304,22 @@ class Plane {
                                                          int64_t frames, uint64_t size);
     // Admit one image into the scheduler; false once its refusal is answered.
     bool admit(Job job, const std::string& key, const Item& item, int64_t now,
-               std::unique_ptr<Part> payload);
+               std::shared_ptr<Part> payload);
     void refuse(const Job& job, int64_t status, const std::string& message);
     // ``detections``: the reply's second frame (none: an empty one)
     void deliver(const Job& job, const std::string& header, int64_t status,
                  std::string_view detections = {});
     void observe(const Job& job, int64_t status, const std::optional<std::string>& device,
                  const wire::Timing& timing);
-    // ``chain_end_ns``: when its GPU chain ended (0: none), for the pre and post times
+    // ``ran``: the engine's report of the job's batch where it ran (its span; else none),
+    // ``result``: the job's own (its detections and pre/post times; else none)
     void answer(int64_t job_id, int64_t status, const std::string& message,
-                const std::optional<Done>& done, const Detections* detections = nullptr,
-                int64_t chain_end_ns = 0);
+                const Finished* ran = nullptr, const JobResult* result = nullptr);
     void dispatch(int64_t now);
-    // Submit ``job_id``'s task to ``device``'s core (with a GPU: its chain around it, on a
-    // free GPU slot); a failure is answered DEVICE_FAILED.
-    void start_task(const std::string& device, Engine& engine, int64_t job_id);
-    void start_chain(const std::string& device, Engine& engine, int64_t job_id);
-    // A frame that failed on ``device`` (answered DEVICE_FAILED, counted for its health)
-    void fail(const std::string& device, int64_t job_id, const std::string& why,
-              const std::optional<Done>& task = std::nullopt);
-    void task_ended(const Done& done);
-    void end_chain(const Done& done);  // its host function ran
-    // Once a slot's task and chain have both ended: answer its frame, free the slot
-    void finish_chain(ChainSlot& c, int64_t index);
-    static void chain_ended(void* tag);  // CUDA's host function: the chain's last step
-    // Release the streams of chains whose cores stopped, and wait for their host functions
-    // (the destructor's: nothing may call into a destroyed plane).
-    void settle_chains();
+    // The jobs ``ids`` (taken off ``device``'s queue) as its engine reads them
+    std::vector<Work> work_of(const std::vector<int64_t>& ids, int64_t now);
+    // An engine's report, on the plane's thread: its jobs answered, its slot counted free
+    void finished(const std::string& device, const Finished& f);
     void take_completions();
     void send_outbox();
     void send_reply(const std::string& client, const std::string& header, const void* payload,
@@ -420,14 +332,14 @@ class Plane {
     Config config_;
     Scheduler scheduler_;
     std::unique_ptr<SharedDram> dram_;  // before the engines that use it
-    std::map<std::string, Engine> engines_;
-    std::map<std::string, int64_t> running_;  // device -> tasks on it
-    std::unordered_map<int64_t, std::string> device_of_;  // a task on a core -> the core
-    std::map<std::string, int64_t> slots_;
+    std::map<std::string, std::unique_ptr<Engine>> engines_;
+    std::map<std::string, double> batch_delay_us_;  // device -> max_queue_delay_us
+    std::map<std::string, int64_t> running_;  // device -> batches on it
     std::map<std::string, int64_t> busy_ns_;  // device -> its tasks' time so far
     std::map<std::string, int64_t> failed_;   // device -> its frames answered DEVICE_FAILED
     std::map<std::string, int64_t> failing_;  // device -> of them, the last in a row
     std::map<std::string, std::string> last_failure_;
+    std::optional<int64_t> batch_wake_ns_;  // when a partial batch waiting for more is due
     struct Segment {
         uint64_t size = 0;
         int64_t users = 0;  // its frames admitted and not yet answered
@@ -435,10 +347,6 @@ class Plane {
         const uint8_t* host = nullptr;  // where it is mapped here
         uint64_t device = 0;            // and for the GPU (0: not registered there)
     };
-    std::vector<ChainSlot> chains_;
-    std::map<std::string, std::vector<int64_t>> free_slots_;  // device -> its free GPU slots
-    int64_t chains_running_ = 0;  // under mu_: chains queued whose host function has not run
-    std::condition_variable chains_cv_;  // a host function ran
     std::unordered_map<std::string, Segment> segments_;  // owner + NUL + name -> segment
     std::unordered_map<int64_t, Job> jobs_;
     std::unordered_map<std::string, int64_t> in_use_;  // client + request id -> its jobs
@@ -452,7 +360,7 @@ class Plane {
     int event_fd_ = -1;
 
     mutable std::mutex mu_;  // guards the fields below, shared with engines and callers
-    std::vector<Done> done_;
+    std::vector<std::pair<std::string, Finished>> done_;  // engines' reports, by device
     std::vector<std::pair<std::string, std::vector<std::string>>> outbox_;
     struct Call {
         const std::function<void()>* fn;

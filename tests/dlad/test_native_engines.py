@@ -1,0 +1,197 @@
+"""The plane's engines behind its one interface (dlad/native/engine.hpp): a Python engine's
+contract (python_engine.hpp), dynamic batches formed by the plane, and failures answered per job.
+
+A Python engine here is a plain function the plane calls on the engine's own threads; its
+replies must carry what the function returned (detections, pre/post times, the device's span),
+and every way it can fail must cost its jobs one typed reply each and the plane nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlad import native_scheduler, protocol
+from dlad.errors import Status
+from dlad.native_plane import PlaneDevice
+from dlad.protocol import InferRequest
+from tests.dlad.test_metrics import wait_for
+from tests.dlad.test_native_plane import Rig
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
+    ),
+]
+
+Batch = list[tuple[int, "memoryview | None", tuple[Any, ...]]]
+
+
+class Recorder:
+    """A Python engine's work: one detection a frame, (sum of its pixels, h, w, c, conf,
+    max_det); each batch it ran recorded; held while ``gate`` is clear."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: Batch) -> tuple[int, int, Sequence[tuple[Any, ...]]]:
+        self.entered.set()
+        assert self.gate.wait(60)
+        with self.lock:
+            self.batches.append([job for job, _, _ in batch])
+        results = []
+        for _, pixels, (h, w, c, _bgr, conf, _iou, max_det) in batch:
+            assert pixels is not None
+            total = float(np.frombuffer(pixels, np.uint8).sum())
+            row = np.array([[total, h, w, c, conf or -1.0, max_det or -1]], np.float32)
+            results.append((0, "", row, 11, 22))
+        return 1_000, 5_000, results
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+def _rig(run: Any, **device: Any) -> Rig:
+    # deadlines far off: a job held behind a gated engine must not expire under load
+    return Rig(
+        [PlaneDevice("py0", 4_000.0, capacity=32, run=run, **device)],
+        default_deadline_ms=600_000.0,
+    )
+
+
+@pytest.fixture
+def rigs() -> Iterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for r in made:
+        r.close()
+
+
+def test_a_python_engine_answers_with_what_it_returned(recorder: Recorder, rigs: list[Rig]) -> None:
+    rig = _rig(recorder, slots=1)
+    rigs.append(rig)
+    image = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+    rig.client.send_multipart(
+        protocol.encode(InferRequest(id=3, model="demo", image=image, conf=0.5, max_det=7))
+    )
+    r = rig.reply()
+    assert (r.id, r.status, r.device) == (3, Status.OK, "py0")
+    assert r.detections is not None
+    np.testing.assert_array_equal(
+        r.detections, [[float(image.sum()), 4, 5, 3, 0.5, 7]]
+    )  # the frame's own pixels and settings reached the engine
+    assert (r.timing.pre_us, r.timing.post_us) == (11, 22)
+    assert (r.timing.start_ns, r.timing.end_ns, r.timing.device_us) == (1_000, 5_000, 4)
+    rig.infer(4)  # no settings: the engine is told None, the model's defaults are its own
+    r = rig.reply()
+    assert r.detections is not None
+    assert r.detections[0, 4:].tolist() == [-1.0, -1.0]
+
+
+def test_the_plane_batches_what_queued_while_the_engine_was_busy(
+    recorder: Recorder, rigs: list[Rig]
+) -> None:
+    rig = _rig(recorder, slots=1, kind="gpu", max_batch=4, curve_us={4: 9_000.0})
+    rigs.append(rig)
+    recorder.gate.clear()
+    rig.infer(0)
+    assert recorder.entered.wait(20)  # the first batch runs, held: the rest queue
+    for rid in range(1, 10):
+        rig.infer(rid)
+    wait_for(lambda: rig.plane.state()[1] == 9)
+    recorder.gate.set()
+    replies = [rig.reply() for _ in range(10)]
+    assert sorted(r.id for r in replies) == list(range(10))
+    assert {r.status for r in replies} == {Status.OK}
+    sizes = [len(b) for b in recorder.batches]
+    assert sizes[0] == 1
+    assert max(sizes) == 4  # full batches of what waited
+    assert all(1 <= s <= 4 for s in sizes)
+    assert sum(sizes) == 10
+
+
+@pytest.mark.parametrize(
+    ("result", "status", "words"),
+    [
+        ((1, "task failed: lost", None, None, None), Status.DEVICE_FAILED, "py0: task failed"),
+        ((3, "hung", None, None, None), Status.DEVICE_FAILED, "py0: hung"),
+        ((4, "a bug", None, None, None), Status.INTERNAL, "py0: a bug"),
+        ((0, "", np.zeros((1, 5), np.float32), None, None), Status.INTERNAL, "malformed"),
+        ((0, "", np.zeros((6, 2), np.float32).T, None, None), Status.INTERNAL, "malformed"),
+        ((9, "", None, None, None), Status.INTERNAL, "malformed result: no failure 9"),
+        ((0, ""), Status.INTERNAL, "a result is 5 items"),
+        (ValueError("no such tensor"), Status.INTERNAL, "the engine raised ValueError"),
+        ("not a tuple", Status.INTERNAL, "malformed"),
+    ],
+)
+def test_an_engine_that_fails_costs_its_job_one_typed_reply(
+    rigs: list[Rig], result: Any, status: Status, words: str
+) -> None:
+    calls = 0
+
+    def run(batch: Batch) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:  # the plane goes on serving after the failure
+            return 0, 1_000, [(0, "", None, None, None)] * len(batch)
+        if isinstance(result, Exception):
+            raise result
+        if isinstance(result, str):
+            return result
+        return 0, 1_000, [result]
+
+    rig = _rig(run, slots=1)
+    rigs.append(rig)
+    rig.infer(1)
+    r = rig.reply()
+    assert r.status is status
+    assert words in r.message
+    rig.infer(2)
+    assert rig.reply().status is Status.OK
+    (state,) = rig.plane.state()[0]
+    failed = 1 if status is Status.DEVICE_FAILED else 0
+    assert (state.failed, state.failing) == (failed, 0)  # the next frame went through
+    assert rig.plane.pending == 0
+
+
+def test_a_run_that_returns_too_few_results_fails_the_batch(rigs: list[Rig]) -> None:
+    rig = _rig(lambda batch: (0, 1, []), slots=1)
+    rigs.append(rig)
+    rig.infer(1)
+    r = rig.reply()
+    assert r.status is Status.INTERNAL
+    assert "one result per job: 1 jobs, 0 results" in r.message
+
+
+def test_close_waits_for_the_call_running_and_answers_its_job(
+    recorder: Recorder, rigs: list[Rig]
+) -> None:
+    rig = _rig(recorder, slots=2)
+    recorder.gate.clear()
+    rig.infer(1)
+    assert recorder.entered.wait(20)
+    closer = threading.Thread(target=rig.plane.close)
+    closer.start()
+    wait_for(lambda: rig.plane.draining)
+    r = rig.reply()  # the drain's end answers what still runs
+    assert (r.id, r.status) == (1, Status.SHUTTING_DOWN)
+    assert closer.is_alive()  # the engine waits for its call
+    recorder.gate.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    assert recorder.batches == [[0]]  # it ran to its end; its late report went nowhere
+    for d in rig.dealers:
+        d.close(0)
+    rig.router.close(0)
+    rig.ctx.term()
