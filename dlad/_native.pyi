@@ -144,6 +144,7 @@ class Plane:
         cudla: tuple[int, int, int, int] | None,
         dram_contention: float,
         dram_k: Mapping[tuple[_Kind, _Kind], float],
+        health: tuple[int, bool, float, float],
     ) -> None: ...
     def start(self) -> None: ...
     def close(self) -> None: ...
@@ -168,9 +169,34 @@ class Plane:
             ]
         ],
     ) -> tuple[int, str] | None: ...
+    # name, queue_depth, capacity, in_flight, service_time_us, completed, busy_ns, failed,
+    # failing, last_failure, quarantined, quarantines, max_batch, batches
     def state(
         self,
-    ) -> tuple[list[tuple[str, int, int, int, float, int, int, int, int, str]], int, int]: ...
+    ) -> tuple[
+        list[
+            tuple[
+                str,
+                int,
+                int,
+                int,
+                float,
+                int,
+                int,
+                int,
+                int,
+                str,
+                str | None,
+                int,
+                int,
+                tuple[int, ...],
+            ]
+        ],
+        int,
+        int,
+    ]: ...
+    def quarantine(self, device: str, reason: str) -> None: ...
+    def take_events(self) -> list[tuple[int, str, str, float, bytes, int, str]]: ...
     def add_segment(self, owner: str, name: str, size: int, host: int, device: int) -> bool: ...
     def drop_segment(self, owner: str, name: str) -> bool: ...
     def idle_segments(self, idle_ms: float) -> list[tuple[str, str]]: ...

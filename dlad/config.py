@@ -236,13 +236,13 @@ class FrontendConfig:
     thread that reads each INFER off the socket, admits it with the same rules and words, runs
     it and replies, without the interpreter; the event loop keeps STATUS, CANCEL, INFER_BATCH,
     malformed messages and the metrics, and handles what the plane forwards after the INFERs it
-    read meanwhile (one connection's INFERs keep their order among themselves). Today it runs
-    DLA cores: emulated ones in timing mode (sharing the emulated DRAM), or real ones through
-    cuDLA (the plane submits their tasks), with pre/post-processing off or on the GPU
-    (``[pre_post] backend`` not ``cpu``, a ``gpu`` device that serves no model): the plane
-    queues each frame's CUDA chain around the core's task itself (fence words, or NvSciSync
-    semaphores for a cuDLA core) and replies with the detections. That is the daemon's own
-    cost per frame, as an Orin's engines would leave it (docs/BENCHMARKS.md §9.19).
+    read meanwhile (one connection's INFERs keep their order among themselves). Every engine
+    runs behind it: DLA cores in timing mode or real ones through cuDLA run in the plane itself
+    (with pre/post-processing off, or on the GPU: the plane queues each frame's CUDA chain
+    around the core's task), and everything else (numeric cores, pre/post-processing on the
+    CPU, the GPU's batches, fault injection) as Python engines the plane calls on threads of
+    their own. It does not yet quarantine, retry or probe engines (``[health]``): a failing
+    engine is reported unhealthy in STATUS and the metrics and keeps its frames.
     Shared-memory frames (``[shm]``) are taken by the plane once the event loop has mapped and
     checked their segment; CURVE (``[auth]``) is the socket's, and a client is its key in the
     plane as in the frontend."""
@@ -766,32 +766,6 @@ class Config:
         if self.pre_post.backend == "cuda":
             _check(any(d.kind == "gpu" and d.backend != "cpu" for d in self.devices),
                    "pre_post.backend", "cuda needs a gpu device not on cpu")  # fmt: skip
-        if self.frontend.data_plane == "native":
-            self._check_native_plane()
-
-    def _check_native_plane(self) -> None:
-        """What ``data_plane = "native"`` runs today (FrontendConfig.data_plane): each setting
-        it cannot honour is named, with what to set instead."""
-        why = 'data_plane = "native" runs'
-        serving = {name for m in self.models for name in m.devices}
-        for d in self.devices:
-            if d.name not in serving:  # a gpu device for pre/post only, or an idle one
-                continue
-            key = f"devices.{_quote(d.name)}"
-            _check(d.kind == "dla", f"{key}.kind",
-                   f"{why} models on DLA cores only (its GPU inference engine is not built "
-                   'yet; a gpu device may do pre/post-processing); serve models on the gpu '
-                   'with data_plane = "python"')  # fmt: skip
-            # a cuDLA core has no mode; with backend "auto" the daemon checks it at start,
-            # once it knows whether cuDLA loads here
-            _check(d.mode == "timing" or d.backend != "emulated", f"{key}.mode",
-                   f'{why} emulated cores in timing mode only: set mode = "timing"')  # fmt: skip
-            _check(not d.faults.active, f"{key}.faults",
-                   f"{why} no fault injection")  # fmt: skip
-        pre_post = ("pre/post-processing on the GPU only (or off): set [pre_post] backend = "
-                    "'cuda' or 'auto', or enabled = false")  # fmt: skip
-        _check(not (self.pre_post.enabled and self.pre_post.backend == "cpu"),
-               "pre_post.backend", f"{why} {pre_post}")  # fmt: skip
 
     def device(self, name: str) -> DeviceConfig:
         """The device called ``name``. Raises KeyError."""

@@ -45,6 +45,8 @@ from dlad.native_plane import (
     CudaFunctions,
     CudlaFunctions,
     DeviceState,
+    EventKind,
+    HealthEvent,
     PlaneCudla,
     PlaneDevice,
     PlaneGpu,
@@ -158,6 +160,7 @@ class Daemon:
         )
         self._gpu: GpuService | None = None
         self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
+        self._cold: list[tuple[str, str]] = []  # the plane's engines whose warm-up failed: why
         self._warming = 0
         self._warm = anyio.Event()
         self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
@@ -256,6 +259,9 @@ class Daemon:
         finally:
             self.state = State.STOPPED
             self.frontend.close_plane()  # its GPU chains use the GPU's memory
+            if self.native:  # the Python engines' executors, after the plane that called them
+                for executor in self.executors.values():
+                    executor.close()
             self._close_plane_cores()  # after the plane, before the GPU (their CUDA imports)
             if self._gpu is not None:  # after the executors: their streams use its memory
                 self._gpu.close()
@@ -266,14 +272,16 @@ class Daemon:
             self.stopped.set()
 
     async def _serve_native(self) -> None:
-        """serve() with the native data plane: its engines instead of executors (the config
-        allows DLA cores only: emulated ones in timing mode, each as its placement times it,
-        or real ones through cuDLA), with pre/post-processing off or on the GPU (a
-        :class:`~dlad.gpu.service.GpuService` builds each core's slots and hands them to the
-        plane)."""
+        """serve() with the native data plane. Each placement's engine: a real DLA core
+        through cuDLA, or an emulated one in timing mode with pre/post-processing off or on the
+        GPU, runs in the plane itself (a :class:`~dlad.gpu.service.GpuService` builds each
+        core's GPU slots); the rest (a numeric core, pre/post-processing on the CPU, the GPU's
+        batches) is a Python engine of the plane's running its executor's per-frame code
+        (:mod:`dlad.engines.python`)."""
         gpu, cuda = await self._plane_gpu()
-        devices: list[PlaneDevice] = []
+        devices: dict[str, PlaneDevice] = {}
         cudla: CudlaFunctions | None = None
+        python: list[Placement] = []
         for p in self.plan.placements:
             d = self.config.device(p.device)
             m = self.config.model(p.model)
@@ -281,23 +289,37 @@ class Daemon:
                         "default_max_det": min(m.max_det, protocol.MAX_DET)}  # fmt: skip
             plane_gpu: PlaneGpu | None = None
             spec: PlaneCudla | None = None
-            if resolve_backend(d.backend, m.loadables.cudla_for_core(int(d.core or 0))) == "cudla":
+            loadable = m.loadables.cudla_for_core(int(d.core or 0))
+            if d.kind == "dla" and resolve_backend(d.backend, loadable) == "cudla":
                 core = await self._open_plane_core(p, gpu, defaults)
                 plane_gpu, spec, cudla = core.gpu, core.spec, core.functions
-            elif d.mode != "timing":  # backend auto, and cuDLA does not load here
-                raise StartupError(
-                    'data_plane = "native" runs emulated cores in timing mode only, and cuDLA '
-                    'does not load here: set mode = "timing"',
-                    key=f"devices.{p.device}.mode",
-                )
-            elif gpu is not None:
-                plane_gpu = await self._plane_slots(gpu, p, defaults)
-            device = PlaneDevice(p.device, p.latency_us, slots=_PLANE_SLOTS,
-                                 capacity=d.queue_depth, gpu=plane_gpu, cudla=spec)  # fmt: skip
-            devices.append(device)
-        self.frontend.start_plane(devices, cuda=cuda, cudla=cudla)
+            elif (
+                d.kind == "dla"
+                and d.mode == "timing"
+                and not d.faults.active
+                and (gpu is not None or not self.pre_post)
+            ):
+                if gpu is not None:
+                    plane_gpu = await self._plane_slots(gpu, p, defaults)
+            else:
+                python.append(p)
+                continue
+            devices[p.device] = PlaneDevice(p.device, p.latency_us, slots=_PLANE_SLOTS,
+                                            capacity=d.queue_depth, gpu=plane_gpu,
+                                            cudla=spec)  # fmt: skip
+        devices.update(await self._python_engines(python))
+        self.frontend.start_plane(
+            [devices[p.device] for p in self.plan.placements], cuda=cuda, cudla=cudla
+        )
         for p in self.plan.placements:
             self.metrics.device_state(p.device, "ready")
+        plane = self.frontend.plane
+        assert plane is not None  # started above
+        for name, why in self._cold:
+            self.metrics.device_state(name, "failed")
+            if self.config.health.quarantine_after > 0:
+                plane.quarantine(name, why)
+        self._plane_events(plane.events())
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat_loop)
             tg.start_soon(self.frontend.receive_loop)
@@ -306,9 +328,55 @@ class Daemon:
         late = await self.frontend.answer_what_is_queued()
         log.info("closing", answered_after_the_drain=late)
 
+    async def _python_engines(self, placements: Sequence[Placement]) -> dict[str, PlaneDevice]:
+        """The plane's Python engines for ``placements``: each placement's executor, as the
+        config builds it (pre/post-processing on the CPU), warmed up, its per-frame code run by
+        the plane. Raises StartupError where one cannot be built."""
+        from dlad.engines.python import Defaults, DlaFrames, GpuBatches  # noqa: PLC0415
+        from dlad.executors.dla import DlaExecutor  # noqa: PLC0415
+        from dlad.executors.gpu import GpuExecutor  # noqa: PLC0415
+
+        if not placements:
+            return {}
+        limiter = anyio.CapacityLimiter(max(self.config.pre_post.threads, 1))
+        try:
+            built = build_executors(self.plan, self._scheduler, limiter=limiter,
+                                    pre_post=self.pre_post, gpu=None,
+                                    only={p.device for p in placements})  # fmt: skip
+        except ExecutorBuildError as exc:
+            raise StartupError(exc.message, key=exc.key) from None
+        self.executors.update(built)  # closed with the daemon (they hold the cores)
+        out: dict[str, PlaneDevice] = {}
+        for p in placements:
+            executor = built[p.device]
+            try:
+                await executor.warm_up()
+            except DladError as exc:  # out of placement until a probe passes
+                log.error("warm_up_failed", device=executor.name, reason=exc.message)
+                self._cold.append((executor.name, f"warm-up failed: {exc.message}"))
+            m = self.config.model(p.model)
+            defaults = Defaults(m.conf_threshold, m.iou_threshold, min(m.max_det, protocol.MAX_DET))
+            d = self.config.device(p.device)
+            if isinstance(executor, GpuExecutor):
+                on_soc = (d.engine or "emulated") != "torch"
+                out[p.device] = PlaneDevice(
+                    p.device, executor.service_us, slots=executor.slots, capacity=d.queue_depth,
+                    kind="gpu" if on_soc else "", max_batch=executor.max_batch,
+                    max_queue_delay_us=executor.max_queue_delay_us,
+                    curve_us=executor.batch_service_us, tier=1,
+                    run=GpuBatches(executor, defaults),
+                )  # fmt: skip
+            elif isinstance(executor, DlaExecutor):
+                frames = DlaFrames(executor, defaults)
+                out[p.device] = PlaneDevice(p.device, executor.service_us, slots=frames.slots,
+                                            capacity=d.queue_depth, run=frames)  # fmt: skip
+        return out
+
     async def _plane_gpu(self) -> tuple[GpuService | None, CudaFunctions | None]:
-        """With pre/post-processing on: the GPU and the driver's functions for the native
-        plane (else None, None). Raises StartupError where no GPU is usable."""
+        """With pre/post-processing on the GPU: the GPU and the driver's functions for the
+        native plane (else None, None: pre/post-processing, if on, runs on the CPU in Python
+        engines). Raises StartupError where ``[pre_post] backend = "cuda"`` and no GPU is
+        usable."""
         if not self.pre_post:
             return None, None
         key = "pre_post.backend"
@@ -318,11 +386,7 @@ class Daemon:
             raise StartupError(str(exc), key=key) from None
         gpu = self._gpu
         if gpu is None:
-            raise StartupError(
-                'data_plane = "native" runs pre/post-processing on the GPU only, and no GPU is '
-                "usable here (see the pre_post line above): set [pre_post] enabled = false",
-                key=key,
-            )
+            return None, None
         self._shm_to_gpu(gpu)
         from dlad.gpu.driver import CudaError, plane_functions  # noqa: PLC0415 (GPU only)
 
@@ -471,10 +535,29 @@ class Daemon:
         self._set_health(device, healthy, why, was=self._healthy.get(device))
 
     def _track_plane_health(self, d: DeviceState) -> None:
-        """_track_health for a core of the native plane: ``failed`` while its last frames all
-        failed, ``ready`` again after one goes through (the plane quarantines nothing)."""
+        """_track_health for an engine of the native plane: ``failed`` while its last frames
+        all failed, ``ready`` again after one goes through; a quarantine's state stands."""
+        if d.quarantined is not None:
+            return
         healthy = d.failing < UNHEALTHY_AFTER
         self._set_health(d.name, healthy, _plane_failing(d), was=self._healthy.get(d.name, True))
+
+    def _plane_events(self, events: Sequence[HealthEvent]) -> None:
+        """The log lines and metrics of what the plane's health keeping did (dlad.health's)."""
+        for e in events:
+            if e.kind is EventKind.QUARANTINED:
+                log.warning("device_quarantined", device=e.device, reason=e.reason,
+                            moved=int(e.seconds))  # fmt: skip
+                self._health_changed(e.device, "quarantined", e.reason)
+            elif e.kind is EventKind.RETURNED:
+                log.info("device_returned", device=e.device, quarantined_s=round(e.seconds, 3))
+                self._health_changed(e.device, "serving", "a probe passed")
+            elif e.kind is EventKind.PROBE_FAILED:
+                log.info("probe_failed", device=e.device, reason=e.reason, next_in_s=e.seconds)
+            else:
+                log.bind(request_id=e.request_id, client=e.client.hex()).info(
+                    "request_retried", failed_on=e.device, device=e.to, reason=e.reason[:200]
+                )
 
     def _set_health(self, device: str, healthy: bool, why: str, *, was: bool | None) -> None:
         """Only changes reach the metrics and the log."""
@@ -521,9 +604,11 @@ class Daemon:
             plane = self.frontend.plane
             if plane is not None:
                 self.frontend.observe_plane()
+                self._plane_events(plane.events())
                 states = plane.state()[0]
                 self.metrics.tick(DeviceSample(d.name, d.queue_depth, d.capacity, d.in_flight,
-                                               d.busy_ns, "dla", (d.completed,))
+                                               d.busy_ns, self.config.device(d.name).kind,
+                                               d.batches)
                                   for d in states)  # fmt: skip
                 for d in states:
                     self._track_plane_health(d)
@@ -599,25 +684,31 @@ class Daemon:
         """STATUS's devices and queues from the native plane's state."""
         assert self.frontend.plane is not None
         states, queued, streams = self.frontend.plane.state()
-        devices = [
-            {
-                "name": d.name,
-                "kind": "dla",
-                "core": self.config.device(d.name).core,
-                "healthy": d.failing < UNHEALTHY_AFTER,
-                "state": "serving",
-                "reason": _plane_failing(d)[: protocol.MAX_MESSAGE_CHARS],
-                "busy": d.in_flight > 0,
-                "in_flight": d.in_flight,
-                "queue_depth": d.queue_depth,
-                "completed": d.completed,
-                "failed": d.failed,  # its GPU chains that could not be queued
-                "service_time_us": float(d.service_time_us),
-                "max_batch": 1,
-                "batches": [d.completed],
-            }
-            for d in states
-        ]
+        devices = []
+        for d in states:
+            config = self.config.device(d.name)
+            if d.quarantined is not None:  # after failing tasks, or its warm-up: probed
+                state, reason = "quarantined", d.quarantined
+            else:
+                state, reason = "serving", _plane_failing(d)
+            devices.append(
+                {
+                    "name": d.name,
+                    "kind": config.kind,
+                    "core": config.core if config.kind == "dla" else None,
+                    "healthy": d.failing < UNHEALTHY_AFTER and d.quarantined is None,
+                    "state": state,
+                    "reason": reason[: protocol.MAX_MESSAGE_CHARS],
+                    "busy": d.in_flight > 0,
+                    "in_flight": d.in_flight,
+                    "queue_depth": d.queue_depth,
+                    "completed": d.completed,
+                    "failed": d.failed,
+                    "service_time_us": float(d.service_time_us),
+                    "max_batch": d.max_batch,
+                    "batches": list(d.batches),
+                }
+            )
         capacity = sum(d.capacity for d in states)
         return devices, {"depth": queued, "capacity": capacity, "streams": streams}
 

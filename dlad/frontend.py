@@ -72,6 +72,7 @@ from dlad.native_plane import (
     CudaFunctions,
     CudlaFunctions,
     Frame,
+    Health,
     Item,
     NativePlane,
     PlaneDevice,
@@ -235,7 +236,7 @@ class Frontend:
         self._registered: set[tuple[str, str]] = set()  # segments the plane takes frames of
         self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
         self._plane_seen: dict[str, Any] = {}  # its counters at the last observe_plane()
-        self._plane_pixels = False  # the plane pre/post-processes: submitted images carry pixels
+        self._plane_pixels = False  # an engine reads pixels: submitted images carry them
         self.shm_device: Callable[[int], int] = _not_on_gpu
         """The GPU address of a segment mapped at a host address (0: not registered there): the
         daemon's GpuService.segment_device where the plane runs GPU pre/post."""
@@ -325,11 +326,13 @@ class Frontend:
                 cuda=cuda,
                 cudla=cudla,
                 dram_contention=c.soc.dram_contention,
-            )
+                health=Health(c.health.quarantine_after, c.health.retry, c.health.probe_after_s,
+                              c.health.probe_max_s),
+            )  # fmt: skip
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",
                                key="frontend.data_plane") from None  # fmt: skip
-        self._plane_pixels = any(d.gpu is not None for d in devices)
+        self._plane_pixels = any(d.gpu is not None or d.run is not None for d in devices)
         self.plane.start()
 
     def close_plane(self) -> None:

@@ -54,7 +54,10 @@ __all__ = [
     "CudaFunctions",
     "CudlaFunctions",
     "DeviceState",
+    "EventKind",
     "Frame",
+    "Health",
+    "HealthEvent",
     "Item",
     "NativePlane",
     "Outcome",
@@ -284,6 +287,45 @@ class DeviceState:
     failed: int  # its frames answered DEVICE_FAILED (a GPU chain not queued, a cuDLA task)
     failing: int  # of them, the last in a row (0 after a frame that went through)
     last_failure: str  # the last one's words ("" before any)
+    quarantined: str | None  # why it is out of placement (None: it serves)
+    quarantines: int  # how often it was quarantined since start
+    max_batch: int
+    batches: tuple[int, ...]  # batches run by size: batches[i] of i + 1 jobs
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """``[health]`` for the plane (dlad/health.py states the rules it keeps)."""
+
+    quarantine_after: int = 5
+    retry: bool = True
+    probe_after_s: float = 1.0
+    probe_max_s: float = 30.0
+
+
+class EventKind(enum.IntEnum):
+    """What the plane's health keeping did (:meth:`NativePlane.events`)."""
+
+    QUARANTINED = 0
+    RETURNED = 1
+    PROBE_FAILED = 2
+    RETRIED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class HealthEvent:
+    """One thing the plane's health keeping did: ``device`` the engine (RETRIED: the one the
+    frame failed on), ``reason`` why; ``seconds``: QUARANTINED, the queued frames moved;
+    RETURNED, how long it was out; PROBE_FAILED, the next rest. RETRIED names the request
+    (``client``, ``request_id``) and the engine it went to (``to``)."""
+
+    kind: EventKind
+    device: str
+    reason: str
+    seconds: float
+    client: bytes
+    request_id: int
+    to: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +416,7 @@ class NativePlane:
         cuda: CudaFunctions | None = None,
         cudla: CudlaFunctions | None = None,
         dram_contention: float = 0.0,
+        health: Health = Health(),
     ) -> None:
         if not available():
             raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
@@ -406,7 +449,8 @@ class NativePlane:
                 float(alpha), dict(pins or {}), shm, curve,
                 None if cuda is None else dataclasses.astuple(cuda),
                 None if cudla is None else dataclasses.astuple(cudla), float(dram_contention),
-                dict(ORIN_DRAM_K),
+                dict(ORIN_DRAM_K), (health.quarantine_after, health.retry,
+                                    float(health.probe_after_s), float(health.probe_max_s)),
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()
@@ -461,6 +505,19 @@ class NativePlane:
         """(each engine's state, jobs queued, streams waiting)."""
         devices, queued, streams = self._plane.state()
         return [DeviceState(*d) for d in devices], queued, streams
+
+    def quarantine(self, device: str, reason: str) -> None:
+        """Take ``device`` out of placement now (its queued frames placed again on its model's
+        other engines, or answered), to be probed after ``health.probe_after_s``: an engine
+        whose warm-up failed. Raises KeyError for a device the plane does not have."""
+        self._plane.quarantine(device, reason)
+
+    def events(self) -> list[HealthEvent]:
+        """What the plane's health keeping did since the last call, in order."""
+        return [
+            HealthEvent(EventKind(kind), device, reason, seconds, client, request_id, to)
+            for kind, device, reason, seconds, client, request_id, to in self._plane.take_events()
+        ]
 
     def add_segment(self, owner: str, name: str, size: int, host: int = 0, device: int = 0) -> bool:
         """Register ``owner``'s shared-memory segment ``name`` of ``size`` bytes (mapped and

@@ -259,9 +259,16 @@ class DlaExecutor(Executor):
             return await self._execute_gpu(job, slot, slot.gpu, slot.waiter)
         if not self.pre_post:
             return await self._execute_bare(job, slot)
-        out, handle = await anyio.to_thread.run_sync(
-            self._run_job, job, slot, limiter=self._slot_threads
+        return await anyio.to_thread.run_sync(
+            self.run_frame, job.id, job.payload, slot, limiter=self._slot_threads
         )
+
+    def run_frame(self, job_id: int, work: Request, slot: Slot) -> Outcome:
+        """One job on ``slot`` from pre-processing to detections, on the calling thread (a
+        slot's worker, or an engine thread of the native plane), its failure counted: with
+        pre/post-processing off, the task alone (no detections). The GPU chain is not this
+        path."""
+        out, handle = self._run_job(job_id, work, slot)
         if isinstance(out.error, DeviceFailed):  # not submitted, or its fence was lost
             self.failed(out.error)
         elif self._settle(out, handle):  # a failed task's outputs were not read
@@ -282,16 +289,17 @@ class DlaExecutor(Executor):
             self.succeeded()
         return out
 
-    def _run_job(self, job: Job[Request], slot: Slot) -> tuple[Outcome, Any]:
+    def _run_job(self, job_id: int, work: Request, slot: Slot) -> tuple[Outcome, Any]:
         """A job on the CPU path, from pre-processing to detections, on a slot's worker thread:
-        returns its outcome (times and detections; the task's status is read on the loop) and
-        the task's handle (None when it was not submitted, ``out.error`` saying why)."""
-        work = job.payload
-        out = Outcome(job.id, self.name)
+        returns its outcome (times and detections; the task's status is read by the caller)
+        and the task's handle (None when it was not submitted, ``out.error`` saying why)."""
+        out = Outcome(job_id, self.name, detections=None if self.pre_post else _NO_DETECTIONS)
         t0 = time.monotonic_ns()
         out.queue_us = (t0 - work.received_ns) / 1e3
-        with self.lanes:
-            geometry = self._pre(work, slot.inputs[0])
+        geometry = None
+        if self.pre_post:
+            with self.lanes:
+                geometry = self._pre(work, slot.inputs[0])
         t1 = time.monotonic_ns()
         out.pre_us = (t1 - t0) / 1e3
         reached = threading.Event()
@@ -308,7 +316,7 @@ class DlaExecutor(Executor):
             )
             return out, None
         t2 = time.monotonic_ns()
-        if handle.status is not CudlaStatus.SUCCESS:
+        if handle.status is not CudlaStatus.SUCCESS or geometry is None:
             return out, handle
         with self.lanes:
             out.detections = self._post(work, slot.outputs, geometry)

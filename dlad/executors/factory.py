@@ -15,6 +15,7 @@ dram_contention``), so running at once slows them as the Orin's shared DRAM does
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import anyio
@@ -54,9 +55,10 @@ def build_executors(
     limiter: anyio.CapacityLimiter,
     pre_post: bool,
     gpu: GpuService | None,
+    only: Collection[str] | None = None,
 ) -> dict[str, Executor]:
-    """One executor per placement (a DLA core's or the GPU's), registered with ``scheduler``, by
-    device name.
+    """One executor per placement (a DLA core's or the GPU's; ``only``: of those devices),
+    registered with ``scheduler``, by device name.
 
     Raises ExecutorBuildError naming the device whose core or loadable fails (the executors
     built before it are closed first).
@@ -67,6 +69,8 @@ def build_executors(
     lanes = threading.BoundedSemaphore(max(plan.config.pre_post.threads, 1))
     try:
         for placement in plan.placements:
+            if only is not None and placement.device not in only:
+                continue
             dev = plan.config.device(placement.device)
             if dev.kind == "gpu":
                 gpu_executor = _gpu_executor(

@@ -505,6 +505,11 @@ class GpuExecutor(Executor):
         self.cuda: CudaBatches | None = self._cuda_batches(gpu) if pre_post else None
         self.backend = "cuda" if self.cuda is not None else "cpu"
 
+    @property
+    def slots(self) -> int:
+        """Batches in flight at once."""
+        return self._slots
+
     def _cuda_batches(self, gpu: GpuService | None) -> CudaBatches | None:
         """The CUDA path, or None (logged why) where it cannot run."""
         io = device_io_engine(self.engine)
@@ -600,7 +605,7 @@ class GpuExecutor(Executor):
         t0 = time.monotonic_ns()
         prepared: list[tuple[npt.NDArray[np.int8], Letterbox | None]]
         if self.pre_post:
-            prepared = await self._each(self._pre, jobs)
+            prepared = await self._each(self._pre, [j.payload for j in jobs])
         else:
             prepared = [(self._blank, None) for _ in jobs]
         t1 = time.monotonic_ns()
@@ -619,9 +624,8 @@ class GpuExecutor(Executor):
             idle.set()
         t2 = time.monotonic_ns()
         if self.pre_post:
-            dets = await self._each(
-                self._post, list(zip(jobs, heads, [g for _, g in prepared], strict=True))
-            )
+            items = [(j.payload, h, g) for j, h, (_, g) in zip(jobs, heads, prepared, strict=True)]
+            dets = await self._each(self._post, items)
         else:
             dets = [np.zeros((0, 6), np.float32) for _ in jobs]
         t3 = time.monotonic_ns()
@@ -709,21 +713,54 @@ class GpuExecutor(Executor):
                 tg.start_soon(one, i)
         return results
 
-    def _pre(self, job: Job[Request]) -> tuple[npt.NDArray[np.int8], Letterbox]:
+    def run_batch(self, job_ids: Sequence[int], requests: Sequence[Request]) -> list[Outcome]:
+        """A batch on the calling thread (an engine thread of the native plane), its failure
+        counted: numpy pre/post-processing frame by frame around the engine's run (not the
+        CUDA path), or none with pre/post-processing off."""
+        t0 = time.monotonic_ns()
+        prepared: list[tuple[npt.NDArray[np.int8], Letterbox | None]]
+        if self.pre_post:
+            prepared = [self._pre(r) for r in requests]
+        else:
+            prepared = [(self._blank, None) for _ in requests]
+        t1 = time.monotonic_ns()
+        try:
+            heads, timing = self.engine.run([frame for frame, _ in prepared])
+        except Exception as exc:  # noqa: BLE001 (any engine error fails this batch only)
+            n = len(requests)
+            error = self.failed(DeviceFailed(f"{self.name}: batch of {n} failed: {exc}"))
+            return [Outcome(i, self.name, error=error) for i in job_ids]
+        t2 = time.monotonic_ns()
+        if self.pre_post:
+            items = zip(requests, heads, prepared, strict=True)
+            dets = [self._post((r, h, g)) for r, h, (_, g) in items]
+        else:
+            dets = [np.zeros((0, 6), np.float32) for _ in requests]
+        t3 = time.monotonic_ns()
+        self.succeeded()
+        self.stats.busy_ns += timing.end_ns - timing.start_ns
+        pre_us, post_us = (t1 - t0) / 1e3, (t3 - t2) / 1e3
+        return [
+            Outcome(i, self.name, detections=d, pre_us=pre_us, device_us=timing.actual_us,
+                    post_us=post_us, start_ns=timing.start_ns, end_ns=timing.end_ns)
+            for i, d in zip(job_ids, dets, strict=True)
+        ]  # fmt: skip
+
+    def _pre(self, work: Request) -> tuple[npt.NDArray[np.int8], Letterbox]:
         size = self.loadable.image_size
-        rgb = to_rgb(job.payload.image, job.payload.pixel_format)  # type: ignore[arg-type]
+        rgb = to_rgb(work.image, work.pixel_format)  # type: ignore[arg-type]
         canvas, geometry = letterbox(rgb, (size[0], size[1]))
         return quantize_hwc4(canvas, self.loadable.input_scale), geometry
 
     def _post(
-        self, item: tuple[Job[Request], Sequence[npt.NDArray[np.float32]], Any]
+        self, item: tuple[Request, Sequence[npt.NDArray[np.float32]], Any]
     ) -> npt.NDArray[np.float32]:
-        job, frame_heads, geometry = item
+        work, frame_heads, geometry = item
         return self.decoder.postprocess(
             frame_heads,
             self.loadable,
             geometry,
-            conf=job.payload.conf,
-            iou=job.payload.iou,
-            max_det=job.payload.max_det,
+            conf=work.conf,
+            iou=work.iou,
+            max_det=work.max_det,
         )

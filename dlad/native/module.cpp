@@ -217,9 +217,12 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::string& policy, double alpha,
     std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
     const std::optional<CudaTuple>& cuda, const std::optional<CudlaApiTuple>& cudla,
-    double dram_contention, const std::map<std::pair<std::string, std::string>, double>& dram_k) {
+    double dram_contention, const std::map<std::pair<std::string, std::string>, double>& dram_k,
+    const std::tuple<int64_t, bool, double, double>& health) {
     dlad::plane::Config c;
     c.limits = limits_of(limits);
+    const auto& [quarantine_after, retry, probe_after_s, probe_max_s] = health;
+    c.health = {quarantine_after, retry, probe_after_s, probe_max_s};
     for (const auto& [name, latency_us, slots, capacity, gpu, core, kind, max_batch, delay_us,
                       curve_us, tier, run] : devices) {
         dlad::plane::DeviceSpec d;
@@ -287,7 +290,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
              py::arg("curve"), py::arg("cuda"), py::arg("cudla"), py::arg("dram_contention"),
-             py::arg("dram_k"))
+             py::arg("dram_k"), py::arg("health"))
         .def("start", &dlad::plane::Plane::start)
         .def("close", &dlad::plane::Plane::close, py::call_guard<py::gil_scoped_release>())
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
@@ -337,12 +340,18 @@ PYBIND11_MODULE(_native, m) {
                      const auto failed = s.failed.find(d.name);
                      const auto failing = s.failing.find(d.name);
                      const auto why = s.last_failure.find(d.name);
+                     const auto out = s.quarantined.find(d.name);
+                     const auto times = s.quarantines.find(d.name);
                      devices.append(py::make_tuple(
                          d.name, d.queue_depth, d.capacity, d.in_flight, d.service_time_us,
                          d.completed, busy == s.busy_ns.end() ? int64_t{0} : busy->second,
                          failed == s.failed.end() ? int64_t{0} : failed->second,
                          failing == s.failing.end() ? int64_t{0} : failing->second,
-                         why == s.last_failure.end() ? std::string() : why->second));
+                         why == s.last_failure.end() ? std::string() : why->second,
+                         out == s.quarantined.end() ? py::object(py::none())
+                                                    : py::object(py::str(out->second)),
+                         times == s.quarantines.end() ? int64_t{0} : times->second,
+                         d.max_batch, py::tuple(py::cast(d.batches))));
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })
@@ -365,6 +374,18 @@ PYBIND11_MODULE(_native, m) {
                  for (const auto& o : obs) {
                      out.append(py::make_tuple(o.model, o.device, o.status, o.queue_us,
                                                o.device_us, o.total_us));
+                 }
+                 return out;
+             })
+        .def("quarantine", &dlad::plane::Plane::quarantine, py::arg("device"), py::arg("reason"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("take_events",
+             [](dlad::plane::Plane& p) {
+                 py::list out;
+                 for (const auto& e : p.take_events()) {
+                     out.append(py::make_tuple(static_cast<int>(e.kind), e.device, e.reason,
+                                               e.seconds, py::bytes(e.client), e.request_id,
+                                               e.to));
                  }
                  return out;
              })

@@ -27,6 +27,9 @@ constexpr int kSndMore = 2;   // ZMQ_SNDMORE
 constexpr short kPollIn = 1;  // ZMQ_POLLIN
 constexpr short kPollOut = 2;  // ZMQ_POLLOUT
 constexpr int kBurst = 64;    // messages read in a row before engines and replies get a turn
+// A probe waits for its engine however long (a hung task ends at its timeout): health.py's
+// PROBE_DEADLINE_S
+constexpr int64_t kProbeDeadlineNs = 86'400'000'000'000;
 
 // protocol.Status
 enum Status : int64_t {
@@ -163,8 +166,8 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
                                         ": latency_us, slots, capacity and max_batch must be "
                                         "positive");
         }
-        if (d.kind != "dla" && d.kind != "gpu") {
-            throw std::invalid_argument("device " + d.name + ": its kind is dla or gpu");
+        if (d.kind != "dla" && d.kind != "gpu" && !d.kind.empty()) {
+            throw std::invalid_argument("device " + d.name + ": its kind is dla, gpu or \"\"");
         }
         if (engines_.count(d.name) != 0) throw std::invalid_argument("device " + d.name + " twice");
         auto on_done = [this, name = d.name](Finished f) {
@@ -194,6 +197,8 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         }
         auto& models = served[d.name];
         std::sort(models.begin(), models.end());
+        if (!models.empty()) first_model_[d.name] = models.front();
+        watches_[d.name] = Watch{};
         std::map<int64_t, double> known{{1, d.latency_us * 1e3}};
         for (const auto& [size, us] : d.curve_us) known[size] = us * 1e3;
         scheduler_.add_device(d.name, models, d.capacity, d.max_batch, known, d.tier, d.kind);
@@ -363,6 +368,10 @@ State Plane::state() {
         out.failed = failed_;
         out.failing = failing_;
         out.last_failure = last_failure_;
+        for (const auto& [device, w] : watches_) {
+            if (w.quarantined) out.quarantined[device] = w.reason;
+            out.quarantines[device] = w.quarantines;
+        }
         out.queued = scheduler_.queued();
         out.streams_waiting = scheduler_.streams_waiting();
     });
@@ -467,6 +476,7 @@ void Plane::run() {
         for (int64_t id : scheduler_.expire(now_ns())) {
             answer(id, DEADLINE_EXCEEDED, "deadline passed while queued");
         }
+        if (!draining) start_probes(now_ns());
         dispatch(now_ns());
     }
     // Draining's end: what the socket holds is read (INFERs are answered SHUTTING_DOWN, the
@@ -495,6 +505,9 @@ void Plane::run() {
 long Plane::poll_timeout(int64_t now) const {
     std::optional<int64_t> at = scheduler_.earliest_deadline();
     if (batch_wake_ns_ && (!at || *batch_wake_ns_ < *at)) at = batch_wake_ns_;
+    for (const auto& [device, w] : watches_) {  // a quarantined engine's probe is due
+        if (w.quarantined && w.probe < 0 && (!at || w.probe_at_ns < *at)) at = w.probe_at_ns;
+    }
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (draining_ && (!at || drain_until_ns_ < *at)) at = drain_until_ns_;
@@ -701,35 +714,13 @@ bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now
         if (victim) r = scheduler_.admit(spec, {}, now);
     }
     if (r.refusal != Refusal::none) {
-        std::string why;
-        int64_t status = INTERNAL;
-        if (r.refusal == Refusal::not_found) {
-            status = NOT_FOUND;
-            why = "no device serves model " + py_repr(item.model);
-        } else if (r.refusal == Refusal::overloaded) {
-            status = OVERLOADED;
-            why = "all queues for model " + py_repr(item.model) + " are full (";
-            for (size_t i = 0; i < r.full.size(); ++i) {
-                why += (i ? ", " : "") + r.full[i].name + " " + std::to_string(r.full[i].depth) +
-                       "/" + std::to_string(r.full[i].capacity);
-            }
-            why += ")";
-        } else if (r.refusal == Refusal::device_failed) {
-            status = DEVICE_FAILED;
-            why = "no healthy device serves model " + py_repr(item.model) + " now (";
-            for (size_t i = 0; i < r.unhealthy.size(); ++i) {
-                why += (i ? ", " : "") + r.unhealthy[i].first +
-                       (r.unhealthy[i].second ? " failed it" : " quarantined");
-            }
-            why += ")";
-        } else {
-            why = "request id " + std::to_string(spec.id) + " is already queued";
-        }
+        const auto [status, why] = refusal(r, item.model, spec.id);
         refuse(job, status, why);
         return false;
     }
     job.payload = std::move(payload);
     job.device = r.placed.device;
+    job.spec = spec;
     if (!job.segment.empty()) {
         Segment& seg = segments_.at(job.segment);
         ++seg.users;
@@ -751,6 +742,30 @@ bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now
     return true;
 }
 
+std::pair<int64_t, std::string> Plane::refusal(const AdmitResult& r, const std::string& model,
+                                               int64_t id) {
+    if (r.refusal == Refusal::not_found) {
+        return {NOT_FOUND, "no device serves model " + py_repr(model)};
+    }
+    if (r.refusal == Refusal::overloaded) {
+        std::string why = "all queues for model " + py_repr(model) + " are full (";
+        for (size_t i = 0; i < r.full.size(); ++i) {
+            why += (i ? ", " : "") + r.full[i].name + " " + std::to_string(r.full[i].depth) + "/" +
+                   std::to_string(r.full[i].capacity);
+        }
+        return {OVERLOADED, why + ")"};
+    }
+    if (r.refusal == Refusal::device_failed) {
+        std::string why = "no healthy device serves model " + py_repr(model) + " now (";
+        for (size_t i = 0; i < r.unhealthy.size(); ++i) {
+            why += (i ? ", " : "") + r.unhealthy[i].first +
+                   (r.unhealthy[i].second ? " failed it" : " quarantined");
+        }
+        return {DEVICE_FAILED, why + ")"};
+    }
+    return {INTERNAL, "request id " + std::to_string(id) + " is already queued"};
+}
+
 void Plane::refuse(const Job& job, int64_t status, const std::string& message) {
     wire::Timing timing;
     timing.total_us =
@@ -765,6 +780,11 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return;  // answered already (a task that ran past the drain)
     Job& job = it->second;
+    if (job.probe) {  // no client waits for it, and it holds no client's place
+        jobs_.erase(it);
+        pending_.store(static_cast<int64_t>(jobs_.size()));
+        return;
+    }
     const int64_t now = now_ns();
     wire::Timing timing;
     timing.total_us = static_cast<uint64_t>(std::max<int64_t>(now - job.received_ns, 0) / 1000);
@@ -919,7 +939,25 @@ void Plane::finished(const std::string& device, const Finished& f) {
             ++counters_.gpu_errors;
             counters_.last_gpu_error = device + ": " + words;
         }
-        answer(id, DEVICE_FAILED, why, &f, r);
+        const int64_t now = now_ns();
+        if (jobs_.at(id).probe) {
+            probe_ended(device, false, why, now);
+            answer(id, DEVICE_FAILED, why, &f, r);  // a probe's: no reply
+        } else if (!retry(id, device, why)) {
+            answer(id, DEVICE_FAILED, why, &f, r);
+        }
+        // dlad/health.py: a hang quarantines at once, failures after quarantine_after in a row
+        const int64_t n = config_.health.quarantine_after;
+        if (!watches_[device].quarantined && n > 0) {
+            if (failure == Failure::hung) {
+                quarantine_now(device, "a task hung: " + why, now);
+            } else if (failing_[device] >= n) {
+                quarantine_now(device,
+                               std::to_string(failing_[device]) +
+                                   " tasks failed in a row; last: " + why,
+                               now);
+            }
+        }
     }
     if (ok.empty()) return;
     failing_[device] = 0;  // a frame that went through: the device serves again
@@ -931,8 +969,131 @@ void Plane::finished(const std::string& device, const Finished& f) {
     }
     for (size_t i = 0; i < f.jobs.size(); ++i) {
         if (std::find(ok.begin(), ok.end(), f.jobs[i]) == ok.end()) continue;
+        if (jobs_.at(f.jobs[i]).probe) probe_ended(device, true, "", now_ns());
         answer(f.jobs[i], OK, "", &f, i < f.results.size() ? &f.results[i] : nullptr);
     }
+}
+
+bool Plane::retry(int64_t job_id, const std::string& failed_on, const std::string& why) {
+    Job& job = jobs_.at(job_id);
+    if (!config_.health.retry || job.retried) return false;
+    const int64_t now = now_ns();
+    // too late, or a newer frame of its stream waits: that one counts
+    if (now >= job.spec.deadline_ns || scheduler_.has_queued(job.spec.stream, job.spec.owner)) {
+        return false;
+    }
+    const AdmitResult r = scheduler_.admit(job.spec, {failed_on}, now);
+    if (r.refusal != Refusal::none) return false;
+    job.retried = true;
+    job.device = r.placed.device;
+    HealthEvent e;
+    e.kind = HealthEvent::retried;
+    e.device = failed_on;
+    e.reason = why;
+    e.client = job.client;
+    e.request_id = job.request_id;
+    e.to = job.device;
+    event(std::move(e));
+    return true;
+}
+
+void Plane::quarantine_now(const std::string& device, const std::string& reason, int64_t now) {
+    Watch& w = watches_.at(device);
+    w.quarantined = true;
+    w.reason = reason.substr(0, 200);
+    w.since_ns = now;
+    ++w.quarantines;
+    w.rest_s = config_.health.probe_after_s;
+    w.probe_at_ns = now + static_cast<int64_t>(w.rest_s * 1e9);
+    const std::vector<int64_t> moved = scheduler_.set_available(device, false);
+    HealthEvent e;
+    e.kind = HealthEvent::quarantined;
+    e.device = device;
+    e.reason = w.reason;
+    e.seconds = static_cast<double>(moved.size());
+    event(std::move(e));
+    // Its queued frames go to the model's other engines, or are answered (Frontend.requeue)
+    for (int64_t id : moved) {
+        auto it = jobs_.find(id);
+        if (it == jobs_.end()) continue;
+        Job& job = it->second;  // not a probe: one is queued only while its engine is out
+        const AdmitResult r = scheduler_.admit(job.spec, {device}, now);
+        if (r.refusal != Refusal::none) {
+            const auto [status, why] = refusal(r, job.spec.model, id);
+            answer(id, status, why);
+            continue;
+        }
+        job.device = r.placed.device;
+    }
+}
+
+void Plane::start_probes(int64_t now) {
+    for (auto& [device, w] : watches_) {
+        if (!w.quarantined || w.probe >= 0 || w.probe_at_ns > now) continue;
+        const auto model = first_model_.find(device);
+        if (model == first_model_.end()) continue;  // serving no model: nothing to probe with
+        // one task on a blank frame, for this engine alone (HealthKeeper._probe)
+        static const auto blank = std::make_shared<const std::string>(64 * 64 * 3, '\0');
+        Job job;
+        job.probe = true;
+        job.model = model->second;
+        job.received_ns = now;
+        job.image = {64, 64, 3, false, 0.25, 0.45, 1};
+        job.pixels = blank;
+        job.spec = {next_job_++, job.model, now + kProbeDeadlineNs, 0, std::nullopt, ""};
+        Placed placed;
+        if (!scheduler_.admit_probe(device, job.spec, now, &placed)) continue;
+        job.device = device;
+        w.probe = job.spec.id;
+        jobs_.emplace(job.spec.id, std::move(job));
+        pending_.store(static_cast<int64_t>(jobs_.size()));
+    }
+}
+
+void Plane::probe_ended(const std::string& device, bool ok, const std::string& why, int64_t now) {
+    Watch& w = watches_.at(device);
+    w.probe = -1;
+    HealthEvent e;
+    e.device = device;
+    if (ok) {
+        e.kind = HealthEvent::returned;
+        e.seconds = static_cast<double>(now - w.since_ns) / 1e9;
+        w.quarantined = false;
+        w.reason.clear();
+        scheduler_.set_available(device, true);
+    } else {
+        w.rest_s = std::min(2 * w.rest_s, config_.health.probe_max_s);
+        w.probe_at_ns = now + static_cast<int64_t>(w.rest_s * 1e9);
+        e.kind = HealthEvent::probe_failed;
+        e.reason = why.substr(0, 200);
+        e.seconds = w.rest_s;
+    }
+    event(std::move(e));
+}
+
+void Plane::event(HealthEvent e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (events_.size() < kMaxObservations) events_.push_back(std::move(e));
+}
+
+void Plane::quarantine(const std::string& device, const std::string& reason) {
+    bool known = true;
+    call([&] {
+        const auto w = watches_.find(device);
+        if (w == watches_.end()) {
+            known = false;
+        } else if (!w->second.quarantined) {
+            quarantine_now(device, reason, now_ns());
+        }
+    });
+    if (!known) throw UnknownDevice(device);
+}
+
+std::vector<HealthEvent> Plane::take_events() {
+    std::vector<HealthEvent> out;
+    std::lock_guard<std::mutex> lock(mu_);
+    out.swap(events_);
+    return out;
 }
 
 void Plane::take_completions() {

@@ -101,7 +101,7 @@ struct DeviceSpec {
                             // timing mode; for the others, the scheduler's first estimate)
     int64_t slots = 2;      // batches in flight on it at once (the DLA executor's slots)
     int64_t capacity = 4;   // its queue in the scheduler
-    std::string kind = "dla";  // "dla" or "gpu", for the DRAM model and placement
+    std::string kind = "dla";  // "dla" or "gpu" for the DRAM model ("": it shares none)
     int64_t max_batch = 1;     // the most jobs a batch holds (a GPU's dynamic batches)
     double max_queue_delay_us = 0;  // how long a partial batch may wait for more
     // the service time by batch size (µs), where more than batch 1 is known (a GPU's curve)
@@ -118,8 +118,30 @@ struct DeviceSpec {
     std::function<std::unique_ptr<Engine>(OnFinished)> make;
 };
 
+// [health]: judged by the results of an engine's tasks (dlad/config.py's HealthConfig).
+struct HealthConfig {
+    int64_t quarantine_after = 5;  // failed tasks in a row that quarantine an engine (0: never)
+    bool retry = true;             // a frame that failed is placed once more on another engine
+    double probe_after_s = 1.0;    // a quarantined engine's first rest before its probe
+    double probe_max_s = 30.0;     // the longest rest (it doubles after each failed probe)
+};
+
+// What the plane's health keeping did, for the control plane's log and metrics.
+struct HealthEvent {
+    enum Kind { quarantined = 0, returned = 1, probe_failed = 2, retried = 3 };
+    Kind kind = quarantined;
+    std::string device;   // the engine (retried: the one it failed on)
+    std::string reason;   // why (returned: "")
+    double seconds = 0;   // quarantined: jobs moved; returned: how long it was out;
+                          // probe_failed: the next rest
+    std::string client;   // retried: the request's client and id, and where it went
+    uint64_t request_id = 0;
+    std::string to;
+};
+
 struct Config {
     wire::Limits limits;
+    HealthConfig health;
     double default_deadline_ms = 1000;  // [daemon]
     double max_deadline_ms = 60000;
     int64_t max_in_flight_per_client = 64;  // [frontend]
@@ -169,6 +191,8 @@ struct State {
     std::map<std::string, int64_t> failed;   // device -> its frames answered DEVICE_FAILED
     std::map<std::string, int64_t> failing;  // device -> of them, the last in a row
     std::map<std::string, std::string> last_failure;  // device -> the last one's words
+    std::map<std::string, std::string> quarantined;  // device -> why, while it is
+    std::map<std::string, int64_t> quarantines;  // device -> how often it was, since start
     int64_t queued = 0;
     int64_t streams_waiting = 0;
 };
@@ -250,6 +274,11 @@ class Plane {
     std::vector<std::pair<std::string, std::string>> idle_segments(double idle_ms);
     // The replies observed since the last call (at most kMaxObservations are kept).
     std::vector<Observation> take_observations();
+    // Take ``device`` out of placement now (its queued frames placed again elsewhere), to be
+    // probed after [health] probe_after_s: a failed warm-up. Throws UnknownDevice.
+    void quarantine(const std::string& device, const std::string& reason);
+    // The health events since the last call.
+    std::vector<HealthEvent> take_events();
     static constexpr size_t kMaxObservations = size_t{1} << 20;
     int64_t pending() const { return pending_.load(); }
     bool draining() const {
@@ -275,6 +304,19 @@ class Plane {
         Image image;          // its shape and settings (GPU pre/post)
         std::shared_ptr<const std::string> pixels;  // a submitted image's bytes (none:
                                                     // payload or segment)
+        JobSpec spec;          // as the scheduler knows it (a retry places it again)
+        bool retried = false;  // it failed once and was placed again
+        bool probe = false;    // a health probe: no client waits for it
+    };
+    // An engine's health (dlad/health.py's _Watch)
+    struct Watch {
+        bool quarantined = false;
+        std::string reason;
+        double rest_s = 0;
+        int64_t probe_at_ns = 0;
+        int64_t probe = -1;  // the probe's job id while one is placed
+        int64_t quarantines = 0;
+        int64_t since_ns = 0;
     };
 
     void run();
@@ -306,6 +348,17 @@ class Plane {
     bool admit(Job job, const std::string& key, const Item& item, int64_t now,
                std::shared_ptr<Part> payload);
     void refuse(const Job& job, int64_t status, const std::string& message);
+    // A refused admission's status and words (Frontend's), for ``model``
+    static std::pair<int64_t, std::string> refusal(const AdmitResult& r, const std::string& model,
+                                                   int64_t id);
+    // Health (the plane's thread): a failed frame placed once more elsewhere (false: answer
+    // it); an engine quarantined, its queued frames placed again; probes when their rest is
+    // over; a probe's end
+    bool retry(int64_t job_id, const std::string& failed_on, const std::string& why);
+    void quarantine_now(const std::string& device, const std::string& reason, int64_t now);
+    void start_probes(int64_t now);
+    void probe_ended(const std::string& device, bool ok, const std::string& why, int64_t now);
+    void event(HealthEvent e);
     // ``detections``: the reply's second frame (none: an empty one)
     void deliver(const Job& job, const std::string& header, int64_t status,
                  std::string_view detections = {});
@@ -340,6 +393,8 @@ class Plane {
     std::map<std::string, int64_t> failing_;  // device -> of them, the last in a row
     std::map<std::string, std::string> last_failure_;
     std::optional<int64_t> batch_wake_ns_;  // when a partial batch waiting for more is due
+    std::map<std::string, Watch> watches_;   // device -> its health
+    std::map<std::string, std::string> first_model_;  // device -> a model it serves (probes)
     struct Segment {
         uint64_t size = 0;
         int64_t users = 0;  // its frames admitted and not yet answered
@@ -369,6 +424,7 @@ class Plane {
     std::vector<Call*> calls_;  // each its caller's, who waits for done
     std::condition_variable called_;
     std::vector<Observation> observations_;
+    std::vector<HealthEvent> events_;
     Counters counters_;
     bool draining_ = false;
     bool shed_ = false;  // the queue was answered SHUTTING_DOWN when draining began (plane's)

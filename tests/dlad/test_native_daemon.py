@@ -5,6 +5,7 @@ INFER_BATCH, the metrics, the drain and the linger after it."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,15 +18,17 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
 from dlad import native_scheduler, protocol
 from dlad.auth import write_keypair
-from dlad.config import ConfigError, load_config
+from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import DladError, Overloaded, StartupError, Status
 from dlad.gpu.driver import GpuProbe
+from dlad.models import DEMO
 from dlad.scheduler import no_device_serves
 from dlad.shm import SharedFrames
 from dlad_client import Client, CurveKeys
@@ -220,55 +223,110 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
         assert late[1].report["state"] == "DRAINING"
 
 
-@pytest.mark.parametrize(
-    ("change", "key"),
-    [
-        (("[pre_post]\nenabled = false", '[pre_post]\nenabled = true\nbackend = "cpu"'),
-         "pre_post.backend"),
-        (('mode = "timing"\nlatency_us = {latency}\n[devices.dla1]',
-          'mode = "numeric"\nlatency_us = {latency}\n[devices.dla1]'), "devices.dla0.mode"),
-    ],
-)  # fmt: skip
-def test_what_the_native_plane_cannot_run_is_refused_at_load(
-    tmp_path: Path, change: tuple[str, str], key: str
-) -> None:
-    text = CONFIG.replace(*change)
-    assert text != CONFIG
+EVERY_KIND = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+cheap_requests_per_s = 100000.0  # the test polls STATUS
+data_plane = "native"
+[pre_post]
+backend = "cpu"
+[soc]
+dram_contention = 1.0
+[devices.dla0]
+kind = "dla"
+backend = "emulated"
+core = 0
+mode = "numeric"
+[devices.dla1]
+kind = "dla"
+backend = "emulated"
+core = 1
+mode = "timing"
+latency_us = 2000.0
+[devices.dla1.faults]
+error_rate = 1.0
+[devices.gpu]
+kind = "gpu"
+engine = "emulated"
+mode = "numeric"
+max_batch = 4
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+[models.faulty]
+devices = ["dla1"]
+[models.faulty.loadables]
+core1 = "bundled:demo/fp16_heads.dla1.emu"
+[models.batched]
+devices = ["gpu"]
+[models.batched.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+def test_every_engine_kind_serves_on_the_plane(tmp_path: Path) -> None:
+    """A numeric core, a faulty core and the emulated GPU, with pre/post-processing on the CPU:
+    each runs behind the plane (a Python engine) and answers as the Python data plane does,
+    the detections the ones prep recorded for the image; the faulty core, whose warm-up
+    failed, is quarantined from the start."""
+    expected = json.loads((DEMO / "expected_detections.json").read_text())["images"]["000001.jpg"]
+    rgb = Image.open(DEMO / "images" / "000001.jpg").convert("RGB")
+    image = np.ascontiguousarray(np.asarray(rgb))
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(_config(text=text))
-    with pytest.raises(ConfigError) as err:
-        load_config(cfg)
-    assert err.value.key == key
-    assert 'data_plane = "native"' in err.value.reason
+    cfg.write_text(EVERY_KIND)
+    d = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(d) as ep, dealer(ep) as sock:
+        for rid, model in enumerate(["demo", "batched", "batched", "demo"]):
+            sock.send_multipart(protocol.encode(protocol.InferRequest(rid, model, image)))
+        replies = sorted((recv(sock) for _ in range(4)), key=lambda r: r.id or 0)
+        for r, device in zip(replies, ["dla0", "gpu", "gpu", "dla0"], strict=True):
+            assert isinstance(r, protocol.InferReply)
+            assert (r.status, r.device) == (Status.OK, device), r.message
+            np.testing.assert_allclose(
+                r.detections, np.asarray(expected["emulated_int8"], np.float32), atol=2e-3
+            )
+            assert r.timing.device_us > 0
+            assert r.timing.pre_us > 0
+        sock.send_multipart(protocol.encode(protocol.InferRequest(9, "faulty", image)))
+        failed = recv(sock)  # its warm-up failed: quarantined from the start
+        assert isinstance(failed, protocol.InferReply)
+        assert (failed.status, failed.message) == (
+            Status.DEVICE_FAILED, "no healthy device serves model 'faulty' now (dla1 quarantined)")  # fmt: skip
+        report = _status(sock, 10)
+    devices = {x["name"]: x for x in report["devices"]}
+    assert sorted(devices) == ["dla0", "dla1", "gpu"]
+    assert (devices["dla0"]["completed"], devices["gpu"]["completed"]) == (2, 2)
+    assert (devices["dla1"]["state"], devices["dla1"]["healthy"]) == ("quarantined", False)
+    assert devices["dla1"]["reason"].startswith("warm-up failed: dla1: warm-up task failed")
+    assert devices["gpu"]["max_batch"] == 4
 
 
-def test_a_model_on_the_gpu_is_refused_with_the_native_plane(tmp_path: Path) -> None:
-    """A gpu device may pre/post-process for the plane's cores, not serve a model."""
-    text = _config() + '[devices.gpu]\nkind = "gpu"\n'
-    cfg = tmp_path / "dlad.toml"
-    cfg.write_text(text)
-    assert load_config(cfg).devices[-1].kind == "gpu"  # serving no model: taken
-    cfg.write_text(text.replace('devices = ["dla0", "dla1"]', 'devices = ["dla0", "gpu"]'))
-    with pytest.raises(ConfigError) as err:
-        load_config(cfg)
-    assert err.value.key == "devices.gpu.kind"
-    assert "models on DLA cores only" in err.value.reason
-
-
-def test_gpu_pre_post_without_a_gpu_is_refused_at_start(
+def test_pre_post_without_a_gpu_runs_on_the_cpu_unless_cuda_is_required(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plane pre/post-processes on the GPU only: where the probe finds none, ``auto``
-    falls to the CPU, which the plane cannot run; the daemon says so and starts nothing."""
+    """Where the probe finds no GPU, ``auto`` pre/post-processes on the CPU: the timing cores
+    then run as Python engines of the plane and answer with detections; ``cuda`` refuses to
+    start, naming the key, and leaves nothing running."""
     monkeypatch.setattr("dlad.gpu.service.probe", lambda: GpuProbe(False, "no driver here"))
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(_config().replace("[pre_post]\nenabled = false", "[pre_post]\nenabled = true")
+    text = _config().replace("[pre_post]\nenabled = false", "[pre_post]\nenabled = true")
+    cfg.write_text(text)
+    d = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(d) as ep, dealer(ep) as sock:
+        sock.send_multipart(_infer(1))
+        r = recv(sock)
+        assert (r.status, r.device in ("dla0", "dla1")) == (Status.OK, True)
+        assert r.detections is not None  # decoded from the timing core's pattern
+        assert r.timing.pre_us > 0
+    cfg.write_text(text.replace("enabled = true", 'enabled = true\nbackend = "cuda"')
                    + '[devices.gpu]\nkind = "gpu"\n')  # fmt: skip
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with pytest.raises(StartupError) as err:
         anyio.run(daemon.serve)
     assert err.value.key == "pre_post.backend"
-    assert "on the GPU only" in str(err.value)
     assert daemon.frontend.plane is None  # nothing left running
 
 

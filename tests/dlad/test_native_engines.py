@@ -17,7 +17,7 @@ import pytest
 
 from dlad import native_scheduler, protocol
 from dlad.errors import Status
-from dlad.native_plane import PlaneDevice
+from dlad.native_plane import EventKind, Health, HealthEvent, PlaneDevice
 from dlad.protocol import InferRequest
 from tests.dlad.test_metrics import wait_for
 from tests.dlad.test_native_plane import Rig
@@ -40,6 +40,7 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.gate = threading.Event()
         self.gate.set()
+        _GATES.append(self.gate)
         self.entered = threading.Event()
         self.lock = threading.Lock()
 
@@ -62,18 +63,25 @@ def recorder() -> Recorder:
     return Recorder()
 
 
-def _rig(run: Any, **device: Any) -> Rig:
+def _rig(run: Any, health: Health | None = None, **device: Any) -> Rig:
     # deadlines far off: a job held behind a gated engine must not expire under load
     return Rig(
         [PlaneDevice("py0", 4_000.0, capacity=32, run=run, **device)],
         default_deadline_ms=600_000.0,
+        health=health or Health(),
     )
+
+
+_GATES: list[threading.Event] = []  # every Recorder's, opened before its plane closes
 
 
 @pytest.fixture
 def rigs() -> Iterator[list[Rig]]:
     made: list[Rig] = []
     yield made
+    for gate in _GATES:  # a test that failed holding an engine must not hold its close
+        gate.set()
+    _GATES.clear()
     for r in made:
         r.close()
 
@@ -151,7 +159,7 @@ def test_an_engine_that_fails_costs_its_job_one_typed_reply(
             return result
         return 0, 1_000, [result]
 
-    rig = _rig(run, slots=1)
+    rig = _rig(run, slots=1, health=Health(quarantine_after=0))  # a hang would quarantine
     rigs.append(rig)
     rig.infer(1)
     r = rig.reply()
@@ -195,3 +203,116 @@ def test_close_waits_for_the_call_running_and_answers_its_job(
         d.close(0)
     rig.router.close(0)
     rig.ctx.term()
+
+
+class Flaky:
+    """A Python engine that fails (``failure``: 1 a device's, 3 a hang) while ``failing`` is
+    set, and counts its calls."""
+
+    def __init__(self, failure: int = 1) -> None:
+        self.failing = threading.Event()
+        self.failing.set()
+        self.failure = failure
+        self.calls = 0
+
+    def __call__(self, batch: Batch) -> tuple[int, int, Sequence[tuple[Any, ...]]]:
+        self.calls += 1
+        if self.failing.is_set():
+            return 0, 1_000, [(self.failure, "task failed: broken", None, None, None)] * len(batch)
+        return 0, 1_000, [(0, "", None, None, None)] * len(batch)
+
+
+def _pool(flaky: Flaky, health: Health, **settings: Any) -> Rig:
+    good = Recorder()
+    return Rig(
+        [
+            PlaneDevice("py0", 1_000.0, slots=1, capacity=32, run=flaky),
+            PlaneDevice("py1", 9_000.0, slots=1, capacity=32, run=good),  # placed second
+        ],
+        default_deadline_ms=600_000.0,
+        health=health,
+        **settings,
+    )
+
+
+def _events(rig: Rig, seen: list[HealthEvent], kind: EventKind) -> bool:
+    seen.extend(rig.plane.events())
+    return any(e.kind is kind for e in seen)
+
+
+def test_failed_frames_are_retried_elsewhere_and_the_engine_quarantined_then_returned(
+    rigs: list[Rig],
+) -> None:
+    flaky = Flaky()
+    rig = _pool(flaky, Health(quarantine_after=3, probe_after_s=0.001, probe_max_s=0.002))
+    rigs.append(rig)
+    seen: list[HealthEvent] = []
+    for rid in range(3):  # each fails on py0 (the faster), and is retried on py1
+        rig.infer(rid)
+        r = rig.reply()
+        assert (r.id, r.status, r.device) == (rid, Status.OK, "py1")
+    wait_for(lambda: _events(rig, seen, EventKind.QUARANTINED))
+    retried = [e for e in seen if e.kind is EventKind.RETRIED]
+    assert [(e.request_id, e.device, e.to) for e in retried] == [
+        (i, "py0", "py1") for i in range(3)
+    ]
+    (out,) = [e for e in seen if e.kind is EventKind.QUARANTINED]
+    assert (out.device, out.reason) == (
+        "py0",
+        "3 tasks failed in a row; last: py0: task failed: broken",
+    )
+    py0 = rig.plane.state()[0][0]
+    assert (py0.quarantined, py0.quarantines, py0.failed) == (out.reason, 1, 3)
+    wait_for(lambda: _events(rig, seen, EventKind.PROBE_FAILED))  # probed, still failing
+    calls = flaky.calls
+    rig.infer(10)  # out of placement: py1 serves it first time
+    r = rig.reply()
+    assert (r.status, r.device) == (Status.OK, "py1")
+    flaky.failing.clear()
+    wait_for(lambda: _events(rig, seen, EventKind.RETURNED))
+    assert flaky.calls > calls  # the probe ran on py0 itself
+    assert rig.plane.state()[0][0].quarantined is None
+    rig.infer(11)
+    assert rig.reply().device == "py0"  # back in placement
+    assert rig.plane.counters()["replied"] == 5  # probes answer no one
+
+
+def test_a_hang_quarantines_at_once_and_without_retry_the_failure_is_answered(
+    rigs: list[Rig],
+) -> None:
+    rig = _pool(Flaky(failure=3), Health(quarantine_after=5, retry=False, probe_after_s=60))
+    rigs.append(rig)
+    seen: list[HealthEvent] = []
+    rig.infer(1)
+    r = rig.reply()
+    assert (r.status, r.device, r.message) == (
+        Status.DEVICE_FAILED, "py0", "py0: task failed: broken")  # fmt: skip
+    wait_for(lambda: _events(rig, seen, EventKind.QUARANTINED))
+    assert seen[-1].reason == "a task hung: py0: task failed: broken"
+    assert not [e for e in seen if e.kind is EventKind.RETRIED]
+
+
+def test_a_quarantine_moves_the_queued_frames_or_answers_them(rigs: list[Rig]) -> None:
+    gated = Recorder()
+    gated.gate.clear()
+    rig = Rig(
+        [PlaneDevice("py0", 1_000.0, slots=1, capacity=32, run=gated)],
+        default_deadline_ms=600_000.0,
+        health=Health(probe_after_s=600),
+    )
+    rigs.append(rig)
+    rig.infer(0)
+    assert gated.entered.wait(20)
+    for rid in range(1, 4):
+        rig.infer(rid)
+    wait_for(lambda: rig.plane.state()[1] == 3)
+    rig.plane.quarantine("py0", "warm-up failed: no")
+    refused = sorted((rig.reply() for _ in range(3)), key=lambda r: r.id or 0)
+    assert [r.id for r in refused] == [1, 2, 3]
+    assert {r.status for r in refused} == {Status.DEVICE_FAILED}
+    # placed again avoiding py0 (Frontend.requeue's words)
+    assert refused[0].message == "no healthy device serves model 'demo' now (py0 failed it)"
+    gated.gate.set()
+    assert rig.reply().status is Status.OK  # what ran finishes
+    with pytest.raises(KeyError):
+        rig.plane.quarantine("nope", "no such engine")

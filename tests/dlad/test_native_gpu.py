@@ -40,6 +40,7 @@ from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 from dlad.native_plane import (
     CudaFunctions,
     Frame,
+    Health,
     Item,
     NativePlane,
     PlaneDevice,
@@ -232,6 +233,7 @@ class Rig:
         self.router.setsockopt(zmq.LINGER, 0)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         device = PlaneDevice("dla0", latency_us, slots=slots, capacity=64, gpu=gpu)
+        settings.setdefault("health", Health(quarantine_after=0))  # the chain's failures alone
         self.plane = NativePlane(
             self.router, devices=[device], models={"demo": ["dla0"]}, cuda=fake.functions(),
             **settings,

@@ -41,7 +41,7 @@ from dlad.devices.cudla.nvsci import _pairs
 from dlad.errors import StartupError, Status
 from dlad.loadable import read_loadable
 from dlad.models import DEMO
-from dlad.native_plane import CudaFunctions, NativePlane, PlaneDevice, PlaneGpu
+from dlad.native_plane import CudaFunctions, Health, NativePlane, PlaneDevice, PlaneGpu
 from dlad.protocol import InferReply, InferRequest
 from tests.dlad.cudla.fakelib import FAULT_ERROR, FakeLib, fake_loadable
 from tests.dlad.serving import serve_in_thread
@@ -175,7 +175,8 @@ def test_the_plane_submits_each_frame_to_a_cudla_core(on_fake: FakeLib, tmp_path
 def test_a_failed_task_is_device_failed_and_the_core_serves_again(
     on_fake: FakeLib, tmp_path: Path
 ) -> None:
-    with _serving(tmp_path, devices='["dla0"]') as (_, sock):
+    no_quarantine = "[health]\nquarantine_after = 0\n"  # a timeout would quarantine at once
+    with _serving(tmp_path, devices='["dla0"]', extra=no_quarantine) as (_, sock):
         on_fake.task_fault(0, FAULT_ERROR, ENGINE_TIMEOUT, 3)
         for rid in range(3):  # one at a time: the core's error is read before the next
             sock.send_multipart(_infer(rid))
@@ -188,6 +189,25 @@ def test_a_failed_task_is_device_failed_and_the_core_serves_again(
         sock.send_multipart(_infer(4))
         assert _reply(sock).status == Status.OK
         assert _status(sock, 11)["devices"][0]["healthy"]
+
+
+def test_a_task_timeout_quarantines_the_core_and_a_probe_returns_it(
+    on_fake: FakeLib, tmp_path: Path
+) -> None:
+    """A hang (the core's task timeout) quarantines the core at once, as the Python data plane
+    does; its first probe runs on the core itself and, passing, returns it."""
+    health = "[health]\nprobe_after_s = 0.01\nretry = false\n"
+    with _serving(tmp_path, devices='["dla0"]', extra=health) as (_, sock):
+        on_fake.task_fault(0, FAULT_ERROR, ENGINE_TIMEOUT, 1)
+        sock.send_multipart(_infer(1))
+        r = _reply(sock)
+        assert (r.status, r.message) == (
+            Status.DEVICE_FAILED, "dla0: task failed: cudlaErrorDlaErrEngineTimeout")  # fmt: skip
+        wait_for(lambda: _status(sock, 10)["devices"][0]["state"] == "serving"
+                 and len(_tasks(on_fake)) == 2)  # fmt: skip
+        sock.send_multipart(_infer(2))
+        assert _reply(sock).status == Status.OK
+        assert len(_tasks(on_fake)) == 3  # the frame, the probe, the frame
 
 
 def test_a_refused_submission_is_device_failed(on_fake: FakeLib, tmp_path: Path) -> None:
@@ -225,17 +245,16 @@ def test_a_core_the_plane_cannot_drive_is_refused_at_start(
     assert daemon.frontend.plane is None  # nothing left running; the fixture: nothing alive
 
 
-def test_auto_numeric_without_cudla_is_refused_at_start(
+def test_auto_where_cudla_does_not_load_serves_the_emulated_core_on_the_plane(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """backend = "auto" where cuDLA does not load: an emulated core, which the plane runs in
-    timing mode only; the config could not know, the daemon says so at start."""
+    """backend = "auto" where cuDLA does not load: the emulated core the config describes
+    (numeric here) serves behind the plane as a Python engine."""
     monkeypatch.setattr("dlad.daemon.resolve_backend", lambda backend, loadable: "emulated")
-    daemon = _daemon(tmp_path, backend="auto", extra="")
-    with pytest.raises(StartupError) as err:
-        anyio.run(daemon.serve)
-    assert err.value.key == "devices.dla0.mode"
-    assert 'set mode = "timing"' in str(err.value)
+    with _serving(tmp_path, backend="auto") as (_, sock):
+        sock.send_multipart(_infer(1))
+        r = _reply(sock)
+        assert (r.status, r.device in ("dla0", "dla1")) == (Status.OK, True)
 
 
 # ------------------------------------------------------------------ with GPU pre/post
@@ -320,9 +339,10 @@ class ChainRig:
         self.router.setsockopt(zmq.LINGER, 0)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         device = PlaneDevice("dla0", 1000.0, slots=slots, capacity=64, gpu=gpu, cudla=spec)
+        # the chain's failures, one engine: health keeping is another test's (it would quarantine)
         self.plane = NativePlane(
             self.router, devices=[device], models={"demo": ["dla0"]}, cuda=functions,
-            cudla=self.core.plane_functions(),
+            cudla=self.core.plane_functions(), health=Health(quarantine_after=0),
         )  # fmt: skip
         self.plane.start()
         self.client = self.ctx.socket(zmq.DEALER)

@@ -1,0 +1,1 @@
+"""The Python side of the plane's engines: what a Python-backed engine runs (python.py)."""
