@@ -293,8 +293,8 @@ def test_every_engine_kind_serves_on_the_plane(tmp_path: Path) -> None:
         sock.send_multipart(protocol.encode(protocol.InferRequest(9, "faulty", image)))
         failed = recv(sock)  # its warm-up failed: quarantined from the start
         assert isinstance(failed, protocol.InferReply)
-        assert (failed.status, failed.message) == (
-            Status.DEVICE_FAILED, "no healthy device serves model 'faulty' now (dla1 quarantined)")  # fmt: skip
+        words = "no healthy device serves model 'faulty' now (dla1 quarantined)"
+        assert (failed.status, failed.message) == (Status.DEVICE_FAILED, words)
         report = _status(sock, 10)
     devices = {x["name"]: x for x in report["devices"]}
     assert sorted(devices) == ["dla0", "dla1", "gpu"]
