@@ -1,6 +1,8 @@
 // See chain_engine.hpp.
 #include "chain_engine.hpp"
 
+#include "clock.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <ctime>
@@ -8,12 +10,6 @@
 
 namespace dlad::plane {
 namespace {
-
-int64_t now_ns() {
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 
 // Guards Tag::engine between CUDA's host-function thread and an engine going away.
 std::mutex& tags_mu() {

@@ -1,20 +1,15 @@
 // See cudla_engine.hpp.
 #include "cudla_engine.hpp"
 
+#include "clock.hpp"
+
 #include <pthread.h>
 
 #include <algorithm>
-#include <chrono>
 #include <stdexcept>
 
 namespace dlad::plane {
 namespace {
-
-int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
 
 constexpr int32_t kNvSciSyncFence = 1;  // CUDLA_NVSCISYNC_FENCE
 constexpr int kNvSciTimeout = 0x200;  // NvSciError_Timeout

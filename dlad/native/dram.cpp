@@ -1,6 +1,8 @@
 // See dram.hpp.
 #include "dram.hpp"
 
+#include "clock.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -9,18 +11,8 @@
 #include <string>
 
 namespace dlad::plane {
-namespace {
-
-int64_t monotonic_ns() {
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-
-}  // namespace
-
 SharedDram::SharedDram(double contention, const Coefficients& k, std::function<int64_t()> clock)
-    : contention_(contention), k_(k), clock_(clock ? std::move(clock) : monotonic_ns) {
+    : contention_(contention), k_(k), clock_(clock ? std::move(clock) : now_ns) {
     if (!(contention >= 0.0 && contention <= 10.0)) {
         throw std::invalid_argument("contention must be in [0, 10], got " +
                                     std::to_string(contention));

@@ -2,6 +2,7 @@
 #include "plane.hpp"
 
 #include "chain_engine.hpp"
+#include "clock.hpp"
 #include "timing_engine.hpp"
 
 #include <dlfcn.h>
@@ -41,12 +42,6 @@ const char* status_name(int64_t s) {
                                   "OVERLOADED", "DEADLINE_EXCEEDED", "CANCELLED",
                                   "SHUTTING_DOWN", "DEVICE_FAILED", "INTERNAL"};
     return s >= 0 && s <= INTERNAL ? names[s] : "INTERNAL";
-}
-
-int64_t now_ns() {
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 // Python's repr() of a printable-ASCII str (the reader takes no other name), for the messages

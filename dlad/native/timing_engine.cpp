@@ -1,6 +1,8 @@
 // See timing_engine.hpp.
 #include "timing_engine.hpp"
 
+#include "clock.hpp"
+
 #include <pthread.h>
 #include <sys/prctl.h>
 
@@ -12,16 +14,6 @@
 #include <optional>
 
 namespace dlad::plane {
-namespace {
-
-int64_t now_ns() {
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-
-}  // namespace
-
 
 TimingEngine::TimingEngine(std::string name, double latency_us, int64_t slots,
                            OnFinished on_done, SharedDram* dram,
