@@ -53,7 +53,8 @@ for part in "$@"; do
         timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
             -W "ignore::DeprecationWarning" tests/dlad/gpu/test_native_chain.py \
             tests/dlad/test_native_gpu.py tests/dlad/test_native_plane.py \
-            tests/dlad/test_native_daemon.py tests/dlad/cudla/test_native_cudla.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
+            tests/dlad/test_native_engines.py tests/dlad/test_native_daemon.py \
+            tests/dlad/cudla/test_native_cudla.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
         status=$((status | PIPESTATUS[0])) ;;
     plane-gpu)
         timeout 540 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
