@@ -160,6 +160,7 @@ class Daemon:
         )
         self._gpu: GpuService | None = None
         self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
+        self._plane_sync = threading.Lock()  # the loop's, the metrics thread's _sync_plane
         self._cold: list[tuple[str, str]] = []  # the plane's engines whose warm-up failed: why
         self._warming = 0
         self._warm = anyio.Event()
@@ -308,6 +309,9 @@ class Daemon:
                                             capacity=d.queue_depth, gpu=plane_gpu,
                                             cudla=spec)  # fmt: skip
         devices.update(await self._python_engines(python))
+        self.frontend.on_plane_health = self._sync_plane
+        # /health/ready and a scrape see the plane as it is (its events are the loop's)
+        self.metrics.refresh = functools.partial(self._sync_plane, events=False)
         self.frontend.start_plane(
             [devices[p.device] for p in self.plan.placements], cuda=cuda, cudla=cudla
         )
@@ -315,11 +319,10 @@ class Daemon:
             self.metrics.device_state(p.device, "ready")
         plane = self.frontend.plane
         assert plane is not None  # started above
-        for name, why in self._cold:
+        for name, why in self._cold:  # out of placement until a probe passes
             self.metrics.device_state(name, "failed")
             if self.config.health.quarantine_after > 0:
                 plane.quarantine(name, why)
-        self._plane_events(plane.events())
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat_loop)
             tg.start_soon(self.frontend.receive_loop)
@@ -351,7 +354,7 @@ class Daemon:
             executor = built[p.device]
             try:
                 await executor.warm_up()
-            except DladError as exc:  # out of placement until a probe passes
+            except DladError as exc:  # quarantined once the plane runs (_serve_native)
                 log.error("warm_up_failed", device=executor.name, reason=exc.message)
                 self._cold.append((executor.name, f"warm-up failed: {exc.message}"))
             m = self.config.model(p.model)
@@ -542,6 +545,21 @@ class Daemon:
         healthy = d.failing < UNHEALTHY_AFTER
         self._set_health(d.name, healthy, _plane_failing(d), was=self._healthy.get(d.name, True))
 
+    def _sync_plane(self, *, events: bool = True) -> None:
+        """Bring the log and metrics up to the plane: its replies, what its health keeping did
+        (``events``: on the event loop only, the heartbeat's and the plane's news), each
+        engine's health. From the loop and the metrics server's threads (a scrape,
+        /health/ready), one at a time."""
+        plane = self.frontend.plane
+        if plane is None:
+            return
+        with self._plane_sync:
+            self.frontend.observe_plane()
+            if events:
+                self._plane_events(plane.events())
+            for d in plane.state()[0]:
+                self._track_plane_health(d)
+
     def _plane_events(self, events: Sequence[HealthEvent]) -> None:
         """The log lines and metrics of what the plane's health keeping did (dlad.health's)."""
         for e in events:
@@ -603,15 +621,12 @@ class Daemon:
             self.frontend.reclaim_shm()  # client segments idle past [shm] idle_s
             plane = self.frontend.plane
             if plane is not None:
-                self.frontend.observe_plane()
-                self._plane_events(plane.events())
+                self._sync_plane()
                 states = plane.state()[0]
                 self.metrics.tick(DeviceSample(d.name, d.queue_depth, d.capacity, d.in_flight,
                                                d.busy_ns, self.config.device(d.name).kind,
                                                d.batches)
                                   for d in states)  # fmt: skip
-                for d in states:
-                    self._track_plane_health(d)
                 await anyio.sleep(self.config.metrics.heartbeat_s)
                 continue
             snaps = {s.name: s for s in self._scheduler.snapshot()}
@@ -696,7 +711,7 @@ class Daemon:
                     "name": d.name,
                     "kind": config.kind,
                     "core": config.core if config.kind == "dla" else None,
-                    "healthy": d.failing < UNHEALTHY_AFTER and d.quarantined is None,
+                    "healthy": state == "serving" and d.failing < UNHEALTHY_AFTER,
                     "state": state,
                     "reason": reason[: protocol.MAX_MESSAGE_CHARS],
                     "busy": d.in_flight > 0,

@@ -237,6 +237,9 @@ class Frontend:
         self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
         self._plane_seen: dict[str, Any] = {}  # its counters at the last observe_plane()
         self._plane_pixels = False  # an engine reads pixels: submitted images carry them
+        self.on_plane_health: Callable[[], None] = lambda: None
+        """Called on the loop when the plane has news of its health keeping
+        (NativePlane.events): the daemon's log and metrics take it."""
         self.shm_device: Callable[[int], int] = _not_on_gpu
         """The GPU address of a segment mapped at a host address (0: not registered there): the
         daemon's GpuService.segment_device where the plane runs GPU pre/post."""
@@ -365,13 +368,19 @@ class Frontend:
 
     @property
     def pending(self) -> int:
-        """Jobs admitted and not yet answered."""
-        return len(self._askers)
+        """Jobs admitted and not yet answered (the native plane's too)."""
+        return len(self._askers) + (0 if self.plane is None else self.plane.pending)
 
     @property
     def buffered_bytes(self) -> int:
-        """Image bytes of the jobs admitted and not yet answered."""
-        return self._buffered
+        """Image bytes of the jobs admitted and not yet answered (the native plane's too)."""
+        return self._buffered + (0 if self.plane is None else self.plane.buffered_bytes)
+
+    @property
+    def shm_frames(self) -> int:
+        """Frames read from clients' shared-memory segments (by the native plane too)."""
+        plane = 0 if self.plane is None else int(self.plane.counters()["shm_frames"])
+        return plane + (0 if self.shm is None else self.shm.stats.frames)
 
     # ------------------------------------------------------------------ requests
     async def receive_loop(self) -> None:
@@ -466,9 +475,13 @@ class Frontend:
 
     async def _handle_forwarded(self, frames: list[Any]) -> None:
         """A message of the native plane's pair: [routing id, peer address, user id, *parts],
-        or an image's answer ([b"", tag, index, header])."""
+        an image's answer ([b"", tag, index, header]), or news of its health keeping
+        ([b"", b"health"])."""
         if not frames[0].bytes:
-            self._plane_outcome(frames[1:])
+            if len(frames) == 2 and frames[1].bytes == b"health":
+                self.on_plane_health()
+            else:
+                self._plane_outcome(frames[1:])
             return
         peer, user = (f.bytes.decode(errors="replace") for f in frames[1:3])
         await self._handle([frames[0], *frames[3:]], peer, user)

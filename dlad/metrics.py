@@ -195,7 +195,11 @@ class Metrics:
         self._busy: dict[str, deque[tuple[float, int]]] = {}
         self._batches_seen: dict[str, tuple[int, ...]] = {}
 
+        self.refresh: Callable[[], None] | None = None
+        """Called before readiness is judged and before a scrape, on the caller's thread: the
+        daemon brings the metrics up to its native data plane there."""
         r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(_Refresh(self))  # first: the scrape's every family sees what it did
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
         Info("dlad", "The daemon's name and version.", registry=r).info(
             {"name": name, "version": version}
@@ -409,6 +413,8 @@ class Metrics:
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Whether the daemon is RUNNING with every device loaded and warm (and each one's step)."""
+        if self.refresh is not None:
+            self.refresh()
         health = self._health
         return health.ready, {
             "ready": health.ready,
@@ -419,6 +425,21 @@ class Metrics:
     def exposition(self) -> bytes:
         """The Prometheus text exposition (what ``GET /metrics`` answers)."""
         return generate_latest(self.registry)
+
+
+class _Refresh(Collector):
+    """Runs :attr:`Metrics.refresh` as a scrape begins; it yields no metric of its own."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        if self._metrics.refresh is not None:
+            self._metrics.refresh()
+        return ()
 
 
 HTTP_WORKERS: Final = 4

@@ -513,7 +513,9 @@ class NativePlane:
         self._plane.quarantine(device, reason)
 
     def events(self) -> list[HealthEvent]:
-        """What the plane's health keeping did since the last call, in order."""
+        """What the plane's health keeping did since the last call, in order. The plane tells
+        :attr:`forwarded` when there is news: a message ``[b"", b"health"]``, sent once until
+        this is called."""
         return [
             HealthEvent(EventKind(kind), device, reason, seconds, client, request_id, to)
             for kind, device, reason, seconds, client, request_id, to in self._plane.take_events()
@@ -545,6 +547,11 @@ class NativePlane:
     def pending(self) -> int:
         """The plane's jobs admitted and not yet answered."""
         return self._plane.pending
+
+    @property
+    def buffered_bytes(self) -> int:
+        """The image bytes of the plane's frames admitted and not yet answered."""
+        return self._plane.buffered_bytes
 
     @property
     def draining(self) -> bool:

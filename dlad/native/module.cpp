@@ -390,6 +390,7 @@ PYBIND11_MODULE(_native, m) {
                  return out;
              })
         .def_property_readonly("pending", &dlad::plane::Plane::pending)
+        .def_property_readonly("buffered_bytes", &dlad::plane::Plane::buffered_bytes)
         .def_property_readonly("draining", &dlad::plane::Plane::draining)
         .def("counters", [](const dlad::plane::Plane& p) {
             const auto c = p.counters();

@@ -724,6 +724,7 @@ bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now
     ++in_use_[key];
     ++in_flight_[job.owner];
     buffered_ += job.size;
+    buffered_bytes_.store(buffered_);
     jobs_.emplace(spec.id, std::move(job));
     pending_.store(static_cast<int64_t>(jobs_.size()));
     if (victim) {
@@ -813,6 +814,7 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
     if (--in_use_[key] <= 0) in_use_.erase(key);
     if (--in_flight_[answered.owner] <= 0) in_flight_.erase(answered.owner);
     buffered_ -= answered.size;
+    buffered_bytes_.store(buffered_);
     if (!answered.segment.empty()) {
         const auto seg = segments_.find(answered.segment);
         if (seg != segments_.end()) {
@@ -1067,8 +1069,16 @@ void Plane::probe_ended(const std::string& device, bool ok, const std::string& w
 }
 
 void Plane::event(HealthEvent e) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (events_.size() < kMaxObservations) events_.push_back(std::move(e));
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (events_.size() < kMaxObservations) events_.push_back(std::move(e));
+        if (events_signalled_) return;
+        events_signalled_ = true;
+    }
+    // tell the control plane, once until it takes them: ["", "health"] on the forward socket
+    Pending m{{}, {"", "health"}};
+    if (backlog_.empty() && send_forward(m, kDontWait)) return;
+    backlog_.push_back(std::move(m));
 }
 
 void Plane::quarantine(const std::string& device, const std::string& reason) {
@@ -1088,6 +1098,7 @@ std::vector<HealthEvent> Plane::take_events() {
     std::vector<HealthEvent> out;
     std::lock_guard<std::mutex> lock(mu_);
     out.swap(events_);
+    events_signalled_ = false;
     return out;
 }
 

@@ -281,6 +281,8 @@ class Plane {
     std::vector<HealthEvent> take_events();
     static constexpr size_t kMaxObservations = size_t{1} << 20;
     int64_t pending() const { return pending_.load(); }
+    // The image bytes of the frames admitted and not yet answered (the byte budget's count).
+    uint64_t buffered_bytes() const { return buffered_bytes_.load(); }
     bool draining() const {
         std::lock_guard<std::mutex> lock(mu_);
         return draining_;
@@ -425,6 +427,7 @@ class Plane {
     std::condition_variable called_;
     std::vector<Observation> observations_;
     std::vector<HealthEvent> events_;
+    bool events_signalled_ = false;  // the control plane was told of events it has not taken
     Counters counters_;
     bool draining_ = false;
     bool shed_ = false;  // the queue was answered SHUTTING_DOWN when draining began (plane's)
@@ -432,6 +435,7 @@ class Plane {
     int64_t drain_until_ns_ = 0;
 
     std::atomic<int64_t> pending_{0};
+    std::atomic<uint64_t> buffered_bytes_{0};
     std::mutex join_mu_;
     std::mutex inline_mu_;  // calls and sends made on the caller's thread, one at a time
     std::thread thread_;
