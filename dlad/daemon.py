@@ -35,9 +35,12 @@ from dlad.config import Config, Plan
 from dlad.devices.base import DlaError
 from dlad.devices.dram import ORIN_DRAM_K
 from dlad.devices.factory import resolve_backend
+from dlad.engines.python import Defaults, DlaFrames, GpuBatches
 from dlad.errors import DladError, Overloaded, StartupError
 from dlad.executors.base import UNHEALTHY_AFTER, Executor, Outcome, Request, failing_words
+from dlad.executors.dla import DlaExecutor
 from dlad.executors.factory import ExecutorBuildError, build_executors
+from dlad.executors.gpu import GpuExecutor
 from dlad.frontend import Counters, Frontend
 from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
@@ -335,10 +338,6 @@ class Daemon:
         """The plane's Python engines for ``placements``: each placement's executor, as the
         config builds it (pre/post-processing on the CPU), warmed up, its per-frame code run by
         the plane. Raises StartupError where one cannot be built."""
-        from dlad.engines.python import Defaults, DlaFrames, GpuBatches  # noqa: PLC0415
-        from dlad.executors.dla import DlaExecutor  # noqa: PLC0415
-        from dlad.executors.gpu import GpuExecutor  # noqa: PLC0415
-
         if not placements:
             return {}
         limiter = anyio.CapacityLimiter(max(self.config.pre_post.threads, 1))
@@ -647,8 +646,7 @@ class Daemon:
     async def _drain(self) -> None:
         self.state = State.DRAINING
         self.notifier.stopping(f"draining (at most {self.config.daemon.drain_timeout_s:g} s)")
-        plane = self.frontend.plane
-        pending = self.frontend.pending if plane is None else plane.pending
+        pending = self.frontend.pending  # the plane's included
         log.info("draining", queued=self._scheduler.queued(), pending=pending)
         await self.frontend.drain(self.config.daemon.drain_timeout_s)
 
