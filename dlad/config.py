@@ -230,7 +230,7 @@ class FrontendConfig:
     """The widest image an INFER request may carry, in pixels (>= 1)."""
     max_image_height: int = 4096
     """The tallest image an INFER request may carry, in pixels (>= 1)."""
-    data_plane: Literal["python", "native"] = "python"
+    data_plane: Literal["python", "native"] = "native"
     """Who serves INFERs. ``python``: the frontend, the scheduler and the executors on the event
     loop, every device and feature. ``native``: the native data plane (docs/daemon.md), a C++
     thread that reads each INFER off the socket, admits it with the same rules and words, runs

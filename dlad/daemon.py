@@ -164,8 +164,8 @@ class Daemon:
         self._gpu: GpuService | None = None
         self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
         self._plane_sync = threading.Lock()  # the loop's, the metrics thread's _sync_plane
-        self._cold: list[tuple[str, str]] = []  # the plane's engines whose warm-up failed: why
-        self._warming = 0
+        self._cold: dict[str, str] = {}  # the plane's engines whose warm-up failed: why
+        self._warming: set[str] | int = 0  # the plane's: the engines whose warm-up runs
         self._warm = anyio.Event()
         self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
         self.health = HealthKeeper(
@@ -190,6 +190,20 @@ class Daemon:
     def native(self) -> bool:
         """Whether the native data plane serves INFERs (``[frontend] data_plane``)."""
         return self.config.frontend.data_plane == "native"
+
+    def quarantines(self, device: str) -> int:
+        """How often ``device`` has been quarantined since the daemon started."""
+        plane = self.frontend.plane
+        states = self.frontend.plane_state if plane is None else plane.state()[0]
+        return next(d.quarantines for d in states if d.name == device)
+
+    def probe_now(self, device: str) -> bool:
+        """Probe the quarantined ``device`` now rather than after its rest; False where it is
+        not quarantined (from any thread)."""
+        plane = self.frontend.plane
+        if plane is None:
+            raise RuntimeError("probe_now needs the native data plane")
+        return plane.probe_now(device)
 
     def _device_names(self) -> list[str]:
         return [p.device for p in self.plan.placements] if self.native else list(self.executors)
@@ -318,18 +332,27 @@ class Daemon:
         self.frontend.start_plane(
             [devices[p.device] for p in self.plan.placements], cuda=cuda, cudla=cudla
         )
-        for p in self.plan.placements:
-            self.metrics.device_state(p.device, "ready")
         plane = self.frontend.plane
         assert plane is not None  # started above
-        for name, why in self._cold:  # out of placement until a probe passes
-            self.metrics.device_state(name, "failed")
-            if self.config.health.quarantine_after > 0:
-                plane.quarantine(name, why)
+        # The plane's own engines warm up there, ahead of any client's frame; the Python
+        # engines did above.
+        warming = [p.device for p in self.plan.placements if devices[p.device].run is None]
+        self._warming = set(warming)
+        for p in self.plan.placements:
+            if p.device in self._cold:  # out of placement until a probe passes
+                self._warm_up_failed(p.device, self._cold[p.device])
+            elif p.device not in self._warming:
+                self.metrics.device_state(p.device, "ready")
+            else:
+                self.metrics.device_state(p.device, "warming")
+        plane.warm_up(warming)
+        if not warming:
+            self._warm.set()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat_loop)
             tg.start_soon(self.frontend.receive_loop)
             tg.start_soon(self.frontend.watch_connections)
+            await self._warm.wait()  # readiness waits for every engine's warm-up
             await self._serve_until_stopped(tg)
         late = await self.frontend.answer_what_is_queued()
         log.info("closing", answered_after_the_drain=late)
@@ -354,8 +377,7 @@ class Daemon:
             try:
                 await executor.warm_up()
             except DladError as exc:  # quarantined once the plane runs (_serve_native)
-                log.error("warm_up_failed", device=executor.name, reason=exc.message)
-                self._cold.append((executor.name, f"warm-up failed: {exc.message}"))
+                self._cold[executor.name] = exc.message
             m = self.config.model(p.model)
             defaults = Defaults(m.conf_threshold, m.iou_threshold, min(m.max_det, protocol.MAX_DET))
             d = self.config.device(p.device)
@@ -507,6 +529,7 @@ class Daemon:
         else:
             self.metrics.device_state(executor.name, "ready")
             self._healthy[executor.name] = True
+        assert isinstance(self._warming, int)
         self._warming -= 1
         if self._warming == 0:
             self._warm.set()
@@ -539,8 +562,8 @@ class Daemon:
     def _track_plane_health(self, d: DeviceState) -> None:
         """_track_health for an engine of the native plane: ``failed`` while its last frames
         all failed, ``ready`` again after one goes through; a quarantine's state stands."""
-        if d.quarantined is not None:
-            return
+        if d.quarantined is not None or d.name in self._cold or self._still_warming(d.name):
+            return  # that state stands
         healthy = d.failing < UNHEALTHY_AFTER
         self._set_health(d.name, healthy, _plane_failing(d), was=self._healthy.get(d.name, True))
 
@@ -559,15 +582,36 @@ class Daemon:
             for d in plane.state()[0]:
                 self._track_plane_health(d)
 
+    def _warm_up_failed(self, device: str, why: str) -> None:
+        """An engine of the plane failed its warm-up: out of placement until a probe passes
+        (the plane's own engines were put there by the plane already)."""
+        log.error("warm_up_failed", device=device, reason=why)
+        self._cold[device] = why
+        self.metrics.device_state(device, "failed")
+        plane = self.frontend.plane
+        if plane is not None and self.config.health.quarantine_after > 0:
+            plane.quarantine(device, f"warm-up failed: {why}")
+
     def _plane_events(self, events: Sequence[HealthEvent]) -> None:
         """The log lines and metrics of what the plane's health keeping did (dlad.health's)."""
         for e in events:
-            if e.kind is EventKind.QUARANTINED:
+            if e.kind is EventKind.WARMED:
+                assert isinstance(self._warming, set)
+                self._warming.discard(e.device)
+                if e.reason:
+                    self._warm_up_failed(e.device, e.reason)
+                else:
+                    self._healthy[e.device] = True
+                    self.metrics.device_state(e.device, "ready")
+                if not self._warming:
+                    self._warm.set()
+            elif e.kind is EventKind.QUARANTINED:
                 log.warning("device_quarantined", device=e.device, reason=e.reason,
                             moved=int(e.seconds))  # fmt: skip
                 self._health_changed(e.device, "quarantined", e.reason)
             elif e.kind is EventKind.RETURNED:
                 log.info("device_returned", device=e.device, quarantined_s=round(e.seconds, 3))
+                self._cold.pop(e.device, None)
                 self._health_changed(e.device, "serving", "a probe passed")
             elif e.kind is EventKind.PROBE_FAILED:
                 log.info("probe_failed", device=e.device, reason=e.reason, next_in_s=e.seconds)
@@ -693,6 +737,9 @@ class Daemon:
         }
         return self._report(devices, queues, load=load)
 
+    def _still_warming(self, device: str) -> bool:
+        return isinstance(self._warming, set) and device in self._warming
+
     def _plane_status(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
         """STATUS's devices and queues from the native plane's state."""
         assert self.frontend.plane is not None
@@ -700,8 +747,12 @@ class Daemon:
         devices = []
         for d in states:
             config = self.config.device(d.name)
-            if d.quarantined is not None:  # after failing tasks, or its warm-up: probed
+            if self._still_warming(d.name):
+                state, reason = "warming", "warming up"
+            elif d.quarantined is not None:  # after failing tasks, or its warm-up: probed
                 state, reason = "quarantined", d.quarantined
+            elif d.name in self._cold:  # quarantine off: it stays so
+                state, reason = "failed", f"warm-up failed: {self._cold[d.name]}"
             else:
                 state, reason = "serving", _plane_failing(d)
             devices.append(

@@ -71,6 +71,7 @@ from dlad.native_plane import (
     CancelResult,
     CudaFunctions,
     CudlaFunctions,
+    DeviceState,
     Frame,
     Health,
     Item,
@@ -235,6 +236,7 @@ class Frontend:
         self._tags: dict[int, _Batch] = {}  # the plane's outcome tag -> its INFER_BATCH
         self._registered: set[tuple[str, str]] = set()  # segments the plane takes frames of
         self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
+        self.plane_state: list[DeviceState] = []  # each engine's, once the plane has closed
         self._plane_seen: dict[str, Any] = {}  # its counters at the last observe_plane()
         self._plane_pixels = False  # an engine reads pixels: submitted images carry them
         self.on_plane_health: Callable[[], None] = lambda: None
@@ -345,6 +347,7 @@ class Frontend:
             self.observe_plane()
             self.plane.close()
             self._plane_counters = self.plane.counters()  # its last word, for totals()
+            self.plane_state = self.plane.state()[0]
             self.plane = None
 
     def close(self, linger_ms: int = 0) -> None:
@@ -585,7 +588,7 @@ class Frontend:
         if self.shm is None:
             return
         if self.plane is not None:
-            for owner, name in self.plane.idle_segments(self.config.shm.idle_s):
+            for owner, name in self.plane.idle_segments(self.shm.config.idle_s):
                 self._registered.discard((owner, name))
                 self.shm.unmap(owner, name)
         self.shm.reclaim()

@@ -310,14 +310,16 @@ class EventKind(enum.IntEnum):
     RETURNED = 1
     PROBE_FAILED = 2
     RETRIED = 3
+    WARMED = 4
 
 
 @dataclass(frozen=True, slots=True)
 class HealthEvent:
     """One thing the plane's health keeping did: ``device`` the engine (RETRIED: the one the
-    frame failed on), ``reason`` why; ``seconds``: QUARANTINED, the queued frames moved;
-    RETURNED, how long it was out; PROBE_FAILED, the next rest. RETRIED names the request
-    (``client``, ``request_id``) and the engine it went to (``to``)."""
+    frame failed on), ``reason`` why (WARMED: "" where the warm-up went through); ``seconds``:
+    QUARANTINED, the queued frames moved; RETURNED, how long it was out; PROBE_FAILED, the next
+    rest. RETRIED names the request (``client``, ``request_id``) and the engine it went to
+    (``to``)."""
 
     kind: EventKind
     device: str
@@ -511,6 +513,17 @@ class NativePlane:
         other engines, or answered), to be probed after ``health.probe_after_s``: an engine
         whose warm-up failed. Raises KeyError for a device the plane does not have."""
         self._plane.quarantine(device, reason)
+
+    def warm_up(self, devices: Sequence[str]) -> None:
+        """Run one task on a blank frame on each of ``devices`` ahead of any client's; each
+        ends in a WARMED event (see :meth:`events`). A failed one quarantines its engine where
+        ``health.quarantine_after > 0``. Raises KeyError for a device the plane does not have."""
+        self._plane.warm_up(list(devices))
+
+    def probe_now(self, device: str) -> bool:
+        """Probe the quarantined ``device`` now rather than after its rest (False where it is
+        not quarantined). Raises KeyError for a device the plane does not have."""
+        return bool(self._plane.probe_now(device))
 
     def events(self) -> list[HealthEvent]:
         """What the plane's health keeping did since the last call, in order. The plane tells

@@ -379,6 +379,10 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("quarantine", &dlad::plane::Plane::quarantine, py::arg("device"), py::arg("reason"),
              py::call_guard<py::gil_scoped_release>())
+        .def("warm_up", &dlad::plane::Plane::warm_up, py::arg("devices"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("probe_now", &dlad::plane::Plane::probe_now, py::arg("device"),
+             py::call_guard<py::gil_scoped_release>())
         .def("take_events",
              [](dlad::plane::Plane& p) {
                  py::list out;

@@ -915,12 +915,23 @@ void Plane::finished(const std::string& device, const Finished& f) {
                                 : r != nullptr            ? r->failure
                                                           : Failure::none;
         if (jobs_.count(id) == 0) continue;  // answered SHUTTING_DOWN while it ran
+        if (failure == Failure::none && jobs_.at(id).warm) {  // lazy set-up: nothing to learn
+            scheduler_.released(device, id);
+            answer(id, OK, "", &f, r);
+            warmed(device, "", now_ns());
+            continue;
+        }
         if (failure == Failure::none) {
             ok.push_back(id);
             continue;
         }
         const std::string& words = f.failure != Failure::none ? f.message : r->message;
-        scheduler_.finished(device, id, std::nullopt);
+        if (jobs_.at(id).warm) {  // not the engine's failure yet: the warm-up's verdict
+            scheduler_.released(device, id);
+            answer(id, DEVICE_FAILED, words, &f, r);
+            warmed(device, words, now_ns());
+            continue;
+        }
         if (failure == Failure::internal) {
             answer(id, INTERNAL, device + ": " + words, &f, r);
             continue;
@@ -1014,6 +1025,11 @@ void Plane::quarantine_now(const std::string& device, const std::string& reason,
         auto it = jobs_.find(id);
         if (it == jobs_.end()) continue;
         Job& job = it->second;  // not a probe: one is queued only while its engine is out
+        if (job.warm) {  // a warm-up still queued: it never ran
+            answer(id, DEVICE_FAILED, "");
+            warmed(device, "quarantined before it ran", now);
+            continue;
+        }
         const AdmitResult r = scheduler_.admit(job.spec, {device}, now);
         if (r.refusal != Refusal::none) {
             const auto [status, why] = refusal(r, job.spec.model, id);
@@ -1027,23 +1043,55 @@ void Plane::quarantine_now(const std::string& device, const std::string& reason,
 void Plane::start_probes(int64_t now) {
     for (auto& [device, w] : watches_) {
         if (!w.quarantined || w.probe >= 0 || w.probe_at_ns > now) continue;
-        const auto model = first_model_.find(device);
-        if (model == first_model_.end()) continue;  // serving no model: nothing to probe with
-        // one task on a blank frame, for this engine alone (HealthKeeper._probe)
-        static const auto blank = std::make_shared<const std::string>(64 * 64 * 3, '\0');
-        Job job;
-        job.probe = true;
-        job.model = model->second;
-        job.received_ns = now;
-        job.image = {64, 64, 3, false, 0.25, 0.45, 1};
-        job.pixels = blank;
-        job.spec = {next_job_++, job.model, now + kProbeDeadlineNs, 0, std::nullopt, ""};
-        Placed placed;
-        if (!scheduler_.admit_probe(device, job.spec, now, &placed)) continue;
-        job.device = device;
-        w.probe = job.spec.id;
-        jobs_.emplace(job.spec.id, std::move(job));
-        pending_.store(static_cast<int64_t>(jobs_.size()));
+        w.probe = place_blank(device, false, now);
+    }
+}
+
+int64_t Plane::place_blank(const std::string& device, bool warm, int64_t now) {
+    const auto model = first_model_.find(device);
+    if (model == first_model_.end()) return -1;  // serving no model: nothing to run
+    // one task on a blank frame, for this engine alone (HealthKeeper._probe)
+    static const auto blank = std::make_shared<const std::string>(64 * 64 * 3, '\0');
+    Job job;
+    job.probe = true;
+    job.warm = warm;
+    job.model = model->second;
+    job.received_ns = now;
+    job.image = {64, 64, 3, false, 0.25, 0.45, 1};
+    job.pixels = blank;
+    job.spec = {next_job_++, job.model, now + kProbeDeadlineNs, 0, std::nullopt, ""};
+    Placed placed;
+    if (!scheduler_.admit_probe(device, job.spec, now, &placed)) return -1;
+    job.device = device;
+    const int64_t id = job.spec.id;
+    jobs_.emplace(id, std::move(job));
+    pending_.store(static_cast<int64_t>(jobs_.size()));
+    return id;
+}
+
+void Plane::warm_up(const std::vector<std::string>& devices) {
+    std::string unknown;
+    call([&] {
+        const int64_t now = now_ns();
+        for (const auto& device : devices) {
+            if (watches_.count(device) == 0) {
+                unknown = device;
+                return;
+            }
+            if (place_blank(device, true, now) < 0) warmed(device, "", now);  // nothing to run
+        }
+    });
+    if (!unknown.empty()) throw UnknownDevice(unknown);
+}
+
+void Plane::warmed(const std::string& device, const std::string& why, int64_t now) {
+    HealthEvent e;
+    e.kind = HealthEvent::warmed;
+    e.device = device;
+    e.reason = why;
+    event(std::move(e));
+    if (!why.empty() && config_.health.quarantine_after > 0 && !watches_[device].quarantined) {
+        quarantine_now(device, "warm-up failed: " + why, now);
     }
 }
 
@@ -1092,6 +1140,26 @@ void Plane::quarantine(const std::string& device, const std::string& reason) {
         }
     });
     if (!known) throw UnknownDevice(device);
+}
+
+bool Plane::probe_now(const std::string& device) {
+    bool known = true;
+    bool quarantined = false;
+    call([&] {
+        const auto w = watches_.find(device);
+        if (w == watches_.end()) {
+            known = false;
+            return;
+        }
+        quarantined = w->second.quarantined;
+        if (quarantined) {
+            const int64_t now = now_ns();
+            w->second.probe_at_ns = std::min(w->second.probe_at_ns, now);
+            start_probes(now);
+        }
+    });
+    if (!known) throw UnknownDevice(device);
+    return quarantined;
 }
 
 std::vector<HealthEvent> Plane::take_events() {

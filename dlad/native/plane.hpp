@@ -128,10 +128,10 @@ struct HealthConfig {
 
 // What the plane's health keeping did, for the control plane's log and metrics.
 struct HealthEvent {
-    enum Kind { quarantined = 0, returned = 1, probe_failed = 2, retried = 3 };
+    enum Kind { quarantined = 0, returned = 1, probe_failed = 2, retried = 3, warmed = 4 };
     Kind kind = quarantined;
     std::string device;   // the engine (retried: the one it failed on)
-    std::string reason;   // why (returned: "")
+    std::string reason;   // why (returned, and warmed where its warm-up went through: "")
     double seconds = 0;   // quarantined: jobs moved; returned: how long it was out;
                           // probe_failed: the next rest
     std::string client;   // retried: the request's client and id, and where it went
@@ -277,6 +277,15 @@ class Plane {
     // Take ``device`` out of placement now (its queued frames placed again elsewhere), to be
     // probed after [health] probe_after_s: a failed warm-up. Throws UnknownDevice.
     void quarantine(const std::string& device, const std::string& reason);
+    // One task on a blank frame for each of ``devices``, ahead of any client's, so that no
+    // client pays for an engine's lazy set-up; each ends in a ``warmed`` event (its reason
+    // empty where the task went through). It teaches the scheduler nothing and counts neither
+    // as a failure nor as a frame; a failed one quarantines the engine (where [health]
+    // quarantine_after > 0). Throws UnknownDevice.
+    void warm_up(const std::vector<std::string>& devices);
+    // Probe a quarantined ``device`` now instead of after its rest (an operator's "try it
+    // again"); false where it is not quarantined. Throws UnknownDevice.
+    bool probe_now(const std::string& device);
     // The health events since the last call.
     std::vector<HealthEvent> take_events();
     static constexpr size_t kMaxObservations = size_t{1} << 20;
@@ -308,7 +317,8 @@ class Plane {
                                                     // payload or segment)
         JobSpec spec;          // as the scheduler knows it (a retry places it again)
         bool retried = false;  // it failed once and was placed again
-        bool probe = false;    // a health probe: no client waits for it
+        bool probe = false;    // a health probe or a warm-up: no client waits for it
+        bool warm = false;     // an engine's warm-up (a probe too)
     };
     // An engine's health (dlad/health.py's _Watch)
     struct Watch {
@@ -359,6 +369,9 @@ class Plane {
     bool retry(int64_t job_id, const std::string& failed_on, const std::string& why);
     void quarantine_now(const std::string& device, const std::string& reason, int64_t now);
     void start_probes(int64_t now);
+    // A blank frame's job for ``device`` alone (a probe, or a warm-up): its id, or -1
+    int64_t place_blank(const std::string& device, bool warm, int64_t now);
+    void warmed(const std::string& device, const std::string& why, int64_t now);
     void probe_ended(const std::string& device, bool ok, const std::string& why, int64_t now);
     void event(HealthEvent e);
     // ``detections``: the reply's second frame (none: an empty one)

@@ -437,6 +437,8 @@ void Scheduler::finished(const std::string& device, int64_t job, std::optional<d
     learn(d, 1, device_us);
 }
 
+void Scheduler::released(const std::string& device, int64_t job) { dev(device).running.erase(job); }
+
 void Scheduler::finished_batch(const std::string& device, const std::vector<int64_t>& jobs,
                                std::optional<double> device_us) {
     Device& d = dev(device);

@@ -124,6 +124,8 @@ class Scheduler {
     BatchResult next_batch(const std::string& device, std::optional<int64_t> max_batch,
                            double max_queue_delay_us, int64_t now);
     void finished(const std::string& device, int64_t job, std::optional<double> device_us);
+    // A job that ran and teaches nothing (an engine's warm-up: its lazy set-up's cost).
+    void released(const std::string& device, int64_t job);
     void finished_batch(const std::string& device, const std::vector<int64_t>& jobs,
                         std::optional<double> device_us);
 

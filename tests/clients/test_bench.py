@@ -495,9 +495,7 @@ def test_frames_can_go_through_shared_memory(daemon: Daemon, tmp_path: Path) -> 
     assert doc["meta"]["shm_slots"] == 8
     assert doc["meta"]["shm_inline"] == 0  # 4 in flight never take more than the 8 slots
     assert doc["levels"][0]["status_counts"]["OK"] > 0
-    shm = daemon.frontend.shm
-    assert shm is not None
-    assert shm.stats.frames >= doc["levels"][0]["status_counts"]["OK"]
+    assert daemon.frontend.shm_frames >= doc["levels"][0]["status_counts"]["OK"]
     remote = _bench_args("tcp://10.1.2.3:5555", tmp_path, "--rate", "10", "--shm-slots", "8")
     assert main(remote) == 2  # a segment here means nothing to a daemon there
 
@@ -507,7 +505,7 @@ def test_batches_of_shared_memory_frames_from_the_cli(
 ) -> None:
     args = _bench_args(daemon.bound[0], tmp_path, "--concurrency", "2", "--batch", "4",
                        "--shm-slots", "16")  # fmt: skip
-    frames_before = daemon.frontend.shm.stats.frames if daemon.frontend.shm else 0
+    frames_before = daemon.frontend.shm_frames
     assert main(args) == 0
     assert "4 frames a message" in capsys.readouterr().out  # the table says what it counts
     doc = json.loads((tmp_path / "o.json").read_text())
@@ -516,6 +514,4 @@ def test_batches_of_shared_memory_frames_from_the_cli(
     ok = doc["levels"][0]["status_counts"]["OK"]
     assert ok > 0
     assert ok % 4 == 0
-    shm = daemon.frontend.shm
-    assert shm is not None
-    assert shm.stats.frames - frames_before >= ok  # every frame of every batch in a slot
+    assert daemon.frontend.shm_frames - frames_before >= ok  # every frame of every batch in a slot

@@ -551,19 +551,14 @@ def test_consecutive_failures_quarantine_a_core_and_a_probe_returns_it(tmp_path:
         assert refused.status == Status.DEVICE_FAILED
         assert "no healthy device serves model 'demo'" in refused.message
 
-        def probe_now() -> None:  # on the daemon's loop: the rest is over
-            daemon.health._watches["dla0"].probe_at_ns = 0
-            daemon.health._wake.set()
-
-        assert daemon._loop is not None
-        daemon._loop.call_soon_threadsafe(probe_now)
+        assert daemon.probe_now("dla0")  # the rest is over
         while dev["state"] != "serving":  # the probe (task 4, which passes) returns it
             (dev,) = _status(sock, 31)["devices"]
         assert dev["healthy"] is True
         sock.send_multipart(protocol.encode(protocol.InferRequest(41, "demo", IMAGE)))
         assert recv(sock).status == Status.OK
         assert daemon.metrics.ready()[0]
-        assert daemon.health.quarantines("dla0") == 1
+        assert daemon.quarantines("dla0") == 1
 
 
 def test_status_reports_a_failed_warm_up(tmp_path: Path) -> None:

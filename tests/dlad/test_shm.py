@@ -56,7 +56,7 @@ def test_frames_from_shared_memory_get_the_same_detections_as_inline(tmp_path: P
             assert client.shm.inline == 0
             assert client.shm.free == 4  # every slot back once its reply came
         assert daemon.frontend.shm is not None
-        assert daemon.frontend.shm.stats.frames == 6
+        assert daemon.frontend.shm_frames == 6
     for r in (copied, in_place, *pipelined):
         np.testing.assert_array_equal(r.detections, inline.detections)
     assert len(inline) > 0
@@ -82,7 +82,7 @@ def test_the_async_client_sends_shared_memory_frames(tmp_path: Path) -> None:
             inline = plain.detect(IMAGE).detections
         results = anyio.run(main, ep)
         assert daemon.frontend.shm is not None
-        assert daemon.frontend.shm.stats.frames == 6
+        assert daemon.frontend.shm_frames == 6
     for det in results:
         np.testing.assert_array_equal(det, inline)
 
@@ -243,7 +243,7 @@ def test_a_client_that_dies_leaves_nothing_mapped_or_linked(tmp_path: Path) -> N
         assert proc.stdout is not None
         name = proc.stdout.readline().strip()
         proc.stdout.close()
-        wait_for(lambda: shm.stats.frames == 1)
+        wait_for(lambda: daemon.frontend.shm_frames == 1)
         os.kill(proc.pid, signal.SIGKILL)  # no close(), no reply read
         proc.wait()
         assert proc.stdin is not None

@@ -204,10 +204,10 @@ def test_a_task_timeout_quarantines_the_core_and_a_probe_returns_it(
         assert (r.status, r.message) == (
             Status.DEVICE_FAILED, "dla0: task failed: cudlaErrorDlaErrEngineTimeout")  # fmt: skip
         wait_for(lambda: _status(sock, 10)["devices"][0]["state"] == "serving"
-                 and len(_tasks(on_fake)) == 2)  # fmt: skip
+                 and len(_tasks(on_fake)) == 3)  # fmt: skip
         sock.send_multipart(_infer(2))
         assert _reply(sock).status == Status.OK
-        assert len(_tasks(on_fake)) == 3  # the frame, the probe, the frame
+        assert len(_tasks(on_fake)) == 4  # the warm-up, the frame, the probe, the frame
 
 
 def test_a_refused_submission_is_device_failed(on_fake: FakeLib, tmp_path: Path) -> None:
