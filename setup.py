@@ -1,8 +1,9 @@
-"""The one build step pyproject.toml cannot state: dlad's scheduler core in C++ (``dlad/native/``).
+"""The one build step pyproject.toml cannot state: dlad's C++ core (``dlad/native/``), the native
+data plane that serves every request, with its scheduler.
 
-It is optional: where no C++ compiler is found, pip installs dlad without it and the daemon runs
-the Python scheduler (``dlad/scheduler.py``), which is also the reference the core is tested
-against (``tests/dlad/test_native_scheduler.py``).
+It is required: a build that fails stops the install with the compiler's error. Release wheels
+(``[tool.cibuildwheel]`` in pyproject.toml: manylinux x86_64 and aarch64, the latter for
+JetPack's Ubuntu) carry it built, so a Jetson needs no compiler.
 """
 
 from glob import glob
@@ -17,11 +18,11 @@ setup(
             sorted(glob("dlad/native/*.cpp")),
             depends=sorted(glob("dlad/native/*.hpp")),
             cxx_std=17,
-            # the Python scheduler's rounding on every host: no fused multiply-adds (aarch64)
+            # one rounding on every host: no fused multiply-adds (aarch64), so the scheduler's
+            # estimates are the same numbers on a Jetson as on x86_64
             extra_compile_args=["-O2", "-ffp-contract=off", "-pthread"],
             extra_link_args=["-pthread"],
             libraries=["dl"],  # dlopen: the plane calls the libzmq pyzmq loaded (glibc < 2.34)
-            optional=True,
         )
     ],
     cmdclass={"build_ext": build_ext},

@@ -5,12 +5,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD:$PWD/clients" PYTHONUNBUFFERED=1 DLAD_CACHE_DIR=/tmp/dlad-cache
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
-# The scheduler's C++ core, built in place as pip would (dlad/native/); without Python's headers
-# the daemon runs the Python scheduler ([scheduler] core = "auto"), and says so here.
-if [[ -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]]; then
-    python3 setup.py -q build_ext --inplace >"$out/native-build.log" 2>&1 \
-        || { echo "h200_env: the C++ scheduler core did not build (see native-build.log)"; }
-else
-    echo "h200_env: no Python.h here: the daemon runs the Python scheduler"
-fi
+# The C++ core (the native data plane and its scheduler), built in place as pip would
+# (dlad/native/); dlad does not serve without it.
+python3 setup.py -q build_ext --inplace >"$out/native-build.log" 2>&1 \
+    || { echo "h200_env: the C++ core did not build (see native-build.log)"; tail -20 "$out/native-build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14's H200 measurements (the lean hot path, shared-memory frames, GPU post latency):
+# The device machine's measurements of the hot path, shared-memory frames and GPU post latency:
 #   run(command="bash bench/h200_hot_path.sh tests|gpu|daemon|daemon-shm|profile-shm|frames|shm|plane-tests|plane-gpu", carry=[".whl"], timeout_s=600)
 # tests:  the GPU tests and the shared-memory tests (the host is a second x86 ISA);
 # gpu:    bench/gpu_prepost.py (pre/post kernels vs baselines; batch-1 post, sleeping and polling);
@@ -12,8 +12,8 @@
 # shm:    bench/shm_frames.py (tcp / ipc / shared memory, 1.35 MB and 6.2 MB frames, 3 trials).
 # plane-tests: the native plane's tests, its GPU chain on the real GPU included (and its cuDLA
 #         engine on the fakes: a second x86 ISA);
-# plane-gpu: bench/daemon_throughput.py, GPU pre/post over tcp, the native plane against the
-#         Python data plane and the bare server, 3 trials (BENCHMARKS §9.21).
+# plane-gpu: bench/daemon_throughput.py, GPU pre/post over tcp, the daemon against the bare
+#         server, 3 trials (BENCHMARKS §9.21).
 set -uo pipefail
 source bench/h200_env.sh
 export PATH="/tmp/site/bin:$PATH"
@@ -54,13 +54,13 @@ for part in "$@"; do
             -W "ignore::DeprecationWarning" tests/dlad/gpu/test_native_chain.py \
             tests/dlad/test_native_gpu.py tests/dlad/test_native_plane.py \
             tests/dlad/test_native_engines.py tests/dlad/test_native_daemon.py \
-            tests/dlad/cudla/test_native_cudla.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
+            tests/dlad/cudla/test_native_cudla.py tests/dlad/test_torch_gpu.py \
+            tests/dlad/test_scheduler.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12
         status=$((status | PIPESTATUS[0])) ;;
     plane-gpu)
         timeout 540 python3 bench/daemon_throughput.py --seconds 5 --transports tcp \
-            --pre-post-backends cuda --floor --trials 3 --only on-cuda-plane,on-cuda-py \
-            --variant 'plane:frontend.data_plane="native";shm.enabled=false;soc.dram_contention=0' \
-            --variant 'py:shm.enabled=false;soc.dram_contention=0' 2>&1 \
+            --pre-post-backends cuda --floor --trials 3 --only on-cuda-plane \
+            --variant 'plane:shm.enabled=false;soc.dram_contention=0' 2>&1 \
             | tee "$out/plane_gpu.txt" ;;
     esac
 done

@@ -1,5 +1,5 @@
 """One model on two emulated DLA cores and the real H200 GPU at once, through the SDK
-(docs/BENCHMARKS.md §6.4). Run on the H200 machine by ``bench/h200_pool.sh``.
+(docs/BENCHMARKS.md §7.3). Run on the device machine by ``bench/h200_pool.sh``.
 
     python3 bench/h200_pool.py [--out DIR] [--dla-us 3820]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's H200 measurements, in one device call:
+# The pool on the device machine, in one device call:
 #   run(command="bash bench/h200_pool.sh", carry=[".whl"], timeout_s=600)
 # 1. the GPU tests (CUDA: kernels, the torch engine, GPU batches); 2. its batch curve (bench/torch_gpu_batches.py);
 # 3. one model on two emulated DLAs plus the real GPU through the SDK (bench/h200_pool.py).

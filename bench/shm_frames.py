@@ -26,9 +26,7 @@ size, the client sending that many frames a message (INFER_BATCH, ``Client.submi
 trials: frames/s, the daemon's CPU per frame (its process, without the emulated cores'
 threads), and shm's frames/s as a ratio to dlad over tcp and to the bare tcp ceiling.
 ``--event-loops``: the daemon is run on each (``[daemon] event_loop``) in every trial, each
-loop's ratios against tcp on the same loop. ``--data-planes``: the same for ``[frontend]
-data_plane`` (``native``: the native data plane, with ``[soc] dram_contention = 0``, which it
-needs; each run named ``<loop>+native``). ``--floor``: ``daemon_throughput.py``'s floor server
+loop's ratios against tcp on the same loop. ``--floor``: ``daemon_throughput.py``'s floor server
 too (a uvloop ROUTER, two engine threads at the same 50 µs, a valid reply, nothing else: the
 least a Python daemon of dlad's shape costs), over tcp and with shared-memory frames, one frame
 a message: how far the frame's way in can go in Python at all. ``--native-floor``: the same
@@ -64,14 +62,12 @@ default_deadline_ms = 60000.0
 event_loop = "{loop}"
 [frontend]
 endpoints = ["tcp://127.0.0.1:{port}", "ipc://{ipc}"]
-{plane}
 sndhwm = 1000
 rcvhwm = 1000
 [metrics]
 enabled = false
 [pre_post]
 enabled = false
-{soc}
 [devices.dla0]
 kind = "dla"
 core = 0
@@ -114,11 +110,6 @@ def main() -> None:
              "its own ratios beside the others'",
     )  # fmt: skip
     ap.add_argument(
-        "--data-planes", default="python",
-        help="the daemon's [frontend] data_plane, comma-separated (python, native): each is run "
-             "on each event loop in every trial",
-    )  # fmt: skip
-    ap.add_argument(
         "--sizes", default=",".join(SIZES),
         help="frame sizes to run, comma-separated, of: " + ", ".join(SIZES),
     )  # fmt: skip
@@ -136,11 +127,7 @@ def main() -> None:
     floors = [n for n, on in (("floor", args.floor), ("native floor", args.native_floor)) if on]
     sizes = {label: SIZES[label] for label in _sizes(args.sizes)}
     batches = [int(b) for b in args.batches.split(",")]
-    loops = [
-        loop if plane == "python" else f"{loop}+{plane}"
-        for loop in args.event_loops.split(",")
-        for plane in args.data_planes.split(",")
-    ]
+    loops = args.event_loops.split(",")
     modes = [
         (t, b, loop)
         for loop in loops
@@ -170,13 +157,7 @@ def main() -> None:
                               f"CPU {own * 1e3:.3f} ms/frame")  # fmt: skip
                 for loop in loops:
                     cfg = Path(tmp) / f"dlad-{loop}.toml"
-                    event_loop, _, plane = loop.partition("+")
-                    native = plane == "native"
-                    cfg.write_text(CONFIG.format(
-                        port=args.port, ipc=ipc, loop=event_loop,
-                        plane='data_plane = "native"' if native else "",
-                        soc="[soc]\ndram_contention = 0" if native else "",
-                    ))  # fmt: skip
+                    cfg.write_text(CONFIG.format(port=args.port, ipc=ipc, loop=loop))
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "dlad.cli", "--config", str(cfg)],
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

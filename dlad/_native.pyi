@@ -1,4 +1,4 @@
-# Types of the C++ scheduler core (dlad/native/module.cpp); used through dlad/native_scheduler.py.
+# Types of the C++ core (dlad/native/module.cpp): the native data plane and its scheduler.
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -212,3 +212,5 @@ class Plane:
     @property
     def draining(self) -> bool: ...
     def counters(self) -> dict[str, Any]: ...
+
+def wire_constants() -> dict[str, object]: ...

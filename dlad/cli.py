@@ -58,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     kg.add_argument("name", help="whose keys: 'server' for the daemon, a client's name")
     kg.add_argument("--dir", default=".", help="where to write them (created, mode 0700)")
     st.add_argument("--platform", action="store_true",
-                    help="print this host's cuDLA probe (version, DLA cores) and the emulated "
-                         "DLA core's INT8 kernel path as JSON")  # fmt: skip
+                    help="print this host's cuDLA probe (version, DLA cores), the emulated "
+                         "DLA core's INT8 kernel path, the native core and the engine each "
+                         "device of --config would get, as JSON")  # fmt: skip
     sub.add_parser("selftest", add_help=False,
                    help="exercise every cuDLA call once on a Jetson (--help: options)")  # fmt: skip
     return p
@@ -77,13 +78,38 @@ def _int8_kernel_path() -> dict[str, object]:
         return {"available": False, "reason": str(exc)}
 
 
-def _platform() -> int:
-    """``dlad status --platform``: the cuDLA platform probe of this host and the emulated core's
-    INT8 kernel path (``emulated_int8``); needs no daemon."""
+def _engines(config_path: str) -> dict[str, object]:
+    """The engine each device of the config would get on this host (``engines``), or why that
+    cannot be said (``engines_error``)."""
+    from dlad.config import ConfigError, load_config
+    from dlad.daemon import describe_engine
+    from dlad.gpu.service import select_backend
+
+    try:
+        plan = load_config(config_path).plan()
+    except ConfigError as exc:
+        return {"engines_error": str(exc)}
+    c = plan.config
+    pre_post = c.pre_post.enabled
+    configured = any(d.kind == "gpu" and d.backend != "cpu" for d in c.devices)
+    try:
+        gpu = pre_post and select_backend(c.pre_post.backend, configured)[0] == "cuda"
+    except RuntimeError as exc:  # cuda required, none usable: the daemon would not start
+        return {"engines_error": str(exc)}
+    return {"engines": {p.device: describe_engine(plan, p, pre_post=pre_post, gpu=gpu)
+                        for p in plan.placements}}  # fmt: skip
+
+
+def _platform(config_path: str) -> int:
+    """``dlad status --platform``: the cuDLA platform probe of this host, the emulated core's
+    INT8 kernel path (``emulated_int8``), whether the C++ core is here (``native_core``) and the
+    engine each device of ``config_path`` would get (``engines``); needs no daemon."""
     from dlad.devices.cudla.probe import probe
+    from dlad.native_plane import missing_core
 
     found = probe()
-    report = {"summary": found.summary(), **found.to_dict(), "emulated_int8": _int8_kernel_path()}
+    report = {"summary": found.summary(), **found.to_dict(), "emulated_int8": _int8_kernel_path(),
+              "native_core": missing_core() or "present", **_engines(config_path)}  # fmt: skip
     print(json.dumps(report, indent=2))
     return 0
 
@@ -212,7 +238,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if rest:
         _parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "status" and args.platform:
-        return _platform()
+        return _platform(args.config)
     if args.command == "keygen":
         from pathlib import Path
 
@@ -241,6 +267,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
             return watch(endpoint, args.watch, args.timeout, args.count, prepare=prepare or None)
         return _status(endpoint, args.timeout, prepare or None)
+    from dlad.native_plane import missing_core
+
+    if missing_core():  # the C++ core serves every request: no daemon without it
+        print(f"dlad: {missing_core()}", file=sys.stderr)
+        return 2
     _configure_logging(config.logging.format, config.logging.level)
     import anyio
 

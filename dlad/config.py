@@ -230,22 +230,6 @@ class FrontendConfig:
     """The widest image an INFER request may carry, in pixels (>= 1)."""
     max_image_height: int = 4096
     """The tallest image an INFER request may carry, in pixels (>= 1)."""
-    data_plane: Literal["python", "native"] = "native"
-    """Who serves INFERs. ``python``: the frontend, the scheduler and the executors on the event
-    loop, every device and feature. ``native``: the native data plane (docs/daemon.md), a C++
-    thread that reads each INFER off the socket, admits it with the same rules and words, runs
-    it and replies, without the interpreter; the event loop keeps STATUS, CANCEL, INFER_BATCH,
-    malformed messages and the metrics, and handles what the plane forwards after the INFERs it
-    read meanwhile (one connection's INFERs keep their order among themselves). Every engine
-    runs behind it: DLA cores in timing mode or real ones through cuDLA run in the plane itself
-    (with pre/post-processing off, or on the GPU: the plane queues each frame's CUDA chain
-    around the core's task), and everything else (numeric cores, pre/post-processing on the
-    CPU, the GPU's batches, fault injection) as Python engines the plane calls on threads of
-    their own. It does not yet quarantine, retry or probe engines (``[health]``): a failing
-    engine is reported unhealthy in STATUS and the metrics and keeps its frames.
-    Shared-memory frames (``[shm]``) are taken by the plane once the event loop has mapped and
-    checked their segment; CURVE (``[auth]``) is the socket's, and a client is its key in the
-    plane as in the frontend."""
 
     def __post_init__(self) -> None:
         _check(bool(self.endpoints), "endpoints", "needs at least one endpoint")
@@ -380,18 +364,12 @@ class SchedulerConfig:
     ``static``: each camera stream is pinned, at its first frame, to one device in proportion to
     the devices' speeds, as DeepStream pins sources (a baseline: it cannot follow skewed
     streams); frames without a stream are placed as ``latency``. Every policy estimates
-    completion the same way (``dlad/scheduler.py``)."""
+    completion the same way (``dlad/native/scheduler.hpp``)."""
     pins: Mapping[str, str] = field(default_factory=dict)
     """Policy ``static`` only: streams pinned by hand, stream name → device name (a table, e.g.
     ``pins = { cam0 = 'dla0', cam1 = 'gpu' }``), as a DeepStream deployment binds each source to
     one branch; a stream not named here, or whose device does not serve the frame's model, is
     pinned in proportion to the devices' speeds. At most ``MAX_PINS`` streams."""
-    core: Literal["auto", "native", "python"] = "auto"
-    """Which implementation makes these decisions (the same ones, to the last bit:
-    ``tests/dlad/test_native_scheduler.py``). ``native``: the C++ core that ``pip install``
-    builds where it finds a C++ compiler (``dlad/native/``); the daemon does not start without
-    it. ``python``: ``dlad/scheduler.py``, the reference. ``auto``: the C++ core where it was
-    built, else the Python one."""
 
     def __post_init__(self) -> None:
         _check(not self.pins or self.policy == "static", "pins",
@@ -981,6 +959,13 @@ def _convert(tp: Any, value: object, key: str) -> object:
     return value
 
 
+_REMOVED: Final = {
+    "frontend.data_plane": "every request runs on the native data plane now",
+    "scheduler.core": "the scheduler's C++ core is the only scheduler now",
+}
+"""Keys of earlier versions, and why they went (a config naming one is told so)."""
+
+
 def _decode(cls: type[Any], raw: object, key: str, name: str | None = None) -> Any:
     """Build dataclass ``cls`` from a TOML table, rejecting unknown keys, missing required ones
     and wrong types; a ``tuple[<dataclass with a key field>, ...]`` is a table of tables."""
@@ -989,6 +974,8 @@ def _decode(cls: type[Any], raw: object, key: str, name: str | None = None) -> A
     fields = [f for f in dataclasses.fields(cls) if f.metadata.get("toml", True)]
     known = [f.name for f in fields if not f.metadata.get("from_key")]
     for k in raw:
+        gone = _REMOVED.get(_join(key, k))
+        _check(gone is None, _join(key, _quote(k)), f"removed: {gone}; delete the key")
         _check(k in known, _join(key, _quote(k)),
                f"unknown key (known here: {', '.join(known) or 'none'})")  # fmt: skip
     kwargs: dict[str, object] = {}

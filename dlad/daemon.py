@@ -1,4 +1,4 @@
-"""The daemon: lifecycle and wiring of the frontend, the scheduler and the executors.
+"""The daemon: lifecycle and wiring of the frontend, the native data plane and its engines.
 
 Lifecycle: ``RUNNING → DRAINING → STOPPED``. The first SIGTERM/SIGINT (or :meth:`Daemon.stop`)
 starts draining: new INFERs are answered SHUTTING_DOWN, queued ones too, and jobs already on a
@@ -6,10 +6,13 @@ device finish and are answered, within ``daemon.drain_timeout_s``; then the task
 cancelled and the engines are closed. A second signal forces the exit at once. Every accepted
 request gets exactly one reply: a result or a typed error.
 
-The layers go one way: :mod:`dlad.frontend` (socket, decoding, who asked) → :mod:`dlad.scheduler`
-(policy) → :mod:`dlad.executors` (one per engine, built by ``executors/factory.py``) → devices.
-This module owns none of their work: it builds them from the plan, starts their loops in one
-root task group, tracks readiness and health for ``/health`` and STATUS, and stops them.
+One request path: every frame is read, admitted, scheduled, run and answered by the native data
+plane (:mod:`dlad.native_plane`, a C++ thread), on engines behind one interface; Python is the
+control plane. This module builds the engines from the plan (DLA cores through cuDLA and timing
+cores in the plane itself, the rest as Python engines running their executor's per-frame code,
+:mod:`dlad.engines.python`), hands the socket to the plane through the frontend
+(:mod:`dlad.frontend`, which answers what the plane forwards), turns the plane's health news
+into the log and metrics, answers STATUS, tracks readiness for ``/health``, and stops it all.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
@@ -33,16 +36,14 @@ import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.base import DlaError
-from dlad.devices.dram import ORIN_DRAM_K
 from dlad.devices.factory import resolve_backend
 from dlad.engines.python import Defaults, DlaFrames, GpuBatches
 from dlad.errors import DladError, Overloaded, StartupError
-from dlad.executors.base import UNHEALTHY_AFTER, Executor, Outcome, Request, failing_words
+from dlad.executors.base import UNHEALTHY_AFTER, Executor, failing_words
 from dlad.executors.dla import DlaExecutor
 from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.executors.gpu import GpuExecutor
 from dlad.frontend import Counters, Frontend
-from dlad.health import EngineState, HealthKeeper
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.native_plane import (
     CudaFunctions,
@@ -54,7 +55,7 @@ from dlad.native_plane import (
     PlaneDevice,
     PlaneGpu,
 )
-from dlad.native_scheduler import NativeUnavailable, Scheduling, make_scheduler
+from dlad.plane_cores import PlaneCoreUnsupported
 from dlad.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -73,6 +74,48 @@ _PLANE_SLOTS = 2  # tasks in flight on each of the native plane's cores (a DlaEx
 def _plane_failing(d: DeviceState) -> str:
     """Why a core of the native plane is unhealthy (Executor.health's words), or ""."""
     return "" if d.failing < UNHEALTHY_AFTER else failing_words(d.failing, d.last_failure)
+
+
+EngineKind = Literal["cudla", "timing", "python"]
+
+
+def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> EngineKind:
+    """Which engine serves placement ``p`` on the plane (``gpu``: pre/post-processing runs on
+    the GPU): ``cudla``, a real DLA core driven by the plane, and ``timing``, an emulated core in
+    timing mode without faults, each with pre/post off or as the GPU chain; ``python``, a
+    Python engine running its executor's per-frame code (a numeric or faulty core, any core
+    whose pre/post-processing runs on the CPU, the GPU's batches)."""
+    d = plan.config.device(p.device)
+    if d.kind != "dla":
+        return "python"
+    loadable = plan.config.model(p.model).loadables.cudla_for_core(int(d.core or 0))
+    in_plane = gpu or not pre_post  # the plane pre/post-processes on the GPU only
+    if resolve_backend(d.backend, loadable) == "cudla":
+        return "cudla" if in_plane else "python"
+    if d.mode == "timing" and not d.faults.active and in_plane:
+        return "timing"
+    return "python"
+
+
+def describe_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> str:
+    """``plane_engine``'s choice in words, for ``dlad status --platform`` and the log."""
+    kind = plane_engine(plan, p, pre_post=pre_post, gpu=gpu)
+    d = plan.config.device(p.device)
+    where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
+             else "pre/post on the CPU")  # fmt: skip
+    if kind == "cudla":
+        return f"C++: cuDLA core {d.core}, {where}"
+    if kind == "timing":
+        return f"C++: emulated DLA core {d.core} (timing), {where}"
+    loadable = plan.config.model(p.model).loadables.cudla_for_core(int(d.core or 0))
+    if d.kind == "dla" and resolve_backend(d.backend, loadable) == "cudla":
+        return f"Python: cuDLA core {d.core}, {where}"
+    if d.kind == "dla":
+        faults = ", fault injection" if d.faults.active else ""
+        return f"Python: emulated DLA core {d.core} ({d.mode}{faults}), {where}"
+    gpu_where = "pre/post off" if not pre_post else "pre/post on the GPU where the engine can"
+    return (f"Python: GPU batches of up to {d.batch_limit} on the {d.engine or 'emulated'} "
+            f"engine, {gpu_where if gpu else where}")  # fmt: skip
 
 
 class State(enum.Enum):
@@ -115,23 +158,8 @@ class Daemon:
         """Set when the drain is over and the frontend answers its last messages (for
         ``daemon.close_linger_ms``) before the socket closes."""
         self.executors: dict[str, Executor] = {}
+        """The Python engines' executors, by device (the plane calls their per-frame code)."""
         self._stop = anyio.Event()
-        contention = self.config.soc.dram_contention
-        try:
-            self._scheduler: Scheduling[Request] = make_scheduler(
-                self.config.scheduler.core,
-                time.monotonic_ns,
-                policy=self.config.scheduler.policy,
-                pins=self.config.scheduler.pins,
-                interference={k: v * contention for k, v in ORIN_DRAM_K.items()},
-            )
-        except NativeUnavailable:
-            raise StartupError(
-                "'native', but this install has no C++ scheduler core (pip found no C++ "
-                "compiler when it installed dlad): set core = 'auto' or 'python', or reinstall "
-                "with g++ present",
-                key="scheduler.core",
-            ) from None
         self._loop: asyncio.AbstractEventLoop | None = None
         m = self.config.metrics
         self.metrics = Metrics(
@@ -150,8 +178,6 @@ class Daemon:
             )
         self.frontend = Frontend(
             self.config,
-            self._scheduler,
-            self.executors,
             self.metrics,
             status=self._status_report,
             accepting=lambda: self.state is State.RUNNING,
@@ -164,17 +190,10 @@ class Daemon:
         self._gpu: GpuService | None = None
         self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
         self._plane_sync = threading.Lock()  # the loop's, the metrics thread's _sync_plane
-        self._cold: dict[str, str] = {}  # the plane's engines whose warm-up failed: why
-        self._warming: set[str] | int = 0  # the plane's: the engines whose warm-up runs
+        self._cold: dict[str, str] = {}  # the engines whose warm-up failed: why
+        self._warming: set[str] = set()  # the engines whose warm-up runs in the plane
         self._warm = anyio.Event()
         self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
-        self.health = HealthKeeper(
-            self.config.health,
-            self._scheduler,
-            self.executors,  # filled at start
-            requeue=self.frontend.requeue,
-            on_change=self._health_changed,
-        )
 
     @property
     def bound(self) -> list[str]:
@@ -185,11 +204,6 @@ class Daemon:
     def counters(self) -> Counters:
         """Messages received and replies sent, by status."""
         return self.frontend.totals()
-
-    @property
-    def native(self) -> bool:
-        """Whether the native data plane serves INFERs (``[frontend] data_plane``)."""
-        return self.config.frontend.data_plane == "native"
 
     def quarantines(self, device: str) -> int:
         """How often ``device`` has been quarantined since the daemon started."""
@@ -202,11 +216,8 @@ class Daemon:
         not quarantined (from any thread)."""
         plane = self.frontend.plane
         if plane is None:
-            raise RuntimeError("probe_now needs the native data plane")
+            raise RuntimeError("the daemon is not serving")
         return plane.probe_now(device)
-
-    def _device_names(self) -> list[str]:
-        return [p.device for p in self.plan.placements] if self.native else list(self.executors)
 
     # ------------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
@@ -228,7 +239,6 @@ class Daemon:
         device or the socket raised.
         """
         self._loop = asyncio.get_running_loop()
-        limiter = anyio.CapacityLimiter(max(self.config.pre_post.threads, 1))
         try:
             if self.metrics_server is not None:  # first, so readiness is seen to flip
                 try:
@@ -240,46 +250,14 @@ class Daemon:
                     ) from None
                 log.info("metrics", url=self.metrics_server.url)
             self.frontend.open(self.endpoints)
-            for p in self.plan.placements:  # the devices that get an executor
+            for p in self.plan.placements:
                 self.metrics.device_state(p.device, "loading")
-            if self.native:
-                await self._serve_native()
-                return
-            await self._start_gpu()
-            if self._gpu is not None:
-                self._shm_to_gpu(self._gpu)
-            try:
-                self.executors.update(
-                    build_executors(
-                        self.plan,
-                        self._scheduler,
-                        limiter=limiter,
-                        pre_post=self.pre_post,
-                        gpu=self._gpu,
-                    )
-                )
-            except ExecutorBuildError as exc:
-                raise StartupError(exc.message, key=exc.key) from None
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._heartbeat_loop)
-                tg.start_soon(self.health.run)
-                self._warming = len(self.executors)
-                for executor in self.executors.values():
-                    tg.start_soon(self._serve_executor, executor)
-                tg.start_soon(self.frontend.expiry_loop)
-                tg.start_soon(self.frontend.receive_loop)
-                tg.start_soon(self.frontend.watch_connections)
-                if self.executors:
-                    await self._warm.wait()
-                await self._serve_until_stopped(tg)
-            late = await self.frontend.answer_what_is_queued()
-            log.info("closing", answered_after_the_drain=late)
+            await self._serve_plane()
         finally:
             self.state = State.STOPPED
             self.frontend.close_plane()  # its GPU chains use the GPU's memory
-            if self.native:  # the Python engines' executors, after the plane that called them
-                for executor in self.executors.values():
-                    executor.close()
+            for executor in self.executors.values():  # after the plane that called them
+                executor.close()
             self._close_plane_cores()  # after the plane, before the GPU (their CUDA imports)
             if self._gpu is not None:  # after the executors: their streams use its memory
                 self._gpu.close()
@@ -289,14 +267,17 @@ class Daemon:
             log.info("stopped", replied=self.counters.replied)
             self.stopped.set()
 
-    async def _serve_native(self) -> None:
-        """serve() with the native data plane. Each placement's engine: a real DLA core
+    async def _serve_plane(self) -> None:
+        """serve() once the socket is bound. Each placement's engine: a real DLA core
         through cuDLA, or an emulated one in timing mode with pre/post-processing off or on the
         GPU, runs in the plane itself (a :class:`~dlad.gpu.service.GpuService` builds each
         core's GPU slots); the rest (a numeric core, pre/post-processing on the CPU, the GPU's
         batches) is a Python engine of the plane's running its executor's per-frame code
         (:mod:`dlad.engines.python`)."""
         gpu, cuda = await self._plane_gpu()
+        log.info("engines", **{p.device: describe_engine(self.plan, p, pre_post=self.pre_post,
+                                                         gpu=gpu is not None)
+                               for p in self.plan.placements})  # fmt: skip
         devices: dict[str, PlaneDevice] = {}
         cudla: CudlaFunctions | None = None
         python: list[Placement] = []
@@ -307,16 +288,16 @@ class Daemon:
                         "default_max_det": min(m.max_det, protocol.MAX_DET)}  # fmt: skip
             plane_gpu: PlaneGpu | None = None
             spec: PlaneCudla | None = None
-            loadable = m.loadables.cudla_for_core(int(d.core or 0))
-            if d.kind == "dla" and resolve_backend(d.backend, loadable) == "cudla":
-                core = await self._open_plane_core(p, gpu, defaults)
+            kind = plane_engine(self.plan, p, pre_post=self.pre_post, gpu=gpu is not None)
+            if kind == "cudla":
+                try:
+                    core = await self._open_plane_core(p, gpu, defaults)
+                except PlaneCoreUnsupported as exc:
+                    log.warning("cudla_python_engine", device=p.device, reason=str(exc))
+                    python.append(p)
+                    continue
                 plane_gpu, spec, cudla = core.gpu, core.spec, core.functions
-            elif (
-                d.kind == "dla"
-                and d.mode == "timing"
-                and not d.faults.active
-                and (gpu is not None or not self.pre_post)
-            ):
+            elif kind == "timing":
                 if gpu is not None:
                     plane_gpu = await self._plane_slots(gpu, p, defaults)
             else:
@@ -363,10 +344,8 @@ class Daemon:
         the plane. Raises StartupError where one cannot be built."""
         if not placements:
             return {}
-        limiter = anyio.CapacityLimiter(max(self.config.pre_post.threads, 1))
         try:
-            built = build_executors(self.plan, self._scheduler, limiter=limiter,
-                                    pre_post=self.pre_post, gpu=None,
+            built = build_executors(self.plan, pre_post=self.pre_post, gpu=self._gpu,
                                     only={p.device for p in placements})  # fmt: skip
         except ExecutorBuildError as exc:
             raise StartupError(exc.message, key=exc.key) from None
@@ -464,9 +443,9 @@ class Daemon:
         gc.collect()
         gc.freeze()
         self.ready.set()
-        devices = self._device_names()
+        devices = [p.device for p in self.plan.placements]
         log.info("listening", endpoints=self.bound, devices=devices,
-                 data_plane=self.config.frontend.data_plane, event_loop=_loop_name())  # fmt: skip
+                 event_loop=_loop_name())  # fmt: skip
         self.notifier.ready(f"serving {', '.join(devices) or 'no devices'} on "
                             f"{', '.join(self.bound)}")  # fmt: skip
         await self._stop.wait()
@@ -513,55 +492,14 @@ class Daemon:
                 )
             )
 
-    async def _serve_executor(self, executor: Executor) -> None:
-        """Warm ``executor`` with one task (readiness waits for every one), then serve."""
-        self.metrics.device_state(executor.name, "warming")
-        try:
-            await executor.warm_up()
-        except DladError as exc:  # out of placement until a probe passes (dlad.health)
-            log.error("warm_up_failed", device=executor.name, reason=exc.message)
-            self.metrics.device_state(executor.name, "failed")
-            if self.config.health.quarantine_after > 0:
-                await self.health.quarantine(executor.name, f"warm-up failed: {exc.message}")
-        except BaseException:
-            executor.close()  # cancelled before run() took the engine over
-            raise
-        else:
-            self.metrics.device_state(executor.name, "ready")
-            self._healthy[executor.name] = True
-        assert isinstance(self._warming, int)
-        self._warming -= 1
-        if self._warming == 0:
-            self._warm.set()
-        await executor.run(self._on_outcome)
-
-    async def _on_outcome(self, out: Outcome) -> None:
-        # A client's job that succeeded has nothing for the health keeper to judge (probes have
-        # negative ids), and on a device known healthy it changes nothing: the common case.
-        if out.error is None and out.job_id >= 0 and self._healthy.get(out.device) is True:
-            await self.frontend.on_outcome(out)
-            return
-        probe = (out.error is not None or out.job_id < 0) and await self.health.observe(out)
-        self._track_health(out.device)
-        if not probe:
-            await self.frontend.on_outcome(out)
-
-    def _health_changed(self, device: str, state: EngineState, reason: str) -> None:
-        self._healthy[device] = state == "serving"
-        self.metrics.device_state(device, "ready" if state == "serving" else "quarantined")
-
-    def _track_health(self, device: str) -> None:
-        """Keep /health/ready's view of ``device`` equal to STATUS's ``healthy`` after warm-up:
-        ``failed`` while its last tasks all failed, ``ready`` again after a success."""
-        executor = self.executors.get(device)
-        if executor is None or executor.warm != "ok" or self.health.state(device)[0] != "serving":
-            return  # warming, warm-up failed or quarantined: that state stands
-        healthy, why = executor.health()
-        self._set_health(device, healthy, why, was=self._healthy.get(device))
+    def _health_changed(self, device: str, serving: bool) -> None:
+        self._healthy[device] = serving
+        self.metrics.device_state(device, "ready" if serving else "quarantined")
 
     def _track_plane_health(self, d: DeviceState) -> None:
-        """_track_health for an engine of the native plane: ``failed`` while its last frames
-        all failed, ``ready`` again after one goes through; a quarantine's state stands."""
+        """Keep /health/ready's view of an engine equal to STATUS's ``healthy`` after warm-up:
+        ``failed`` while its last frames all failed, ``ready`` again after one goes through;
+        a quarantine's state stands."""
         if d.quarantined is not None or d.name in self._cold or self._still_warming(d.name):
             return  # that state stands
         healthy = d.failing < UNHEALTHY_AFTER
@@ -593,10 +531,9 @@ class Daemon:
             plane.quarantine(device, f"warm-up failed: {why}")
 
     def _plane_events(self, events: Sequence[HealthEvent]) -> None:
-        """The log lines and metrics of what the plane's health keeping did (dlad.health's)."""
+        """The log lines and metrics of what the plane's health keeping did."""
         for e in events:
             if e.kind is EventKind.WARMED:
-                assert isinstance(self._warming, set)
                 self._warming.discard(e.device)
                 if e.reason:
                     self._warm_up_failed(e.device, e.reason)
@@ -608,11 +545,11 @@ class Daemon:
             elif e.kind is EventKind.QUARANTINED:
                 log.warning("device_quarantined", device=e.device, reason=e.reason,
                             moved=int(e.seconds))  # fmt: skip
-                self._health_changed(e.device, "quarantined", e.reason)
+                self._health_changed(e.device, serving=False)
             elif e.kind is EventKind.RETURNED:
                 log.info("device_returned", device=e.device, quarantined_s=round(e.seconds, 3))
                 self._cold.pop(e.device, None)
-                self._health_changed(e.device, "serving", "a probe passed")
+                self._health_changed(e.device, serving=True)
             elif e.kind is EventKind.PROBE_FAILED:
                 log.info("probe_failed", device=e.device, reason=e.reason, next_in_s=e.seconds)
             else:
@@ -670,80 +607,28 @@ class Daemon:
                                                d.busy_ns, self.config.device(d.name).kind,
                                                d.batches)
                                   for d in states)  # fmt: skip
-                await anyio.sleep(self.config.metrics.heartbeat_s)
-                continue
-            snaps = {s.name: s for s in self._scheduler.snapshot()}
-            self.metrics.tick(
-                DeviceSample(
-                    name,
-                    snaps[name].queue_depth,
-                    snaps[name].capacity,
-                    snaps[name].in_flight,
-                    executor.stats.busy_ns,
-                    executor.kind,
-                    snaps[name].batches,
-                )
-                for name, executor in self.executors.items()
-            )
             await anyio.sleep(self.config.metrics.heartbeat_s)
 
     async def _drain(self) -> None:
         self.state = State.DRAINING
         self.notifier.stopping(f"draining (at most {self.config.daemon.drain_timeout_s:g} s)")
-        pending = self.frontend.pending  # the plane's included
-        log.info("draining", queued=self._scheduler.queued(), pending=pending)
+        queued = 0 if self.frontend.plane is None else self.frontend.plane.state()[1]
+        log.info("draining", queued=queued, pending=self.frontend.pending)
         await self.frontend.drain(self.config.daemon.drain_timeout_s)
 
     # ------------------------------------------------------------------------ status
     def _status_report(self, load: bool = False) -> dict[str, Any]:
-        if self.frontend.plane is not None:
-            return self._report(*self._plane_status(), load=load)
-        snaps = {s.name: s for s in self._scheduler.snapshot()}
-        devices = []
-        for name, executor in self.executors.items():
-            snap = snaps[name]
-            healthy, why = executor.health()
-            placement, fenced = self.health.state(name)
-            if executor.warm == "pending":
-                state, reason = "warming", why
-            elif placement == "quarantined":  # after failing tasks, or its warm-up: probed
-                state, reason = "quarantined", fenced
-            elif executor.warm == "failed":  # quarantine off: it stays so
-                state, reason = "failed", why
-            else:
-                state, reason = "serving", "" if healthy else why
-            devices.append(
-                {
-                    "name": name,
-                    "kind": executor.kind,
-                    "core": executor.core,
-                    "healthy": healthy and placement == "serving",
-                    "state": state,
-                    "reason": reason[: protocol.MAX_MESSAGE_CHARS],
-                    "busy": snap.in_flight > 0,
-                    "in_flight": snap.in_flight,
-                    "queue_depth": snap.queue_depth,
-                    "completed": executor.stats.completed,
-                    "failed": executor.stats.failed,
-                    "service_time_us": float(snap.service_time_us),
-                    "max_batch": snap.max_batch,
-                    "batches": list(snap.batches),
-                }
-            )
-        queues = {
-            "depth": self._scheduler.queued(),
-            "capacity": sum(s.capacity for s in snaps.values()),
-            "streams": self._scheduler.streams_waiting(),
-        }
-        return self._report(devices, queues, load=load)
+        return self._report(*self._plane_status(), load=load)
 
     def _still_warming(self, device: str) -> bool:
-        return isinstance(self._warming, set) and device in self._warming
+        return device in self._warming
 
     def _plane_status(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
         """STATUS's devices and queues from the native plane's state."""
-        assert self.frontend.plane is not None
-        states, queued, streams = self.frontend.plane.state()
+        plane = self.frontend.plane
+        states, queued, streams = (
+            (self.frontend.plane_state, 0, 0) if plane is None else plane.state()
+        )
         devices = []
         for d in states:
             config = self.config.device(d.name)

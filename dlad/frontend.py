@@ -1,39 +1,29 @@
-"""The frontend: the daemon's only contact with clients.
+"""The frontend: the daemon's control plane for what clients send.
 
-It owns the ROUTER socket: it decodes every message (a malformed one costs its sender one typed
-reply and the daemon nothing), admits INFERs into the scheduler as jobs (an INFER_BATCH's
-images one job each, their results gathered into one reply), answers CANCEL and STATUS, and
-turns every outcome into exactly one reply. It alone knows who asked: a job carries
-only a :class:`~dlad.executors.base.Request`; the frontend keeps, per job id, the client's
-routing id and request id, and executors report back by job id.
+It owns the ROUTER socket (binding, CURVE, the connection cap, heartbeats), and hands it to the
+native data plane (:mod:`dlad.native_plane`) with :meth:`Frontend.start_plane`: the plane's
+C++ thread reads every INFER off the socket, admits, schedules, runs and answers it without the
+interpreter. What the plane's reader leaves it forwards here, the same messages in the same
+shape: STATUS, CANCEL, INFER_BATCH, malformed messages, and an INFER whose shared-memory
+segment is not yet mapped. This frontend decodes them (a malformed one costs its sender one
+typed reply and the daemon nothing), answers through the plane, and puts an INFER's and an
+INFER_BATCH's images back into the plane once decoded (a batch's answers return as outcomes,
+gathered here into its one reply). Once the plane has drained, the socket is this frontend's
+again, for the linger and the last messages (each INFER answered SHUTTING_DOWN).
 
-The event loop only moves small objects here: the image stays in the received ZeroMQ frame (a
-zero-copy numpy view) until an executor's worker thread reads it.
-
-The ROUTER is a plain (synchronous) pyzmq socket driven from the event loop: the loop watches
-its file descriptor, and the receive loop then reads every waiting message without blocking;
-replies are sent without blocking (``NOBLOCK``), so they need no awaiting either. This is what
-``zmq.asyncio`` does, without a future, a callback and a loop turn per message: the daemon's
-hot path is measured against a bare pyzmq server (``bench/daemon_throughput.py``).
-
-With ``[frontend] data_plane = "native"`` the native data plane (:mod:`dlad.native_plane`) owns
-the ROUTER from :meth:`Frontend.start_plane` to the end of the drain: it serves the INFERs its
-reader takes, and this frontend reads the rest off the plane's forwarding socket, the same
-messages in the same shape, answering through the plane. An INFER the plane left and the
-images of an INFER_BATCH go back into the plane once decoded (the batch's answers return as
-outcomes, gathered here into its one reply); CANCEL and STATUS ask the plane. Once the plane has
-drained, the socket is this frontend's again, for the linger and the last messages.
+The forwarding socket is a plain (synchronous) pyzmq socket driven from the event loop: the
+loop watches its file descriptor, and the receive loop then reads every waiting message
+without blocking.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, cast
@@ -53,19 +43,14 @@ from dlad.auth import ZAP_DOMAIN, ClientKeys, Gate, configure_server, read_serve
 from dlad.config import Config
 from dlad.errors import (
     BadRequest,
-    Cancelled,
-    DeadlineExceeded,
-    DeviceFailed,
     DladError,
     InternalError,
     NotFound,
     Overloaded,
-    ShuttingDown,
     StartupError,
     Status,
     error_for,
 )
-from dlad.executors.base import Executor, Outcome, Request
 from dlad.metrics import Metrics
 from dlad.native_plane import (
     CancelResult,
@@ -79,8 +64,6 @@ from dlad.native_plane import (
     PlaneDevice,
     PlaneUnavailable,
 )
-from dlad.native_scheduler import Scheduling
-from dlad.scheduler import Job
 from dlad.shm import SharedFrames
 
 __all__ = ["MAX_CLIENTS_TRACKED", "Counters", "Frontend"]
@@ -110,25 +93,7 @@ class _Batch:
     request_id: int
     results: list[protocol.BatchResult | None]
     waiting: int  # images not answered yet
-    jobs: list[int] = field(default_factory=list)  # its images' job ids (for CANCEL)
     tag: int = -1  # the native plane's tag for its images' outcomes (-1: none)
-
-
-@dataclass(slots=True)
-class _Asker:
-    """Who is waiting for a job's reply, and the job (to place it again after a failure)."""
-
-    client: bytes
-    request_id: int
-    model: str
-    received_ns: int
-    job: Job[Request]
-    owner: str  # the client's identity (its CURVE key, else its connection)
-    size: int  # the frame's bytes in the daemon's budget (0: in a client's shared memory)
-    shm: str | None = None  # the shared-memory segment the frame lies in
-    retried: bool = False
-    batch: _Batch | None = None  # the INFER_BATCH it is image ``index`` of
-    index: int = 0
 
 
 # The hot path's flags as plain ints: pyzmq's are enum flags, and combining those per call
@@ -137,7 +102,6 @@ _EVENTS: Final = int(zmq.EVENTS)
 _POLLIN: Final = int(zmq.POLLIN)
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _MORE: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
-_NO_MODEL: Final = (0.25, 0.45, 300)  # an unknown model's request: refused, never run
 _STATUS_NAMES: Final = {s: s.name for s in Status}  # an enum's ``name`` is a Python property
 _STATUSES: Final = {int(s): s for s in Status}
 
@@ -169,8 +133,6 @@ class Frontend:
 
     Args:
         config: the daemon's config (frontend limits, deadlines, model defaults).
-        scheduler: where INFERs are admitted.
-        executors: by device name (woken when a job is queued for them).
         metrics: replies are counted there.
         status: builds the STATUS report (``load``: include recent load).
         accepting: whether INFERs are still accepted (False once draining starts).
@@ -179,8 +141,6 @@ class Frontend:
     def __init__(
         self,
         config: Config,
-        scheduler: Scheduling[Request],
-        executors: Mapping[str, Executor],
         metrics: Metrics,
         *,
         status: Callable[[bool], dict[str, Any]],
@@ -188,8 +148,6 @@ class Frontend:
         curve: tuple[Path, Path] | None = None,
     ) -> None:
         self.config = config
-        self.scheduler = scheduler
-        self.executors = executors
         self.metrics = metrics
         self._status = status
         self._accepting = accepting
@@ -206,31 +164,18 @@ class Frontend:
         self._socket: zmq.Socket[bytes] | None = None
         self._readable = asyncio.Event()  # the socket's fd fired, or a send may have hidden input
         self._asleep = False  # the receive loop waits on _readable
-        self._next_job = 0
-        self._askers: dict[int, _Asker] = {}  # job id -> who asked
-        self._jobs: dict[tuple[bytes, int], int] = {}  # (client, request id) -> job id
         self._batches: dict[tuple[bytes, int], _Batch] = {}  # (client, request id) -> batch
-        self._idle = anyio.Event()
-        self._expiry_wake = anyio.Event()
-        self._expiry_at: int | None = None  # when the expiry timer fires (None: no timer)
         self._models = {m.name: m for m in config.models}
-        # what an INFER that leaves them out gets, per model: conf, iou, max_det
-        self._defaults = {
-            m.name: (m.conf_threshold, m.iou_threshold, min(m.max_det, protocol.MAX_DET))
-            for m in config.models
-        }
         self._curve = curve  # (server secret key file, client keys directory), or None
         self._drop_logged = -1.0
-        self._in_flight: collections.Counter[str] = collections.Counter()  # owner -> jobs
         self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, when)
-        self._buffered = 0  # image bytes of the jobs admitted and not yet answered
         self._gate: Gate | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._refusal_logged = -1.0
         self.connections = 0  # open connections, as the socket's monitor counts them
         self.client_keys: ClientKeys | None = None
         self.shm = SharedFrames(config.shm) if config.shm.enabled else None
-        self.plane: NativePlane | None = None  # data_plane = "native", from start_plane()
+        self.plane: NativePlane | None = None  # from start_plane() to close_plane()
         self._plane_done = anyio.Event()  # the plane has drained: the socket is ours again
         self._inbox: zmq.Socket[bytes] | None = None  # what the receive loop reads now
         self._tags: dict[int, _Batch] = {}  # the plane's outcome tag -> its INFER_BATCH
@@ -307,7 +252,7 @@ class Frontend:
         cuda: CudaFunctions | None = None,
         cudla: CudlaFunctions | None = None,
     ) -> None:
-        """Hand the socket to the native data plane (``data_plane = "native"``), serving the
+        """Hand the socket to the native data plane, serving the
         config's models on ``devices`` (``cuda``: the driver's functions, where a device has
         GPU pre/post; ``cudla``: cuDLA's, where one is a real core). Raises StartupError
         where the plane cannot run."""
@@ -336,7 +281,7 @@ class Frontend:
             )  # fmt: skip
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",
-                               key="frontend.data_plane") from None  # fmt: skip
+                               key="frontend") from None  # fmt: skip
         self._plane_pixels = any(d.gpu is not None or d.run is not None for d in devices)
         self.plane.start()
 
@@ -371,27 +316,29 @@ class Frontend:
 
     @property
     def pending(self) -> int:
-        """Jobs admitted and not yet answered (the native plane's too)."""
-        return len(self._askers) + (0 if self.plane is None else self.plane.pending)
+        """Frames admitted and not yet answered."""
+        return 0 if self.plane is None else self.plane.pending
 
     @property
     def buffered_bytes(self) -> int:
-        """Image bytes of the jobs admitted and not yet answered (the native plane's too)."""
-        return self._buffered + (0 if self.plane is None else self.plane.buffered_bytes)
+        """Image bytes of the frames admitted and not yet answered (the byte budget's)."""
+        return 0 if self.plane is None else self.plane.buffered_bytes
 
     @property
     def shm_frames(self) -> int:
-        """Frames read from clients' shared-memory segments (by the native plane too)."""
-        plane = 0 if self.plane is None else int(self.plane.counters()["shm_frames"])
+        """Frames read from clients' shared-memory segments (by the plane, or here where the
+        segment was not mapped yet)."""
+        counters = self._plane_counters if self.plane is None else self.plane.counters()
+        plane = 0 if counters is None else int(counters["shm_frames"])
         return plane + (0 if self.shm is None else self.shm.stats.frames)
 
     # ------------------------------------------------------------------ requests
     async def receive_loop(self) -> None:
         """Read and handle messages until cancelled: off the native plane's forwarding socket
-        while it runs, then off the ROUTER."""
+        until it has drained, then off the ROUTER."""
         assert self._socket is not None  # opened before the loop starts
-        if self.plane is not None:
-            await self._read(self.plane.forwarded, until=self._plane_done)
+        assert self.plane is not None  # started before the loop starts
+        await self._read(self.plane.forwarded, until=self._plane_done)
         await self._read(self._socket)
 
     async def _read(self, sock: zmq.Socket[bytes], until: anyio.Event | None = None) -> None:
@@ -426,9 +373,8 @@ class Frontend:
                 await handle(frames)
                 more = _waiting(sock)
                 if more:
-                    # Under a flood this loop would find a message at every read and run alone;
-                    # the executors' tasks, which dispatch and answer, would never. Yield
-                    # before the next (with none waiting, the wait above yields).
+                    # Under a flood this loop would find a message at every read and run alone:
+                    # yield before the next (with none waiting, the wait above yields).
                     await asyncio.sleep(0)
         finally:
             loop.remove_reader(sock.FD)
@@ -460,9 +406,9 @@ class Frontend:
         before it closes, once :meth:`receive_loop` is cancelled: nothing read goes unanswered).
         Returns how many there were."""
         assert self._socket is not None
+        assert self.plane is not None
         n = 0
-        socks = [self._socket] if self.plane is None else [self.plane.forwarded, self._socket]
-        for sock in socks:
+        for sock in (self.plane.forwarded, self._socket):
             while True:
                 try:
                     frames = _receive(sock)
@@ -560,8 +506,7 @@ class Frontend:
                 "shm: shared-memory frames are taken from ipc:// and loopback tcp connections "
                 "only; send the image in the message"
             )
-        if self.plane is None:
-            return self.shm.resolve(owner, ref, nbytes)
+        assert self.plane is not None
         # The plane takes this segment's frames once it is mapped here and registered there;
         # the registration holds it mapped until the plane lets it go (reclaim_shm).
         key = (owner, ref.name)
@@ -585,12 +530,11 @@ class Frontend:
     def reclaim_shm(self) -> None:
         """Unmap the client segments idle past ``[shm] idle_s`` (the heartbeat's): with the
         native plane, those it has let go first."""
-        if self.shm is None:
+        if self.shm is None or self.plane is None:
             return
-        if self.plane is not None:
-            for owner, name in self.plane.idle_segments(self.shm.config.idle_s):
-                self._registered.discard((owner, name))
-                self.shm.unmap(owner, name)
+        for owner, name in self.plane.idle_segments(self.shm.config.idle_s):
+            self._registered.discard((owner, name))
+            self.shm.unmap(owner, name)
         self.shm.reclaim()
 
     def _spend_token(self, owner: str) -> None:
@@ -628,153 +572,31 @@ class Frontend:
             reply = protocol.StatusReply(request.id, Status.OK, report=report)  # type: ignore[arg-type]
             await self._send(client, reply)
 
-    def _room(self, client: bytes, owner: str, request_id: int, frames: int, size: int) -> None:
-        """Refuse a request (of ``frames`` images, ``size`` bytes of them in the message) that
-        the daemon must not take at all: draining, its id in use, or past the client's cap or
-        the daemon's byte budget."""
-        if not self._accepting():
-            raise ShuttingDown("the daemon is shutting down")
-        key = (client, request_id)
-        if key in self._jobs or key in self._batches:
-            raise BadRequest(f"request id {request_id} is already in flight on this connection")
-        f = self.config.frontend
-        cap = f.max_in_flight_per_client
-        if self._in_flight[owner] + frames > cap:
-            held = self._in_flight[owner]
-            more = "" if frames == 1 else f"; these {frames} images would pass it ({held} held)"
-            raise Overloaded(f"this client has {cap} requests in flight, the most one may{more}"
-                             if held >= cap else
-                             f"a client may have {cap} requests in flight{more}")  # fmt: skip
-        if size and self._buffered + size > f.max_buffered_bytes:
-            raise Overloaded(
-                f"the daemon holds {self._buffered} bytes of frames; this one would pass its "
-                f"budget of {f.max_buffered_bytes}"
-            )
-
     async def _infer(self, client: bytes, owner: str, req: protocol.InferRequest) -> None:
-        if self.plane is not None:  # an INFER the plane's reader left: the plane runs it
-            self._submit(client, owner, req.id, [req])
-            return
-        size = 0 if req.shm is not None else req.image.nbytes  # shared memory is the client's
-        self._room(client, owner, req.id, 1, size)
-        job_id = await self._admit(client, owner, req, size)
-        self._jobs[(client, req.id)] = job_id
+        self._submit(client, owner, req.id, [req])  # one the plane's reader left: it runs it
 
     async def _infer_batch(
         self, client: bytes, owner: str, req: protocol.InferBatchRequest
     ) -> None:
         """Admit each image of an INFER_BATCH as an INFER of its own; one that is refused (full
         queues, a model no device serves) gets its status in the reply, the others run."""
-        received = time.monotonic_ns()
         images = req.images
-        if self.plane is not None:
-            self._submit_batch(client, owner, req)
-            return
-        size = sum(0 if item.shm is not None else item.image.nbytes for item in images)
-        self._room(client, owner, req.id, len(images), size)
-        batch = _Batch(client, req.id, [None] * len(images), len(images))
+        batch = _Batch(client, req.id, [None] * len(images), len(images), tag=self._next_tag)
+        self._next_tag += 1
+        self._submit(client, owner, req.id, images, batch.tag)  # raises: nothing to undo
+        self._tags[batch.tag] = batch
         self._batches[(client, req.id)] = batch
-        for index, item in enumerate(images):
-            bytes_ = 0 if item.shm is not None else item.image.nbytes
-            try:
-                batch.jobs.append(await self._admit(client, owner, item, bytes_, batch, index))
-            except DladError as exc:
-                model = req.model if req.model in self._models else ""
-                self.metrics.observe_reply(model, None, exc.status)
-                total = (time.monotonic_ns() - received) // 1000
-                self._fill(batch, index, _failed(exc, None, total))
-
-    async def _admit(  # noqa: PLR0917
-        self,
-        client: bytes,
-        owner: str,
-        req: protocol.InferRequest,
-        size: int,
-        batch: _Batch | None = None,
-        index: int = 0,
-    ) -> int:
-        """Queue one image as a job (its room already checked); returns the job's id."""
-        now = time.monotonic_ns()
-        d = self.config.daemon
-        budget_ms = min(float(req.deadline_ms or d.default_deadline_ms), d.max_deadline_ms)
-        conf, iou, max_det = self._defaults.get(req.model, _NO_MODEL)
-        work = Request(
-            image=req.image,
-            pixel_format=req.format,
-            conf=conf if req.conf is None else req.conf,
-            iou=iou if req.iou is None else req.iou,
-            max_det=req.max_det or max_det,
-            received_ns=now,
-            model=req.model,
-        )
-        job = Job(
-            self._next_job,
-            req.model,
-            now + int(budget_ms * 1e6),
-            work,
-            priority=req.priority,
-            stream=req.stream,
-            owner=owner,
-        )
-        self._next_job += 1
-        try:
-            superseded = self.scheduler.admit(job)  # NotFound / Overloaded answer at once
-        except Overloaded:
-            # Full queues are shared fairly: a client holding the most of them gives up its
-            # newest frame to one holding fewer (else this one is refused, as it holds most).
-            victim = self.scheduler.displace_for(job)
-            if victim is None:
-                raise
-            superseded = self.scheduler.admit(job)
-            await self.answer(victim.id, Overloaded(
-                "displaced by another client's frame: this client held the most of the full queues"
-            ))  # fmt: skip
-        shm = None if req.shm is None else req.shm.name
-        self._askers[job.id] = _Asker(
-            client, req.id, req.model, now, job, owner, size, shm, batch=batch, index=index
-        )
-        if shm is not None and self.shm is not None:
-            self.shm.hold(owner, shm)  # mapped until this frame is answered
-        self._in_flight[owner] += 1
-        self._buffered += size
-        if self._expiry_at is None or job.deadline_ns < self._expiry_at:
-            self._expiry_wake.set()  # the timer must fire earlier (or start)
-        for old in superseded:
-            await self.answer(old.id, Cancelled("superseded by a newer frame of its stream"))
-        self.executors[job.device].wake()
-        return job.id
 
     async def _cancel(self, client: bytes, req: protocol.CancelRequest) -> None:
-        if self.plane is not None:
-            await self._cancel_in_plane(client, req)
-            return
+        assert self.plane is not None
         batch = self._batches.get((client, req.id))
-        if batch is not None:
-            await self._cancel_batch(batch)
-            return
-        job_id = self._jobs.get((client, req.id))
-        if job_id is None:
+        found = self.plane.cancel(client, req.id)
+        if found is CancelResult.CANCELLED:
+            await self._send(client, protocol.CancelReply(req.id, Status.OK))
+        elif found is CancelResult.NOT_QUEUED and batch is None:
             raise NotFound(f"request {req.id} is not queued")
-        try:
-            job = self.scheduler.cancel(job_id)
-        except NotFound:  # already running: the scheduler named its own job number
-            raise NotFound(f"request {req.id} is already running (or answered)") from None
-        await self.answer(job.id, Cancelled("cancelled by the client"))
-        await self._send(client, protocol.CancelReply(req.id, Status.OK))
-
-    async def _cancel_batch(self, batch: _Batch) -> None:
-        """CANCEL of an INFER_BATCH: its images still queued are answered CANCELLED (in its
-        reply); OK if there was one, NOT_FOUND if all are running or answered."""
-        cancelled = []
-        for job_id in batch.jobs:
-            if job_id in self._askers:
-                with contextlib.suppress(NotFound):  # running: it gets its normal result
-                    cancelled.append(self.scheduler.cancel(job_id))
-        if not cancelled:
-            raise NotFound(f"request {batch.request_id} is already running (or answered)")
-        for job in cancelled:
-            await self.answer(job.id, Cancelled("cancelled by the client"))
-        await self._send(batch.client, protocol.CancelReply(batch.request_id, Status.OK))
+        else:
+            raise NotFound(f"request {req.id} is already running (or answered)")
 
     # ------------------------------------------------------------------ the native plane
     def _submit(
@@ -805,14 +627,6 @@ class Frontend:
         return Item(req.model, req.stream, req.priority, req.deadline_ms, req.image.nbytes,
                     frame=frame, pixels=pixels)  # fmt: skip
 
-    def _submit_batch(self, client: bytes, owner: str, req: protocol.InferBatchRequest) -> None:
-        images = req.images
-        batch = _Batch(client, req.id, [None] * len(images), len(images), tag=self._next_tag)
-        self._next_tag += 1
-        self._submit(client, owner, req.id, images, batch.tag)  # raises: nothing to undo
-        self._tags[batch.tag] = batch
-        self._batches[(client, req.id)] = batch
-
     def _plane_outcome(self, parts: Sequence[Any]) -> None:
         """An INFER_BATCH image's answer from the plane: the header it would have sent, and its
         detections."""
@@ -827,17 +641,6 @@ class Frontend:
                  else _NO_DETECTIONS)  # fmt: skip
         self._fill(batch, out.index, (h["status"], h["message"], h["device"], h["timing"],
                                       found))  # fmt: skip
-
-    async def _cancel_in_plane(self, client: bytes, req: protocol.CancelRequest) -> None:
-        assert self.plane is not None
-        batch = self._batches.get((client, req.id))
-        found = self.plane.cancel(client, req.id)
-        if found is CancelResult.CANCELLED:
-            await self._send(client, protocol.CancelReply(req.id, Status.OK))
-        elif found is CancelResult.NOT_QUEUED and batch is None:
-            raise NotFound(f"request {req.id} is not queued")
-        else:
-            raise NotFound(f"request {req.id} is already running (or answered)")
 
     def observe_plane(self) -> None:
         """Hand the plane's replies since the last call to the metrics, with what it dropped
@@ -866,8 +669,7 @@ class Frontend:
                 log.error("plane_lost", what=what, lost=lost, reason=why)
 
     def totals(self) -> Counters:
-        """Messages received and replies sent, by status: this frontend's and, with the
-        native plane, the plane's own."""
+        """Messages received and replies sent, by status: this frontend's and the plane's."""
         plane = self._plane_counters if self.plane is None else self.plane.counters()
         if plane is None:
             return self.counters
@@ -882,84 +684,16 @@ class Frontend:
             dropped=mine.dropped + plane["dropped"],
         )
 
-    async def expiry_loop(self) -> None:
-        """Answer queued jobs whose deadline passed, at their deadline (a timer, not a poll):
-        sleep until the earliest queued deadline, or until a new job may have an earlier one."""
-        while True:
-            for job in self.scheduler.expire():
-                await self.answer(job.id, DeadlineExceeded("deadline passed while queued"))
-            self._expiry_wake = anyio.Event()
-            nearest = self._expiry_at = self.scheduler.earliest_deadline()
-            if nearest is None:
-                await self._expiry_wake.wait()
-                continue
-            with anyio.move_on_after(max(nearest - time.monotonic_ns(), 0) / 1e9):
-                await self._expiry_wake.wait()
-
     async def drain(self, timeout_s: float) -> None:
-        """Answer every queued job SHUTTING_DOWN, then wait (at most ``timeout_s``) for the jobs
-        on a device to be answered."""
-        if self.plane is not None:  # the plane does so, then hands the socket back
-            await anyio.to_thread.run_sync(self.plane.drain, timeout_s)
-            self.observe_plane()
-            self._plane_done.set()
-            self._readable.set()  # the receive loop moves to the socket
-            return
-        for job in self.scheduler.drain():
-            await self.answer(job.id, ShuttingDown("the daemon is shutting down"))
-        with anyio.move_on_after(timeout_s):
-            while self._askers:  # jobs on a device: each reply wakes this
-                self._idle = anyio.Event()
-                await self._idle.wait()
+        """Answer every queued frame SHUTTING_DOWN, then wait (at most ``timeout_s``) for the
+        frames on a device to be answered: the plane does so, then hands the socket back."""
+        assert self.plane is not None
+        await anyio.to_thread.run_sync(self.plane.drain, timeout_s)
+        self.observe_plane()
+        self._plane_done.set()
+        self._readable.set()  # the receive loop moves to the socket
 
     # ------------------------------------------------------------------ replies
-    def _take(self, job_id: int) -> _Asker | None:
-        asker = self._askers.pop(job_id, None)
-        if asker is not None:
-            self._jobs.pop((asker.client, asker.request_id), None)
-            self._in_flight[asker.owner] -= 1
-            if not self._in_flight[asker.owner]:
-                del self._in_flight[asker.owner]
-            self._buffered -= asker.size
-            if asker.shm is not None and self.shm is not None:
-                self.shm.release(asker.owner, asker.shm)
-        return asker
-
-    async def on_outcome(self, out: Outcome) -> None:
-        """Reply to the client that asked for ``out``'s job (an executor's result); a job that
-        failed on its device is first retried once on another (``[health] retry``)."""
-        if out.error is not None:
-            err = out.error if isinstance(out.error, DladError) else InternalError(str(out.error))
-            if isinstance(err, DeviceFailed) and self._retry(out.job_id, out.device, err):
-                return
-            # A job that expired in a device's queue never ran there: the reply names no device.
-            ran = not isinstance(err, DeadlineExceeded) or out.start_ns
-            await self.answer(out.job_id, err, device=out.device if ran else None)
-            return
-        asker = self._take(out.job_id)
-        if asker is None:  # already answered (cannot happen: each job leaves once)
-            log.error("outcome_without_asker", job_id=out.job_id, device=out.device)
-            return
-        total_us = (time.monotonic_ns() - asker.received_ns) // 1000
-        timing = protocol.timing_fields(
-            queue_us=out.queue_us, pre_us=out.pre_us, device_us=out.device_us,
-            post_us=out.post_us, total_us=total_us, start_ns=out.start_ns, end_ns=out.end_ns,
-        )  # fmt: skip
-        dets = out.detections
-        if dets is None:
-            dets = _NO_DETECTIONS
-        elif len(dets) > protocol.MAX_DET:
-            dets = dets[: protocol.MAX_DET]
-        self.metrics.observe_reply(
-            asker.model, out.device, Status.OK, queue_us=out.queue_us, device_us=out.device_us,
-            total_us=total_us,
-        )  # fmt: skip
-        if asker.batch is not None:
-            self._fill(asker.batch, asker.index, (0, "", out.device, timing, dets))
-            return
-        frames = protocol.encode_infer_ok(asker.request_id, out.device, timing, dets)
-        self._send_frames(asker.client, Status.OK, frames)
-
     def _fill(self, batch: _Batch, index: int, result: protocol.BatchResult) -> None:
         """Record image ``index``'s result; the last one sends the batch's reply."""
         batch.results[index] = result
@@ -972,78 +706,11 @@ class Frontend:
         self._send_frames(batch.client, Status.OK,
                           protocol.encode_batch_reply(batch.request_id, results))  # fmt: skip
 
-    def _retry(self, job_id: int, failed_on: str, err: DeviceFailed) -> bool:
-        """Place a job that failed on ``failed_on`` once more, on another device of its model
-        that can take it before its deadline; the client's request id and its one reply stay.
-        Returns whether it was placed (False: answer the failure)."""
-        asker = self._askers.get(job_id)
-        if asker is None or asker.retried or not self.config.health.retry:
-            return False
-        job = asker.job
-        if time.monotonic_ns() >= job.deadline_ns or self.scheduler.has_queued(
-            job.stream, job.owner
-        ):
-            return False  # too late, or a newer frame of its stream waits: that one counts
-        try:
-            self.scheduler.admit(job, avoid=(failed_on,))
-        except DladError:
-            return False
-        asker.retried = True
-        log.bind(request_id=asker.request_id, client=asker.client.hex()).info(
-            "request_retried", failed_on=failed_on, device=job.device, reason=err.message[:200]
-        )
-        self._expiry_wake.set()
-        self.executors[job.device].wake()
-        return True
-
-    async def requeue(self, jobs: Sequence[Job[Request]], avoid: str) -> None:
-        """Place again the queued jobs of a device taken out of placement; answer those that no
-        other device can take."""
-        for job in jobs:
-            if job.id not in self._askers:
-                continue  # a health probe: no client waits for it
-            try:
-                self.scheduler.admit(job, avoid=(avoid,))
-            except DladError as exc:
-                await self.answer(job.id, exc, device=avoid)
-            else:
-                self.executors[job.device].wake()
-        self._expiry_wake.set()
-
-    async def answer(self, job_id: int, err: DladError, device: str | None = None) -> None:
-        """Reply to job ``job_id``'s client with ``err`` (logged with the request's context)."""
-        asker = self._take(job_id)
-        if asker is None and job_id < 0:
-            return  # a health probe (dlad.health: negative ids) expired or drained
-        if asker is None:
-            log.error("error_without_asker", job_id=job_id, status=err.status.name)
-            return
-        log.bind(request_id=asker.request_id, client=asker.client.hex(), device=device).info(
-            "request_failed", status=err.status.name, reason=err.message
-        )
-        total = int((time.monotonic_ns() - asker.received_ns) / 1e3)
-        self.metrics.observe_reply(asker.model, device, err.status, total_us=total)
-        if asker.batch is not None:
-            self._fill(asker.batch, asker.index, _failed(err, device, total))
-            return
-        reply = protocol.InferReply(
-            asker.request_id,
-            err.status,
-            message=err.message[: protocol.MAX_MESSAGE_CHARS] or err.status.name,
-            device=device,
-            timing=protocol.Timing(total_us=total),
-        )
-        await self._send(asker.client, reply)
-
     async def _send(self, client: bytes, message: Any) -> None:
         self._send_frames(client, getattr(message, "status", Status.OK), protocol.encode(message))
 
     def _send_frames(self, client: bytes, status: Status, frames: list[Any]) -> None:
         """Queue one reply without blocking; one ZeroMQ cannot queue is counted and logged."""
-        sock = self._socket
-        assert sock is not None  # opened before any request is read
-        if not self._askers:
-            self._idle.set()
         self.counters.replied += 1
         by_status, name = self.counters.by_status, _STATUS_NAMES[status]
         by_status[name] = by_status.get(name, 0) + 1
@@ -1051,6 +718,8 @@ class Frontend:
             self.plane.send(client, frames)
             self._recheck()
             return
+        sock = self._socket  # the plane has closed: the daemon's last words
+        assert sock is not None
         try:
             # Copied: replies are small (a header, at most MAX_DET rows), and a copy is cheaper
             # than a zero-copy frame's bookkeeping below pyzmq's copy threshold.
@@ -1076,12 +745,3 @@ class Frontend:
         inbox = self._inbox
         if self._asleep and inbox is not None and _waiting(inbox):
             self._readable.set()
-
-
-def _failed(err: DladError, device: str | None, total_us: int) -> protocol.BatchResult:
-    """An image's result in an INFER_BATCH_REPLY for ``err``."""
-    timing = protocol.timing_fields(
-        queue_us=0, pre_us=0, device_us=0, post_us=0, total_us=total_us, start_ns=0, end_ns=0
-    )
-    message = err.message[: protocol.MAX_MESSAGE_CHARS] or err.status.name
-    return (int(err.status), message, device, timing, _NO_DETECTIONS)

@@ -57,7 +57,8 @@ __all__ = ["DeviceSample", "DeviceState", "Health", "Metrics", "MetricsServer"]
 DeviceState = Literal["loading", "warming", "ready", "failed", "quarantined"]
 """A device's life cycle as readiness sees it: ``loading`` (core opening, loadable loading),
 ``warming`` (the first task running), ``ready``, ``failed`` (warm-up failed, or its last tasks
-all failed while quarantine is off) or ``quarantined`` (out of placement: dlad.health)."""
+all failed while quarantine is off) or ``quarantined`` (out of placement: the plane's health
+keeping)."""
 
 LATENCY_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -145,7 +146,7 @@ class Health:
     @property
     def ready(self) -> bool:
         """RUNNING, every device ``ready`` or ``quarantined`` (out of placement while the
-        others serve: dlad.health) and at least one ``ready``."""
+        others serve: the plane's health keeping) and at least one ``ready``."""
         states = self.devices.values()
         return (
             self.state == "RUNNING"

@@ -25,7 +25,7 @@ or a real one through cuDLA (a :class:`PlaneCudla`: the handle, module, buffers 
 :class:`PlaneGpu` per core, which :meth:`dlad.gpu.service.GpuService.plane_gpu` builds, hands the
 plane the CUDA stream, buffers, fences and post graphs of each slot, and the plane queues each
 frame's chain around the core's task itself (``dlad/native/gpu_chain.hpp``) and replies with its
-detections. That is what ``[frontend] data_plane = "native"`` serves (docs/daemon.md, "The
+detections. That is what the daemon serves every request with (docs/daemon.md, "The
 native data plane").
 
 Linux only (eventfd), and only where ``pip install`` built ``dlad._native``.
@@ -35,19 +35,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import itertools
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import zmq
 
 from dlad import protocol
 from dlad.devices.dram import ORIN_DRAM_K
-from dlad.native_scheduler import available
+
+if TYPE_CHECKING:
+    from dlad import _native
 
 __all__ = [
     "CancelResult",
@@ -68,7 +71,9 @@ __all__ = [
     "PlaneGpuSlot",
     "PlaneUnavailable",
     "PythonRun",
+    "available",
     "loaded_libzmq",
+    "missing_core",
 ]
 
 _FORWARD_HWM: Final = 100_000  # messages the control plane may fall behind by (then the
@@ -80,6 +85,30 @@ _ids = itertools.count()
 class PlaneUnavailable(RuntimeError):
     """The native data plane cannot run here: dlad was built without its C++ core, or this
     process has no libzmq loaded that the plane can call."""
+
+
+def _load_core() -> tuple[Any, str]:
+    try:
+        return importlib.import_module("dlad._native"), ""
+    except ImportError as exc:
+        return None, str(exc)
+
+
+_CORE, _CORE_MISSING = _load_core()
+
+
+def available() -> bool:
+    """Whether this install has the C++ core (``dlad._native``, built by ``pip install``)."""
+    return _CORE is not None
+
+
+def missing_core() -> str:
+    """Why the C++ core is not here, in one line for a user ("" where it is)."""
+    if _CORE is not None:
+        return ""
+    return (f"dlad was installed without its C++ core, which serves every request "
+            f"(dlad._native: {_CORE_MISSING}); install a release wheel, or reinstall with a "
+            f"C++ compiler present")  # fmt: skip
 
 
 def loaded_libzmq() -> str:
@@ -295,7 +324,8 @@ class DeviceState:
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """``[health]`` for the plane (dlad/health.py states the rules it keeps)."""
+    """``[health]`` for the plane (docs/daemon.md, "Engine health", states the rules it
+    keeps)."""
 
     quarantine_after: int = 5
     retry: bool = True
@@ -420,9 +450,9 @@ class NativePlane:
         dram_contention: float = 0.0,
         health: Health = Health(),
     ) -> None:
-        if not available():
-            raise PlaneUnavailable("dlad was installed without its C++ core (no C++ compiler)")
-        from dlad import _native  # noqa: PLC0415  # present: available() said so
+        if _CORE is None:
+            raise PlaneUnavailable(missing_core())
+        core: Any = _CORE
 
         libzmq = loaded_libzmq()
         ctx = router.context
@@ -440,7 +470,7 @@ class NativePlane:
         bounds = (limits.max_message_bytes, limits.max_header_bytes, limits.max_width,
                   limits.max_height, limits.max_image_pixels)  # fmt: skip
         try:
-            self._plane = _native.Plane(
+            self._plane: _native.Plane = core.Plane(
                 libzmq, router.underlying, self._plane_end.underlying, bounds,
                 [(d.name, float(d.latency_us), d.slots, d.capacity, _gpu_tuple(d.gpu),
                   _cudla_tuple(d.cudla), d.kind, d.max_batch, float(d.max_queue_delay_us),

@@ -1,6 +1,6 @@
-"""The native data plane's real DLA cores (``[frontend] data_plane = "native"`` on a Jetson).
+"""The native data plane's real DLA cores (cuDLA, on a Jetson).
 
-:func:`open_plane_core` opens a placement's core as the Python data plane's DLA executor does
+:func:`open_plane_core` opens a placement's core as the DLA executor does
 (:func:`dlad.devices.factory.open_core` with the backend ``cudla``, the task timeout set, each
 slot's buffers allocated), makes the fence each slot's tasks signal (with GPU pre/post, the
 slot's NvSciSync objects imported into CUDA by
@@ -43,6 +43,12 @@ class PlaneCore:
     functions: CudlaFunctions
 
 
+class PlaneCoreUnsupported(RuntimeError):
+    """This core cannot be the plane's own engine (a cuDLA in deterministic-semaphore mode: the
+    plane waits on the EOF fences cuDLA fills, and there dlad computes them); it serves as a
+    Python engine instead."""
+
+
 def open_plane_core(
     plan: Plan,
     placement: Placement,
@@ -57,8 +63,9 @@ def open_plane_core(
     and, where ``gpu`` is given, GPU pre/post (``conf``, ``iou``, ``default_max_det``: the
     model's defaults). Blocks (loading the module, allocating, warming the kernels).
 
-    Raises DlaError (a library that does not load, a loadable that does not match the
-    model's, a core in deterministic-semaphore mode, any failed call), ValueError (no
+    Raises PlaneCoreUnsupported (a core in deterministic-semaphore mode), DlaError (a library
+    that does not load, a loadable that does not match the model's, any failed call), ValueError
+    (no
     TensorRT loadable for this core, a model the GPU's candidate store cannot hold), CudaError
     or CudaInteropError; what was opened is closed again.
     """
@@ -93,6 +100,11 @@ def open_plane_core(
                 placement.loadable, slots, conf=conf, iou=iou,
                 default_max_det=default_max_det, cudla=linked,
             )  # fmt: skip
+        if dla.semaphores == "deterministic":
+            raise PlaneCoreUnsupported(
+                "this cuDLA offers deterministic semaphores only (older JetPack); the core "
+                "serves as a Python engine, pre/post-processing on the CPU"
+            )
         spec = dla.plane_core(
             [(i, o, fence) for (i, o), fence in zip(buffers, fences, strict=True)]
         )

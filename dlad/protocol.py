@@ -1313,92 +1313,6 @@ def _infer_batch(
     return batch
 
 
-_INFER_KEYS: Final = frozenset(_HEADER_FIELDS[Kind.INFER][0] + _HEADER_FIELDS[Kind.INFER][1])
-_INFER_REQUIRED: Final = frozenset(_HEADER_FIELDS[Kind.INFER][0])
-_IMAGE_KEYS: Final = frozenset(("height", "width", "format", "dtype"))
-_SHM_KEYS: Final = frozenset(("name", "offset", "size"))
-_INFER_CODE: Final = int(Kind.INFER)
-
-
-def _flat_view(frame: object) -> memoryview | None:
-    """``frame``'s bytes as a flat byte view, or None where :func:`_views` would have to cast
-    (or refuse) it."""
-    try:
-        view = memoryview(cast("Any", frame))
-    except TypeError:
-        return None
-    return view if view.ndim == 1 and view.format == "B" else None
-
-
-def _fast_infer(
-    frames: Sequence[FrameLike], limits: Limits, shm: ShmResolver | None
-) -> InferRequest | None:
-    """The daemon's common message, an INFER whose every field is well formed, decoded in one
-    pass; None for anything else, which the full decoder then decodes or refuses (naming the
-    field). It accepts only what the full decoder accepts, and builds the same request:
-    ``tests/dlad/test_protocol.py`` checks both on generated headers, good and bad."""
-    if type(frames) is not list and type(frames) is not tuple:
-        return None
-    n = len(frames)
-    if n not in (1, 2):
-        return None
-    head = _flat_view(frames[0])
-    body = _flat_view(frames[1]) if n == 2 else None
-    if head is None or (n == 2 and body is None):
-        return None
-    size = head.nbytes + (0 if body is None else body.nbytes)
-    if size > limits.max_message_bytes or head.nbytes > limits.max_header_bytes:
-        return None
-    try:
-        h = msgpack.unpackb(head, raw=False, strict_map_key=True, object_pairs_hook=_pairs)
-    except (ValueError, TypeError, OverflowError, RecursionError):
-        # (a key repeated or not a string raises _pairs' ProtocolError, as in the full decoder)
-        return None
-    if type(h) is not dict or not _INFER_REQUIRED <= h.keys() <= _INFER_KEYS:
-        return None
-    v, code, img = h["v"], h["kind"], h["image"]
-    if type(v) is not int or v not in SUPPORTED_VERSIONS or type(code) is not int:
-        return None
-    if code != _INFER_CODE or ("shm" in h) != (n == 1) or type(img) is not dict:
-        return None
-    if img.keys() != _IMAGE_KEYS:
-        return None
-    fmt, dtype, height, width = img["format"], img["dtype"], img["height"], img["width"]
-    channels = CHANNELS.get(fmt) if type(fmt) is str else None
-    if channels is None or type(dtype) is not str or dtype != "uint8":
-        return None
-    if type(height) is not int or type(width) is not int:
-        return None
-    if not (1 <= height <= limits.max_height and 1 <= width <= limits.max_width):
-        return None
-    if height * width > limits.max_image_pixels:
-        return None
-    try:
-        scalars = _scalars(h, h.get("stream"))
-    except ProtocolError:
-        return None
-    need = height * width * channels
-    ref = None
-    if body is None:  # a shared-memory frame
-        raw = h["shm"]
-        if shm is None or type(raw) is not dict or raw.keys() != _SHM_KEYS:
-            return None
-        try:
-            ref = ShmRef(raw["name"], raw["offset"], raw["size"])
-        except ProtocolError:
-            return None
-        try:
-            body = shm(ref, need)
-        except DladError as exc:
-            _address(exc, h)
-            raise
-    if body.nbytes != need:
-        return None
-    image = np.frombuffer(body, dtype=np.uint8).reshape(height, width, channels)
-    image.flags.writeable = False  # the daemon never writes into a client's frame
-    return InferRequest._decoded(image, cast("PixelFormat", fmt), scalars, ref)
-
-
 def decode_request(
     frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS, shm: ShmResolver | None = None
 ) -> Request:
@@ -1410,16 +1324,6 @@ def decode_request(
     names the problem, and ``request_id``/``request_kind`` hold what the header yielded, if
     anything; a DladError of ``shm``'s propagates, with the request's id attached.
     """
-    fast = _fast_infer(frames, limits, shm)
-    if fast is not None:
-        return fast
-    return _decode_request(frames, limits, shm)
-
-
-def _decode_request(
-    frames: Sequence[FrameLike], limits: Limits, shm: ShmResolver | None
-) -> Request:
-    """:func:`decode_request` for every message, field by field (its errors name the field)."""
     requests = (Kind.INFER, Kind.CANCEL, Kind.STATUS, Kind.INFER_BATCH)
     kind, h, views = _open(frames, limits, requests, "request")
     try:

@@ -1,11 +1,14 @@
 """Python-backed engines of the native data plane (``dlad/native/python_engine.hpp``).
 
 What only Python does runs here, on the plane's engine threads, each call holding the
-interpreter for its own work only: a DLA core's numeric INT8 emulation (onnxruntime) with numpy
-pre/post-processing (:class:`DlaFrames`), and the GPU's batches on the emulated Orin GPU with
-numpy pre/post-processing (:class:`GpuBatches`). Each wraps the executor that the config built
-(``dlad.executors.factory``: the core, its buffers, faults and DRAM; the GPU's engine) and runs
-that executor's own per-frame code, so no rule of a frame's path exists twice.
+interpreter for its own work only: a DLA core whose frames need Python (numeric INT8 emulation
+on onnxruntime, fault injection, numpy pre/post-processing, or a core in deterministic-semaphore
+mode), with numpy pre/post-processing or its GPU chain (:class:`DlaFrames`); and the GPU's
+batches (:class:`GpuBatches`) on its engine (the emulated Orin GPU, torch, TensorRT) with numpy
+pre/post-processing, or with the whole batch on the GPU where the executor has the CUDA path.
+Each wraps the executor that the config built (``dlad.executors.factory``: the core, its
+buffers, faults and DRAM; the GPU's engine) and runs that executor's own per-frame code, so no
+rule of a frame's path exists twice.
 
 The plane hands each call a batch of ``(job, pixels, (height, width, channels, bgr, conf, iou,
 max_det))`` and answers each job from the result: the frame's detections and pre/post times,
@@ -66,7 +69,7 @@ def request(
         pixel_format=fmt,
         conf=defaults.conf if conf is None else conf,
         iou=defaults.iou if iou is None else iou,
-        max_det=max_det if max_det else defaults.max_det,  # 0: the model's (Frontend._admit)
+        max_det=max_det if max_det else defaults.max_det,  # 0: the model's
         received_ns=time.monotonic_ns(),
         model=model,
     )
@@ -113,12 +116,16 @@ class DlaFrames:
 
 
 class GpuBatches:
-    """The GPU's batches for a Python engine of the plane, the executor's engine running each."""
+    """The GPU's batches for a Python engine of the plane, the executor's engine running each on
+    a free slot of the executor's (the engine runs as many threads as the executor has slots)."""
 
     def __init__(self, executor: GpuExecutor, defaults: Defaults) -> None:
         self.executor = executor
         self.defaults = defaults
         self.model = next(iter(executor.models))
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(executor.slots):
+            self._free.put(slot)
 
     def __call__(self, batch: Batch) -> tuple[int, int, Sequence[Result]]:
         ids: list[int] = []
@@ -128,7 +135,7 @@ class GpuBatches:
             if work is not None:
                 works.append(work)
                 ids.append(job)
-        outcomes = {o.job_id: o for o in self.executor.run_batch(ids, works)} if works else {}
+        outcomes = {o.job_id: o for o in self._run(ids, works)} if works else {}
         missing: Result = (_INTERNAL, _NO_PIXELS, None, None, None)
         name = self.executor.name
         results = [result(outcomes[j], name) if j in outcomes else missing for j, _, _ in batch]
@@ -136,3 +143,10 @@ class GpuBatches:
         start = min((o.start_ns for o in ran), default=0)
         end = max((o.end_ns for o in ran), default=0)
         return start, end, results
+
+    def _run(self, ids: Sequence[int], works: Sequence[Request]) -> Sequence[Outcome]:
+        slot = self._free.get()  # one is free: the plane runs a batch a thread
+        try:
+            return self.executor.run_batch(ids, works, slot)
+        finally:
+            self._free.put(slot)

@@ -1,25 +1,20 @@
-"""The executor seam: the one interface between the scheduler and the engines.
+"""The executor seam: what the native data plane's Python engines run.
 
-The daemon's layers go one way::
+An executor owns one engine's Python side (its device handles, buffers, faults and DRAM; the
+GPU's engine), and its per-frame code: ``DlaExecutor.run_frame`` (one frame on a DLA core from
+pre-processing to detections) and ``GpuExecutor.run_batch`` (a batch on the GPU's engine). The
+plane's Python engines (:mod:`dlad.engines.python`) call that code on the plane's own threads;
+the plane keeps the queues, deadlines, placement and health. A frame goes down as a
+:class:`Request` (what to compute, nothing about who asked) and comes back as an
+:class:`Outcome` keyed by the plane's job id.
 
-    frontend (socket, decoding, who asked)  →  scheduler (policy: queues, deadlines, placement)
-        →  executors (one per engine: its device handles, buffers, streams, fences)  →  devices
-
-A job goes down by its id with a :class:`Request` payload, which says what to compute and nothing
-about who asked; an executor's result comes back up as an :class:`Outcome` keyed by that id, and
-only the frontend maps it back to a client. An executor pulls its work from the scheduler when it
-has a free slot (one job; a batch, for an executor that batches) and reports every job it took,
-expired ones included, exactly once.
-
-:class:`Executor` holds what every engine shares (identity, the models it serves, its queue bound
-for the scheduler, health and counters); ``dlad/executors/dla.py`` is the DLA core's.
+:class:`Executor` holds what every engine shares (identity, the models it serves, its warm-up
+and counters); ``dlad/executors/dla.py`` is the DLA core's, ``dlad/executors/gpu.py`` the GPU's.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -31,7 +26,6 @@ __all__ = [
     "UNHEALTHY_AFTER",
     "Executor",
     "ExecutorStats",
-    "OnOutcome",
     "Outcome",
     "Request",
     "WarmState",
@@ -52,15 +46,15 @@ def failing_words(failures: int, last: str) -> str:
 
 @dataclass(slots=True)
 class Request:
-    """What one job asks of an engine (the scheduler's job payload): the image as received (a
-    zero-copy view of the wire frame), its pixel format and the detection settings."""
+    """What one frame asks of an engine: the image (a view of the bytes the plane holds), its
+    pixel format and the detection settings."""
 
     image: np.ndarray
     pixel_format: str
     conf: float
     iou: float
     max_det: int
-    received_ns: int  # monotonic ns when the frontend received it
+    received_ns: int  # monotonic ns when the engine was handed it
     model: str
 
 
@@ -82,9 +76,6 @@ class Outcome:
     hung: bool = False  # the engine did not finish the task in its timeout (a hang, not an error)
 
 
-OnOutcome = Callable[[Outcome], Awaitable[None]]
-
-
 @dataclass(slots=True)
 class ExecutorStats:
     completed: int = 0
@@ -94,28 +85,20 @@ class ExecutorStats:
     last_failure: str = ""
 
 
-def pipeline_us(pre_us: float, device_us: float, post_us: float, slots: int) -> float:
-    """What one task (or batch) costs an executor's throughput, for the scheduler to learn:
-    ``slots`` loops each pre-process, run (one at a time on the engine) and post-process, so
-    the engine is the bottleneck, or, when pre/post-processing takes longer, the loops are:
-    ``max(device, (pre + device + post) / slots)``."""
-    return max(device_us, (pre_us + device_us + post_us) / max(slots, 1))
-
-
 class Executor(abc.ABC):
-    """One engine serving one or more models for the scheduler.
+    """One engine's Python side, serving one or more models for the native plane.
 
     Attributes:
         name: the device's name (``dla0``), as replies, STATUS and metrics name it.
         kind: ``"dla"`` or ``"gpu"``.
         core: the DLA core index, or None for other kinds.
         models: the models it serves.
-        capacity: the bound of its queue in the scheduler.
+        capacity: the bound of its queue in the plane.
         service_us: its first service-time estimate for placement (learned online after).
         max_batch: the most jobs it takes at once (1: no batching).
         stats, warm: counters, and whether its warm-up ran (``pending``/``ok``/``failed``).
 
-    Everything is called on the daemon's event loop.
+    The per-frame code runs on the plane's engine threads; warm-up and close on the daemon's.
     """
 
     kind: str = ""
@@ -138,7 +121,6 @@ class Executor(abc.ABC):
         self.stats = ExecutorStats()
         self.warm: WarmState = "pending"
         self.warm_error = ""
-        self._wake = asyncio.Event()  # set on every admit: the loop's own, not anyio's wrapper
 
     # ------------------------------------------------------------------ what each engine does
     @abc.abstractmethod
@@ -147,24 +129,10 @@ class Executor(abc.ABC):
         set-up; sets :attr:`warm`. Returns its device time in µs; raises DeviceFailed."""
 
     @abc.abstractmethod
-    async def run(self, on_outcome: OnOutcome) -> None:
-        """Serve jobs until cancelled, reporting each through ``on_outcome``; the engine is
-        released on the way out."""
-
-    @abc.abstractmethod
     def close(self) -> None:
-        """Release the engine when :meth:`run` never took it over (idempotent)."""
+        """Release the engine (idempotent; after the plane that calls it has closed)."""
 
     # ------------------------------------------------------------------ shared
-    def wake(self) -> None:
-        """A job was queued for this executor."""
-        self._wake.set()
-
-    async def wait_for_work(self) -> None:
-        """Sleep until the next :meth:`wake`. Call it only after the scheduler had nothing for
-        this executor: a wake from before then is stale, its job already taken."""
-        self._wake.clear()
-        await self._wake.wait()
 
     def health(self) -> tuple[bool, str]:
         """Whether the engine serves well, and why not: its warm-up has not run or failed, or

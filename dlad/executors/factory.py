@@ -1,15 +1,15 @@
-"""Build every executor of a plan: the config → device translation in one place.
+"""Build the executors of a plan's Python engines: the config → device translation in one place.
 
 For each placement on a DLA device: its fault settings become the emulated core's
-:class:`~dlad.devices.emulated.FaultConfig`, its cuDLA loadable is looked up, the GPU service (if
-pre/post-processing runs on CUDA) is wired into its slots. For a placement on the gpu device: its
-engine, by ``engine``: the emulated Orin GPU (from the model's loadable, with its batch curve),
-the torch program (``TorchGpu``, a CUDA GPU) or the TensorRT engine (``TensorRtGpu``, a Jetson),
-the last two imported only when configured and measuring their own batch curve at start. Every
-executor is registered with the scheduler with its queue bound, batch size, first service-time
-estimates and tier (a DLA core 0, the GPU 1: the ``throughput`` policy fills the DLA cores
-first). The emulated engines share one :class:`~dlad.devices.dram.SharedDram` (``[soc]
-dram_contention``), so running at once slows them as the Orin's shared DRAM does.
+:class:`~dlad.devices.emulated.FaultConfig` and its cuDLA loadable is looked up. For a placement
+on the gpu device: its engine, by ``engine``: the emulated Orin GPU (from the model's loadable,
+with its batch curve), the torch program (``TorchGpu``, a CUDA GPU) or the TensorRT engine
+(``TensorRtGpu``, a Jetson), the last two imported only when configured and measuring their own
+batch curve at start, with the GPU service (if pre/post-processing runs on CUDA) for its
+batches. The daemon hands each to the native plane with its queue bound, batch size, first
+service-time estimates and tier (a DLA core 0, the GPU 1). The emulated engines share one
+:class:`~dlad.devices.dram.SharedDram` (``[soc] dram_contention``), so running at once slows them
+as the Orin's shared DRAM does.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import threading
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-import anyio
-
 from dlad.config import Placement, Plan, _resolve
 from dlad.devices.base import DlaError
 from dlad.devices.dram import SharedDram
@@ -27,10 +25,9 @@ from dlad.devices.emulated import FaultConfig
 from dlad.devices.emulated_gpu import EmulatedGpu
 from dlad.devices.factory import cudla_loadable_for
 from dlad.devices.int8_engine import Int8EngineError
-from dlad.executors.base import Executor, Request
+from dlad.executors.base import Executor
 from dlad.executors.dla import DlaExecutor
 from dlad.executors.gpu import GpuEngine, GpuExecutor
-from dlad.native_scheduler import Scheduling
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService
@@ -50,15 +47,13 @@ class ExecutorBuildError(RuntimeError):
 
 def build_executors(
     plan: Plan,
-    scheduler: Scheduling[Request],
     *,
-    limiter: anyio.CapacityLimiter,
     pre_post: bool,
     gpu: GpuService | None,
     only: Collection[str] | None = None,
 ) -> dict[str, Executor]:
-    """One executor per placement (a DLA core's or the GPU's; ``only``: of those devices),
-    registered with ``scheduler``, by device name.
+    """One executor per placement (a DLA core's or the GPU's; ``only``: of those devices), by
+    device name; ``gpu``: their pre/post-processing runs on it where it can.
 
     Raises ExecutorBuildError naming the device whose core or loadable fails (the executors
     built before it are closed first).
@@ -73,15 +68,7 @@ def build_executors(
                 continue
             dev = plan.config.device(placement.device)
             if dev.kind == "gpu":
-                gpu_executor = _gpu_executor(
-                    plan, placement, scheduler, limiter, pre_post, dram=dram, gpu=gpu
-                )
-                # A torch engine is a discrete GPU: it shares no DRAM with the DLA cores.
-                on_soc = (dev.engine or "emulated") != "torch"
-                _register(
-                    scheduler, gpu_executor, gpu_executor.batch_service_us, tier=1,
-                    kind="gpu" if on_soc else "",
-                )  # fmt: skip
+                gpu_executor = _gpu_executor(plan, placement, pre_post, dram=dram, gpu=gpu)
                 built[gpu_executor.name] = gpu_executor
                 continue
             faults = None
@@ -98,14 +85,12 @@ def build_executors(
                     model=placement.model,
                     loadable_path=str(placement.path),
                     loadable=placement.loadable,
-                    scheduler=scheduler,
                     capacity=dev.queue_depth,
                     mode=dev.mode,
                     latency_us=placement.latency_us,
                     threads=dev.threads,
                     faults=faults,
                     task_timeout_ms=dev.task_timeout_ms,
-                    limiter=limiter,
                     pre_post=pre_post,
                     gpu=gpu,
                     backend=dev.backend,
@@ -117,7 +102,6 @@ def build_executors(
                 raise ExecutorBuildError(
                     f"cannot open or load {placement.path}: {exc}", key=f"devices.{dev.name}"
                 ) from None
-            _register(scheduler, executor, None, tier=0, kind="dla")
             built[executor.name] = executor
     except BaseException:
         for done in built.values():
@@ -126,32 +110,9 @@ def build_executors(
     return built
 
 
-def _register(
-    scheduler: Scheduling[Request],
-    executor: Executor,
-    curve: dict[int, float] | None,
-    *,
-    tier: int,
-    kind: str,
-) -> None:
-    """Register ``executor``; ``kind`` keys the DRAM interference coefficients ("": none)."""
-    scheduler.add_device(
-        executor.name,
-        executor.models,
-        capacity=executor.capacity,
-        service_us=executor.service_us,
-        max_batch=executor.max_batch,
-        batch_service_us=curve,
-        tier=tier,
-        kind=kind,
-    )
-
-
 def _gpu_executor(
     plan: Plan,
     placement: Placement,
-    scheduler: Scheduling[Request],
-    limiter: anyio.CapacityLimiter,
     pre_post: bool,
     *,
     dram: SharedDram,
@@ -192,11 +153,9 @@ def _gpu_executor(
             model=placement.model,
             loadable=placement.loadable,
             engine=engine,
-            scheduler=scheduler,
             capacity=dev.queue_depth,
             max_batch=max_batch,
             max_queue_delay_us=dev.max_queue_delay_us,
-            limiter=limiter,
             pre_post=pre_post,
             gpu=gpu,  # its pre/post kernels, where the engine keeps batches on that GPU
         )

@@ -1,31 +1,24 @@
 """The GPU executor: the same logical model as the DLA cores, run in dynamic batches.
 
-It pulls batches from the scheduler (:meth:`dlad.scheduler.Scheduler.next_batch`: up to
-``max_batch`` jobs of its model, a partial batch waiting at most ``max_queue_delay_us`` and never
-past the point where a full one could still meet its earliest deadline), and runs ``slots``
-loops (default 2) so one batch is pre- or post-processed while another runs on the engine, which
-takes one batch at a time. A slot forms its batch *just in time*: while another batch is on the
-engine, it waits until that batch is expected to leave, less the time pre-processing takes
-(learned), or until it does leave, whichever is first. A batch formed the moment the previous
-one started would take only what had arrived by then, and under load the engine would run
-small, inefficient batches while frames queue behind them. Per batch:
+It is a Python engine of the native data plane (:class:`dlad.engines.python.GpuBatches`): the
+plane forms each batch (up to ``max_batch`` jobs of its model, a partial batch waiting at most
+``max_queue_delay_us`` and never past the point where a full one could still meet its earliest
+deadline) and calls :meth:`GpuExecutor.run_batch` on one of its ``slots`` engine threads, so one
+batch is pre- or post-processed while another runs on the engine, which takes one batch at a
+time. Per batch, on the calling thread:
 
-1. pre-process every frame on worker threads: letterbox → quantise to ``DLA_HWC4`` int8;
-2. run the batch on the engine (a worker thread; the emulated Orin GPU today,
-   ``dlad/devices/emulated_gpu.py``): one head set per frame, and the batch's time;
+1. pre-process every frame: letterbox → quantise to ``DLA_HWC4`` int8;
+2. run the batch on the engine (the emulated Orin GPU, ``dlad/devices/emulated_gpu.py``; torch
+   or TensorRT on a real GPU): one head set per frame, and the batch's time;
 3. post-process every frame with the decoder its loadable names; one outcome per job, keyed by
-   job id, all with the batch's device time; the scheduler learns the batch size's service time:
-   the engine's time, or the slots' when pre/post-processing is the bottleneck
-   (:func:`~dlad.executors.base.pipeline_us`).
-
-A batch's frames are pre- and post-processed in parallel, each on a thread of the limiter the
-executors share (``[pre_post] threads``).
+   job id, all with the batch's device time.
 
 **On the GPU** (the daemon has a ``GpuService``: ``[pre_post] backend`` cuda, or auto with CUDA
 present, and the engine offers device-side I/O: ``TorchGpu`` on CUDA), a batch never leaves the
 device between pre- and post-processing (:class:`CudaBatches`). Each slot owns a batch-sized
-``GpuPipeline`` (its stream) and a device copy of its batch's heads; per batch one worker thread
-queues, holding the executor's device lock so that one batch at a time writes the engine's input::
+``GpuPipeline`` (its stream) and a device copy of its batch's heads; per batch the slot's
+engine thread queues, holding the executor's device lock so that one batch at a time writes the
+engine's input::
 
     pipeline stream: wait until the engine's last batch has read its input
         → per frame: upload → pre kernel (letterbox + quantise into the engine's input, frame b)
@@ -34,7 +27,7 @@ queues, holding the executor's device lock so that one batch at a time writes th
         fp16 CHW16) → copy the batch's heads to the slot's copy → event done
     pipeline stream: wait done → decode + NMS for the batch → copy results → event
 
-and a second thread sleeps on the last event (the DLA chain's shape, ``dlad/executors/dla.py``).
+and then sleeps on the last event.
 One ``post`` covers the batch when every frame asks the same ``conf``/``iou``/``max_det``; else
 each frame is posted on its own (at its offset in the heads), one after the other. A frame whose
 candidates overflow the GPU's store gets the numpy reference on its heads, copied back. The slot
@@ -53,9 +46,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import numpy as np
@@ -63,8 +56,8 @@ import numpy.typing as npt
 import structlog
 
 from dlad.devices.emulated_gpu import GpuBatchTiming
-from dlad.errors import DeadlineExceeded, DeviceFailed, InternalError
-from dlad.executors.base import Executor, OnOutcome, Outcome, Request, pipeline_us
+from dlad.errors import DeviceFailed
+from dlad.executors.base import Executor, Outcome, Request
 from dlad.gpu.driver import CudaError, DeviceBuffer, _check, _driver
 from dlad.gpu.prepost import GpuPipeline, HeadSpec, PostResult
 from dlad.imaging.decoders import decoder_for
@@ -78,9 +71,7 @@ from dlad.imaging.pre import (
     to_rgb,
 )
 from dlad.loadable import Loadable
-from dlad.native_scheduler import Scheduling
 from dlad.protocol import MAX_DET
-from dlad.scheduler import Job
 
 if TYPE_CHECKING:
     from dlad.gpu.service import GpuService
@@ -97,7 +88,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger("dlad.executors.gpu")
-_T = TypeVar("_T")
 
 
 class GpuEngine(Protocol):
@@ -444,12 +434,10 @@ class GpuExecutor(Executor):
         name: the device's name (``gpu``).
         model: the model it serves.
         loadable: the model's loadable (input size and scale, head geometry, decoder).
-        engine: what runs the batches; its ``curve_us`` seeds the scheduler's estimates.
-        scheduler: the daemon's scheduler, which it pulls its batches from.
-        capacity: its queue bound in the scheduler.
+        engine: what runs the batches; its ``curve_us`` seeds the plane's estimates.
+        capacity: its queue bound in the plane.
         max_batch: the largest batch it takes (<= the engine's).
         max_queue_delay_us: how long a partial batch may wait to fill.
-        limiter: bounds the threads of pre/post-processing across all executors.
         pre_post: run pre/post-processing (off: zero frames in, no detections out).
         slots: batches in flight at once (module docstring).
         gpu: the daemon's GPU service: pre/post-processing on the GPU (:class:`CudaBatches`)
@@ -466,11 +454,9 @@ class GpuExecutor(Executor):
         model: str,
         loadable: Loadable,
         engine: GpuEngine,
-        scheduler: Scheduling[Request],
         capacity: int,
         max_batch: int,
         max_queue_delay_us: float,
-        limiter: anyio.CapacityLimiter,
         pre_post: bool = True,
         slots: int = 2,
         gpu: GpuService | None = None,
@@ -489,15 +475,9 @@ class GpuExecutor(Executor):
         self.batch_service_us = {b: t for b, t in engine.curve_us.items() if b <= max_batch}
         self.loadable = loadable
         self.engine = engine
-        self.scheduler = scheduler
-        self.limiter = limiter
         self.pre_post = pre_post
         self.decoder = decoder_for(loadable.decoder)
         self._slots = slots
-        self._engine_free_ns = 0  # when the batch on the engine is expected to leave it
-        self._engine_idle = anyio.Event()  # set when it does
-        self._engine_idle.set()
-        self._pre_ns = 0.0  # pre-processing time of a batch (EWMA)
         inp = loadable.inputs[0]
         self._blank = quantize_hwc4(
             np.zeros((*loadable.image_size, inp.c), np.uint8), loadable.input_scale
@@ -559,164 +539,15 @@ class GpuExecutor(Executor):
         self.warm = "ok"
         return actual_us
 
-    async def run(self, on_outcome: OnOutcome) -> None:
-        """Serve batches until cancelled."""
-        try:
-            async with anyio.create_task_group() as tg:
-                for slot in range(self._slots):
-                    tg.start_soon(self._loop, on_outcome, slot)
-        finally:
-            self.close()
-
-    async def _loop(self, on_outcome: OnOutcome, slot: int) -> None:
-        while True:
-            lead_ns = self._engine_free_ns - self._pre_ns - time.monotonic_ns()
-            if lead_ns > 0 and not self._engine_idle.is_set():  # just in time (module docstring)
-                with anyio.move_on_after(lead_ns / 1e9):
-                    await self._engine_idle.wait()
-            batch = self.scheduler.next_batch(
-                self.name, max_batch=self.max_batch, max_queue_delay_us=self.max_queue_delay_us
-            )
-            for stale in batch.expired:
-                expired = DeadlineExceeded("deadline passed while queued")
-                await on_outcome(Outcome(stale.id, self.name, error=expired))
-            if batch.jobs:
-                try:
-                    if self.cuda is not None:
-                        outcomes, device_us = await self._execute_cuda(self.cuda, slot, batch.jobs)
-                    else:
-                        outcomes, device_us = await self._execute(batch.jobs)
-                except Exception as exc:  # a bug must cost these requests an INTERNAL, no more
-                    log.exception("batch_failed", device=self.name)
-                    bug = InternalError(repr(exc))
-                    outcomes = [Outcome(j.id, self.name, error=bug) for j in batch.jobs]
-                    device_us = None
-                self.scheduler.finished_batch(self.name, batch.jobs, device_us)
-                for outcome in outcomes:
-                    await on_outcome(outcome)
-            elif batch.wait_until_ns is not None:  # a partial batch is filling: a new job or
-                delay = max(batch.wait_until_ns - time.monotonic_ns(), 0) / 1e9  # its time
-                with anyio.move_on_after(delay):
-                    await self.wait_for_work()
-            else:
-                await self.wait_for_work()
-
-    async def _execute(self, jobs: Sequence[Job[Request]]) -> tuple[list[Outcome], float | None]:
-        t0 = time.monotonic_ns()
-        prepared: list[tuple[npt.NDArray[np.int8], Letterbox | None]]
-        if self.pre_post:
-            prepared = await self._each(self._pre, [j.payload for j in jobs])
-        else:
-            prepared = [(self._blank, None) for _ in jobs]
-        t1 = time.monotonic_ns()
-        self._pre_ns += 0.2 * ((t1 - t0) - self._pre_ns)
-        frames = [frame for frame, _ in prepared]
-        idle = anyio.Event()
-        self._engine_idle = idle
-        self._engine_free_ns = t1 + round(self.scheduler.service_us(self.name, len(jobs)) * 1e3)
-        try:
-            # The engine takes one batch at a time by itself; its wait is not a pre/post thread's.
-            heads, timing = await anyio.to_thread.run_sync(self.engine.run, frames)
-        except Exception as exc:  # noqa: BLE001 (any engine error fails this batch, not the loop)
-            error = self.failed(DeviceFailed(f"{self.name}: batch of {len(jobs)} failed: {exc}"))
-            return [Outcome(j.id, self.name, error=error) for j in jobs], None
-        finally:
-            idle.set()
-        t2 = time.monotonic_ns()
-        if self.pre_post:
-            items = [(j.payload, h, g) for j, h, (_, g) in zip(jobs, heads, prepared, strict=True)]
-            dets = await self._each(self._post, items)
-        else:
-            dets = [np.zeros((0, 6), np.float32) for _ in jobs]
-        t3 = time.monotonic_ns()
-        self.succeeded()
-        self.stats.busy_ns += timing.end_ns - timing.start_ns
-        outcomes = self._outcomes(
-            jobs, dets, t0=t0, pre_us=(t1 - t0) / 1e3, timing=timing, post_us=(t3 - t2) / 1e3
-        )
-        cost = pipeline_us((t1 - t0) / 1e3, timing.actual_us, (t3 - t2) / 1e3, self._slots)
-        return outcomes, cost
-
-    def _outcomes(
-        self,
-        jobs: Sequence[Job[Request]],
-        detections: Sequence[npt.NDArray[np.float32]],
-        *,
-        t0: int,
-        pre_us: float,
-        timing: GpuBatchTiming,
-        post_us: float,
+    def run_batch(
+        self, job_ids: Sequence[int], requests: Sequence[Request], slot: int = 0
     ) -> list[Outcome]:
-        """One outcome per job of a batch that ran: the batch's times, each job's queue time
-        (receipt to the batch's start, ``t0``) and detections."""
-        return [
-            Outcome(
-                job.id,
-                self.name,
-                detections=d,
-                queue_us=(t0 - job.payload.received_ns) / 1e3,
-                pre_us=pre_us,
-                device_us=timing.actual_us,
-                post_us=post_us,
-                start_ns=timing.start_ns,
-                end_ns=timing.end_ns,
-            )
-            for job, d in zip(jobs, detections, strict=True)
-        ]
-
-    async def _execute_cuda(
-        self, cuda: CudaBatches, slot: int, jobs: Sequence[Job[Request]]
-    ) -> tuple[list[Outcome], float | None]:
-        t0 = time.monotonic_ns()
-        requests = [j.payload for j in jobs]
-        try:
-            queued = await anyio.to_thread.run_sync(
-                cuda.enqueue, slot, requests, limiter=self.limiter
-            )
-            t1 = time.monotonic_ns()
-            self._pre_ns += 0.2 * ((t1 - t0) - self._pre_ns)
-            idle = anyio.Event()
-            self._engine_idle = idle
-            self._engine_free_ns = t1 + round(self.scheduler.service_us(self.name, len(jobs)) * 1e3)
-            try:
-                # Sleeps on the batch's last event on a thread of its own, not the limiter's.
-                result = await anyio.to_thread.run_sync(cuda.finish, queued)
-            finally:
-                idle.set()
-        except Exception as exc:  # noqa: BLE001 (any CUDA or engine error fails this batch only)
-            error = self.failed(DeviceFailed(f"{self.name}: batch of {len(jobs)} failed: {exc}"))
-            return [Outcome(j.id, self.name, error=error) for j in jobs], None
-        timing = result.timing
-        self.succeeded()
-        self.stats.busy_ns += timing.end_ns - timing.start_ns
-        pre_us = max(timing.start_ns - t0, 0) / 1e3
-        post_us = max(result.done_ns - timing.end_ns, 0) / 1e3
-        outcomes = self._outcomes(
-            jobs, result.detections, t0=t0, pre_us=pre_us, timing=timing, post_us=post_us
-        )
-        # What a batch costs the executor's throughput: the engine's time, the serial part of
-        # queueing (the device lock), or a slot's whole cycle shared by the slots.
-        cycle_us = (result.done_ns - t0) / 1e3
-        cost = max(timing.actual_us, result.locked_us, cycle_us / self._slots)
-        return outcomes, cost
-
-    async def _each(self, fn: Callable[[Any], _T], items: Sequence[Any]) -> list[_T]:
-        """``fn`` on every item of a batch, each on a thread of the shared limiter (a batch's
-        frames are pre- and post-processed in parallel), results in order."""
-        results: list[Any] = [None] * len(items)
-
-        async def one(i: int) -> None:
-            results[i] = await anyio.to_thread.run_sync(fn, items[i], limiter=self.limiter)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(items)):
-                tg.start_soon(one, i)
-        return results
-
-    def run_batch(self, job_ids: Sequence[int], requests: Sequence[Request]) -> list[Outcome]:
-        """A batch on the calling thread (an engine thread of the native plane), its failure
-        counted: numpy pre/post-processing frame by frame around the engine's run (not the
-        CUDA path), or none with pre/post-processing off."""
+        """A batch on the calling thread (slot ``slot``'s engine thread of the native plane),
+        its failure counted: on the CUDA path (:class:`CudaBatches`) the whole chain on the
+        GPU; else numpy pre/post-processing frame by frame around the engine's run, or none
+        with pre/post-processing off."""
+        if self.cuda is not None:
+            return self._run_cuda(self.cuda, slot, job_ids, requests)
         t0 = time.monotonic_ns()
         prepared: list[tuple[npt.NDArray[np.int8], Letterbox | None]]
         if self.pre_post:
@@ -727,9 +558,7 @@ class GpuExecutor(Executor):
         try:
             heads, timing = self.engine.run([frame for frame, _ in prepared])
         except Exception as exc:  # noqa: BLE001 (any engine error fails this batch only)
-            n = len(requests)
-            error = self.failed(DeviceFailed(f"{self.name}: batch of {n} failed: {exc}"))
-            return [Outcome(i, self.name, error=error) for i in job_ids]
+            return self._failed(job_ids, exc)
         t2 = time.monotonic_ns()
         if self.pre_post:
             items = zip(requests, heads, prepared, strict=True)
@@ -737,13 +566,41 @@ class GpuExecutor(Executor):
         else:
             dets = [np.zeros((0, 6), np.float32) for _ in requests]
         t3 = time.monotonic_ns()
+        return self._ran(job_ids, dets, timing, pre_us=(t1 - t0) / 1e3, post_us=(t3 - t2) / 1e3)
+
+    def _run_cuda(
+        self, cuda: CudaBatches, slot: int, job_ids: Sequence[int], requests: Sequence[Request]
+    ) -> list[Outcome]:
+        t0 = time.monotonic_ns()
+        try:
+            result = cuda.process(slot, requests)
+        except Exception as exc:  # noqa: BLE001 (any CUDA or engine error fails this batch only)
+            return self._failed(job_ids, exc)
+        timing = result.timing
+        pre_us = max(timing.start_ns - t0, 0) / 1e3
+        post_us = max(result.done_ns - timing.end_ns, 0) / 1e3
+        return self._ran(job_ids, result.detections, timing, pre_us=pre_us, post_us=post_us)
+
+    def _failed(self, job_ids: Sequence[int], exc: Exception) -> list[Outcome]:
+        n = len(job_ids)
+        error = self.failed(DeviceFailed(f"{self.name}: batch of {n} failed: {exc}"))
+        return [Outcome(i, self.name, error=error) for i in job_ids]
+
+    def _ran(
+        self,
+        job_ids: Sequence[int],
+        detections: Sequence[npt.NDArray[np.float32]],
+        timing: GpuBatchTiming,
+        *,
+        pre_us: float,
+        post_us: float,
+    ) -> list[Outcome]:
         self.succeeded()
         self.stats.busy_ns += timing.end_ns - timing.start_ns
-        pre_us, post_us = (t1 - t0) / 1e3, (t3 - t2) / 1e3
         return [
             Outcome(i, self.name, detections=d, pre_us=pre_us, device_us=timing.actual_us,
                     post_us=post_us, start_ns=timing.start_ns, end_ns=timing.end_ns)
-            for i, d in zip(job_ids, dets, strict=True)
+            for i, d in zip(job_ids, detections, strict=True)
         ]  # fmt: skip
 
     def _pre(self, work: Request) -> tuple[npt.NDArray[np.int8], Letterbox]:

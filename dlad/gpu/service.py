@@ -219,7 +219,7 @@ class GpuService:
         default_max_det: int,
         cudla: Sequence[GpuSlot] = (),
     ) -> PlaneGpu:
-        """GPU pre/post for a core of the native plane (``data_plane = "native"``): ``slots``
+        """GPU pre/post for a core of the native plane: ``slots``
         slots as :meth:`slot` makes them for an emulated core (zeroed DLA buffers from
         :meth:`host_array`, kernels warmed up), or a cuDLA core's slots from :meth:`cudla_slot`
         (``cudla``; ``slots`` is then their number), handed over as handles and addresses;
@@ -244,7 +244,8 @@ class GpuService:
             if not slot.pipeline.candidate_capacity_holds:
                 raise ValueError(
                     f"the model has more anchor cells than the GPU's candidate store holds "
-                    f"({slot.pipeline.cand_capacity}): serve it with data_plane = 'python'"
+                    f"({slot.pipeline.cand_capacity}): pre/post-process it on the CPU "
+                    f'([pre_post] backend = "cpu")'
                 )
             handles = slot.pipeline.plane_handles(slot.head_ptrs)
             ready, done = slot.ready_link, slot.done_link

@@ -1,7 +1,7 @@
 // The native data plane's engine for a real DLA core: cuDLA standalone tasks (docs/daemon.md,
 // "The native data plane"; docs/reference/cudla.md §4).
 //
-// Python opens the core as the Python data plane does (dlad/devices/cudla/backend.py,
+// Python opens the core as the DLA executor does (dlad/devices/cudla/backend.py,
 // CudlaDlaCore): the device handle, the module, each slot's NvSciBuf buffers and the
 // NvSciSync object its tasks signal, all imported into cuDLA, and the CPU wait context. The
 // plane gets their handles and registered pointers, and the functions by address in the
@@ -13,7 +13,7 @@
 // recipe A of cudla.md §4.7). A thread of the engine's waits for each task's EOF fence in
 // order (NvSciSyncFenceWait), reads cudlaGetLastError and reports the task, as
 // CudlaDlaCore's completion thread does. Syncpoint fences only: a core whose fences are
-// deterministic semaphores is served by the Python data plane.
+// deterministic semaphores serves as a Python engine (dlad/plane_cores.py).
 #pragma once
 
 #include <condition_variable>

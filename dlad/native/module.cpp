@@ -1,7 +1,7 @@
-// dlad._native: the C++ scheduler core (scheduler.hpp), the hot messages' codec (wire.hpp) and
-// the native data plane (plane.hpp) for Python. dlad/native_scheduler.py wraps the core in
-// dlad.scheduler.Scheduler's interface; dlad/native_plane.py starts the plane on a pyzmq socket;
-// the codec is here for the tests that hold it to dlad/protocol.py (tests/dlad/test_native_wire.py).
+// dlad._native: the native data plane (plane.hpp), its scheduler (scheduler.hpp) and the hot
+// messages' codec (wire.hpp) for Python. dlad/native_plane.py starts the plane on a pyzmq
+// socket; the scheduler and the codec are bound for the tests that hold them to their promises
+// and to dlad/protocol.py (tests/dlad/test_scheduler.py, tests/dlad/test_native_wire.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -268,8 +268,25 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "dlad's scheduler core and INFER codec in C++ (dlad/native/); use "
-              "dlad.native_scheduler for the core.";
+    m.doc() = "dlad's C++ core (dlad/native/): the native data plane, its scheduler and the "
+              "INFER codec; used through dlad.native_plane.";
+    m.def("wire_constants", [] {
+        namespace w = dlad::wire;
+        const w::Limits limits;
+        py::dict d;
+        d["protocol_version"] = w::kProtocolVersion;
+        d["infer"] = w::kInfer;
+        d["infer_reply"] = w::kInferReply;
+        d["priority_max"] = w::kPriorityMax;
+        d["max_deadline_ms"] = w::kMaxDeadlineMs;
+        d["max_det"] = w::kMaxDet;
+        d["max_name_chars"] = w::kMaxNameChars;
+        d["max_shm_bytes"] = w::kMaxShmBytes;
+        d["max_shm_name"] = w::kMaxShmName;
+        d["limits"] = py::make_tuple(limits.max_message_bytes, limits.max_header_bytes,
+                                     limits.max_width, limits.max_height, limits.max_image_pixels);
+        return d;
+    });
     m.def("read_infer", &read_infer, py::arg("header"), py::arg("frames"),
           py::arg("payload_bytes"), py::arg("limits"), py::arg("shm"));
     m.def("write_infer_reply", &write_infer_reply, py::arg("id"), py::arg("status"),

@@ -28,8 +28,7 @@ constexpr int kSndMore = 2;   // ZMQ_SNDMORE
 constexpr short kPollIn = 1;  // ZMQ_POLLIN
 constexpr short kPollOut = 2;  // ZMQ_POLLOUT
 constexpr int kBurst = 64;    // messages read in a row before engines and replies get a turn
-// A probe waits for its engine however long (a hung task ends at its timeout): health.py's
-// PROBE_DEADLINE_S
+// A probe (or a warm-up) waits for its engine however long (a hung task ends at its timeout)
 constexpr int64_t kProbeDeadlineNs = 86'400'000'000'000;
 
 // protocol.Status
@@ -44,8 +43,8 @@ const char* status_name(int64_t s) {
     return s >= 0 && s <= INTERNAL ? names[s] : "INTERNAL";
 }
 
-// Python's repr() of a printable-ASCII str (the reader takes no other name), for the messages
-// the plane shares with dlad/scheduler.py.
+// Python's repr() of a printable-ASCII str (the reader takes no other name), for the refusals'
+// words, as the Python decoder writes them.
 std::string py_repr(const std::string& s) {
     const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
     const char quote = dq ? '"' : '\'';
@@ -695,7 +694,7 @@ std::optional<std::pair<int64_t, std::string>> Plane::room(const std::string& ke
 
 bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now,
                   std::shared_ptr<Part> payload) {
-    // Frontend._admit: the deadline, then the scheduler's verdict
+    // admission: the deadline, then the scheduler's verdict
     const double budget_ms = std::min(
         item.deadline_ms ? static_cast<double>(*item.deadline_ms) : config_.default_deadline_ms,
         config_.max_deadline_ms);
@@ -857,9 +856,24 @@ void Plane::dispatch(int64_t now) {
             std::vector<int64_t> ids;
             std::vector<int64_t> expired;
             if (engine->max_batch() > 1) {
+                // Just in time: while a batch is on the engine, the next one is formed when
+                // that one is expected to leave, less the time pre-processing takes (or when it
+                // leaves), so that it takes what arrived meanwhile rather than the first frame.
+                const int64_t ready_ns =
+                    engine_free_ns_[device] - static_cast<int64_t>(pre_ns_[device]);
+                if (running > 0 && now < ready_ns) {
+                    if (!batch_wake_ns_ || ready_ns < *batch_wake_ns_) batch_wake_ns_ = ready_ns;
+                    break;
+                }
                 BatchResult b = scheduler_.next_batch(device, engine->max_batch(),
                                                       batch_delay_us_[device], now);
                 ids = std::move(b.jobs);
+                if (!ids.empty()) {
+                    const auto size = static_cast<int64_t>(ids.size());
+                    const double us = scheduler_.service_us(device, size);
+                    engine_free_ns_[device] =
+                        std::max(engine_free_ns_[device], now) + static_cast<int64_t>(us * 1e3);
+                }
                 expired = std::move(b.expired);
                 if (b.wait_until_ns && (!batch_wake_ns_ || *b.wait_until_ns < *batch_wake_ns_)) {
                     batch_wake_ns_ = b.wait_until_ns;  // a partial batch waits for more
@@ -907,6 +921,11 @@ std::vector<Work> Plane::work_of(const std::vector<int64_t>& ids, int64_t now) {
 void Plane::finished(const std::string& device, const Finished& f) {
     if (f.end_ns != 0) busy_ns_[device] += f.end_ns - f.start_ns;
     if (f.frees) --running_[device];
+    if (f.frees && running_[device] == 0) engine_free_ns_[device] = 0;  // it left: idle now
+    if (!f.results.empty() && f.results.front().pre_us) {  // a batch's pre-processing (EWMA)
+        double& pre = pre_ns_[device];
+        pre += 0.2 * (static_cast<double>(*f.results.front().pre_us) * 1e3 - pre);
+    }
     std::vector<int64_t> ok;  // what the scheduler learns from: the jobs that went through
     for (size_t i = 0; i < f.jobs.size(); ++i) {
         const int64_t id = f.jobs[i];
@@ -932,6 +951,7 @@ void Plane::finished(const std::string& device, const Finished& f) {
             warmed(device, words, now_ns());
             continue;
         }
+        scheduler_.finished(device, id, std::nullopt);  // a failure: its rate is learned
         if (failure == Failure::internal) {
             answer(id, INTERNAL, device + ": " + words, &f, r);
             continue;
@@ -954,7 +974,7 @@ void Plane::finished(const std::string& device, const Finished& f) {
         } else if (!retry(id, device, why)) {
             answer(id, DEVICE_FAILED, why, &f, r);
         }
-        // dlad/health.py: a hang quarantines at once, failures after quarantine_after in a row
+        // a hang quarantines at once, failures after quarantine_after in a row
         const int64_t n = config_.health.quarantine_after;
         if (!watches_[device].quarantined && n > 0) {
             if (failure == Failure::hung) {
@@ -1020,7 +1040,7 @@ void Plane::quarantine_now(const std::string& device, const std::string& reason,
     e.reason = w.reason;
     e.seconds = static_cast<double>(moved.size());
     event(std::move(e));
-    // Its queued frames go to the model's other engines, or are answered (Frontend.requeue)
+    // Its queued frames go to the model's other engines, or are answered
     for (int64_t id : moved) {
         auto it = jobs_.find(id);
         if (it == jobs_.end()) continue;
@@ -1050,7 +1070,7 @@ void Plane::start_probes(int64_t now) {
 int64_t Plane::place_blank(const std::string& device, bool warm, int64_t now) {
     const auto model = first_model_.find(device);
     if (model == first_model_.end()) return -1;  // serving no model: nothing to run
-    // one task on a blank frame, for this engine alone (HealthKeeper._probe)
+    // one task on a blank frame, for this engine alone
     static const auto blank = std::make_shared<const std::string>(64 * 64 * 3, '\0');
     Job job;
     job.probe = true;

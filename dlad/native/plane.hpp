@@ -320,7 +320,7 @@ class Plane {
         bool probe = false;    // a health probe or a warm-up: no client waits for it
         bool warm = false;     // an engine's warm-up (a probe too)
     };
-    // An engine's health (dlad/health.py's _Watch)
+    // An engine's health
     struct Watch {
         bool quarantined = false;
         std::string reason;
@@ -409,6 +409,9 @@ class Plane {
     std::map<std::string, std::string> last_failure_;
     std::optional<int64_t> batch_wake_ns_;  // when a partial batch waiting for more is due
     std::map<std::string, Watch> watches_;   // device -> its health
+    std::map<std::string, int64_t> engine_free_ns_;  // a batching engine: when its batches on
+                                                     // it are expected to have left (0: idle)
+    std::map<std::string, double> pre_ns_;   // a batching engine: a batch's pre-processing
     std::map<std::string, std::string> first_model_;  // device -> a model it serves (probes)
     struct Segment {
         uint64_t size = 0;

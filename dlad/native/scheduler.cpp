@@ -1,5 +1,4 @@
-// The scheduler's policy (see scheduler.hpp; dlad/scheduler.py is the reference, and each
-// function here names the Python one it mirrors).
+// The scheduler (scheduler.hpp states its policy).
 #include "scheduler.hpp"
 
 #include <algorithm>

@@ -1,15 +1,39 @@
-// The scheduler's policy in C++: the same decisions as dlad/scheduler.py, to the last bit.
+// The scheduler: admission, queues, deadlines, priorities, per-stream freshness, placement and
+// batches, owned by the native data plane's thread. It never blocks and never grows without
+// bound.
 //
-// dlad/scheduler.py is the reference (its docstring states the policy) and the fallback where
-// no compiler built this; tests/dlad/test_native_scheduler.py drives both through random
-// operation sequences and requires the same answers, the same estimates and the same state.
-// This core holds no Python object and takes the time as an argument, so a native frontend can
-// drive it as the Python one does. A job is its id and what placement reads of it; the payload
-// stays with the caller.
+// - Admission places a job on one device's bounded queue, or refuses it at once (OVERLOADED:
+//   every queue that could take it is full): "full" is an answer, never growth.
+// - Placement estimates, for each device that holds the job's model, when the job would finish
+//   there: now + in flight(device) + work(queued + this job). The policy then picks: latency,
+//   the earliest, or, where the devices slow each other (interference: the Orin's shared
+//   DRAM), among those that meet the deadline, the one where the job's completion plus the
+//   delay it inflicts on the other devices' jobs is least; throughput, the lowest tier (the DLA
+//   cores before the GPU) among the devices estimated to finish by the deadline, earliest
+//   first, and the earliest overall when none would; static, a stream's frames all go to the
+//   device it was pinned to at its first frame (its device in pins, else the device with the
+//   fewest pinned streams per unit of speed; a full queue there is OVERLOADED), other frames as
+//   latency.
+// - Service time is a function of the batch size, seeded at registration (a DLA: its modelled
+//   latency; a GPU: a batch curve) and learned online from completions (an exponentially
+//   weighted mean per batch size, sizes never seen interpolated); a failure teaches the
+//   device's failure rate. A batching device's queued work counts in batches of its max_batch.
+// - Order within a device queue: higher priority first, then earlier deadline, then arrival.
+// - Batches (next_batch): up to max_batch jobs of one model, in queue order; a partial batch
+//   waits at most max_queue_delay_us after its first job was admitted, and never past the point
+//   where a full batch could still finish by the earliest deadline in it.
+// - Deadlines are checked at dispatch: a job past its deadline is never executed (it comes
+//   back expired); expire() sweeps them from the queues.
+// - Streams: a new frame of a camera stream supersedes the stream's frame still queued
+//   ("latest frame wins").
 //
-// Floating point: every estimate is computed in the order the Python code computes it, in
-// IEEE doubles, and the build turns off FMA contraction (-ffp-contract=off), so an aarch64 host
-// (an Orin) rounds as an x86 one does.
+// Every admitted job leaves exactly once: dispatch, expiry, cancellation (explicit or
+// superseded) or drain. tests/dlad/test_scheduler.py holds the core to these promises through
+// the binding, on random engine pools and operation sequences. The core holds no Python object
+// and takes the time as an argument. A job is its id and what placement reads of it.
+//
+// Floating point: IEEE doubles, and the build turns off FMA contraction (-ffp-contract=off),
+// so an aarch64 host (an Orin) rounds as an x86 one does.
 #pragma once
 
 #include <cstdint>
@@ -108,7 +132,7 @@ class Scheduler {
               std::unordered_map<std::string, std::string> pins);
 
     // ``known_ns``: the service time (ns) by batch size, holding 1; the caller checked it
-    // (dlad/scheduler.py's _seed_curve). Raises std::invalid_argument for a duplicate name.
+    // (the seed curve). Raises std::invalid_argument for a duplicate name.
     void add_device(const std::string& name, const std::vector<std::string>& models,
                     int64_t capacity, int64_t max_batch, const std::map<int64_t, double>& known_ns,
                     int64_t tier, const std::string& kind);

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -128,6 +129,28 @@ def test_a_closed_pipe_ends_quietly() -> None:
     assert proc.stderr == b""
 
 
+def test_platform_names_the_engine_each_device_gets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(
+        DAEMON_CFG.format(port=5555, metrics_port=9100)
+        + '[devices.dla1]\nkind = "dla"\ncore = 1\nmode = "numeric"\n'
+        + "[pre_post]\nenabled = false\n"
+    )
+    cfg.write_text(cfg.read_text().replace('devices = ["dla0"]', 'devices = ["dla0", "dla1"]')
+                   .replace('core0 = "bundled:demo/fp16_heads.dla0.emu"',
+                            'core0 = "bundled:demo/fp16_heads.dla0.emu"\n'
+                            'core1 = "bundled:demo/fp16_heads.dla1.emu"'))  # fmt: skip
+    assert main(["--config", str(cfg), "status", "--platform"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["native_core"] == "present"
+    assert report["engines"] == {
+        "dla0": "C++: emulated DLA core 0 (timing), pre/post off",
+        "dla1": "Python: emulated DLA core 1 (numeric), pre/post off",
+    }
+
+
 def _port_in_use() -> tuple[socket.socket, int]:
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
@@ -222,19 +245,33 @@ def test_a_gpu_engine_that_cannot_start_names_the_device(
     assert "Traceback" not in err
 
 
-def test_a_native_scheduler_core_that_was_not_built_stops_the_start_plainly(
+def test_without_the_cpp_core_the_daemon_says_so_in_one_line_and_exits_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``[scheduler] core = "native"`` on an install built without a C++ compiler: the daemon
-    does not start, names the setting and what to do, with no traceback."""
-    monkeypatch.setattr("dlad.native_scheduler._NATIVE", None)
+    """An install whose C++ core did not build (no compiler, no wheel) cannot serve: one line,
+    exit status 2, no traceback."""
+    monkeypatch.setattr("dlad.native_plane._CORE", None)
+    monkeypatch.setattr("dlad.native_plane._CORE_MISSING", "No module named 'dlad._native'")
     free, port = _port_in_use()
     free.close()
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(
-        DAEMON_CFG.format(port=port, metrics_port=port) + '\n[scheduler]\ncore = "native"\n'
-    )
-    assert main(["--config", str(cfg)]) == 1
+    cfg.write_text(DAEMON_CFG.format(port=port, metrics_port=port))
+    assert main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert f"dlad: {cfg}: scheduler.core: 'native', but this install has no C++" in err
-    assert "Traceback" not in err
+    assert err.count("\n") == 1
+    assert err.startswith("dlad: dlad was installed without its C++ core, which serves every")
+    assert "No module named 'dlad._native'" in err
+
+
+@pytest.mark.parametrize(("table", "key"), [("frontend", "data_plane"), ("scheduler", "core")])
+def test_a_removed_key_is_named_as_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str, key: str
+) -> None:
+    cfg = tmp_path / "dlad.toml"
+    text = DAEMON_CFG.format(port=5555, metrics_port=9100)
+    cfg.write_text(text + f'\n[{table}]\n{key} = "python"\n' if f"[{table}]" not in text else
+                   text.replace(f"[{table}]\n", f'[{table}]\n{key} = "python"\n'))  # fmt: skip
+    assert main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{table}.{key}: removed: " in err
+    assert "delete the key" in err

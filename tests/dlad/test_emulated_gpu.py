@@ -4,18 +4,12 @@ pool."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import anyio
-import anyio.lowlevel
 import numpy as np
-import numpy.typing as npt
 import pytest
 import zmq
 
@@ -30,13 +24,10 @@ from dlad.devices.emulated_gpu import (
 )
 from dlad.devices.int8_engine import engine_for_loadable
 from dlad.errors import Status
-from dlad.executors.base import Outcome, Request
-from dlad.executors.gpu import GpuExecutor
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import letterbox, quantize_hwc4
 from dlad.loadable import DataType, Loadable, read_loadable
 from dlad.models import DEMO
-from dlad.scheduler import Job, Scheduler
 from tests.dlad.serving import serve_in_thread
 
 pytestmark = pytest.mark.timeout(120)
@@ -189,78 +180,3 @@ def test_three_engines_serve_one_model_as_a_pool(tmp_path: Path) -> None:
     assert {r.status for r in replies} == {Status.OK}
     share = Counter(r.device for r in replies)
     assert set(share) == {"dla0", "dla1", "gpu"}
-
-
-class GatedEngine:
-    """A GPU engine whose first batch runs until the test opens the gate; records batch sizes.
-    Its curve says a batch takes an hour, so only the engine going idle lets a slot form the
-    next batch early."""
-
-    max_batch = 4
-
-    def __init__(self, demo: Loadable) -> None:
-        self.curve_us = dict.fromkeys(range(1, 5), 3600e6)
-        self.gate = threading.Event()
-        self.started = threading.Event()
-        self.sizes: list[int] = []
-        self.closed = False
-        self._gpu = EmulatedGpu(demo, mode="timing", max_batch=4, batch1_us=1.0)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def run(self, frames: Sequence[npt.NDArray[np.int8]]) -> Any:
-        self.sizes.append(len(frames))
-        self.started.set()
-        assert self.gate.wait(timeout=30)
-        return self._gpu.run(frames)
-
-
-def test_the_next_batch_is_formed_when_the_engine_frees_not_when_the_last_one_started(
-    demo: Loadable,
-) -> None:
-    """One job runs on a busy engine; three more arrive meanwhile. The second slot must not
-    take the first of them alone the moment it arrives: it forms its batch when the engine is
-    free, and so runs all three at once."""
-    engine = GatedEngine(demo)
-    scheduler: Scheduler[Request] = Scheduler(time.monotonic_ns)
-    outcomes: list[Outcome] = []
-
-    async def main() -> None:
-        all_in = anyio.Event()
-        limiter = anyio.CapacityLimiter(2)
-        gpu = GpuExecutor(
-            "gpu", model="demo", loadable=demo, engine=engine, scheduler=scheduler,
-            capacity=8, max_batch=4, max_queue_delay_us=0.0, limiter=limiter, pre_post=False,
-        )  # fmt: skip
-        scheduler.add_device("gpu", ["demo"], capacity=8, service_us=3600e6, max_batch=4)
-
-        async def on_outcome(outcome: Outcome) -> None:
-            outcomes.append(outcome)
-            if len(outcomes) == 4:
-                all_in.set()
-
-        def job(i: int) -> Job[Request]:
-            image = np.zeros((8, 8, 3), np.uint8)
-            req = Request(image, "RGB", 0.25, 0.45, 10, time.monotonic_ns(), "demo")
-            return Job(i, "demo", time.monotonic_ns() + 60_000_000_000, req)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(gpu.run, on_outcome)
-            scheduler.admit(job(0))
-            gpu.wake()
-            await anyio.to_thread.run_sync(engine.started.wait, 30)
-            for i in (1, 2, 3):
-                scheduler.admit(job(i))
-                gpu.wake()
-                for _ in range(20):  # loop turns: an eager slot would take it now
-                    await anyio.lowlevel.checkpoint()
-            engine.gate.set()
-            await all_in.wait()
-            tg.cancel_scope.cancel()
-
-    anyio.run(main)
-    assert engine.sizes == [1, 3]
-    assert engine.closed  # the executor owns its engine: closed when it stops serving
-    assert sorted(o.job_id for o in outcomes) == [0, 1, 2, 3]
-    assert all(o.error is None for o in outcomes)

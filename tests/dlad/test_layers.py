@@ -1,5 +1,6 @@
-"""The daemon's layers import one way: frontend → scheduler → executors → devices. Nothing below
-imports a layer above it (read from the source, so a new import cannot slip in unnoticed)."""
+"""The daemon's layers import one way: daemon → frontend → native plane → engines → executors →
+devices. Nothing below imports a layer above it (read from the source, so a new import cannot
+slip in unnoticed)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ DLAD = Path(__file__).resolve().parents[2] / "dlad"
 
 # module (or package) -> the dlad modules it must never import
 FORBIDDEN = {
-    "scheduler.py": ("dlad.frontend", "dlad.daemon", "dlad.executors", "dlad.devices"),
-    "executors": ("dlad.frontend", "dlad.daemon", "dlad.cli"),
-    "devices": ("dlad.frontend", "dlad.daemon", "dlad.executors", "dlad.scheduler", "dlad.cli"),
-    "frontend.py": ("dlad.daemon", "dlad.cli"),
+    "native_plane.py": ("dlad.frontend", "dlad.daemon", "dlad.engines", "dlad.executors"),
+    "engines": ("dlad.frontend", "dlad.daemon", "dlad.cli", "dlad.native_plane"),
+    "executors": ("dlad.frontend", "dlad.daemon", "dlad.cli", "dlad.engines", "dlad.native_plane"),
+    "devices": ("dlad.frontend", "dlad.daemon", "dlad.executors", "dlad.engines", "dlad.cli"),
+    "frontend.py": ("dlad.daemon", "dlad.cli", "dlad.engines", "dlad.executors"),
 }
 
 

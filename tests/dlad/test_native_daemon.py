@@ -1,6 +1,6 @@
-"""The daemon with ``[frontend] data_plane = "native"``: the plane serves INFERs, the event loop
-the rest, and a client sees the daemon it knows: the same replies and words, STATUS, CANCEL,
-INFER_BATCH, the metrics, the drain and the linger after it."""
+"""The daemon on its native data plane: the plane serves INFERs, the event loop the rest, and a
+client sees one daemon: its replies and words, STATUS, CANCEL, INFER_BATCH, the metrics, the
+drain and the linger after it."""
 
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ from PIL import Image
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
-from dlad import native_scheduler, protocol
+from dlad import protocol
 from dlad.auth import write_keypair
 from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import DladError, Overloaded, StartupError, Status
 from dlad.gpu.driver import GpuProbe
 from dlad.models import DEMO
-from dlad.scheduler import no_device_serves
 from dlad.shm import SharedFrames
 from dlad_client import Client, CurveKeys
 from tests.dlad.serving import serve_in_thread
@@ -38,9 +37,6 @@ from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(
-        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
-    ),
 ]
 
 IMAGE = np.zeros((8, 8, 3), np.uint8)
@@ -53,7 +49,6 @@ default_deadline_ms = 60000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
 cheap_requests_per_s = 100000.0  # the tests poll STATUS
-data_plane = "native"
 [pre_post]
 enabled = false
 [shm]
@@ -144,7 +139,7 @@ def test_what_the_plane_leaves_is_answered_with_the_frontends_words(tmp_path: Pa
         sock.send_multipart(_infer(2, model="modèle"))
         missing = recv(sock)
         assert (missing.id, missing.status) == (2, Status.NOT_FOUND)
-        assert missing.message == no_device_serves("modèle")
+        assert missing.message == "no device serves model 'modèle'"
         sock.send_multipart([b"\xc1", b"junk"])  # malformed: a typed reply, the daemon stays
         assert recv(sock).status is Status.BAD_REQUEST
         header = msgpack.unpackb(_infer(3)[0])
@@ -229,7 +224,6 @@ default_deadline_ms = 60000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
 cheap_requests_per_s = 100000.0  # the test polls STATUS
-data_plane = "native"
 [pre_post]
 backend = "cpu"
 [soc]
@@ -457,21 +451,15 @@ def test_a_segment_made_again_at_another_size_is_mapped_again(tmp_path: Path) ->
         first.unlink()
 
 
-# ------------------------------------------------ the same answers as the Python frontend's
+# ------------------------------------------------ every message answered once, in its own words
 @pytest.fixture(scope="module")
-def both(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A daemon on each data plane, the same config otherwise (pre/post off, timing mode)."""
-    tmp = tmp_path_factory.mktemp("both")
-    text = _config(latency=200.0, depth=16)
-    python = tmp / "python.toml"
-    python.write_text(text.replace('data_plane = "native"', 'data_plane = "python"'))
-    plane = tmp / "native.toml"
-    plane.write_text(text)
-    daemons = [
-        Daemon(load_config(p).plan(), endpoints=["tcp://127.0.0.1:0"]) for p in (python, plane)
-    ]
-    with serve_in_thread(daemons[0]) as py_ep, serve_in_thread(daemons[1]) as native_ep:
-        yield py_ep, native_ep
+def plane_ep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One daemon for the generated messages (pre/post off, timing mode)."""
+    tmp = tmp_path_factory.mktemp("answers")
+    cfg = tmp / "dlad.toml"
+    cfg.write_text(_config(latency=200.0, depth=16))
+    with serve_in_thread(Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])) as ep:
+        yield ep
 
 
 def _answer(endpoint: str, frames: list[bytes]) -> tuple[object, ...]:
@@ -511,11 +499,23 @@ def _requests() -> st.SearchStrategy[list[bytes]]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(frames=_requests())
-def test_the_native_plane_answers_as_the_python_frontend_does(
-    both: tuple[str, str], frames: list[bytes]
-) -> None:
-    python, plane = both
-    assert _answer(plane, frames) == _answer(python, frames)
+def test_every_message_gets_one_typed_answer(plane_ep: str, frames: list[bytes]) -> None:
+    """Whatever a client sends (good INFERs, other models, bad names, broken headers) gets one
+    typed answer (``_answer`` reads exactly one), never INTERNAL, and the same message the
+    same answer twice."""
+    first = _answer(plane_ep, frames)
+    assert first[2] is not Status.INTERNAL, first
+    assert _answer(plane_ep, frames) == first
+
+
+@pytest.mark.parametrize("model", ["demo", "other"])
+def test_a_good_infer_runs_and_an_unknown_model_is_not_found(plane_ep: str, model: str) -> None:
+    kind, rid, status, message, _ = _answer(plane_ep, _raw_infer(7, model, "cam", 1, 5000))
+    assert (kind, rid) == ("INFER_REPLY", 7)
+    if model == "demo":
+        assert status is Status.OK, message
+    else:
+        assert (status, message) == (Status.NOT_FOUND, "no device serves model 'other'")
 
 
 def test_with_curve_a_client_is_its_key_across_connections(tmp_path: Path) -> None:

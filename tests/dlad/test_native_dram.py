@@ -9,12 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlad import native_scheduler
 from dlad.devices.dram import ORIN_DRAM_K, SharedDram
-
-pytestmark = pytest.mark.skipif(
-    not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
-)
 
 
 class Clock:

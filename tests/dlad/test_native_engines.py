@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlad import native_scheduler, protocol
+from dlad import protocol
 from dlad.errors import Status
 from dlad.native_plane import EventKind, Health, HealthEvent, PlaneDevice
 from dlad.protocol import InferRequest
@@ -24,9 +24,6 @@ from tests.dlad.test_native_plane import Rig
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
-    ),
 ]
 
 Batch = list[tuple[int, "memoryview | None", tuple[Any, ...]]]
@@ -127,6 +124,30 @@ def test_the_plane_batches_what_queued_while_the_engine_was_busy(
     assert max(sizes) == 4  # full batches of what waited
     assert all(1 <= s <= 4 for s in sizes)
     assert sum(sizes) == 10
+
+
+def test_the_next_batch_is_formed_when_the_engine_frees_not_when_a_slot_does(
+    recorder: Recorder, rigs: list[Rig]
+) -> None:
+    """One frame runs on a busy engine of two slots; three more arrive meanwhile. The second
+    slot must not take the first of them alone the moment it arrives: the next batch is formed
+    when the engine is expected to free (its curve says an hour) or frees, so all three run at
+    once."""
+    rig = _rig(recorder, slots=2, kind="gpu", max_batch=4,
+               curve_us=dict.fromkeys(range(1, 5), 3_600e6))  # fmt: skip
+    rigs.append(rig)
+    recorder.gate.clear()
+    rig.infer(0)
+    assert recorder.entered.wait(20)
+    for rid in (1, 2, 3):
+        rig.infer(rid)
+    wait_for(lambda: rig.plane.state()[1] == 3)  # queued, not taken by the free slot
+    recorder.gate.set()
+    replies = [rig.reply() for _ in range(4)]
+    assert sorted(r.id for r in replies) == [0, 1, 2, 3]
+    assert {r.status for r in replies} == {Status.OK}
+    assert recorder.batches == [[recorder.batches[0][0]], sorted(recorder.batches[1])]
+    assert [len(b) for b in recorder.batches] == [1, 3]
 
 
 @pytest.mark.parametrize(

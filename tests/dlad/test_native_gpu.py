@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from dlad import native_scheduler, protocol
+from dlad import protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import Status
@@ -54,9 +54,6 @@ from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
-    ),
     pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds the fake CUDA driver"),
 ]
 
@@ -577,7 +574,6 @@ DAEMON = """
 default_deadline_ms = 60000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
-data_plane = "native"
 [pre_post]
 enabled = true
 [soc]

@@ -806,7 +806,7 @@ def test_nesting_counts_containers_only(value: object, depth: int) -> None:
     assert protocol._nesting(value, 10) == depth
 
 
-# ------------------------------------------------------------------------------ the fast INFER path
+# -------------------------------------------------- generated INFER messages, good and broken
 
 _SMALL = Limits(max_message_bytes=1 << 12, max_header_bytes=1 << 10, max_width=8, max_height=8,
                 max_image_pixels=48)  # fmt: skip
@@ -872,49 +872,3 @@ def infer_messages(draw: st.DrawFn) -> list[bytes]:
     if draw(st.integers(0, 9)) == 0:
         frames.append(b"")
     return frames
-
-
-def _decoded(frames: list[bytes], decode: Callable[..., Any]) -> tuple[Any, Any]:
-    """(what ``decode`` returned, or None; the error it raised, or None)."""
-    try:
-        return decode(frames, _SMALL, _resolve), None
-    except BadRequest as exc:
-        return None, exc
-
-
-@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
-@given(infer_messages())
-def test_the_fast_infer_path_takes_only_what_the_full_decoder_takes(frames: list[bytes]) -> None:
-    full, refused = _decoded(frames, protocol._decode_request)
-    fast, raised = _decoded(frames, protocol._fast_infer)
-    if raised is not None:  # only the shared-memory lookup's refusal, addressed the same way
-        assert refused is not None
-        assert (type(raised), raised.message, raised.request_id) == (
-            type(refused), refused.message, refused.request_id)  # fmt: skip
-        if isinstance(raised, ProtocolError) and isinstance(refused, ProtocolError):
-            assert raised.request_kind == refused.request_kind
-    if fast is None:
-        return
-    assert refused is None, f"the fast path took what the full decoder refuses: {refused}"
-    assert isinstance(full, InferRequest)
-    for name in (*protocol._INFER_SCALARS, "format", "shm"):
-        assert getattr(fast, name) == getattr(full, name), name
-    assert fast.image.shape == full.image.shape
-    assert not fast.image.flags.writeable
-    assert bytes(fast.image.data) == bytes(full.image.data)
-
-
-@settings(max_examples=200)
-@given(infer_requests(), st.booleans())
-def test_the_fast_infer_path_takes_every_well_formed_infer(
-    request: InferRequest, in_shm: bool
-) -> None:
-    if in_shm:
-        request = request.in_shared_memory(protocol.ShmRef("seg", 0, 1 << 10))
-    frames = encode(request)
-    fast = protocol._fast_infer(frames, protocol.DEFAULT_LIMITS, _resolve)
-    assert fast is not None
-    for name in (*protocol._INFER_SCALARS, "format", "shm"):
-        assert getattr(fast, name) == getattr(request, name), name
-    if not in_shm:
-        np.testing.assert_array_equal(fast.image, request.image)

@@ -8,12 +8,10 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
 import pytest
 
@@ -39,7 +37,6 @@ from dlad.loadable import (  # noqa: E402
     read_loadable,
 )
 from dlad.models import DEMO  # noqa: E402
-from dlad.scheduler import Scheduler  # noqa: E402
 from prep.torch_export import export_torch  # noqa: E402
 from tests.dlad.engines import assert_batches_run_one_at_a_time  # noqa: E402
 
@@ -211,9 +208,8 @@ class TestOnCpu(Checks):
     ) -> None:
         service: Any = object()  # never touched: the engine has no device I/O to offer it
         executor = GpuExecutor(
-            "gpu", model="demo", loadable=demo, engine=gpu, scheduler=Scheduler(time.monotonic_ns),
-            capacity=4, max_batch=MAX_BATCH, max_queue_delay_us=0.0,
-            limiter=anyio.CapacityLimiter(1), gpu=service,
+            "gpu", model="demo", loadable=demo, engine=gpu, capacity=4, max_batch=MAX_BATCH,
+            max_queue_delay_us=0.0, gpu=service,
         )  # fmt: skip
         assert executor.backend == "cpu"
         assert executor.cuda is None

@@ -590,7 +590,7 @@ class CudlaDlaCore:
     def plane_core(
         self, slots: Sequence[tuple[Sequence[CudlaBuffer], Sequence[CudlaBuffer], CudlaFence_]]
     ) -> PlaneCudla:
-        """This core for the native data plane (``[frontend] data_plane = "native"``): its
+        """This core as an engine of the native data plane: its
         handle, module, CPU wait context, submit flags and how long an EOF fence is waited for
         (the task timeout and the grace), and for each slot ``(inputs, outputs, fence)`` the
         registered pointers of its buffers and of the DLA-signalled fence its tasks signal.
@@ -615,7 +615,7 @@ class CudlaDlaCore:
             raise DlaError(
                 CudlaStatus.ERROR_UNSUPPORTED_OPERATION, call,
                 "the native data plane needs syncpoint fences; this core uses deterministic "
-                "semaphores: serve it with data_plane = 'python'",
+                "semaphores (it serves as a Python engine instead)",
             )  # fmt: skip
         made = []
         for inputs, outputs, fence in slots:

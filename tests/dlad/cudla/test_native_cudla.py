@@ -30,8 +30,9 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
-from dlad import native_scheduler, protocol
+from dlad import protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.devices.base import CudlaStatus, DlaError
@@ -53,9 +54,6 @@ from tests.dlad.test_native_gpu import build_fake as build_fake_cuda
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
-    ),
 ]
 
 ENV = ("DLAD_CUDLA_LIB", "DLAD_NVSCIBUF_LIB", "DLAD_NVSCISYNC_LIB")
@@ -69,9 +67,9 @@ default_deadline_ms = 60000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
 cheap_requests_per_s = 100000.0  # the tests poll STATUS
-data_plane = "native"
 [pre_post]
-enabled = false
+enabled = {pre_post}
+backend = "cpu"
 [metrics]
 heartbeat_s = 0.05
 live_timeout_s = 5.0
@@ -110,9 +108,10 @@ def on_fake(fake: FakeLib, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> F
 
 
 def _daemon(tmp_path: Path, *, backend: str = "cudla", devices: str = '["dla0", "dla1"]',
-            extra: str = "") -> Daemon:  # fmt: skip
+            extra: str = "", pre_post: bool = False) -> Daemon:  # fmt: skip
     cfg = tmp_path / "dlad.toml"
-    cfg.write_text(CONFIG.format(backend=backend, devices=devices) + extra)
+    text = CONFIG.format(backend=backend, devices=devices, pre_post=str(pre_post).lower())
+    cfg.write_text(text + extra)
     return Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
 
 
@@ -228,10 +227,8 @@ def test_a_refused_submission_is_device_failed(on_fake: FakeLib, tmp_path: Path)
     [
         (lambda f: f.fail_next("cudlaCreateDevice", 8), "devices.dla0.backend",
          "cudlaCreateDevice"),
-        (lambda f: f.option("deterministic_only", 1), "devices.dla0.backend",
-         "syncpoint fences"),
     ],
-    ids=["no-device", "deterministic-semaphores"],
+    ids=["no-device"],
 )  # fmt: skip
 def test_a_core_the_plane_cannot_drive_is_refused_at_start(
     on_fake: FakeLib, tmp_path: Path, setup: Any, key: str, words: str
@@ -243,6 +240,36 @@ def test_a_core_the_plane_cannot_drive_is_refused_at_start(
     assert err.value.key == key
     assert words in str(err.value)
     assert daemon.frontend.plane is None  # nothing left running; the fixture: nothing alive
+
+
+def test_a_core_with_deterministic_semaphores_only_serves_as_a_python_engine(
+    on_fake: FakeLib, tmp_path: Path
+) -> None:
+    """An older cuDLA that refuses syncpoint fences: the plane cannot wait on its EOF fences,
+    so the core serves as a Python engine (its executor's fences), saying so in the log."""
+    on_fake.option("deterministic_only", 1)
+    with capture_logs() as logs, _serving(tmp_path, devices='["dla0"]') as (daemon, sock):
+        sock.send_multipart(_infer(1))
+        r = _reply(sock)
+        assert (r.status, r.device) == (Status.OK, "dla0"), r.message
+        assert "dla0" in daemon.executors  # the Python engine's executor
+    (warned,) = [e for e in logs if e["event"] == "cudla_python_engine"]
+    assert "deterministic semaphores" in warned["reason"]
+
+
+def test_a_core_whose_pre_post_runs_on_the_cpu_serves_as_a_python_engine(
+    on_fake: FakeLib, tmp_path: Path
+) -> None:
+    """Pre/post-processing on, no GPU: the plane's own cuDLA engine would answer without
+    detections, so the core serves as a Python engine that pre- and post-processes each frame
+    around its task."""
+    with _serving(tmp_path, devices='["dla0"]', pre_post=True) as (daemon, sock):
+        sock.send_multipart(_infer(1))
+        r = _reply(sock)
+        assert (r.status, r.device) == (Status.OK, "dla0"), r.message
+        assert r.timing.pre_us > 0 or r.timing.post_us > 0  # the frame was processed around it
+        assert "dla0" in daemon.executors
+        assert len(_tasks(on_fake)) == 2  # the warm-up, the frame
 
 
 def test_auto_where_cudla_does_not_load_serves_the_emulated_core_on_the_plane(

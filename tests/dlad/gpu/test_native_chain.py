@@ -1,9 +1,9 @@
-"""The native plane's GPU chain on a real GPU: a daemon on ``data_plane = "native"`` with CUDA
-pre/post answers each frame, sent in the message or in shared memory, with the detections the
-Python data plane gives the same frame (the same kernels, settings and geometry; the emulated
-core in timing mode writes the same pattern into its heads in both planes, EmulatedDlaCore's
-real-looking logits with a few boxes above the thresholds). tests/dlad/test_native_gpu.py holds
-the chain's steps to the driver's rules on a fake driver."""
+"""The native plane's GPU chain on a real GPU: a daemon with CUDA pre/post answers each frame,
+sent in the message or in shared memory, with the detections the numpy reference gives the same
+frame (pre/post-processing on the CPU, in a Python engine of the plane; the emulated core in
+timing mode writes the same pattern into its heads either way, EmulatedDlaCore's real-looking
+logits with a few boxes above the thresholds). tests/dlad/test_native_gpu.py holds the chain's
+steps to the driver's rules on a fake driver."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from dlad import native_scheduler, protocol
+from dlad import protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import Status
@@ -27,14 +27,12 @@ from tests.dlad.test_native_gpu import DAEMON
 pytestmark = [
     needs_gpu,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        not native_scheduler.available(), reason="dlad was installed without a C++ compiler"
-    ),
 ]
 
-# test_native_gpu's daemon on the fake driver, here on the GPU and either data plane
-CONFIG = DAEMON.replace('data_plane = "native"', 'data_plane = "{plane}"').replace(
-    "[pre_post]\nenabled = true", '[pre_post]\nenabled = true\nbackend = "cuda"'
+# test_native_gpu's daemon on the fake driver, here on the GPU (the plane's GPU chain) or with
+# pre/post-processing on the CPU (the numpy reference, in a Python engine)
+CONFIG = DAEMON.replace(
+    "[pre_post]\nenabled = true", '[pre_post]\nenabled = true\nbackend = "{plane}"'
 )
 
 # shape, format, conf, iou, max_det
@@ -78,9 +76,9 @@ def _detections(tmp_path: Path, plane: str) -> list[npt.NDArray[np.float32]]:
     return out
 
 
-def test_the_native_plane_gives_the_python_planes_detections(tmp_path: Path) -> None:
-    python = _detections(tmp_path, "python")
-    native = _detections(tmp_path, "native")
+def test_the_gpu_chain_gives_the_numpy_references_detections(tmp_path: Path) -> None:
+    python = _detections(tmp_path, "cpu")
+    native = _detections(tmp_path, "cuda")
     assert sum(len(d) for d in python) > 0  # the comparison has boxes to compare
     for i, (p, n) in enumerate(zip(python, native, strict=True)):
         np.testing.assert_array_equal(n, p, err_msg=f"frame {i}")
