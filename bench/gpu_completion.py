@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_throughput import Threads, read_threads, thread_report
 from gpu_prepost import open_gpu
+from waiter import Waiter  # bench/, beside this script
 
 from dlad.gpu.driver import GpuContext, _check, _driver
-from dlad.waiter import Waiter
 
 WORK_BYTES = 64 << 20
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

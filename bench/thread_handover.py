@@ -12,8 +12,7 @@ import statistics
 import time
 
 import anyio
-
-from dlad.waiter import Waiter
+from waiter import Waiter  # bench/, beside this script
 
 
 def _noop() -> int:
