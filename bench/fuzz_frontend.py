@@ -2,6 +2,7 @@
 client beside them (docs/reliability.md, "Fuzzing the frontend").
 
     python bench/fuzz_frontend.py [--messages 1000000] [--procs 1] [--seed 1] [--out F.json]
+                                  [--tree DIR [--sanitizers]]
 
 Starts one daemon (the emulated Orin's three engines in timing mode, ``max_message_bytes`` 1
 MiB so that oversize mutations stay cheap), then ``--procs`` processes each send their share of
@@ -10,6 +11,12 @@ sends a real 640x480 INFER and a STATUS ten times a second and checks every answ
 RSS is sampled every half second. Exits 1 unless the daemon is alive at the end, answered every
 fuzz message exactly once (each reply decodable), and answered every well-behaved request (OK,
 or a typed refusal such as OVERLOADED when the fuzzer's valid INFERs fill the queues).
+
+``--tree DIR``: the daemon of that checkout. ``--sanitizers``: its C++ core was built with
+AddressSanitizer and UndefinedBehaviorSanitizer (``CFLAGS`` and ``LDFLAGS``
+``-fsanitize=address,undefined -fno-sanitize-recover=all``, then ``python setup.py build_ext
+--inplace`` there); the daemon runs with their runtimes preloaded, any report fatal, so a
+finding ends it and the campaign fails with the report in the daemon's log.
 """
 
 from __future__ import annotations
@@ -55,6 +62,19 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+def sanitizer_env() -> dict[str, str]:
+    """What a Python process needs to load a core built with ASan and UBSan: their runtimes
+    first, leaks not counted (the interpreter keeps its objects at exit), every report fatal."""
+    libs = []
+    for name in ("libasan.so", "libubsan.so"):
+        found = subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True,
+                               text=True, check=True).stdout.strip()  # fmt: skip
+        libs.append(os.path.realpath(found))
+    return {"LD_PRELOAD": ":".join(libs),
+            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
+            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}  # fmt: skip
+
+
 def fuzz(args: tuple[str, int, int]) -> CampaignResult:
     endpoint, count, seed = args
     return campaign(endpoint, count, seed=seed, max_message_bytes=MAX_MESSAGE_BYTES)
@@ -66,13 +86,16 @@ def main() -> int:
     p.add_argument("--procs", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path)
+    p.add_argument("--tree", type=Path, help="the daemon of this checkout")
+    p.add_argument("--sanitizers", action="store_true", help="its core has ASan and UBSan")
     args = p.parse_args()
+    env = sanitizer_env() if args.sanitizers else None
     text = CONFIG.format(
         endpoint="{endpoint}", max_bytes=MAX_MESSAGE_BYTES, dlas=emulated_dlas(3820.0),
         model=demo_model(["dla0", "dla1", "gpu"]),
     )  # fmt: skip
     log_path = Path(tempfile.mkdtemp(prefix="dlad-fuzz-")) / "daemon.log"
-    with running_daemon(text, log_path) as (daemon, endpoint):
+    with running_daemon(text, log_path, tree=args.tree, env=env) as (daemon, endpoint):
         summary = campaign_against(daemon, endpoint, args)
     summary["exit_code"] = daemon.returncode
     print(json.dumps(summary, indent=2))

@@ -39,21 +39,26 @@ def demo_model(devices: list[str]) -> str:
 
 @contextmanager
 def running_daemon(
-    config: str, log_path: Path, *, start_timeout_s: float = 60.0, tree: Path | None = None
+    config: str,
+    log_path: Path,
+    *,
+    start_timeout_s: float = 60.0,
+    tree: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """Run ``dlad`` on ``config`` (TOML text whose ``{endpoint}`` is filled with an ipc
     endpoint in a fresh directory), its output in ``log_path``; ``tree``: the dlad of that
-    checkout instead of this one (a baseline). Yields the process and the endpoint once it logs
-    ``listening``; terminates it on the way out. Exits (SystemExit, with the log's tail) if it
-    does not start."""
+    checkout instead of this one (a baseline, or a build with sanitizers); ``env``: more
+    environment. Yields the process and the endpoint once it logs ``listening``; terminates it
+    on the way out. Exits (SystemExit, with the log's tail) if it does not start."""
     tmp = Path(tempfile.mkdtemp(prefix="dlad-bench-"))
     endpoint = f"ipc://{tmp}/dlad.sock"
     (tmp / "dlad.toml").write_text(config.replace("{endpoint}", endpoint))
     with log_path.open("w") as log:
-        env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
+        more = {} if tree is None else {"PYTHONPATH": str(tree.resolve())}
         proc = subprocess.Popen(
             [sys.executable, "-m", "dlad.cli", "--config", str(tmp / "dlad.toml")],
-            stdout=log, stderr=log, env=env, cwd=tree,
+            stdout=log, stderr=log, env={**os.environ, **more, **(env or {})}, cwd=tree,
         )  # fmt: skip
     try:
         deadline = time.monotonic() + start_timeout_s
