@@ -1,7 +1,7 @@
 """One model on two emulated DLA cores and the real H200 GPU at once, through the SDK
 (docs/BENCHMARKS.md §7.3). Run on the device machine by ``bench/h200_pool.sh``.
 
-    python3 bench/h200_pool.py [--out DIR] [--dla-us 3820]
+    python3 bench/h200_pool.py [--out DIR] [--dla-us 3820] [--policy latency|throughput]
 
 1. Exports the bundled demo model's torch program here (``prep.torch_export``; a ``.pt2`` is read
    by the torch that wrote it).
@@ -39,6 +39,8 @@ sndhwm = 4000
 rcvhwm = 4000
 [pre_post]
 threads = 8
+[scheduler]
+policy = "{policy}"
 {dlas}[devices.gpu]
 kind = "gpu"
 engine = "torch"
@@ -51,6 +53,7 @@ max_batch = 16
 def run_set(out: Path, name: str, devices: list[str], program: Path, args: argparse.Namespace):
     text = CONFIG.format(
         endpoint="{endpoint}", dlas=emulated_dlas(args.dla_us), program=program,
+        policy=args.policy,
         model=demo_model(devices),
     )  # fmt: skip
     with running_daemon(text, out / f"{name}.daemon.log", start_timeout_s=120) as (_, endpoint):
@@ -72,6 +75,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")) / "pool")
     p.add_argument("--dla-us", type=float, default=3820.0)
+    p.add_argument("--policy", choices=["latency", "throughput"], default="latency",
+                   help="[scheduler] policy of every daemon")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
