@@ -2,7 +2,7 @@
 # Download, here, the wheels the H200 machine lacks (Python 3.12, x86_64) for
 # `bench/h200_prep_full.sh` and `bench/h200_gpu.sh`, into .whl/ (ignored by git; carried to the
 # device with carry=[".whl"]).
-# The daemon needs pyzmq, structlog and uvloop, which the device image lacks (it has msgpack, anyio,
+# The daemon needs pyzmq, structlog, uvloop and msgspec, which the device image lacks (it has msgpack, anyio,
 # onnx, onnxruntime, prometheus-client and rich). modelopt imports omegaconf (-> antlr4 4.9.x,
 # sdist only: built into a wheel here), pulp and pydantic eagerly; onnx-graphsurgeon and
 # faster-coco-eval are not in the device image. py-spy profiles the daemon there
@@ -18,6 +18,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     pyzmq==27.3.0 structlog==26.1.0 uvloop==0.23.0 \
     nvidia-modelopt==0.47.0 onnx-graphsurgeon==0.6.1 faster-coco-eval==1.8.0 omegaconf==2.3.0 \
     pulp==3.3.2 pydantic pydantic-core annotated-types typing-inspection py-spy==0.4.3 \
-    pybind11==3.1.0
+    pybind11==3.1.0 msgspec==0.23.0
 python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 ls -la .whl

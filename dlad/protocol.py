@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import (
     TYPE_CHECKING,
+    Annotated,
     Any,
     ClassVar,
     Final,
@@ -54,14 +55,14 @@ from typing import (
 )
 
 import msgpack
+import msgspec
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 
 from dlad.errors import DladError, ProtocolError, Status
 
 if TYPE_CHECKING:
-    from typing import NotRequired  # annotations only (3.11+); the daemon runs on 3.10 too
-
     import zmq
 
 __all__ = [
@@ -313,31 +314,6 @@ def _keys(
     for key in required:
         if key not in m:
             _fail(prefix + key, "missing required field")
-
-
-_Check: TypeAlias = Callable[[object, str], Any]
-
-
-def _record(
-    value: object, path: str, spec: Mapping[str, _Check], optional: Mapping[str, _Check] = {}
-) -> dict[str, Any]:
-    """A STATUS report's map: every field of ``spec`` and any of ``optional`` (added with newer
-    daemons: a report without them is taken), each checked. Fields it does not know are left
-    out, not refused: a newer daemon's report stays readable (docs/protocol.md §10)."""
-    m = _map(value, path)
-    _keys({k: v for k, v in m.items() if k in spec or k in optional}, path + ".", spec, optional)
-    checked = {key: check(m[key], f"{path}.{key}") for key, check in spec.items()}
-    checked.update((k, check(m[k], f"{path}.{k}")) for k, check in optional.items() if k in m)
-    return checked
-
-
-def _list_of(check: _Check, max_len: int) -> _Check:
-    def checked(value: object, path: str) -> list[Any]:
-        if not isinstance(value, list) or len(value) > max_len:
-            _fail(path, f"must be an array of at most {max_len} items")
-        return [check(item, f"{path}[{i}]") for i, item in enumerate(value)]
-
-    return checked
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -698,164 +674,124 @@ class CancelReply:
         _reply_envelope(self, self.id, self.status, self.message)
 
 
-class DeviceStatus(TypedDict):
+# The STATUS report, declared once: these types are what the daemon builds (dlad/daemon.py),
+# what a client's decoder checks (msgspec validates each field's type and bounds; fields a newer
+# daemon adds are left out, not refused: docs/protocol.md §10) and what docs/protocol.md lists.
+_PRINTABLE: Final = r"^[^\x00-\x1f\x7f]+$"  # no control character
+_Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS, pattern=_PRINTABLE)]
+_Count = Annotated[int, Meta(ge=0, le=_I64_MAX)]
+_Rate = Annotated[float, Meta(ge=0.0, le=1e12)]
+_Side = Annotated[int, Meta(ge=1, le=MAX_IMAGE_SIDE)]
+
+
+class _DeviceAdded(TypedDict, total=False):
+    """A device's fields added with engine health: absent from the reports of older daemons."""
+
+    state: Literal["warming", "serving", "quarantined", "failed"]  # placed: serving
+    reason: Annotated[str, Meta(max_length=MAX_MESSAGE_CHARS)]  # why it is not serving, or not
+    # healthy ("" when it is both)
+
+
+class DeviceStatus(_DeviceAdded):
     """One accelerator as the scheduler sees it."""
 
-    name: str  # "dla0", "dla1", "gpu"
+    name: _Name  # "dla0", "dla1", "gpu"
     kind: Literal["dla", "gpu", "cpu"]
-    core: int | None  # DLA core index; None for other kinds
+    core: Annotated[int, Meta(ge=0, le=15)] | None  # DLA core index; None for other kinds
     healthy: bool  # False while warming up, after a failed warm-up, or 3+ failed tasks in a row
-    # Added with engine health; absent from the reports of older daemons:
-    state: NotRequired[Literal["warming", "serving", "quarantined", "failed"]]  # placed: serving
-    reason: NotRequired[str]  # why it is not serving, or not healthy ("" when it is both)
     busy: bool  # a task is executing now
-    in_flight: int  # submitted, not yet completed
-    queue_depth: int  # waiting for this device
-    completed: int  # since start
-    failed: int  # since start
-    service_time_us: float  # current estimate used for placement (at batch 1)
-    max_batch: int  # the most jobs it runs at once (1: a DLA core)
-    batches: list[int]  # [i]: batches of i + 1 jobs it ran since start (len == max_batch)
+    in_flight: _Count  # submitted, not yet completed
+    queue_depth: _Count  # waiting for this device
+    completed: _Count  # since start
+    failed: _Count  # since start
+    service_time_us: _Rate  # current estimate used for placement (at batch 1)
+    max_batch: Annotated[int, Meta(ge=1, le=MAX_BATCH)]  # the most jobs it runs at once
+    batches: Annotated[list[_Count], Meta(max_length=MAX_BATCH)]  # [i]: batches of i + 1 jobs
+    # it ran since start (len == max_batch)
 
 
 class ModelStatus(TypedDict):
     """One servable model and the devices holding it."""
 
-    name: str
-    devices: list[str]
-    input_height: int
-    input_width: int
-    classes: int
+    name: _Name
+    devices: Annotated[list[_Name], Meta(max_length=64)]
+    input_height: _Side
+    input_width: _Side
+    classes: Annotated[int, Meta(ge=1, le=65_535)]
 
 
 class QueueStatus(TypedDict):
     """Admission queue: requests accepted and waiting for a device."""
 
-    depth: int
-    capacity: int
-    streams: int  # distinct stream ids among the waiting requests
-
-
-class DaemonStatus(TypedDict):
-    """The ``report`` of a STATUS reply: health, readiness and load."""
-
-    name: str  # this daemon's configured name (one per device in a fleet)
-    state: DaemonState
-    live: bool  # the event loop is turning
-    ready: bool  # every configured device is loaded and healthy; accepting INFER
-    version: str  # dlad version
-    protocol: int  # PROTOCOL_VERSION of the daemon
-    devices: list[DeviceStatus]
-    models: list[ModelStatus]
-    queues: QueueStatus
-    load: NotRequired[LoadStatus]  # present exactly when the STATUS request asked for it
-    limits: NotRequired[LimitsStatus]  # what one client may send (absent from older daemons)
+    depth: _Count
+    capacity: _Count
+    streams: _Count  # distinct stream ids among the waiting requests
 
 
 class LimitsStatus(TypedDict):
     """What the daemon accepts from one client (``report.limits``)."""
 
-    max_in_flight_per_client: int  # INFERs admitted and unanswered at once, per client
-    max_message_bytes: int  # the largest message answered (ZeroMQ drops those over twice it)
-    max_image_width: int
-    max_image_height: int
-    cheap_requests_per_s: float  # STATUS and CANCEL, per client (bursts of twice as many)
+    max_in_flight_per_client: _Count  # INFERs admitted and unanswered at once, per client
+    max_message_bytes: _Count  # the largest message answered (ZeroMQ drops those over twice it)
+    max_image_width: _Side
+    max_image_height: _Side
+    cheap_requests_per_s: _Rate  # STATUS and CANCEL, per client (bursts of twice as many)
 
 
 class DeviceLoad(TypedDict):
     """One device's recent load, over :class:`LoadStatus` ``window_s``."""
 
-    name: str
-    busy_ratio: float  # fraction of the window the device was executing, 0 ... 1
-    rate_hz: float  # INFERs it answered OK, per second
-    p99_us: float  # 99th percentile receipt → reply of those, µs (0 when there were none)
+    name: _Name
+    busy_ratio: Annotated[float, Meta(ge=0.0, le=1.0)]  # fraction of the window it executed
+    rate_hz: _Rate  # INFERs it answered OK, per second
+    p99_us: _Rate  # 99th percentile receipt → reply of those, µs (0 when there were none)
 
 
 class LoadStatus(TypedDict):
     """The daemon's recent load (``report.load``; only when the STATUS request sets ``load``)."""
 
-    window_s: float  # the span the figures cover (shorter just after start)
-    rate_hz: float  # INFER replies per second, every status
-    ok_rate_hz: float  # OK replies per second
-    p50_us: float  # median receipt → reply of OK replies, µs (0 when there were none)
-    p99_us: float  # 99th percentile of the same
-    devices: list[DeviceLoad]
+    window_s: _Rate  # the span the figures cover (shorter just after start)
+    rate_hz: _Rate  # INFER replies per second, every status
+    ok_rate_hz: _Rate  # OK replies per second
+    p50_us: _Rate  # median receipt → reply of OK replies, µs (0 when there were none)
+    p99_us: _Rate  # 99th percentile of the same
+    devices: Annotated[list[DeviceLoad], Meta(max_length=64)]
 
 
-_DEVICE_SPEC: Final[Mapping[str, _Check]] = {
-    "name": _name,
-    "kind": lambda v, p: _choice(v, p, ("dla", "gpu", "cpu")),
-    "core": lambda v, p: _opt_int(v, p, 0, 15),
-    "healthy": _bool,
-    "busy": _bool,
-    "in_flight": _count,
-    "queue_depth": _count,
-    "completed": _count,
-    "failed": _count,
-    "service_time_us": lambda v, p: _float(v, p, 0.0, 1e12, lo_open=False, hi_open=False),
-    "max_batch": lambda v, p: _int(v, p, 1, MAX_BATCH),
-    "batches": _list_of(_count, MAX_BATCH),
-}
-_DEVICE_ADDED: Final[Mapping[str, _Check]] = {  # absent from the reports of older daemons
-    "state": lambda v, p: _choice(v, p, ("warming", "serving", "quarantined", "failed")),
-    "reason": _text,
-}
-_MODEL_SPEC: Final[Mapping[str, _Check]] = {
-    "name": _name,
-    "devices": _list_of(_name, 64),
-    "input_height": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
-    "input_width": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
-    "classes": lambda v, p: _int(v, p, 1, 65_535),
-}
-_QUEUE_SPEC: Final[Mapping[str, _Check]] = {"depth": _count, "capacity": _count, "streams": _count}
-_REPORT_SPEC: Final[Mapping[str, _Check]] = {
-    "name": _name,
-    "state": lambda v, p: _choice(v, p, ("RUNNING", "DRAINING", "STOPPED")),
-    "live": _bool,
-    "ready": _bool,
-    "version": _name,
-    "protocol": lambda v, p: _int(v, p, 1, 255),
-    "devices": _list_of(lambda v, p: _record(v, p, _DEVICE_SPEC, _DEVICE_ADDED), 64),
-    "models": _list_of(lambda v, p: _record(v, p, _MODEL_SPEC), 256),
-    "queues": lambda v, p: _record(v, p, _QUEUE_SPEC),
-}
-_RATE: Final[_Check] = lambda v, p: _float(v, p, 0.0, 1e12, lo_open=False, hi_open=False)  # noqa: E731
-_DEVICE_LOAD_SPEC: Final[Mapping[str, _Check]] = {
-    "name": _name,
-    "busy_ratio": lambda v, p: _float(v, p, 0.0, 1.0, lo_open=False, hi_open=False),
-    "rate_hz": _RATE,
-    "p99_us": _RATE,
-}
-_LOAD_SPEC: Final[Mapping[str, _Check]] = {
-    "window_s": _RATE,
-    "rate_hz": _RATE,
-    "ok_rate_hz": _RATE,
-    "p50_us": _RATE,
-    "p99_us": _RATE,
-    "devices": _list_of(lambda v, p: _record(v, p, _DEVICE_LOAD_SPEC), 64),
-}
+class _DaemonOptional(TypedDict, total=False):
+    load: LoadStatus  # present exactly when the STATUS request asked for it
+    limits: LimitsStatus  # what one client may send (absent from older daemons)
 
 
-_LIMITS_SPEC: Final[Mapping[str, _Check]] = {
-    "max_in_flight_per_client": _count,
-    "max_message_bytes": _count,
-    "max_image_width": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
-    "max_image_height": lambda v, p: _int(v, p, 1, MAX_IMAGE_SIDE),
-    "cheap_requests_per_s": _RATE,
-}
+class DaemonStatus(_DaemonOptional):
+    """The ``report`` of a STATUS reply: health, readiness and load."""
+
+    name: _Name  # this daemon's configured name (one per device in a fleet)
+    state: DaemonState
+    live: bool  # the event loop is turning
+    ready: bool  # every configured device is loaded and healthy; accepting INFER
+    version: _Name  # dlad version
+    protocol: Annotated[int, Meta(ge=1, le=255)]  # PROTOCOL_VERSION of the daemon
+    devices: Annotated[list[DeviceStatus], Meta(max_length=64)]
+    models: Annotated[list[ModelStatus], Meta(max_length=256)]
+    queues: QueueStatus
 
 
-def _report(value: object, path: str) -> dict[str, Any]:
-    """A STATUS report: every field of ``_REPORT_SPEC``, and ``load`` and ``limits`` if
-    present (optional)."""
-    m = _map(value, path)
-    extra = ("load", "limits")
-    report = _record({k: v for k, v in m.items() if k not in extra}, path, _REPORT_SPEC)
-    if "load" in m:
-        report["load"] = _record(m["load"], f"{path}.load", _LOAD_SPEC)
-    if "limits" in m:
-        report["limits"] = _record(m["limits"], f"{path}.limits", _LIMITS_SPEC)
-    return report
+_MISSING: Final = re.compile(r"Object missing required field `(.+)`")
+
+
+def _report(value: object, path: str) -> DaemonStatus:
+    """A STATUS report checked against :class:`DaemonStatus` (a copy without the fields it
+    does not know). Raises ProtocolError naming the first field that is wrong."""
+    _map(value, path)
+    try:
+        return msgspec.convert(value, DaemonStatus)
+    except msgspec.ValidationError as exc:
+        what, _, at = str(exc).partition(" - at `$")
+        missing = _MISSING.fullmatch(what)
+        field = path + at.rstrip("`") + (f".{missing[1]}" if missing else "")
+        reason = "missing required field" if missing else what[:1].lower() + what[1:]
+        _fail(field, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -872,7 +808,7 @@ class StatusReply:
     def __post_init__(self) -> None:
         _reply_envelope(self, self.id, self.status, self.message)
         if self.status == Status.OK:
-            _set(self, "report", cast("DaemonStatus", _report(self.report, "report")))
+            _set(self, "report", _report(self.report, "report"))
         elif self.report is not None:
             _fail("report", "must be nil when status is not OK")
 

@@ -491,7 +491,7 @@ def test_status_report_is_strict() -> None:
     frames = encode(StatusReply(8, Status.OK, report=report))
     header = _header(frames)
     header["report"]["devices"][1]["busy"] = 1
-    with pytest.raises(ProtocolError, match=r"^report\.devices\[1\]\.busy: must be a bool"):
+    with pytest.raises(ProtocolError, match=r"^report\.devices\[1\]\.busy: expected `bool`"):
         decode_reply([_pack(header)])
     header["report"]["devices"][1]["busy"] = False
     # A newer daemon's fields are left out, not refused (docs/protocol.md §10) ...
@@ -504,6 +504,14 @@ def test_status_report_is_strict() -> None:
     assert "power_w" not in decoded.report
     assert "temperature_c" not in decoded.report["devices"][0]
     assert "state" not in decoded.report["devices"][1]  # ... and an older one's absence taken
+    header["report"]["devices"][0]["name"] = "dla\x00"  # a name is printable
+    with pytest.raises(ProtocolError, match=r"^report\.devices\[0\]\.name: expected `str`"):
+        decode_reply([_pack(header)])
+    header["report"]["devices"][0]["name"] = "dla0"
+    header["report"]["devices"][0]["batches"] = [1] * (protocol.MAX_BATCH + 1)
+    with pytest.raises(ProtocolError, match=r"^report\.devices\[0\]\.batches: expected `array`"):
+        decode_reply([_pack(header)])
+    header["report"]["devices"][0]["batches"] = [10]
     del header["report"]["queues"]
     with pytest.raises(ProtocolError, match=r"^report\.queues: missing"):
         decode_reply([_pack(header)])
