@@ -66,16 +66,60 @@ if TYPE_CHECKING:
     import zmq
 
 __all__ = [
-    "CHANNELS", "DEFAULT_LIMITS", "MAX_BATCH", "MAX_BATCH_IMAGES", "MAX_DEADLINE_MS", "MAX_DET",
-    "MAX_IMAGE_SIDE", "MAX_MESSAGE_CHARS", "MAX_NAME_CHARS", "MAX_REPLY_DEPTH", "MAX_REQUEST_DEPTH",
-    "PRIORITY_MAX", "PRIORITY_MIN", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "CancelReply",
-    "CancelRequest", "DaemonState", "DaemonStatus", "DeviceLoad", "DeviceStatus", "ErrorReply",
-    "Frame", "FrameLike", "InferBatchReply", "InferBatchRequest", "InferReply", "InferRequest",
-    "Kind", "Limits", "LimitsStatus", "LoadStatus", "Message", "ModelStatus", "PixelFormat",
-    "QueueStatus", "Reply", "Request", "ShmRef", "ShmResolver", "StatusReply", "StatusRequest",
-    "Timing", "decode_reply", "decode_request", "encode", "encode_batch_reply", "encode_infer_ok",
-    "endpoint_error", "error_reply", "timing_fields",
-]  # fmt: skip
+    "CHANNELS",
+    "DEFAULT_LIMITS",
+    "IMAGE_FIELDS",
+    "MAX_BATCH",
+    "MAX_BATCH_IMAGES",
+    "MAX_DEADLINE_MS",
+    "MAX_DET",
+    "MAX_IMAGE_SIDE",
+    "MAX_MESSAGE_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_REPLY_DEPTH",
+    "MAX_REQUEST_DEPTH",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "PROTOCOL_VERSION",
+    "SHM_FIELDS",
+    "SUPPORTED_VERSIONS",
+    "CancelReply",
+    "CancelRequest",
+    "DaemonState",
+    "DaemonStatus",
+    "DeviceLoad",
+    "DeviceStatus",
+    "ErrorReply",
+    "Frame",
+    "FrameLike",
+    "InferBatchReply",
+    "InferBatchRequest",
+    "InferReply",
+    "InferRequest",
+    "Kind",
+    "Limits",
+    "LimitsStatus",
+    "LoadStatus",
+    "Message",
+    "ModelStatus",
+    "PixelFormat",
+    "QueueStatus",
+    "Reply",
+    "Request",
+    "ShmRef",
+    "ShmResolver",
+    "StatusReply",
+    "StatusRequest",
+    "Timing",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "encode_batch_reply",
+    "encode_infer_ok",
+    "endpoint_error",
+    "error_reply",
+    "timing_fields",
+]
 
 PROTOCOL_VERSION: Final = 1
 """The version this module writes in every header's ``v``."""
@@ -1142,6 +1186,10 @@ def _attach(exc: ProtocolError, rid: object, raw_kind: object) -> None:
 _KINDS: Final[Mapping[int, Kind]] = {int(k): k for k in Kind}  # a dict lookup, not Enum()
 _ENVELOPE: Final = ("v", "kind", "id")
 _REPLY_ENVELOPE: Final = (*_ENVELOPE, "status", "message")
+IMAGE_FIELDS: Final = ("height", "width", "format", "dtype")
+"""An INFER's ``image`` map: all of these, no other."""
+SHM_FIELDS: Final = ("name", "offset", "size")
+"""An INFER's ``shm`` map: all of these, no other."""
 _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     # kind: (required fields, optional fields); every other field is refused.
     Kind.INFER: ((*_ENVELOPE, "model", "image"),
@@ -1186,7 +1234,7 @@ def _image(  # noqa: PLR0917  # the hot path's one call per image: positional is
                   "this daemon takes no shared-memory frames ([shm] enabled = false), "
                   "or not from this connection (ipc:// and loopback tcp only)")  # fmt: skip
         raw = _map(raw_shm, f"{path}shm")
-        _keys(raw, f"{path}shm.", ("name", "offset", "size"))
+        _keys(raw, f"{path}shm.", SHM_FIELDS)
         ref = ShmRef(raw["name"], raw["offset"], raw["size"])
         payload = shm(ref, height * width * channels)
     if payload.nbytes != height * width * channels:
@@ -1212,7 +1260,7 @@ def _infer_request(
     h: dict[str, Any], payload: memoryview | None, limits: Limits, shm: ShmResolver | None
 ) -> InferRequest:
     img = _map(h["image"], "image")
-    _keys(img, "image.", ("height", "width", "format", "dtype"))
+    _keys(img, "image.", IMAGE_FIELDS)
     image, fmt, ref = _image(img, h.get("shm"), payload, limits, shm)
     return InferRequest._decoded(image, fmt, _scalars(h, h.get("stream")), ref)
 
@@ -1231,7 +1279,7 @@ def _infer_batch(
     for i, item in enumerate(raw):
         path = f"images[{i}]."
         img = _map(item, f"images[{i}]")
-        _keys(img, path, ("height", "width", "format", "dtype"), ("stream", "shm"))
+        _keys(img, path, IMAGE_FIELDS, ("stream", "shm"))
         payload = None if "shm" in img else payloads[frame - 1]
         image, fmt, ref = _image(img, img.get("shm"), payload, limits, shm, path, frame)
         frame += payload is not None

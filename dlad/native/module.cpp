@@ -285,6 +285,11 @@ PYBIND11_MODULE(_native, m) {
         d["max_shm_name"] = w::kMaxShmName;
         d["limits"] = py::make_tuple(limits.max_message_bytes, limits.max_header_bytes,
                                      limits.max_width, limits.max_height, limits.max_image_pixels);
+        const w::InferKeys keys = w::infer_keys();
+        d["required"] = keys.required;
+        d["optional"] = keys.optional;
+        d["image"] = keys.image;
+        d["shm"] = keys.shm;
         return d;
     });
     m.def("read_infer", &read_infer, py::arg("header"), py::arg("frames"),

@@ -276,6 +276,16 @@ bool read_shm(Reader& r, ShmRef& out) {
 
 }  // namespace
 
+InferKeys infer_keys() {
+    InferKeys k;
+    for (size_t i = 0; i < kHeaderKeys.size(); ++i) {
+        ((kRequired >> i) & 1 ? k.required : k.optional).emplace_back(kHeaderKeys[i]);
+    }
+    k.image.assign(kImageKeys.begin(), kImageKeys.end());
+    k.shm.assign(kShmKeys.begin(), kShmKeys.end());
+    return k;
+}
+
 std::optional<Infer> read_infer(const uint8_t* header, size_t header_bytes, size_t frames,
                                 uint64_t payload_bytes, const Limits& limits, bool shm) {
     if (frames != 1 && frames != 2) return std::nullopt;

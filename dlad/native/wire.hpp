@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace dlad::wire {
 
@@ -81,6 +82,13 @@ struct Infer {
 // is the image's size when this returns.
 std::optional<Infer> read_infer(const uint8_t* header, size_t header_bytes, size_t frames,
                                 uint64_t payload_bytes, const Limits& limits, bool shm);
+
+// The field names the reader takes, for the test that holds them to dlad/protocol.py's one
+// declaration: the header's required and optional fields, the image map's, the shm map's.
+struct InferKeys {
+    std::vector<std::string> required, optional, image, shm;
+};
+InferKeys infer_keys();
 
 // An INFER_REPLY's ``timing`` map (protocol.timing_fields): µs, and the task's stamps or none.
 struct Timing {

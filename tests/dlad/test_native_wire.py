@@ -98,8 +98,8 @@ def check(frames: list[Any], limits: Limits = _SMALL) -> Any:
 
 
 def test_the_readers_constants_are_the_protocols() -> None:
-    """One declaration (dlad/protocol.py): the C++ reader's constants and default limits must
-    be the same numbers."""
+    """One declaration (dlad/protocol.py): the C++ reader's constants, default limits and the
+    field names it takes must be the protocol's."""
     from dlad import _native
 
     shm_name_chars = int(protocol._SHM_NAME.pattern.rsplit(",", 1)[1].rstrip("}")) + 1
@@ -114,6 +114,10 @@ def test_the_readers_constants_are_the_protocols() -> None:
         "max_shm_bytes": protocol.MAX_SHM_BYTES,
         "max_shm_name": shm_name_chars,
         "limits": _limits(protocol.DEFAULT_LIMITS),
+        "required": list(protocol._HEADER_FIELDS[protocol.Kind.INFER][0]),
+        "optional": list(protocol._HEADER_FIELDS[protocol.Kind.INFER][1]),
+        "image": list(protocol.IMAGE_FIELDS),
+        "shm": list(protocol.SHM_FIELDS),
     }
 
 
