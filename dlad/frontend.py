@@ -46,7 +46,6 @@ from dlad.errors import (
     DladError,
     InternalError,
     NotFound,
-    Overloaded,
     StartupError,
     Status,
     error_for,
@@ -66,13 +65,10 @@ from dlad.native_plane import (
 )
 from dlad.shm import SharedFrames
 
-__all__ = ["MAX_CLIENTS_TRACKED", "Counters", "Frontend"]
+__all__ = ["Counters", "Frontend"]
 
 _NO_DETECTIONS = np.zeros((0, 6), np.float32)
 _NO_DETECTIONS.flags.writeable = False
-
-MAX_CLIENTS_TRACKED = 10_000
-"""Clients whose cheap-request rate is tracked at once (more: the oldest are forgotten)."""
 
 log = structlog.get_logger("dlad")
 
@@ -168,7 +164,6 @@ class Frontend:
         self._models = {m.name: m for m in config.models}
         self._curve = curve  # (server secret key file, client keys directory), or None
         self._drop_logged = -1.0
-        self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, when)
         self._gate: Gate | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._refusal_logged = -1.0
@@ -278,6 +273,7 @@ class Frontend:
                 dram_contention=c.soc.dram_contention,
                 health=Health(c.health.quarantine_after, c.health.retry, c.health.probe_after_s,
                               c.health.probe_max_s),
+                cheap_requests_per_s=c.frontend.cheap_requests_per_s,
             )  # fmt: skip
         except (PlaneUnavailable, ValueError) as exc:
             raise StartupError(f"the native data plane cannot run: {exc}",
@@ -537,20 +533,6 @@ class Frontend:
             self.shm.unmap(owner, name)
         self.shm.reclaim()
 
-    def _spend_token(self, owner: str) -> None:
-        """Take one of ``owner``'s cheap-request tokens (``cheap_requests_per_s``, bursts of
-        twice that), or raise Overloaded."""
-        rate = self.config.frontend.cheap_requests_per_s
-        now = time.monotonic()
-        tokens, when = self._buckets.get(owner, (2 * rate, now))
-        tokens = min(2 * rate, tokens + (now - when) * rate)
-        if tokens < 1:
-            self._buckets[owner] = (tokens, now)
-            raise Overloaded(f"more than {rate:g} STATUS and CANCEL requests a second")
-        if len(self._buckets) >= MAX_CLIENTS_TRACKED and owner not in self._buckets:
-            self._buckets.clear()  # forgetting buckets only ever refills them
-        self._buckets[owner] = (tokens - 1, now)
-
     async def _reply_safely(self, client: bytes, reply: Any) -> None:
         try:
             await self._send(client, reply)
@@ -564,7 +546,8 @@ class Frontend:
         if isinstance(request, protocol.InferBatchRequest):
             await self._infer_batch(client, owner, request)
             return
-        self._spend_token(owner)  # STATUS and CANCEL: cheap, so rate-limited per client
+        # STATUS and CANCEL: the plane has taken this one from its client's rate (past it, the
+        # plane answered OVERLOADED itself: a flood never queues here)
         if isinstance(request, protocol.CancelRequest):
             await self._cancel(client, request)
         else:

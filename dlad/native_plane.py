@@ -449,6 +449,7 @@ class NativePlane:
         cudla: CudlaFunctions | None = None,
         dram_contention: float = 0.0,
         health: Health = Health(),
+        cheap_requests_per_s: float = 100.0,
     ) -> None:
         if _CORE is None:
             raise PlaneUnavailable(missing_core())
@@ -483,6 +484,7 @@ class NativePlane:
                 None if cudla is None else dataclasses.astuple(cudla), float(dram_contention),
                 dict(ORIN_DRAM_K), (health.quarantine_after, health.retry,
                                     float(health.probe_after_s), float(health.probe_max_s)),
+                float(cheap_requests_per_s),
             )  # fmt: skip
         except (RuntimeError, ValueError):
             self._close_pair()

@@ -218,8 +218,9 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
     const std::optional<CudaTuple>& cuda, const std::optional<CudlaApiTuple>& cudla,
     double dram_contention, const std::map<std::pair<std::string, std::string>, double>& dram_k,
-    const std::tuple<int64_t, bool, double, double>& health) {
+    const std::tuple<int64_t, bool, double, double>& health, double cheap_requests_per_s) {
     dlad::plane::Config c;
+    c.cheap_requests_per_s = cheap_requests_per_s;
     c.limits = limits_of(limits);
     const auto& [quarantine_after, retry, probe_after_s, probe_max_s] = health;
     c.health = {quarantine_after, retry, probe_after_s, probe_max_s};
@@ -312,7 +313,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
              py::arg("curve"), py::arg("cuda"), py::arg("cudla"), py::arg("dram_contention"),
-             py::arg("dram_k"), py::arg("health"))
+             py::arg("dram_k"), py::arg("health"), py::arg("cheap_requests_per_s"))
         .def("start", &dlad::plane::Plane::start)
         .def("close", &dlad::plane::Plane::close, py::call_guard<py::gil_scoped_release>())
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -546,8 +547,36 @@ void Plane::handle(std::vector<Part>& parts) {
             infer(parts, *req);
             return;
         }
+        const auto cheap = wire::read_cheap(parts[1].data(), parts[1].size(), frames);
+        if (cheap && cheap_refused(parts, *cheap)) return;
     }
     forward(parts);
+}
+
+bool Plane::cheap_refused(std::vector<Part>& parts, const wire::Cheap& request) {
+    constexpr size_t kMaxClientsTracked = 10'000;  // more: every bucket is forgotten (refilled)
+    const double rate = config_.cheap_requests_per_s;
+    std::string owner = config_.curve ? property(parts, "User-Id") : "";
+    const std::string client(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
+    if (owner.empty()) owner = hex(client);
+    const int64_t now = now_ns();
+    auto it = buckets_.find(owner);
+    double tokens = 2 * rate;
+    if (it != buckets_.end()) {
+        const double refill = static_cast<double>(now - it->second.second) / 1e9 * rate;
+        tokens = std::min(2 * rate, it->second.first + refill);
+    }
+    if (tokens >= 1) {
+        if (it == buckets_.end() && buckets_.size() >= kMaxClientsTracked) buckets_.clear();
+        buckets_[owner] = {tokens - 1, now};
+        return false;
+    }
+    buckets_[owner] = {tokens, now};
+    char words[96];
+    std::snprintf(words, sizeof words, "more than %g STATUS and CANCEL requests a second", rate);
+    send_reply(client, wire::write_cheap_reply(request, OVERLOADED, words), nullptr, 0, OVERLOADED,
+               /*payload_frame=*/false);
+    return true;
 }
 
 void Plane::forward(std::vector<Part>& parts) {
@@ -1219,7 +1248,7 @@ void Plane::send_outbox() {
 }
 
 void Plane::send_reply(const std::string& client, const std::string& header, const void* payload,
-                       size_t payload_bytes, int64_t status) {
+                       size_t payload_bytes, int64_t status, bool payload_frame) {
     // ROUTER_MANDATORY (set by the frontend): a reply that cannot be queued fails here instead
     // of vanishing, and is counted
     // Counted before it leaves: whoever has the reply sees it counted.
@@ -1229,9 +1258,11 @@ void Plane::send_reply(const std::string& client, const std::string& header, con
         ++counters_.by_status[status_name(status)];
     }
     static const char none = 0;
-    const bool ok = api_.send(router_, client.data(), client.size(), kDontWait | kSndMore) >= 0 &&
-                    api_.send(router_, header.data(), header.size(), kDontWait | kSndMore) >= 0 &&
-                    api_.send(router_, payload ? payload : &none, payload_bytes, kDontWait) >= 0;
+    const int last = payload_frame ? kSndMore : 0;
+    const bool ok =
+        api_.send(router_, client.data(), client.size(), kDontWait | kSndMore) >= 0 &&
+        api_.send(router_, header.data(), header.size(), kDontWait | last) >= 0 &&
+        (!payload_frame || api_.send(router_, payload ? payload : &none, payload_bytes, kDontWait) >= 0);
     if (!ok) {
         std::lock_guard<std::mutex> lock(mu_);
         ++counters_.dropped;

@@ -152,6 +152,7 @@ struct Config {
     double alpha = 0.2;
     bool shm = false;  // [shm] enabled: INFERs naming a segment the control plane registered
     bool curve = false;  // [auth] mode = "curve": a client is its key (User-Id), not its connection
+    double cheap_requests_per_s = 100;  // [frontend]: a client's STATUS and CANCEL, bursts of 2x
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
     CudaApi cuda{};  // the driver's functions, where a device has GPU pre/post
     CudlaApi cudla{};  // cuDLA's and NvSciSync's, where a device is a cuDLA core
@@ -391,7 +392,10 @@ class Plane {
     void take_completions();
     void send_outbox();
     void send_reply(const std::string& client, const std::string& header, const void* payload,
-                    size_t payload_bytes, int64_t status);
+                    size_t payload_bytes, int64_t status, bool payload_frame = true);
+    // A client's STATUS or CANCEL past its rate (Config::cheap_requests_per_s): answered
+    // OVERLOADED here, so that no client's flood fills the control plane's queue
+    bool cheap_refused(std::vector<Part>& parts, const wire::Cheap& request);
     long poll_timeout(int64_t now) const;
 
     ZmqApi api_;
@@ -409,6 +413,8 @@ class Plane {
     std::map<std::string, std::string> last_failure_;
     std::optional<int64_t> batch_wake_ns_;  // when a partial batch waiting for more is due
     std::map<std::string, Watch> watches_;   // device -> its health
+    std::unordered_map<std::string, std::pair<double, int64_t>> buckets_;  // owner -> (its
+                                                                           // tokens, when)
     std::map<std::string, int64_t> engine_free_ns_;  // a batching engine: when its batches on
                                                      // it are expected to have left (0: idle)
     std::map<std::string, double> pre_ns_;   // a batching engine: a batch's pre-processing

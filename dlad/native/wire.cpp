@@ -31,6 +31,12 @@ class Reader {
         return true;
     }
 
+    bool boolean() {  // consumes a bool, if one is next
+        if (p_ == end_ || (*p_ != 0xc2 && *p_ != 0xc3)) return false;
+        ++p_;
+        return true;
+    }
+
     bool map(uint32_t& n) {
         if (p_ == end_) return false;
         const uint8_t t = *p_;
@@ -276,6 +282,36 @@ bool read_shm(Reader& r, ShmRef& out) {
 
 }  // namespace
 
+std::optional<Cheap> read_cheap(const uint8_t* header, size_t header_bytes, size_t frames) {
+    if (frames != 1) return std::nullopt;
+    Reader r(header, header_bytes);
+    uint32_t n = 0;
+    if (!r.map(n) || n < 3 || n > 4) return std::nullopt;
+    Cheap c;
+    uint32_t found = 0;  // v, kind, id, load
+    for (uint32_t i = 0; i < n; ++i) {
+        std::string_view key;
+        if (!r.str(key)) return std::nullopt;
+        Int v;
+        if (key == "v" && !(found & 1) && r.integer(v) && v.in(1, 1)) {
+            found |= 1;
+        } else if (key == "kind" && !(found & 2) && r.integer(v) &&
+                   (v.in(kCancel, kCancel) || v.in(kStatus, kStatus))) {
+            found |= 2;
+            c.kind = static_cast<int64_t>(v.value);
+        } else if (key == "id" && !(found & 4) && r.integer(v) && !v.negative) {
+            found |= 4;
+            c.id = v.value;
+        } else if (key == "load" && !(found & 8) && (r.nil() || r.boolean())) {
+            found |= 8;
+        } else {
+            return std::nullopt;
+        }
+    }
+    if ((found & 7) != 7 || !r.done() || ((found & 8) && c.kind != kStatus)) return std::nullopt;
+    return c;
+}
+
 InferKeys infer_keys() {
     InferKeys k;
     for (size_t i = 0; i < kHeaderKeys.size(); ++i) {
@@ -440,6 +476,25 @@ class Writer {
 };
 
 }  // namespace
+
+std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_view message) {
+    Writer w;
+    // protocol.encode's map: v kind id status message, and a STATUS_REPLY's report
+    const bool status_reply = request.kind == kStatus;
+    w.map(status_reply ? 6 : 5);
+    w.field("v", kProtocolVersion);
+    w.field("kind", static_cast<uint64_t>(request.kind | 0x80));
+    w.field("id", request.id);
+    w.str("status");
+    w.sint(status);
+    w.str("message");
+    w.str(message);
+    if (status_reply) {
+        w.str("report");
+        w.nil();
+    }
+    return w.take();
+}
 
 std::string write_infer_reply(uint64_t id, int64_t status, std::string_view message,
                               std::optional<std::string_view> device, const Timing& timing,

@@ -83,6 +83,19 @@ struct Infer {
 std::optional<Infer> read_infer(const uint8_t* header, size_t header_bytes, size_t frames,
                                 uint64_t payload_bytes, const Limits& limits, bool shm);
 
+// A STATUS or CANCEL request whose header holds only ``v``, ``kind``, ``id`` (and STATUS's
+// ``load``, nil or a bool), in one frame: what the plane's per-client rate limit needs. Anything
+// else, nullopt: the control plane decodes it (or refuses it, naming the field).
+constexpr int64_t kCancel = 0x02;  // protocol.Kind.CANCEL
+constexpr int64_t kStatus = 0x03;  // protocol.Kind.STATUS
+struct Cheap {
+    int64_t kind = 0;
+    uint64_t id = 0;
+};
+std::optional<Cheap> read_cheap(const uint8_t* header, size_t header_bytes, size_t frames);
+// The one-frame reply refusing it: a STATUS_REPLY (its report nil) or a CANCEL_REPLY.
+std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_view message);
+
 // The field names the reader takes, for the test that holds them to dlad/protocol.py's one
 // declaration: the header's required and optional fields, the image map's, the shm map's.
 struct InferKeys {

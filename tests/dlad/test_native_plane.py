@@ -394,7 +394,7 @@ def test_a_control_plane_that_falls_behind_loses_nothing(monkeypatch: pytest.Mon
     """With the forwarding pair full, the plane stops reading the socket until it has room
     (the clients' sockets push back): every message arrives, in order."""
     monkeypatch.setattr(native_plane, "_FORWARD_HWM", 2)
-    r = Rig([PlaneDevice("dla0", 500.0)])
+    r = Rig([PlaneDevice("dla0", 500.0)], cheap_requests_per_s=1e6)  # every STATUS forwarded
     try:
         n = 300
         for rid in range(n):
@@ -435,5 +435,36 @@ def test_cores_that_share_the_dram_stretch_each_others_tasks() -> None:
         assert min(spans) >= latency_us
         # K[dla, dla] = 0.043 at contention 1: a task beside the other core's is 4.3% longer
         assert max(spans) >= latency_us * 1.02
+    finally:
+        r.close()
+
+
+def test_a_client_past_its_status_rate_is_answered_by_the_plane() -> None:
+    """STATUS and CANCEL past a client's rate (bursts of twice it) are answered OVERLOADED by
+    the plane itself, in their own reply kinds, and never reach the control plane: a flood of
+    them cannot fill its queue. Another client keeps its own rate."""
+    # 0.5 a second, bursts of 1: the first STATUS takes the one token, the next would need 2 s
+    r = Rig([PlaneDevice("dla0", 500.0)], cheap_requests_per_s=0.5)
+    try:
+        for rid in range(3):
+            r.client.send_multipart(protocol.encode(protocol.StatusRequest(rid)))
+        r.client.send_multipart(protocol.encode(protocol.CancelRequest(99)))
+        refused = []
+        for _ in range(3):
+            assert r.client.poll(WAIT_MS)
+            refused.append(protocol.decode_reply(r.client.recv_multipart()))
+        assert [(type(x).__name__, x.id, x.status) for x in refused] == [
+            ("StatusReply", 1, Status.OVERLOADED),
+            ("StatusReply", 2, Status.OVERLOADED),
+            ("CancelReply", 99, Status.OVERLOADED),
+        ]
+        assert refused[0].message == "more than 0.5 STATUS and CANCEL requests a second"
+        assert r.plane.forwarded.poll(WAIT_MS)
+        assert msgpack.unpackb(r.plane.forwarded.recv_multipart()[-1])["id"] == 0
+        assert not r.plane.forwarded.poll(100)  # nothing else reached the control plane
+        other = r.dealer()
+        other.send_multipart(protocol.encode(protocol.StatusRequest(7)))
+        assert r.plane.forwarded.poll(WAIT_MS)  # its own bucket: forwarded
+        assert r.plane.counters()["by_status"] == {"OVERLOADED": 3}
     finally:
         r.close()
