@@ -82,7 +82,7 @@ def _engines(config_path: str) -> dict[str, object]:
     """The engine each device of the config would get on this host (``engines``), or why that
     cannot be said (``engines_error``)."""
     from dlad.config import ConfigError, load_config
-    from dlad.daemon import describe_engine
+    from dlad.daemon import plane_engine
     from dlad.gpu.service import select_backend
 
     try:
@@ -96,7 +96,7 @@ def _engines(config_path: str) -> dict[str, object]:
         gpu = pre_post and select_backend(c.pre_post.backend, configured)[0] == "cuda"
     except RuntimeError as exc:  # cuda required, none usable: the daemon would not start
         return {"engines_error": str(exc)}
-    return {"engines": {p.device: describe_engine(plan, p, pre_post=pre_post, gpu=gpu)
+    return {"engines": {p.device: plane_engine(plan, p, pre_post=pre_post, gpu=gpu)[1]
                         for p in plan.placements}}  # fmt: skip
 
 

@@ -79,43 +79,30 @@ def _plane_failing(d: DeviceState) -> str:
 EngineKind = Literal["cudla", "timing", "python"]
 
 
-def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> EngineKind:
+def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tuple[EngineKind, str]:
     """Which engine serves placement ``p`` on the plane (``gpu``: pre/post-processing runs on
-    the GPU): ``cudla``, a real DLA core driven by the plane, and ``timing``, an emulated core in
-    timing mode without faults, each with pre/post off or as the GPU chain; ``python``, a
-    Python engine running its executor's per-frame code (a numeric or faulty core, any core
-    whose pre/post-processing runs on the CPU, the GPU's batches)."""
-    d = plan.config.device(p.device)
-    if d.kind != "dla":
-        return "python"
-    loadable = plan.config.model(p.model).loadables.cudla_for_core(int(d.core or 0))
-    in_plane = gpu or not pre_post  # the plane pre/post-processes on the GPU only
-    if resolve_backend(d.backend, loadable) == "cudla":
-        return "cudla" if in_plane else "python"
-    if d.mode == "timing" and not d.faults.active and in_plane:
-        return "timing"
-    return "python"
-
-
-def describe_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> str:
-    """``plane_engine``'s choice in words, for ``dlad status --platform`` and the log."""
-    kind = plane_engine(plan, p, pre_post=pre_post, gpu=gpu)
+    the GPU), and that in words (``dlad status --platform``, the log): ``cudla``, a real DLA
+    core driven by the plane, and ``timing``, an emulated core in timing mode without faults,
+    each with pre/post off or as the GPU chain; ``python``, a Python engine running its
+    executor's per-frame code (a numeric or faulty core, any core whose pre/post-processing runs
+    on the CPU, the GPU's batches)."""
     d = plan.config.device(p.device)
     where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
              else "pre/post on the CPU")  # fmt: skip
-    if kind == "cudla":
-        return f"C++: cuDLA core {d.core}, {where}"
-    if kind == "timing":
-        return f"C++: emulated DLA core {d.core} (timing), {where}"
+    if d.kind != "dla":
+        on = "pre/post on the GPU where the engine can" if pre_post and gpu else where
+        return "python", (f"Python: GPU batches of up to {d.batch_limit} on the "
+                          f"{d.engine or 'emulated'} engine, {on}")  # fmt: skip
+    in_plane = gpu or not pre_post  # the plane pre/post-processes on the GPU only
     loadable = plan.config.model(p.model).loadables.cudla_for_core(int(d.core or 0))
-    if d.kind == "dla" and resolve_backend(d.backend, loadable) == "cudla":
-        return f"Python: cuDLA core {d.core}, {where}"
-    if d.kind == "dla":
-        faults = ", fault injection" if d.faults.active else ""
-        return f"Python: emulated DLA core {d.core} ({d.mode}{faults}), {where}"
-    gpu_where = "pre/post off" if not pre_post else "pre/post on the GPU where the engine can"
-    return (f"Python: GPU batches of up to {d.batch_limit} on the {d.engine or 'emulated'} "
-            f"engine, {gpu_where if gpu else where}")  # fmt: skip
+    if resolve_backend(d.backend, loadable) == "cudla":
+        if in_plane:
+            return "cudla", f"C++: cuDLA core {d.core}, {where}"
+        return "python", f"Python: cuDLA core {d.core}, {where}"
+    if d.mode == "timing" and not d.faults.active and in_plane:
+        return "timing", f"C++: emulated DLA core {d.core} (timing), {where}"
+    faults = ", fault injection" if d.faults.active else ""
+    return "python", f"Python: emulated DLA core {d.core} ({d.mode}{faults}), {where}"
 
 
 class State(enum.Enum):
@@ -275,9 +262,10 @@ class Daemon:
         batches) is a Python engine of the plane's running its executor's per-frame code
         (:mod:`dlad.engines.python`)."""
         gpu, cuda = await self._plane_gpu()
-        log.info("engines", **{p.device: describe_engine(self.plan, p, pre_post=self.pre_post,
-                                                         gpu=gpu is not None)
-                               for p in self.plan.placements})  # fmt: skip
+        engines = {p.device: plane_engine(self.plan, p, pre_post=self.pre_post,
+                                          gpu=gpu is not None)
+                   for p in self.plan.placements}  # fmt: skip
+        log.info("engines", **{name: words for name, (_, words) in engines.items()})
         devices: dict[str, PlaneDevice] = {}
         cudla: CudlaFunctions | None = None
         python: list[Placement] = []
@@ -288,7 +276,7 @@ class Daemon:
                         "default_max_det": min(m.max_det, protocol.MAX_DET)}  # fmt: skip
             plane_gpu: PlaneGpu | None = None
             spec: PlaneCudla | None = None
-            kind = plane_engine(self.plan, p, pre_post=self.pre_post, gpu=gpu is not None)
+            kind = engines[p.device][0]
             if kind == "cudla":
                 try:
                     core = await self._open_plane_core(p, gpu, defaults)
@@ -355,7 +343,7 @@ class Daemon:
             executor = built[p.device]
             try:
                 await executor.warm_up()
-            except DladError as exc:  # quarantined once the plane runs (_serve_native)
+            except DladError as exc:  # quarantined once the plane runs (_serve_plane)
                 self._cold[executor.name] = exc.message
             m = self.config.model(p.model)
             defaults = Defaults(m.conf_threshold, m.iou_threshold, min(m.max_det, protocol.MAX_DET))
@@ -500,7 +488,7 @@ class Daemon:
         """Keep /health/ready's view of an engine equal to STATUS's ``healthy`` after warm-up:
         ``failed`` while its last frames all failed, ``ready`` again after one goes through;
         a quarantine's state stands."""
-        if d.quarantined is not None or d.name in self._cold or self._still_warming(d.name):
+        if d.quarantined is not None or d.name in self._cold or d.name in self._warming:
             return  # that state stands
         healthy = d.failing < UNHEALTHY_AFTER
         self._set_health(d.name, healthy, _plane_failing(d), was=self._healthy.get(d.name, True))
@@ -620,9 +608,6 @@ class Daemon:
     def _status_report(self, load: bool = False) -> dict[str, Any]:
         return self._report(*self._plane_status(), load=load)
 
-    def _still_warming(self, device: str) -> bool:
-        return device in self._warming
-
     def _plane_status(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
         """STATUS's devices and queues from the native plane's state."""
         plane = self.frontend.plane
@@ -632,7 +617,7 @@ class Daemon:
         devices = []
         for d in states:
             config = self.config.device(d.name)
-            if self._still_warming(d.name):
+            if d.name in self._warming:
                 state, reason = "warming", "warming up"
             elif d.quarantined is not None:  # after failing tasks, or its warm-up: probed
                 state, reason = "quarantined", d.quarantined
