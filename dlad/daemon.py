@@ -639,6 +639,7 @@ class Daemon:
                     "completed": d.completed,
                     "failed": d.failed,
                     "service_time_us": float(d.service_time_us),
+                    "host_us": float(d.host_us),
                     "max_batch": d.max_batch,
                     "batches": list(d.batches),
                 }

@@ -320,6 +320,7 @@ class DeviceState:
     quarantines: int  # how often it was quarantined since start
     max_batch: int
     batches: tuple[int, ...]  # batches run by size: batches[i] of i + 1 jobs
+    host_us: float  # host CPU a frame (the plane's thread and the engine's own), learned
 
 
 @dataclass(frozen=True, slots=True)

@@ -749,6 +749,7 @@ class DeviceStatus(_DeviceAdded):
     completed: _Count  # since start
     failed: _Count  # since start
     service_time_us: _Rate  # current estimate used for placement (at batch 1)
+    host_us: _Rate  # host CPU a frame costs (plane + engine threads), learned; 0: none yet
     max_batch: Annotated[int, Meta(ge=1, le=MAX_BATCH)]  # the most jobs it runs at once
     batches: Annotated[list[_Count], Meta(max_length=MAX_BATCH)]  # [i]: batches of i + 1 jobs
     # it ran since start (len == max_batch)

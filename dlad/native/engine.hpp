@@ -73,6 +73,9 @@ struct Finished {
     // is its result's)
     std::vector<JobResult> results;
     bool frees = true;  // the batch's slot is free again
+    // CPU the engine's own threads spent on the batch (a Python engine's call: the
+    // interpreter's time); 0 for an engine whose host work is the plane's thread's
+    int64_t host_ns = 0;
 };
 
 using OnFinished = std::function<void(Finished)>;

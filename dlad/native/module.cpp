@@ -374,7 +374,7 @@ PYBIND11_MODULE(_native, m) {
                          out == s.quarantined.end() ? py::object(py::none())
                                                     : py::object(py::str(out->second)),
                          times == s.quarantines.end() ? int64_t{0} : times->second,
-                         d.max_batch, py::tuple(py::cast(d.batches))));
+                         d.max_batch, py::tuple(py::cast(d.batches)), d.host_us));
                  }
                  return py::make_tuple(devices, s.queued, s.streams_waiting);
              })
@@ -494,6 +494,10 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("finished", &Scheduler::finished)
         .def("finished_batch", &Scheduler::finished_batch)
+        .def("set_resource", &Scheduler::set_resource)
+        .def("host", &Scheduler::host)
+        .def("set_load", &Scheduler::set_load)
+        .def("load", &Scheduler::load)
         .def("set_available", &Scheduler::set_available)
         .def("available", &Scheduler::available)
         .def("admit_probe",
@@ -525,7 +529,8 @@ PYBIND11_MODULE(_native, m) {
             for (const auto& d : s.snapshot()) {
                 out.append(py::make_tuple(d.name, d.queue_depth, d.capacity, d.in_flight,
                                           d.service_time_us, d.completed, d.max_batch,
-                                          py::tuple(py::cast(d.batches)), d.available));
+                                          py::tuple(py::cast(d.batches)), d.available,
+                                          d.host_us, d.resource));
             }
             return out;
         });

@@ -197,6 +197,9 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         std::map<int64_t, double> known{{1, d.latency_us * 1e3}};
         for (const auto& [size, us] : d.curve_us) known[size] = us * 1e3;
         scheduler_.add_device(d.name, models, d.capacity, d.max_batch, known, d.tier, d.kind);
+        resource_[d.name] = d.make ? "interpreter" : "plane";  // a Python engine's: the GIL
+        scheduler_.set_resource(d.name, resource_[d.name]);
+        if (d.make) resource_busy_ns_["interpreter"] = 0;
         engines_[d.name] = std::move(engine);
         batch_delay_us_[d.name] = d.max_queue_delay_us;
         running_[d.name] = 0;
@@ -879,6 +882,7 @@ void Plane::observe(const Job& job, int64_t status, const std::optional<std::str
 
 void Plane::dispatch(int64_t now) {
     batch_wake_ns_.reset();
+    update_loads(now);
     for (auto& [device, engine] : engines_) {
         int64_t& running = running_[device];
         while (running < engine->slots()) {
@@ -917,9 +921,29 @@ void Plane::dispatch(int64_t now) {
             }
             if (ids.empty()) break;
             ++running;
+            const int64_t cpu = thread_cpu_ns();
             engine->start(work_of(ids, now));
+            const double per_frame =
+                static_cast<double>(thread_cpu_ns() - cpu) / static_cast<double>(ids.size());
+            double& start = start_ns_[device];
+            start = start == 0.0 ? per_frame : start + 0.2 * (per_frame - start);
         }
     }
+}
+
+void Plane::update_loads(int64_t now) {
+    if (load_since_ns_ != 0 && now - load_since_ns_ < 50'000'000) return;
+    const int64_t cpu = thread_cpu_ns();
+    if (load_since_ns_ != 0) {
+        const auto wall = static_cast<double>(now - load_since_ns_);
+        scheduler_.set_load("plane", static_cast<double>(cpu - load_cpu_ns_) / wall);
+        for (auto& [resource, ns] : resource_busy_ns_) {
+            scheduler_.set_load(resource, static_cast<double>(ns) / wall);
+            ns = 0;
+        }
+    }
+    load_since_ns_ = now;
+    load_cpu_ns_ = cpu;
 }
 
 std::vector<Work> Plane::work_of(const std::vector<int64_t>& ids, int64_t now) {
@@ -948,6 +972,11 @@ std::vector<Work> Plane::work_of(const std::vector<int64_t>& ids, int64_t now) {
 }
 
 void Plane::finished(const std::string& device, const Finished& f) {
+    const int64_t cpu = thread_cpu_ns();
+    if (f.host_ns > 0) {
+        auto busy = resource_busy_ns_.find(resource_[device]);
+        if (busy != resource_busy_ns_.end()) busy->second += f.host_ns;
+    }
     if (f.end_ns != 0) busy_ns_[device] += f.end_ns - f.start_ns;
     if (f.frees) --running_[device];
     if (f.frees && running_[device] == 0) engine_free_ns_[device] = 0;  // it left: idle now
@@ -1029,6 +1058,11 @@ void Plane::finished(const std::string& device, const Finished& f) {
         if (jobs_.at(f.jobs[i]).probe) probe_ended(device, true, "", now_ns());
         answer(f.jobs[i], OK, "", &f, i < f.results.size() ? &f.results[i] : nullptr);
     }
+    // what the frames cost the host: this thread's start() and answers, the engine's threads
+    const auto frames = static_cast<int64_t>(ok.size());
+    const double plane_ns =
+        static_cast<double>(thread_cpu_ns() - cpu) + start_ns_[device] * static_cast<double>(frames);
+    scheduler_.host(device, frames, plane_ns + static_cast<double>(f.host_ns));
 }
 
 bool Plane::retry(int64_t job_id, const std::string& failed_on, const std::string& why) {

@@ -389,6 +389,8 @@ class Plane {
     std::vector<Work> work_of(const std::vector<int64_t>& ids, int64_t now);
     // An engine's report, on the plane's thread: its jobs answered, its slot counted free
     void finished(const std::string& device, const Finished& f);
+    // Every 50 ms: each host resource's busy fraction since the last, for the scheduler.
+    void update_loads(int64_t now);
     void take_completions();
     void send_outbox();
     void send_reply(const std::string& client, const std::string& header, const void* payload,
@@ -418,6 +420,14 @@ class Plane {
     std::map<std::string, int64_t> engine_free_ns_;  // a batching engine: when its batches on
                                                      // it are expected to have left (0: idle)
     std::map<std::string, double> pre_ns_;   // a batching engine: a batch's pre-processing
+    // What frames cost the host (scheduler.hpp, placement): the plane's thread's CPU in a
+    // device's start() a frame (EWMA), each device's host resource ("plane": this thread;
+    // "interpreter": a Python engine's), and the CPU the engines' threads reported this
+    // interval, by resource; the interval's start (wall clock, this thread's CPU)
+    std::map<std::string, double> start_ns_;
+    std::map<std::string, std::string> resource_;
+    std::map<std::string, int64_t> resource_busy_ns_;
+    int64_t load_since_ns_ = 0, load_cpu_ns_ = 0;
     std::map<std::string, std::string> first_model_;  // device -> a model it serves (probes)
     struct Segment {
         uint64_t size = 0;

@@ -1,6 +1,8 @@
 // See python_engine.hpp.
 #include "python_engine.hpp"
 
+#include "clock.hpp"
+
 #include <pthread.h>
 #include <pybind11/stl.h>
 
@@ -94,7 +96,9 @@ void PythonEngine::loop(int64_t index) {
             batch = std::move(batches_.front());
             batches_.pop_front();
         }
+        const int64_t cpu = thread_cpu_ns();
         Finished f = call(batch);
+        f.host_ns = thread_cpu_ns() - cpu;  // the interpreter's share of the host, mostly
         batch.clear();  // the frames' pixels may go now
         on_done_(std::move(f));
     }

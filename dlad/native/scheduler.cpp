@@ -232,6 +232,8 @@ size_t Scheduler::choose(const JobSpec& job, const std::vector<size_t>& open, in
     bool best_late = false;
     double best_end = 0.0;
     int64_t best_tier = 0;
+    bool best_full = false;
+    double best_host = 0.0;
     bool first = true;
     for (size_t i : open) {
         const Device& d = devices_[i];
@@ -241,8 +243,14 @@ size_t Scheduler::choose(const JobSpec& job, const std::vector<size_t>& open, in
         bool late = greater(static_cast<double>(now) + end, job.deadline_ns);
         bool better;
         if (policy == Policy::throughput) {
-            better = first || std::tie(late, d.tier, end, d.name) <
-                                  std::tie(best_late, best_tier, best_end, devices_[best].name);
+            // the host first: a saturated resource bounds the daemon, and there the frame
+            // that costs it least serves the most
+            const bool full = load(d.resource) >= kSaturated;
+            const double host = full ? d.host_ns : 0.0;
+            better = first || std::tie(late, full, host, d.tier, end, d.name) <
+                                  std::tie(best_late, best_full, best_host, best_tier, best_end,
+                                           devices_[best].name);
+            if (better) best_full = full, best_host = host;
         } else if (!interference) {
             late = false;
             better = first || std::tie(end, d.name) < std::tie(best_end, devices_[best].name);
@@ -445,6 +453,26 @@ void Scheduler::finished_batch(const std::string& device, const std::vector<int6
     if (!jobs.empty()) learn(d, static_cast<int64_t>(jobs.size()), device_us);
 }
 
+void Scheduler::set_resource(const std::string& device, const std::string& resource) {
+    dev(device).resource = resource;
+}
+
+void Scheduler::host(const std::string& device, int64_t frames, double host_ns) {
+    if (frames < 1 || !(host_ns >= 0)) return;
+    Device& d = dev(device);
+    const double per_frame = host_ns / static_cast<double>(frames);
+    d.host_ns = d.host_ns == 0.0 ? per_frame : d.host_ns + alpha_ * (per_frame - d.host_ns);
+}
+
+void Scheduler::set_load(const std::string& resource, double fraction) {
+    loads_[resource] = fraction;
+}
+
+double Scheduler::load(const std::string& resource) const {
+    auto it = loads_.find(resource);
+    return it == loads_.end() ? 0.0 : it->second;
+}
+
 void Scheduler::learn(Device& d, int64_t size, std::optional<double> device_us) {
     d.fail_rate += alpha_ * ((device_us ? 0.0 : 1.0) - d.fail_rate);
     if (device_us && *device_us > 0) {
@@ -533,7 +561,8 @@ std::vector<Snapshot> Scheduler::snapshot() const {
     std::vector<Snapshot> out;
     for (const Device& d : devices_) {
         out.push_back({d.name, d.depth, d.capacity, static_cast<int64_t>(d.running.size()),
-                       d.curve(1) / 1e3, d.completed, d.max_batch, d.batches, d.available});
+                       d.curve(1) / 1e3, d.completed, d.max_batch, d.batches, d.available,
+                       d.host_ns / 1e3, d.resource});
     }
     return out;
 }

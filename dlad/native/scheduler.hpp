@@ -10,7 +10,11 @@
 //   DRAM), among those that meet the deadline, the one where the job's completion plus the
 //   delay it inflicts on the other devices' jobs is least; throughput, the lowest tier (the DLA
 //   cores before the GPU) among the devices estimated to finish by the deadline, earliest
-//   first, and the earliest overall when none would; static, a stream's frames all go to the
+//   first, and the earliest overall when none would; but where a device's host resource is
+//   saturated (the frames it runs cost the host more than it has: the plane's thread, or the
+//   interpreter that Python engines share), the devices whose resource has room come first,
+//   and among saturated ones the cheapest on the host a frame (the host, not the engines,
+//   then bounds the daemon's frames/s); static, a stream's frames all go to the
 //   device it was pinned to at its first frame (its device in pins, else the device with the
 //   fewest pinned streams per unit of speed; a full queue there is OVERLOADED), other frames as
 //   latency.
@@ -18,6 +22,9 @@
 //   latency; a GPU: a batch curve) and learned online from completions (an exponentially
 //   weighted mean per batch size, sizes never seen interpolated); a failure teaches the
 //   device's failure rate. A batching device's queued work counts in batches of its max_batch.
+// - Host cost a frame is learned online as well (host(): the CPU the plane's thread and the
+//   engine's own threads spent on a batch, over its frames), and each host resource's load is
+//   set by its owner (set_load(): the busy fraction of the last interval).
 // - Order within a device queue: higher priority first, then earlier deadline, then arrival.
 // - Batches (next_batch): up to max_batch jobs of one model, in queue order; a partial batch
 //   waits at most max_queue_delay_us after its first job was admitted, and never past the point
@@ -53,6 +60,7 @@ enum class Policy { throughput, latency, statik };
 
 constexpr double kLearnClamp = 4.0;       // scheduler.LEARN_CLAMP
 constexpr size_t kMaxPinnedStreams = 4096;  // scheduler.MAX_PINNED_STREAMS
+constexpr double kSaturated = 0.85;  // a host resource this busy bounds the frames placed on it
 
 // A device name that was never registered (KeyError in Python).
 struct UnknownDevice : std::out_of_range {
@@ -111,6 +119,8 @@ struct Snapshot {
     int64_t max_batch = 1;
     std::vector<int64_t> batches;
     bool available = true;
+    double host_us = 0.0;  // host CPU a frame (learned; 0 before the first)
+    std::string resource;  // the host resource its frames use
 };
 
 class Curve {
@@ -152,6 +162,13 @@ class Scheduler {
     void released(const std::string& device, int64_t job);
     void finished_batch(const std::string& device, const std::vector<int64_t>& jobs,
                         std::optional<double> device_us);
+    // The host resource ``device``'s frames use ("plane" until set: the plane's thread).
+    void set_resource(const std::string& device, const std::string& resource);
+    // ``host_ns`` of host CPU went into ``frames`` frames of ``device`` (learned per frame).
+    void host(const std::string& device, int64_t frames, double host_ns);
+    // ``resource`` was busy ``fraction`` of the last interval (throughput placement reads it).
+    void set_load(const std::string& resource, double fraction);
+    double load(const std::string& resource) const;
 
     std::vector<int64_t> set_available(const std::string& device, bool available);
     bool available(const std::string& device) const { return dev(device).available; }
@@ -206,6 +223,8 @@ class Scheduler {
         std::map<int64_t, Running> running{};  // job id ->
         int64_t completed = 0;
         std::vector<int64_t> batches{};
+        std::string resource = "plane";
+        double host_ns = 0.0;  // a frame's, learned (0: none yet)
         bool serves(const std::string& model) const;
         double work_ns(int64_t jobs, const Curve* c = nullptr) const;
     };
@@ -247,6 +266,7 @@ class Scheduler {
     std::map<int64_t, int64_t> order_;       // seq -> id: the queued jobs in admission order
     std::unordered_map<Key, int64_t, KeyHash> streams_;
     std::unordered_map<std::string, int64_t> owned_;
+    std::unordered_map<std::string, double> loads_;  // host resource -> busy fraction
     int64_t seq_ = 0, tasks_ = 0, out_ = 0;
 };
 

@@ -82,7 +82,8 @@ def report(name: str = "fake") -> DaemonStatus:
         return {"name": f"dla{index}", "kind": "dla", "core": index, "healthy": True,
                 "busy": False, "state": "serving", "reason": "", "in_flight": 0,
                 "queue_depth": 0, "completed": 7, "failed": 0,
-                "service_time_us": 1500.0, "max_batch": 1, "batches": [7]}  # fmt: skip
+                "service_time_us": 1500.0,
+                "host_us": 0.0, "max_batch": 1, "batches": [7]}  # fmt: skip
 
     return {
         "name": name, "state": "RUNNING", "live": True, "ready": True, "version": "0.1.0",

@@ -56,6 +56,8 @@ class DeviceSnapshot(NamedTuple):
     max_batch: int
     batches: tuple[int, ...]  # [i]: batches of i + 1 jobs that ran
     available: bool
+    host_us: float  # host CPU a frame, learned (0: none yet)
+    resource: str  # the host resource its frames use
 
 
 class Scheduler:
@@ -140,6 +142,16 @@ class Scheduler:
 
     def finished_batch(self, device: str, jobs: Sequence[Job], device_us: float | None) -> None:
         self._core.finished_batch(device, [j.id for j in jobs], device_us)
+
+    def set_resource(self, device: str, resource: str) -> None:
+        self._core.set_resource(device, resource)
+
+    def host(self, device: str, frames: int, host_us: float) -> None:
+        """``host_us`` of host CPU went into ``frames`` frames of ``device``."""
+        self._core.host(device, frames, host_us * 1e3)
+
+    def set_load(self, resource: str, fraction: float) -> None:
+        self._core.set_load(resource, fraction)
 
     def set_available(self, device: str, available: bool) -> list[Job]:
         return [self._jobs.pop(i) for i in self._core.set_available(device, available)]

@@ -9,6 +9,7 @@ and every way it can fail must cost its jobs one typed reply each and the plane 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -102,6 +103,26 @@ def test_a_python_engine_answers_with_what_it_returned(recorder: Recorder, rigs:
     r = rig.reply()
     assert r.detections is not None
     assert r.detections[0, 4:].tolist() == [-1.0, -1.0]
+
+
+def test_the_plane_learns_what_a_frame_costs_the_host(rigs: list[Rig]) -> None:
+    """A Python engine whose call spends 2 ms of its thread's CPU a frame: the device's
+    learned host cost a frame (what placement reads when the host is saturated) is at least
+    that, and it starts at 0 before any frame."""
+
+    def burn(batch: Batch) -> tuple[int, int, list[tuple[Any, ...]]]:
+        until = time.thread_time_ns() + 2_000_000 * len(batch)
+        while time.thread_time_ns() < until:
+            pass
+        return 1_000, 5_000, [(0, "", None, None, None) for _ in batch]
+
+    rig = _rig(burn, slots=1)
+    rigs.append(rig)
+    assert [d.host_us for d in rig.plane.state()[0]] == [0.0]
+    for rid in range(3):
+        rig.infer(rid)
+        assert rig.reply().status == Status.OK
+    assert rig.plane.state()[0][0].host_us >= 2_000.0
 
 
 def test_the_plane_batches_what_queued_while_the_engine_was_busy(

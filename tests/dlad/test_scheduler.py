@@ -471,6 +471,42 @@ def test_throughput_policy_sends_to_the_gpu_what_the_dlas_cannot_finish_in_time(
     assert s.queued("gpu") == 1
 
 
+def test_throughput_policy_places_by_host_cost_where_the_host_is_saturated() -> None:
+    """The DLA cores' frames run as Python engines (numeric emulation: 900 µs of the
+    interpreter a frame), the GPU's as well, batched (120 µs a frame). While the interpreter
+    has room the DLAs come first; once it is saturated the host bounds the daemon, and the
+    frame goes where it costs the host least: the GPU. A DLA whose frames cost another
+    resource (the plane's thread, with room) still comes first."""
+    clock = FakeClock()
+    s = _orin("throughput", clock)
+    for name in ("dla0", "dla1", "gpu"):
+        s.set_resource(name, "interpreter")
+    for name, us in (("dla0", 900.0), ("dla1", 900.0), ("gpu", 8 * 120.0)):
+        s.host(name, 1 if name != "gpu" else 8, us)
+    assert {d.name: round(d.host_us) for d in s.snapshot()} == {
+        "dla0": 900, "dla1": 900, "gpu": 120
+    }  # fmt: skip
+    s.set_load("interpreter", 0.5)
+    s.admit(Job(1, "m", 33_000_000))
+    assert s.queued("gpu") == 0  # room on the host: the DLA, as before
+    s.set_load("interpreter", 0.95)
+    s.admit(Job(2, "m", 33_000_000))
+    assert s.queued("gpu") == 1  # saturated: the frame that costs it least
+    s.set_resource("dla1", "plane")  # its frames cost the plane's thread, which has room
+    s.admit(Job(3, "m", 33_000_000))
+    assert (s.queued("dla1"), s.queued("gpu")) == (1, 1)
+
+
+def test_a_device_learns_its_host_cost_a_frame() -> None:
+    clock = FakeClock()
+    s = _orin("throughput", clock)
+    assert {d.name: (d.host_us, d.resource) for d in s.snapshot()}["gpu"] == (0.0, "plane")
+    s.host("gpu", 4, 400.0)  # the first sample sets it
+    s.host("gpu", 2, 400.0)  # then an exponentially weighted mean (alpha 0.2)
+    s.host("gpu", 0, 1e9)  # no frames: nothing to learn
+    assert {d.name: d.host_us for d in s.snapshot()}["gpu"] == pytest.approx(100 + 0.2 * 100)
+
+
 def test_static_policy_pins_streams_by_speed_and_never_spills() -> None:
     clock = FakeClock()
     s = _orin("static", clock, capacity=1)
