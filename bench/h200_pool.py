@@ -2,6 +2,7 @@
 (docs/BENCHMARKS.md §7.3). Run on the device machine by ``bench/h200_pool.sh``.
 
     python3 bench/h200_pool.py [--out DIR] [--dla-us 3820] [--policy latency|throughput]
+        [--clients 4] [--repeat N] [--profile]
 
 1. Exports the bundled demo model's torch program here (``prep.torch_export``; a ``.pt2`` is read
    by the torch that wrote it).
@@ -15,7 +16,9 @@
    near 5,000 requests/s, below what the GPU serves) closed loop, with as many requests in flight
    in all as its engines' queues and slots hold (none refused), three fixed 2 s windows each, and
    prints throughput (summed), p50/p99 (the clients' highest), each device's share and mean
-   batch, and the pool against the GPU alone and against the sum of its parts.
+   batch, and the pool against the GPU alone and against the sum of its parts; with
+   ``--repeat N``, N trials of the GPU alone and the pool, alternating, each trial's ratios and
+   their median.
 4. Says where the host's time went in each run: the cores each thread of the daemon and of the
    client kept busy (CPU seconds over the run's wall time, threads of one name summed) and the
    whole machine's busy cores, so a figure bound by the host says by which thread.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -182,6 +186,7 @@ def main() -> int:
     p.add_argument("--policy", choices=["latency", "throughput"], default="latency",
                    help="[scheduler] policy of every daemon")  # fmt: skip
     p.add_argument("--clients", type=int, default=4, help="dlad-bench processes (4)")
+    p.add_argument("--repeat", type=int, default=1, help="trials of the GPU alone and the pool")
     p.add_argument("--profile", action="store_true",
                    help="sample the daemon's GIL holder with py-spy in each run")  # fmt: skip
     args = p.parse_args()
@@ -191,22 +196,30 @@ def main() -> int:
     from prep.torch_export import export_torch
 
     program = export_torch(DEMO / "fp16_heads.dla0.emu", args.out / "demo.pt2", max_batch=16)
-    rows = {}
-    for devices in (["dla0", "dla1"], ["gpu"], ["dla0", "dla1", "gpu"]):
-        name = "_".join(devices)
-        rows[name] = run_set(args.out, name, devices, program, args)
+    sets = {"dla0_dla1": ["dla0", "dla1"], "gpu": ["gpu"], "dla0_dla1_gpu": ["dla0", "dla1", "gpu"]}
+    # the pair once; the GPU alone and the pool alternately, --repeat times (the host's noise
+    # moves both alike within a trial, so each trial's ratio is the figure)
+    order = ["dla0_dla1"] + ["gpu", "dla0_dla1_gpu"] * args.repeat
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for n, name in enumerate(order):
+        rows.append((name, run_set(args.out, f"{name}.{n}", sets[name], program, args)))
 
     print(f"\nemulated DLA {args.dla_us:g} us a frame, {args.policy} policy, "
           f"{args.clients} client processes\n")  # fmt: skip
     print("| engines | OK/s | p50 ms | p99 ms | device share | mean batch |")
     print("|---|---|---|---|---|---|")
-    for name, row in rows.items():
+    for name, row in rows:
         print(f"| {{{name.replace('_', ', ')}}} | {row['ok']:.1f} | {row['p50']:.2f} "
               f"| {row['p99']:.2f} | {row['share']} | {row['batch']} |")  # fmt: skip
-    pair, gpu, pool = (rows[n]["ok"] for n in ("dla0_dla1", "gpu", "dla0_dla1_gpu"))
-    print(f"\npool / GPU alone = {pool:.1f} / {gpu:.1f} = {pool / gpu:.3f}")
-    print(f"pool / (DLA pair + GPU alone) = {pool:.1f} / {pair + gpu:.1f} = "
-          f"{pool / (pair + gpu):.3f}")  # fmt: skip
+    pair = rows[0][1]["ok"]
+    alone = [r["ok"] for name, r in rows if name == "gpu"]
+    pools = [r["ok"] for name, r in rows if name == "dla0_dla1_gpu"]
+    per_gpu = [p / g for p, g in zip(pools, alone, strict=True)]
+    per_sum = [p / (pair + g) for p, g in zip(pools, alone, strict=True)]
+    print(f"\npool / GPU alone, each trial: {', '.join(f'{r:.3f}' for r in per_gpu)}; "
+          f"median {statistics.median(per_gpu):.3f}")  # fmt: skip
+    print(f"pool / (DLA pair + GPU alone), each trial: {', '.join(f'{r:.3f}' for r in per_sum)};"
+          f" median {statistics.median(per_sum):.3f}")  # fmt: skip
     return 0
 
 
