@@ -52,7 +52,8 @@ for part in "$@"; do
     plane-tests)
         timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
             -W "ignore::DeprecationWarning" tests/dlad/gpu/test_native_chain.py \
-            tests/dlad/test_native_gpu.py tests/dlad/test_native_plane.py \
+            tests/dlad/test_native_gpu.py tests/dlad/test_native_gpu_batches.py \
+            tests/dlad/test_native_plane.py \
             tests/dlad/test_native_engines.py tests/dlad/test_native_daemon.py \
             tests/dlad/cudla/test_native_cudla.py tests/dlad/test_torch_gpu.py \
             tests/dlad/test_scheduler.py -rs 2>&1 | tee "$out/plane-tests.log" | tail -12

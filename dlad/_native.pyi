@@ -117,7 +117,7 @@ class Plane:
         forward: int,
         limits: tuple[int, int, int, int, int],
         # name, latency_us, slots, capacity, gpu, cudla, kind, max_batch, max_queue_delay_us,
-        # curve_us, tier, run (native_plane.PlaneDevice)
+        # curve_us, tier, run, graphs (native_plane.PlaneDevice)
         devices: Sequence[
             tuple[
                 str,
@@ -132,6 +132,7 @@ class Plane:
                 Mapping[int, float],
                 int,
                 Callable[..., Any] | None,
+                Sequence[int],
             ]
         ],
         models: Mapping[str, Sequence[str]],

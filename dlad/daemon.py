@@ -83,16 +83,24 @@ def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tupl
     """Which engine serves placement ``p`` on the plane (``gpu``: pre/post-processing runs on
     the GPU), and that in words (``dlad status --platform``, the log): ``cudla``, a real DLA
     core driven by the plane, and ``timing``, an emulated core in timing mode without faults,
-    each with pre/post off or as the GPU chain; ``python``, a Python engine running its
-    executor's per-frame code (a numeric or faulty core, any core whose pre/post-processing runs
-    on the CPU, the GPU's batches)."""
+    each with pre/post off or as the GPU chain; ``python``, built as an executor: a Python
+    engine running its executor's per-frame code (a numeric or faulty core, any core whose
+    pre/post-processing runs on the CPU, the GPU's batches), except the torch engine's batches
+    with pre/post on the GPU, which the plane then runs itself (``Daemon._plane_batches``; where
+    that cannot be built, the log says why and a Python engine serves)."""
     d = plan.config.device(p.device)
     where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
              else "pre/post on the CPU")  # fmt: skip
     if d.kind != "dla":
-        on = "pre/post on the GPU where the engine can" if pre_post and gpu else where
-        return "python", (f"Python: GPU batches of up to {d.batch_limit} on the "
-                          f"{d.engine or 'emulated'} engine, {on}")  # fmt: skip
+        engine = d.engine or "emulated"
+        if pre_post and gpu and engine == "torch":  # its graphs, launched by the plane
+            return "python", (f"C++: GPU batches of up to {d.batch_limit} on the torch "
+                              f"engine's CUDA graphs, {where}")  # fmt: skip
+        on = "pre/post on the CPU" if pre_post else where  # only torch's stay on the GPU
+        return (
+            "python",
+            f"Python: GPU batches of up to {d.batch_limit} on the {engine} engine, {on}",
+        )
     in_plane = gpu or not pre_post  # the plane pre/post-processes on the GPU only
     loadable = plan.config.model(p.model).loadables.cudla_for_core(int(d.core or 0))
     if resolve_backend(d.backend, loadable) == "cudla":
@@ -350,18 +358,48 @@ class Daemon:
             d = self.config.device(p.device)
             if isinstance(executor, GpuExecutor):
                 on_soc = (d.engine or "emulated") != "torch"
+                native = None
+                if executor.cuda is not None and p.device not in self._cold:
+                    native = await self._plane_batches(executor, defaults)
                 out[p.device] = PlaneDevice(
                     p.device, executor.service_us, slots=executor.slots, capacity=d.queue_depth,
                     kind="gpu" if on_soc else "", max_batch=executor.max_batch,
                     max_queue_delay_us=executor.max_queue_delay_us,
                     curve_us=executor.batch_service_us, tier=1,
-                    run=GpuBatches(executor, defaults),
+                    run=None if native else GpuBatches(executor, defaults),
+                    gpu=native[0] if native else None, graphs=native[1] if native else (),
                 )  # fmt: skip
             elif isinstance(executor, DlaExecutor):
                 frames = DlaFrames(executor, defaults)
                 out[p.device] = PlaneDevice(p.device, executor.service_us, slots=frames.slots,
                                             capacity=d.queue_depth, run=frames)  # fmt: skip
         return out
+
+    async def _plane_batches(
+        self, executor: GpuExecutor, defaults: Defaults
+    ) -> tuple[PlaneGpu, tuple[int, ...]] | None:
+        """The GPU's batches as the plane's own engine: the executor's engine, whose CUDA
+        graphs the plane launches between its own pre and post kernels
+        (:meth:`GpuService.plane_batches`), the executor's CUDA path freed; None (logged why,
+        the executor then serves as a Python engine) where that cannot be built."""
+        cuda, gpu = executor.cuda, self._gpu
+        assert cuda is not None  # the caller checked
+        assert gpu is not None  # the executor's CUDA path is the service's
+        from dlad.gpu.driver import CudaError  # noqa: PLC0415 (GPU only)
+
+        build = functools.partial(
+            gpu.plane_batches, cuda.engine, executor.loadable, executor.slots,
+            executor.max_batch, conf=defaults.conf, iou=defaults.iou,
+            default_max_det=defaults.max_det,
+        )  # fmt: skip
+        try:
+            made = await anyio.to_thread.run_sync(build)
+        except (CudaError, ValueError, RuntimeError) as exc:
+            log.warning("gpu_python_engine", device=executor.name, reason=str(exc))
+            return None
+        executor.cuda = None  # the plane runs the batches: the executor's path is not used
+        await anyio.to_thread.run_sync(cuda.close)
+        return made
 
     async def _plane_gpu(self) -> tuple[GpuService | None, CudaFunctions | None]:
         """With pre/post-processing on the GPU: the GPU and the driver's functions for the

@@ -248,8 +248,11 @@ class PlaneDevice:
     more), ``curve_us`` its service time by batch size where more than batch 1 is known.
 
     Its engine, the first that applies: ``run``, a Python engine (that callable on ``slots``
-    threads of its own, ``latency_us`` the scheduler's first estimate); ``gpu``, a DLA core
-    whose frames are pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``);
+    threads of its own, ``latency_us`` the scheduler's first estimate); ``gpu`` with
+    ``graphs``, the GPU's inference (the model's CUDA graph for a batch of n at ``graphs[n -
+    1]``, ``gpu.slots`` one per frame of each slot's batch, slot-major, all on one stream:
+    ``dlad/native/gpu_batch_engine.hpp``); ``gpu``, a DLA core whose frames are
+    pre/post-processed on the GPU (``slots`` is then ``len(gpu.slots)``);
     ``cudla``, a real core (``slots`` is then ``len(cudla.slots)``, ``latency_us`` the
     scheduler's first estimate of a task); else an emulated core in timing mode,
     ``latency_us`` a task. Without ``gpu`` or ``run`` the replies carry no detections."""
@@ -266,6 +269,7 @@ class PlaneDevice:
     curve_us: Mapping[int, float] = dataclasses.field(default_factory=dict)
     tier: int = 0
     run: PythonRun | None = None
+    graphs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +480,8 @@ class NativePlane:
                 libzmq, router.underlying, self._plane_end.underlying, bounds,
                 [(d.name, float(d.latency_us), d.slots, d.capacity, _gpu_tuple(d.gpu),
                   _cudla_tuple(d.cudla), d.kind, d.max_batch, float(d.max_queue_delay_us),
-                  {int(k): float(v) for k, v in d.curve_us.items()}, d.tier, d.run)
+                  {int(k): float(v) for k, v in d.curve_us.items()}, d.tier, d.run,
+                  list(d.graphs))
                  for d in devices],
                 {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,

@@ -53,7 +53,9 @@ cannot wait on an event it did not create, and its runtime stream handle *is* th
 ``CUstream``; torch's runtime and ``GpuContext`` both use the device's primary context, so
 streams, events and device pointers are shared), replays the batch's graph, optionally copies the
 batch's ``CHW16`` heads to the caller's buffers, and records the caller's ``done`` event, which the
-caller's stream then waits on. No host copy, no host wait. :meth:`TorchGpu.wait_input_free`
+caller's stream then waits on. No host copy, no host wait. :attr:`TorchGpu.graph_execs` hands
+over the graphs themselves, for a caller that queues the batch on its own stream (the native
+plane's GPU engine, ``dlad/native/gpu_batch_engine.hpp``). :meth:`TorchGpu.wait_input_free`
 orders a caller's writes to the input after the last queued batch has read it. The returned
 :class:`TorchDeviceBatch` gives the batch's GPU time (CUDA events: ``compute_us`` the replay,
 ``actual_us`` replay and head copies). :meth:`TorchGpu.run` (the host path) is unchanged.
@@ -582,6 +584,17 @@ class TorchGpu:
         """Device addresses of the static ``CHW16`` heads, in output order (``max_batch``
         images each; the next batch overwrites them). Raises RuntimeError without device I/O."""
         return tuple(int(h.data_ptr()) for h in self._io().dev_heads)
+
+    @property
+    def graph_execs(self) -> tuple[int, ...]:
+        """The captured graph of each batch size, ``CUgraphExec`` handles (a batch of n at
+        ``[n - 1]``): a launch on any stream of the device reads the first n frames of the
+        input and writes their heads, as a replay does. For a caller that queues the whole
+        batch itself (the native plane's GPU engine), who must then be the only one to run
+        batches: one launch at a time, in its stream's order. Raises RuntimeError without
+        device I/O."""
+        graphs = self._io().graphs
+        return tuple(int(graphs[b].graph.raw_cuda_graph_exec()) for b in sorted(graphs))
 
     def _io(self) -> _Cuda:
         self._check_open()

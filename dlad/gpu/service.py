@@ -39,11 +39,12 @@ from dlad.gpu.links import (
     link_cudla_slot,
 )
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
-from dlad.imaging.pre import letterbox_geometry
+from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 from dlad.loadable import DataType, Loadable
 
 if TYPE_CHECKING:
     from dlad.devices.cudla.backend import CudlaBuffer, CudlaDlaCore
+    from dlad.executors.gpu import DeviceIoEngine
     from dlad.native_plane import PlaneGpu
 
 __all__ = ["GpuService", "GpuSlot", "select_backend"]
@@ -155,6 +156,7 @@ class GpuService:
         self._lock = threading.Lock()
         self._host: dict[int, HostBuffer] = {}
         self._slots: list[GpuSlot] = []
+        self._pipelines: list[GpuPipeline] = []  # the GPU engines' (plane_batches)
         self._frames: dict[int, tuple[int, int]] = {}  # host base -> (bytes, device address)
         # How a DLA slot's pre kernel reaches a frame ([pre_post] gpu_frames; measured in
         # docs/BENCHMARKS.md §9.8): "auto" reads a registered frame in place on any GPU (one
@@ -280,6 +282,84 @@ class GpuService:
             patterns=() if cudla else tuple(timing_pattern(d).tobytes() for d in loadable.outputs),
         )
 
+    def plane_batches(
+        self,
+        engine: DeviceIoEngine,
+        loadable: Loadable,
+        slots: int,
+        max_batch: int,
+        *,
+        conf: float,
+        iou: float,
+        default_max_det: int,
+    ) -> tuple[PlaneGpu, tuple[int, ...]]:
+        """The GPU's inference for the native plane (``dlad/native/gpu_batch_engine.hpp``):
+        ``engine``'s CUDA graphs for batches of 1..``max_batch``, and, for each of ``slots``
+        slots and each frame ``b`` of its batch, a pipeline whose pre kernel writes frame ``b``
+        of the engine's input and whose post graphs read image ``b`` of its ``CHW16`` heads
+        (kernels warmed up), all queued on one stream (the first pipeline's); ``conf``,
+        ``iou`` and ``default_max_det`` are the model's defaults. The plane then owns the
+        engine's input and heads: nothing may run a batch on the engine itself afterwards.
+        Everything stays this service's, freed by :meth:`close` after the plane's close.
+        Raises ValueError where the engine's input or heads are not the layouts the kernels
+        write and read, it has no graph per batch size, or a frame could overflow the GPU's
+        candidate store; CudaError from the driver."""
+        from dlad.native_plane import PlaneGpu, PlaneGpuSlot  # noqa: PLC0415 (plane types)
+        from dlad.protocol import MAX_DET  # noqa: PLC0415
+
+        h, w = loadable.image_size
+        if engine.frame_bytes != hwc4_layout(3, h, w, 1)[2]:
+            raise ValueError(f"engine frames of {engine.frame_bytes} B, the pre kernel writes "
+                             f"{hwc4_layout(3, h, w, 1)[2]}")  # fmt: skip
+        heads = [HeadSpec(d.c, d.h, d.w, s)  # fp16 CHW16: what the engine writes
+                 for d, s in zip(loadable.outputs, loadable.strides, strict=True)]  # fmt: skip
+        sizes = tuple(engine.head_image_bytes)
+        if tuple(spec.nbytes for spec in heads) != sizes:
+            raise ValueError("the engine's heads are not fp16 CHW16 of the loadable's shapes")
+        graphs = tuple(engine.graph_execs)
+        if not 1 <= max_batch <= len(graphs) or not all(graphs[:max_batch]):
+            raise ValueError(f"the engine has graphs for batches of 1..{len(graphs)}, "
+                             f"{max_batch} wanted")  # fmt: skip
+        made: list[PlaneGpuSlot] = []
+        stream: int | None = None
+        for _ in range(slots):
+            for b in range(max_batch):
+                pipeline = GpuPipeline(
+                    self.ctx, (h, w), heads, loadable.anchors_px, max_det=MAX_DET,
+                    max_image_bytes=self.max_image_bytes, staging=self.stage_frames,
+                )  # fmt: skip
+                with self._lock:
+                    self._pipelines.append(pipeline)
+                if not pipeline.candidate_capacity_holds:
+                    raise ValueError(
+                        f"the model has more anchor cells than the GPU's candidate store holds "
+                        f"({pipeline.cand_capacity}): pre/post-process it on the CPU "
+                        f'([pre_post] backend = "cpu")'
+                    )
+                head_ptrs = [p + b * n for p, n in zip(engine.head_ptrs, sizes, strict=True)]
+                self._warm_pipeline(pipeline, head_ptrs, loadable)
+                handles = pipeline.plane_handles(head_ptrs)
+                if stream is None:
+                    stream = handles["stream"]
+                handles["stream"] = stream  # one stream orders every batch's work
+                made.append(PlaneGpuSlot(
+                    input=engine.input_ptr + b * engine.frame_bytes,
+                    ready=0, ready_device=0, done=0, done_device=0, outputs=(), **handles,
+                ))  # fmt: skip
+        gpu = PlaneGpu(
+            context=int(self.ctx.context),
+            pre_kernel=int(self.ctx.kernels["pre_hwc4_i8"].function),  # the engine's int8 input
+            int8=True,
+            input_scale=float(np.float32(loadable.input_scale)),
+            canvas=(int(h), int(w)),
+            max_det=MAX_DET,
+            conf=conf,
+            iou=iou,
+            default_max_det=default_max_det,
+            slots=tuple(made),
+        )
+        return gpu, graphs[:max_batch]
+
     def host_array(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """``nbytes`` of zeroed, pinned, GPU-mapped host memory (an emulated core's allocator)."""
         buf = self.ctx.host_alloc(nbytes)
@@ -390,7 +470,9 @@ class GpuService:
         )  # fmt: skip
 
     def _warm_up(self, slot: GpuSlot, loadable: Loadable) -> None:
-        p = slot.pipeline
+        self._warm_pipeline(slot.pipeline, slot.head_ptrs, loadable)
+
+    def _warm_pipeline(self, p: GpuPipeline, head_ptrs: Sequence[int], loadable: Loadable) -> None:
         image = np.zeros((2, 2, 3), np.uint8)
         geometry = letterbox_geometry(2, 2, loadable.image_size)
         h, w = loadable.image_size
@@ -400,7 +482,7 @@ class GpuService:
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=1.0)
             p.pre(src, image.shape, "RGB", geometry, scratch.ptr, input_scale=None)
             for _ in range(2):  # the frame's graph with its settings copy, then without
-                p.post(slot.head_ptrs, [geometry], max_det=min(1, p.max_det))
+                p.post(head_ptrs, [geometry], max_det=min(1, p.max_det))
                 p.synchronize()
         finally:
             scratch.free()
@@ -410,11 +492,14 @@ class GpuService:
         self.poller.close()
         with self._lock:
             slots, self._slots = self._slots, []
+            pipelines, self._pipelines = self._pipelines, []
             host, self._host = self._host, {}
             frames = list(self._frames)
         for s in slots:
             s.pipeline.close()
             s.release_fences()
+        for pipeline in pipelines:
+            pipeline.close()
         for buf in host.values():
             buf.free()
         for address in frames:

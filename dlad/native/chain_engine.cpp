@@ -124,35 +124,10 @@ void ChainEngine::start(std::vector<Work> batch) {
     }
     // Only this thread touches the slot's chain state (GpuSlot) while the slot is in use.
     Slot& c = slots_[static_cast<size_t>(index)];
-    Frame f;
-    f.height = static_cast<int>(work.image.height);
-    f.width = static_cast<int>(work.image.width);
-    f.channels = static_cast<int>(work.image.channels);
-    f.bgr = work.image.bgr;
-    // the model's defaults where the INFER sets none (a max_det of 0 too)
-    f.conf = work.image.conf.value_or(gpu_.conf);
-    f.iou = work.image.iou.value_or(gpu_.iou);
-    f.max_det = static_cast<int>(work.image.max_det.value_or(0) > 0 ? *work.image.max_det
-                                                                     : gpu_.default_max_det);
-    f.host = work.host;
-    f.device = work.device;
+    const Frame f = frame_of(gpu_, work);
     c.max_det = f.max_det;
-    std::string error;
-    if (f.host == nullptr) {
-        error = "the frame's pixels are not where the GPU can read them";
-    } else if (f.max_det > gpu_.max_det) {
-        error = "max_det " + std::to_string(f.max_det) + " is above the GPU's " +
-                std::to_string(gpu_.max_det);
-    }
-    // the plane's thread, or a caller's once it has ended: the device's context current there
-    static thread_local void* current = nullptr;
-    if (error.empty() && current != gpu_.context) {
-        if (int r = cuda_.ctx_set_current(gpu_.context)) {
-            error = "cuCtxSetCurrent failed (" + std::to_string(r) + ")";
-        } else {
-            current = gpu_.context;
-        }
-    }
+    std::string error = refusal(gpu_, f);
+    if (error.empty()) error = make_current(cuda_, gpu_.context);
     const int64_t local = index;  // a cuDLA core's slot is the chain's
     if (error.empty()) {
         error = enqueue_pre(cuda_, gpu_, c.state, f, cudla_ ? cudla_->pre_fence(local) : nullptr);

@@ -97,6 +97,13 @@ class Engine {
     virtual void start(std::vector<Work> batch) = 0;
 };
 
+// ``work`` as a GPU chain reads it: its shape, pixels and settings, the model's defaults
+// (``spec``'s) where the INFER sets none (gpu_chain.cpp).
+Frame frame_of(const GpuSpec& spec, const Work& work);
+// Why the GPU cannot pre-process ``frame`` (its pixels are not where the CPU reads them, or it
+// asks for more detections than the GPU stores), or "".
+std::string refusal(const GpuSpec& spec, const Frame& frame);
+
 // A batch that could not start: its jobs fail with ``why``, and its slot is free.
 inline Finished refused(const std::vector<Work>& batch, Failure failure, std::string why) {
     Finished f;

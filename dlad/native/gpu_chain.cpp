@@ -1,6 +1,8 @@
 // See gpu_chain.hpp.
 #include "gpu_chain.hpp"
 
+#include "engine.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,8 +47,65 @@ Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h) {
     return g;
 }
 
+std::string make_current(const CudaApi& cuda, void* context) {
+    // the plane's thread, or a caller's once it has ended: the device's context current there
+    static thread_local void* current = nullptr;
+    if (current == context) return "";
+    if (int r = cuda.ctx_set_current(context)) return failed("cuCtxSetCurrent", r);
+    current = context;
+    return "";
+}
+
+Frame frame_of(const GpuSpec& spec, const Work& work) {
+    const Image& image = work.image;
+    Frame f;
+    f.height = static_cast<int>(image.height);
+    f.width = static_cast<int>(image.width);
+    f.channels = static_cast<int>(image.channels);
+    f.bgr = image.bgr;
+    // the model's defaults where the INFER sets none (a max_det of 0 too)
+    f.conf = image.conf.value_or(spec.conf);
+    f.iou = image.iou.value_or(spec.iou);
+    f.max_det = static_cast<int>(image.max_det.value_or(0) > 0 ? *image.max_det
+                                                               : spec.default_max_det);
+    f.host = work.host;
+    f.device = work.device;
+    return f;
+}
+
+std::string refusal(const GpuSpec& spec, const Frame& frame) {
+    if (frame.host == nullptr) return "the frame's pixels are not where the GPU can read them";
+    if (frame.max_det > spec.max_det) {
+        return "max_det " + std::to_string(frame.max_det) + " is above the GPU's " +
+               std::to_string(spec.max_det);
+    }
+    return "";
+}
+
 std::string enqueue_pre(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
                         const Frame& frame, NvSciSyncFence* pre_fence) {
+    std::string error = enqueue_pre_kernel(cuda, spec, slot, frame);
+    if (!error.empty()) return error;
+    const GpuSlotSpec& s = *slot.spec;
+    // The ready signal (GpuSlot.chain_task): the word, or the semaphore (CudlaFenceLink)
+    if (s.ready_semaphore != nullptr) {
+        ExternalSemaphoreParams params;
+        params.nvsci_fence = pre_fence;
+        if (int r = cuda.signal_external(&s.ready_semaphore, &params, 1, s.stream)) {
+            return failed("cuSignalExternalSemaphoresAsync", r);
+        }
+        return "";
+    }
+    const uint32_t ready = slot.ready + 1;
+    if (int r = cuda.write_value32(s.stream, s.ready_device, ready, 0)) {
+        return failed("cuStreamWriteValue32", r);
+    }
+    slot.ready = ready;
+    return "";
+}
+
+std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
+                               const Frame& frame) {
     const GpuSlotSpec& s = *slot.spec;
     slot.waits = slot.hosted = false;
     const uint64_t bytes = static_cast<uint64_t>(frame.height) * static_cast<uint64_t>(frame.width) *
@@ -105,20 +164,6 @@ std::string enqueue_pre(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
                                    nullptr)) {
         return failed("cuLaunchKernel(pre)", r);
     }
-    // The ready signal (GpuSlot.chain_task): the word, or the semaphore (CudlaFenceLink)
-    if (s.ready_semaphore != nullptr) {
-        ExternalSemaphoreParams params;
-        params.nvsci_fence = pre_fence;
-        if (int r = cuda.signal_external(&s.ready_semaphore, &params, 1, s.stream)) {
-            return failed("cuSignalExternalSemaphoresAsync", r);
-        }
-        return "";
-    }
-    const uint32_t ready = slot.ready + 1;
-    if (int r = cuda.write_value32(s.stream, s.ready_device, ready, 0)) {
-        return failed("cuStreamWriteValue32", r);
-    }
-    slot.ready = ready;
     return "";
 }
 
@@ -137,6 +182,15 @@ std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
         }
         slot.waits = true;
     }
+    std::string error = enqueue_post_graph(cuda, slot, frame);
+    if (!error.empty()) return error;
+    if (int r = cuda.launch_host_func(s.stream, fn, data)) return failed("cuLaunchHostFunc", r);
+    slot.hosted = true;
+    return "";
+}
+
+std::string enqueue_post_graph(const CudaApi& cuda, GpuSlot& slot, const Frame& frame) {
+    const GpuSlotSpec& s = *slot.spec;
     // GpuPipeline.post: the settings are copied only when they differ from the last frame's
     const Letterbox& g = slot.geometry;
     FrameParams f{};
@@ -163,8 +217,6 @@ std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
         std::memcpy(slot.settings, settings, sizeof settings);
         slot.copied = true;
     }
-    if (int r = cuda.launch_host_func(s.stream, fn, data)) return failed("cuLaunchHostFunc", r);
-    slot.hosted = true;
     return "";
 }
 

@@ -175,12 +175,23 @@ struct GpuSlot {
 // the fence the task is to wait on. Returns "" or the failed call with its result code.
 std::string enqueue_pre(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
                         const Frame& frame, NvSciSyncFence* pre_fence = nullptr);
+// The first half without its signal: the pixels where the pre kernel reads them and the kernel,
+// which writes ``slot.spec->input`` (a GPU engine's batch, whose stream orders the rest).
+std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
+                               const Frame& frame);
 // The second half, once the DLA task is submitted: the wait for it (the word ``done`` reaching
 // ``slot.done``, the value the task writes; or ``eof``, its EOF fence), the post graph with the frame's
 // settings, and ``fn(data)`` on CUDA's host-function thread. Returns "" or the failed call;
 // ``slot.waits`` and ``slot.hosted`` then say how far it got.
 std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
                          const NvSciSyncFence* eof, void (*fn)(void*), void* data);
+
+// The frame's post graph alone (its settings copied first where they differ from the slot's
+// last frame's), on the slot's stream. Returns "" or the failed call.
+std::string enqueue_post_graph(const CudaApi& cuda, GpuSlot& slot, const Frame& frame);
+// Make ``context`` current on the calling thread (once per thread and context). Returns "" or
+// the failed call.
+std::string make_current(const CudaApi& cuda, void* context);
 
 // The result record a finished chain left.
 struct Detections {

@@ -91,10 +91,12 @@ using CudlaSlotTuple = std::tuple<std::vector<uintptr_t>, std::vector<uintptr_t>
 using CudlaTuple =
     std::tuple<uintptr_t, uintptr_t, uintptr_t, uint32_t, int64_t, std::vector<CudlaSlotTuple>>;
 // name, latency_us, slots, capacity, gpu, cudla, kind, max_batch, max_queue_delay_us,
-// curve_us, tier, run (a Python engine's callable, or None)
+// curve_us, tier, run (a Python engine's callable, or None), graphs (the GPU's inference
+// graphs by batch size)
 using PlaneDevice = std::tuple<std::string, double, int64_t, int64_t, std::optional<GpuTuple>,
                                std::optional<CudlaTuple>, std::string, int64_t, double,
-                               std::map<int64_t, double>, int64_t, py::object>;
+                               std::map<int64_t, double>, int64_t, py::object,
+                               std::vector<uintptr_t>>;
 // the CUDA driver's functions (CudaApi's order), CU_STREAM_WAIT_VALUE_GEQ, and the external
 // semaphore functions (0: none)
 using CudaTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
@@ -225,7 +227,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     const auto& [quarantine_after, retry, probe_after_s, probe_max_s] = health;
     c.health = {quarantine_after, retry, probe_after_s, probe_max_s};
     for (const auto& [name, latency_us, slots, capacity, gpu, core, kind, max_batch, delay_us,
-                      curve_us, tier, run] : devices) {
+                      curve_us, tier, run, graphs] : devices) {
         dlad::plane::DeviceSpec d;
         d.name = name;
         d.latency_us = latency_us;
@@ -238,6 +240,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
         d.tier = tier;
         if (gpu) d.gpu = gpu_of(*gpu);
         if (core) d.cudla = cudla_of(*core);
+        for (uintptr_t g : graphs) d.graphs.push_back(ptr<void>(g));
         if (!run.is_none()) {
             d.make = [name = name, slots = slots, max_batch = max_batch,
                       run = run](dlad::plane::OnFinished on_done) {

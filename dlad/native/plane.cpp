@@ -3,6 +3,7 @@
 
 #include "chain_engine.hpp"
 #include "clock.hpp"
+#include "gpu_batch_engine.hpp"
 #include "timing_engine.hpp"
 
 #include <dlfcn.h>
@@ -175,6 +176,9 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         std::unique_ptr<Engine> engine;
         if (d.make) {
             engine = d.make(on_done);
+        } else if (d.gpu && !d.graphs.empty()) {
+            engine = std::make_unique<GpuBatchEngine>(d.name, config_.cuda, *d.gpu, d.graphs,
+                                                      d.slots, on_done);
         } else if (d.gpu) {
             engine = std::make_unique<ChainEngine>(d.name, config_.cuda, *d.gpu, d.latency_us,
                                                    dram_.get(), config_.cudla, d.cudla, on_done);

@@ -110,6 +110,10 @@ struct DeviceSpec {
     // GPU pre/post-processing, one GpuSlotSpec per slot (``slots`` is then their number);
     // none: the reply carries no detections (pre/post off)
     std::optional<GpuSpec> gpu;
+    // With ``gpu``: the GPU's inference itself, one CUDA graph per batch size (``graphs[n - 1]``
+    // a batch of n, gpu_batch_engine.hpp; ``gpu`` then has ``slots * max_batch`` GpuSlotSpecs);
+    // none: ``gpu`` is the chain around a DLA core's task
+    std::vector<void*> graphs;
     // A real DLA core, driven through cuDLA (one CudlaSlotSpec per slot); none: an emulated
     // core in timing mode
     std::optional<CudlaSpec> cudla;

@@ -12,7 +12,12 @@
 //   - fake_graph_launch runs a fake post graph (fake_graph_create): the "copy" one first copies
 //     the settings from pinned to device memory; both then write a result record computed from
 //     the device's copy, so a frame run on the wrong graph shows stale settings;
+//   - an inference graph (fake_infer_graph_create: a GPU engine's model for a batch of n) only
+//     logs that it ran;
 //   - fake_launch_host_func calls the function on the stream's thread;
+//   - fake_trace: what every stream ran, in order, a letter an operation (C copy, K kernel,
+//     W write, V wait, P post graph, 1-9 an inference graph of that batch, H host function,
+//     S/X external semaphore signal/wait);
 //   - external semaphores (a cuDLA core's chain, recipe A) are NvSciSync objects of the fake
 //     cuDLA library (tests/dlad/cudla/fake_cudla.c), whose functions fake_set_nvsci hands in:
 //     fake_signal_external fills the caller's fence at the call, as CUDA does (the object's
@@ -55,6 +60,7 @@ typedef struct Stream {
 } Stream;
 
 typedef struct Graph {
+    int batch;  // an inference graph's (0: a post graph)
     int copy;
     unsigned char* frame_host;
     unsigned char* frame_device;
@@ -88,6 +94,14 @@ static int (*g_dup)(const void* src, void* dst);
 static int (*g_wait)(const void* fence, void* ctx, int64_t timeout_us);
 static void (*g_clear)(void* fence);
 static void* g_wait_ctx;
+static char g_trace[MAX_LOG];
+static int g_ntrace;
+
+static void trace(char what) {
+    pthread_mutex_lock(&g_mu);
+    if (g_ntrace < MAX_LOG - 1) g_trace[g_ntrace++] = what;
+    pthread_mutex_unlock(&g_mu);
+}
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -109,6 +123,12 @@ static int failing(const char* call) {
 static int reached(uint32_t word, uint32_t value) { return (uint32_t)(word - value) < 0x80000000u; }
 
 static void run_graph(Graph* g) {
+    if (g->batch > 0) {
+        trace((char)('0' + (g->batch < 9 ? g->batch : 9)));
+        __atomic_add_fetch(&g->launches, 1, __ATOMIC_SEQ_CST);
+        return;
+    }
+    trace('P');
     // struct FrameParams {float conf, obj_cut, iou; int max_det, ...}; struct Geometry {double
     // scale; int pad_x, pad_y, src_w, src_h}
     if (g->copy) memcpy(g->frame_device, g->frame_host, 56);
@@ -135,6 +155,8 @@ static void run_graph(Graph* g) {
 }
 
 static void run_op(Op* op) {
+    static const char letters[] = "CKWV?HSX";  // the graph's letter is run_graph's
+    if (op->kind != OP_GRAPH) trace(letters[op->kind]);
     switch (op->kind) {
         case OP_COPY:
             memcpy((void*)(uintptr_t)op->address, op->staged, op->bytes);
@@ -414,6 +436,23 @@ API void* fake_graph_create(int copy, void* frame_host, void* frame_device, void
     return g;
 }
 
+// A GPU engine's model for a batch of ``batch`` (1-9).
+API void* fake_infer_graph_create(int batch) {
+    Graph* g = calloc(1, sizeof *g);
+    g->batch = batch;
+    return g;
+}
+
+// What the streams ran so far, a letter an operation (see the top), NUL-terminated.
+API int fake_trace(char* out, int most) {
+    pthread_mutex_lock(&g_mu);
+    int n = g_ntrace < most - 1 ? g_ntrace : most - 1;
+    memcpy(out, g_trace, (size_t)n);
+    out[n] = 0;
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
 API int fake_graph_launches(void* graph) {
     return __atomic_load_n(&((Graph*)graph)->launches, __ATOMIC_SEQ_CST);
 }
@@ -458,7 +497,7 @@ API void* fake_context(void) { return g_context; }
 
 API void fake_reset(void) {
     pthread_mutex_lock(&g_mu);
-    g_nlaunches = g_nwritten = g_nposted = g_nsignalled = 0;
+    g_nlaunches = g_nwritten = g_nposted = g_nsignalled = g_ntrace = 0;
     g_fail_code = 0;
     pthread_mutex_unlock(&g_mu);
     __atomic_store_n(&g_host_calls, 0, __ATOMIC_SEQ_CST);

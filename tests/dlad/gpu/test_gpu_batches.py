@@ -262,26 +262,37 @@ torch = "{program}"
 
 
 def test_a_daemon_serves_the_torch_engine_with_gpu_pre_post(
-    tmp_path: Path, program: Path, service: GpuService
+    tmp_path: Path, program: Path, engine: TorchGpu, demo: Loadable
 ) -> None:
-    del service  # only for the skip: the daemon opens its own
+    """The plane runs the GPU's batches itself (dlad/native/gpu_batch_engine.hpp): its pre
+    kernels into the engine's input, the engine's CUDA graph for the batch's size, each frame's
+    post graph; every reply is the CPU path's detections on the same program, with the frame's
+    own settings, whatever batch it was in."""
     cfg = tmp_path / "torch.toml"
     cfg.write_text(CONFIG.format(program=program))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
-    replies: list[tuple[str | None, int]] = []
+    replies: dict[int, tuple[str | None, np.ndarray]] = {}
     errors: list[BaseException] = []
+
+    def settings(i: int) -> tuple[float, float, int]:
+        return (0.25, 0.45, 300) if i % 3 else (0.4, 0.6, 5)
+
     with serve_in_thread(daemon, start_timeout=180) as endpoint:
         executor = daemon.executors["gpu"]
         assert isinstance(executor, GpuExecutor)
-        assert executor.backend == "cuda"
+        assert executor.cuda is None  # handed to the plane: no Python per batch
+        plane = daemon.frontend.plane
+        assert plane is not None
 
         def client(start: int) -> None:  # three clients at once, so batches form
             try:
                 with Client(endpoint, timeout_s=60) as c:
                     for i in range(start, start + 6):
                         image, fmt = _image(i)
-                        result = c.detect(image, pixel_format=fmt, conf=0.25)  # type: ignore[arg-type]
-                        replies.append((result.device, len(result)))
+                        conf, iou, max_det = settings(i)
+                        result = c.detect(image, pixel_format=fmt, conf=conf, iou=iou,  # type: ignore[arg-type]
+                                          max_det=max_det)  # fmt: skip
+                        replies[i] = (result.device, result.detections)
             except BaseException as exc:  # noqa: BLE001 (reported by the test thread below)
                 errors.append(exc)
 
@@ -290,7 +301,15 @@ def test_a_daemon_serves_the_torch_engine_with_gpu_pre_post(
             t.start()
         for t in threads:
             t.join(120)
+        batches = plane.state()[0][0].batches
     assert not errors, errors
-    assert len(replies) == 18
-    assert {device for device, _ in replies} == {"gpu"}
-    assert sum(n for _, n in replies) > 0
+    assert sorted(replies) == list(range(18))
+    assert {device for device, _ in replies.values()} == {"gpu"}
+    assert sum(batches) >= 1
+    requests = []
+    for i in range(18):
+        image, fmt = _image(i)
+        conf, iou, max_det = settings(i)
+        requests.append(Request(image, fmt, conf, iou, max_det, 0, "demo"))
+    _, _, want = _cpu_path(engine, demo, requests)
+    _assert_same_detections([replies[i][1] for i in range(18)], want)
