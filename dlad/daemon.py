@@ -37,7 +37,7 @@ from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.base import DlaError
 from dlad.devices.factory import resolve_backend
-from dlad.engines.python import Defaults, DlaFrames, GpuBatches
+from dlad.engines.python import DlaFrames, GpuBatches
 from dlad.errors import DladError, Overloaded, StartupError
 from dlad.executors.base import UNHEALTHY_AFTER, Executor, failing_words
 from dlad.executors.dla import DlaExecutor
@@ -279,15 +279,12 @@ class Daemon:
         python: list[Placement] = []
         for p in self.plan.placements:
             d = self.config.device(p.device)
-            m = self.config.model(p.model)
-            defaults = {"conf": m.conf_threshold, "iou": m.iou_threshold,
-                        "default_max_det": min(m.max_det, protocol.MAX_DET)}  # fmt: skip
             plane_gpu: PlaneGpu | None = None
             spec: PlaneCudla | None = None
             kind = engines[p.device][0]
             if kind == "cudla":
                 try:
-                    core = await self._open_plane_core(p, gpu, defaults)
+                    core = await self._open_plane_core(p, gpu)
                 except PlaneCoreUnsupported as exc:
                     log.warning("cudla_python_engine", device=p.device, reason=str(exc))
                     python.append(p)
@@ -295,7 +292,7 @@ class Daemon:
                 plane_gpu, spec, cudla = core.gpu, core.spec, core.functions
             elif kind == "timing":
                 if gpu is not None:
-                    plane_gpu = await self._plane_slots(gpu, p, defaults)
+                    plane_gpu = await self._plane_slots(gpu, p)
             else:
                 python.append(p)
                 continue
@@ -353,30 +350,28 @@ class Daemon:
                 await executor.warm_up()
             except DladError as exc:  # quarantined once the plane runs (_serve_plane)
                 self._cold[executor.name] = exc.message
-            m = self.config.model(p.model)
-            defaults = Defaults(m.conf_threshold, m.iou_threshold, min(m.max_det, protocol.MAX_DET))
             d = self.config.device(p.device)
             if isinstance(executor, GpuExecutor):
                 on_soc = (d.engine or "emulated") != "torch"
                 native = None
                 if executor.cuda is not None and p.device not in self._cold:
-                    native = await self._plane_batches(executor, defaults)
+                    native = await self._plane_batches(executor)
                 out[p.device] = PlaneDevice(
                     p.device, executor.service_us, slots=executor.slots, capacity=d.queue_depth,
                     kind="gpu" if on_soc else "", max_batch=executor.max_batch,
                     max_queue_delay_us=executor.max_queue_delay_us,
                     curve_us=executor.batch_service_us, tier=1,
-                    run=None if native else GpuBatches(executor, defaults),
+                    run=None if native else GpuBatches(executor),
                     gpu=native[0] if native else None, graphs=native[1] if native else (),
                 )  # fmt: skip
             elif isinstance(executor, DlaExecutor):
-                frames = DlaFrames(executor, defaults)
+                frames = DlaFrames(executor)
                 out[p.device] = PlaneDevice(p.device, executor.service_us, slots=frames.slots,
                                             capacity=d.queue_depth, run=frames)  # fmt: skip
         return out
 
     async def _plane_batches(
-        self, executor: GpuExecutor, defaults: Defaults
+        self, executor: GpuExecutor
     ) -> tuple[PlaneGpu, tuple[int, ...]] | None:
         """The GPU's batches as the plane's own engine: the executor's engine, whose CUDA
         graphs the plane launches between its own pre and post kernels
@@ -389,8 +384,7 @@ class Daemon:
 
         build = functools.partial(
             gpu.plane_batches, cuda.engine, executor.loadable, executor.slots,
-            executor.max_batch, conf=defaults.conf, iou=defaults.iou,
-            default_max_det=defaults.max_det,
+            executor.max_batch,
         )  # fmt: skip
         try:
             made = await anyio.to_thread.run_sync(build)
@@ -425,32 +419,26 @@ class Daemon:
             raise StartupError(f"the native plane's GPU pre/post cannot run: {exc}",
                                key=key) from None  # fmt: skip
 
-    async def _plane_slots(
-        self, gpu: GpuService, p: Placement, defaults: dict[str, Any]
-    ) -> PlaneGpu:
+    async def _plane_slots(self, gpu: GpuService, p: Placement) -> PlaneGpu:
         """An emulated core's GPU slots for the native plane. Raises StartupError."""
         from dlad.gpu.driver import CudaError  # noqa: PLC0415 (GPU only)
 
         try:
             return await anyio.to_thread.run_sync(
-                functools.partial(gpu.plane_gpu, p.loadable, _PLANE_SLOTS, **defaults)
+                functools.partial(gpu.plane_gpu, p.loadable, _PLANE_SLOTS)
             )
         except (CudaError, ValueError) as exc:
             raise StartupError(f"the native plane's GPU pre/post cannot run: {exc}",
                                key="pre_post.backend") from None  # fmt: skip
 
-    async def _open_plane_core(
-        self, p: Placement, gpu: GpuService | None, defaults: dict[str, Any]
-    ) -> PlaneCore:
+    async def _open_plane_core(self, p: Placement, gpu: GpuService | None) -> PlaneCore:
         """A real DLA core for the native plane (closed after it). Raises StartupError."""
         from dlad.devices.cudla.cuda_interop import CudaInteropError  # noqa: PLC0415
         from dlad.gpu.driver import CudaError  # noqa: PLC0415 (imports no CUDA until called)
         from dlad.plane_cores import open_plane_core  # noqa: PLC0415
 
         try:
-            opening = functools.partial(
-                open_plane_core, self.plan, p, slots=_PLANE_SLOTS, gpu=gpu, **defaults
-            )
+            opening = functools.partial(open_plane_core, self.plan, p, slots=_PLANE_SLOTS, gpu=gpu)
             core = await anyio.to_thread.run_sync(opening)
         except (DlaError, CudaError, CudaInteropError, ValueError) as exc:
             raise StartupError(

@@ -59,6 +59,7 @@ from dlad.native_plane import (
     Frame,
     Health,
     Item,
+    ModelSettings,
     NativePlane,
     PlaneDevice,
     PlaneUnavailable,
@@ -259,6 +260,9 @@ class Frontend:
                 self._socket,
                 devices=devices,
                 models=models,
+                settings={m.name: ModelSettings(m.conf_threshold, m.iou_threshold,
+                                                min(m.max_det, protocol.MAX_DET))
+                          for m in c.models},
                 limits=self.limits,
                 default_deadline_ms=c.daemon.default_deadline_ms,
                 max_deadline_ms=c.daemon.max_deadline_ms,

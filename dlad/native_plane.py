@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Final
 import zmq
 
 from dlad import protocol
+from dlad.config import ModelConfig
 from dlad.devices.dram import ORIN_DRAM_K
 
 if TYPE_CHECKING:
@@ -223,9 +224,6 @@ class PlaneGpu:
     input_scale: float
     canvas: tuple[int, int]
     max_det: int
-    conf: float
-    iou: float
-    default_max_det: int
     slots: tuple[PlaneGpuSlot, ...]
     # what an emulated core in timing mode writes into each output (EmulatedDlaCore's patterns,
     # dlad.devices.emulated.timing_pattern), so that both data planes answer a frame alike
@@ -239,6 +237,21 @@ PythonRun = Callable[
 """A Python engine's work (``dlad/native/python_engine.hpp`` states the contract): a batch of
 ``(job, pixels, (height, width, channels, bgr, conf, iou, max_det))`` in, ``(start_ns, end_ns,
 results)`` out, one ``(failure, message, detections, pre_us, post_us)`` per job."""
+
+
+_MODEL_DEFAULTS: Final[dict[str, Any]] = {
+    f.name: f.default for f in dataclasses.fields(ModelConfig)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """A model's detection settings for an INFER that sets none (``[models.*]``'s, by default
+    their defaults): the plane resolves them for every engine."""
+
+    conf: float = _MODEL_DEFAULTS["conf_threshold"]
+    iou: float = _MODEL_DEFAULTS["iou_threshold"]
+    max_det: int = _MODEL_DEFAULTS["max_det"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +410,7 @@ def _gpu_tuple(gpu: PlaneGpu | None) -> tuple[Any, ...] | None:
               s.post_copy, s.post_reuse, s.frame, s.out, list(s.outputs))
              for s in gpu.slots]  # fmt: skip
     return (gpu.context, gpu.pre_kernel, gpu.int8, gpu.input_scale, gpu.canvas[0],
-            gpu.canvas[1], gpu.max_det, gpu.conf, gpu.iou, gpu.default_max_det, slots,
+            gpu.canvas[1], gpu.max_det, slots,
             list(gpu.patterns))  # fmt: skip
 
 
@@ -440,6 +453,7 @@ class NativePlane:
         *,
         devices: Sequence[PlaneDevice],
         models: Mapping[str, Sequence[str]],
+        settings: Mapping[str, ModelSettings] | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         default_deadline_ms: float = 1000.0,
         max_deadline_ms: float = 60_000.0,
@@ -483,7 +497,10 @@ class NativePlane:
                   {int(k): float(v) for k, v in d.curve_us.items()}, d.tier, d.run,
                   list(d.graphs))
                  for d in devices],
-                {m: list(ds) for m, ds in models.items()}, float(default_deadline_ms),
+                {m: list(ds) for m, ds in models.items()},
+                {m: (float(s.conf), float(s.iou), int(s.max_det))
+                 for m, s in ((m, (settings or {}).get(m, ModelSettings())) for m in models)},
+                float(default_deadline_ms),
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
                 float(alpha), dict(pins or {}), shm, curve,
                 None if cuda is None else dataclasses.astuple(cuda),

@@ -55,13 +55,10 @@ def open_plane_core(
     *,
     slots: int,
     gpu: GpuService | None,
-    conf: float,
-    iou: float,
-    default_max_det: int,
 ) -> PlaneCore:
     """Open ``placement``'s DLA core through cuDLA for the native plane, with ``slots`` slots
-    and, where ``gpu`` is given, GPU pre/post (``conf``, ``iou``, ``default_max_det``: the
-    model's defaults). Blocks (loading the module, allocating, warming the kernels).
+    and, where ``gpu`` is given, GPU pre/post. Blocks (loading the module, allocating, warming
+    the kernels).
 
     Raises PlaneCoreUnsupported (a core in deterministic-semaphore mode), DlaError (a library
     that does not load, a loadable that does not match the model's, any failed call), ValueError
@@ -96,10 +93,7 @@ def open_plane_core(
                 for inputs, outputs in buffers
             ]
             fences = [s.done for s in linked]  # the DLA-signalled fence the stream waits on
-            plane_gpu = gpu.plane_gpu(
-                placement.loadable, slots, conf=conf, iou=iou,
-                default_max_det=default_max_det, cudla=linked,
-            )  # fmt: skip
+            plane_gpu = gpu.plane_gpu(placement.loadable, slots, cudla=linked)
         if dla.semaphores == "deterministic":
             raise PlaneCoreUnsupported(
                 "this cuDLA offers deterministic semaphores only (older JetPack); the core "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -31,7 +30,7 @@ from dlad.executors.base import Outcome, Request
 from dlad.executors.dla import DlaExecutor, Slot
 from dlad.executors.gpu import GpuExecutor
 
-__all__ = ["Defaults", "DlaFrames", "GpuBatches"]
+__all__ = ["DlaFrames", "GpuBatches"]
 
 Batch = list[tuple[int, memoryview | None, tuple[Any, ...]]]
 Result = tuple[int, str, Any, int | None, int | None]
@@ -42,23 +41,13 @@ _HUNG: Final = 3
 _INTERNAL: Final = 4
 
 
-@dataclass(frozen=True, slots=True)
-class Defaults:
-    """A model's detection settings, for a request that sets none (``[models.*]``)."""
-
-    conf: float
-    iou: float
-    max_det: int
-
-
 _NO_PIXELS: Final = "the frame's pixels are not where the engine can read them"
 
 
-def request(
-    pixels: memoryview | None, shape: tuple[Any, ...], defaults: Defaults, model: str
-) -> Request | None:
-    """The executor's request for one frame of a batch; None where the plane held no pixels
-    for it (a frame in a segment that is not mapped here)."""
+def request(pixels: memoryview | None, shape: tuple[Any, ...], model: str) -> Request | None:
+    """The executor's request for one frame of a batch (its settings as the plane resolved
+    them: the model's where the INFER set none); None where the plane held no pixels for it (a
+    frame in a segment that is not mapped here)."""
     height, width, channels, bgr, conf, iou, max_det = shape
     if pixels is None:
         return None
@@ -67,9 +56,9 @@ def request(
     return Request(
         image=image,
         pixel_format=fmt,
-        conf=defaults.conf if conf is None else conf,
-        iou=defaults.iou if iou is None else iou,
-        max_det=max_det if max_det else defaults.max_det,  # 0: the model's
+        conf=conf,
+        iou=iou,
+        max_det=max_det,
         received_ns=time.monotonic_ns(),
         model=model,
     )
@@ -90,9 +79,8 @@ class DlaFrames:
     """A DLA core's frames for a Python engine of the plane: one job a call, on a free slot of
     the executor's (the engine runs as many threads as the executor has slots)."""
 
-    def __init__(self, executor: DlaExecutor, defaults: Defaults) -> None:
+    def __init__(self, executor: DlaExecutor) -> None:
         self.executor = executor
-        self.defaults = defaults
         self.model = next(iter(executor.models))
         self._free: queue.SimpleQueue[Slot] = queue.SimpleQueue()
         for slot in executor.slots:
@@ -104,7 +92,7 @@ class DlaFrames:
 
     def __call__(self, batch: Batch) -> tuple[int, int, Sequence[Result]]:
         ((job, pixels, shape),) = batch
-        work = request(pixels, shape, self.defaults, self.model)
+        work = request(pixels, shape, self.model)
         if work is None:
             return 0, 0, [(_INTERNAL, _NO_PIXELS, None, None, None)]
         slot = self._free.get()  # one is free: the plane runs a job a thread
@@ -119,9 +107,8 @@ class GpuBatches:
     """The GPU's batches for a Python engine of the plane, the executor's engine running each on
     a free slot of the executor's (the engine runs as many threads as the executor has slots)."""
 
-    def __init__(self, executor: GpuExecutor, defaults: Defaults) -> None:
+    def __init__(self, executor: GpuExecutor) -> None:
         self.executor = executor
-        self.defaults = defaults
         self.model = next(iter(executor.models))
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(executor.slots):
@@ -131,7 +118,7 @@ class GpuBatches:
         ids: list[int] = []
         works: list[Request] = []
         for job, pixels, shape in batch:
-            work = request(pixels, shape, self.defaults, self.model)
+            work = request(pixels, shape, self.model)
             if work is not None:
                 works.append(work)
                 ids.append(job)

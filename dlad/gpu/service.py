@@ -216,16 +216,13 @@ class GpuService:
         loadable: Loadable,
         slots: int,
         *,
-        conf: float,
-        iou: float,
-        default_max_det: int,
         cudla: Sequence[GpuSlot] = (),
     ) -> PlaneGpu:
         """GPU pre/post for a core of the native plane: ``slots``
         slots as :meth:`slot` makes them for an emulated core (zeroed DLA buffers from
         :meth:`host_array`, kernels warmed up), or a cuDLA core's slots from :meth:`cudla_slot`
-        (``cudla``; ``slots`` is then their number), handed over as handles and addresses;
-        ``conf``, ``iou`` and ``default_max_det`` are the model's defaults. Everything stays
+        (``cudla``; ``slots`` is then their number), handed over as handles and addresses.
+        Everything stays
         this service's (a cuDLA slot's imports its core's), freed by :meth:`close`, which must
         come after the plane's close. Raises ValueError where a frame could overflow the GPU's
         candidate store (the plane has no numpy fallback), CudaError from the driver."""
@@ -274,9 +271,6 @@ class GpuService:
             input_scale=float(np.float32(loadable.input_scale)) if int8 else 1.0,
             canvas=(int(loadable.image_size[0]), int(loadable.image_size[1])),
             max_det=MAX_DET,
-            conf=conf,
-            iou=iou,
-            default_max_det=default_max_det,
             slots=tuple(made),
             # an emulated core's timing-mode outputs, as EmulatedDlaCore writes them
             patterns=() if cudla else tuple(timing_pattern(d).tobytes() for d in loadable.outputs),
@@ -288,17 +282,13 @@ class GpuService:
         loadable: Loadable,
         slots: int,
         max_batch: int,
-        *,
-        conf: float,
-        iou: float,
-        default_max_det: int,
     ) -> tuple[PlaneGpu, tuple[int, ...]]:
         """The GPU's inference for the native plane (``dlad/native/gpu_batch_engine.hpp``):
         ``engine``'s CUDA graphs for batches of 1..``max_batch``, and, for each of ``slots``
         slots and each frame ``b`` of its batch, a pipeline whose pre kernel writes frame ``b``
         of the engine's input and whose post graphs read image ``b`` of its ``CHW16`` heads
-        (kernels warmed up), all queued on one stream (the first pipeline's); ``conf``,
-        ``iou`` and ``default_max_det`` are the model's defaults. The plane then owns the
+        (kernels warmed up), all queued on one stream (the first pipeline's). The plane then
+        owns the
         engine's input and heads: nothing may run a batch on the engine itself afterwards.
         Everything stays this service's, freed by :meth:`close` after the plane's close.
         Raises ValueError where the engine's input or heads are not the layouts the kernels
@@ -353,9 +343,6 @@ class GpuService:
             input_scale=float(np.float32(loadable.input_scale)),
             canvas=(int(h), int(w)),
             max_det=MAX_DET,
-            conf=conf,
-            iou=iou,
-            default_max_det=default_max_det,
             slots=tuple(made),
         )
         return gpu, graphs[:max_batch]

@@ -124,7 +124,7 @@ void ChainEngine::start(std::vector<Work> batch) {
     }
     // Only this thread touches the slot's chain state (GpuSlot) while the slot is in use.
     Slot& c = slots_[static_cast<size_t>(index)];
-    const Frame f = frame_of(gpu_, work);
+    const Frame f = frame_of(work);
     c.max_det = f.max_det;
     std::string error = refusal(gpu_, f);
     if (error.empty()) error = make_current(cuda_, gpu_.context);

@@ -32,7 +32,8 @@ struct Image {
     std::optional<int64_t> max_det;
 };
 
-// One job of a batch, as an engine reads it: its pixels where the CPU reads them (``host``;
+// One job of a batch, as an engine reads it (its image's settings resolved: the model's where
+// the INFER set none): its pixels where the CPU reads them (``host``;
 // null where the plane has none, for an engine that reads no pixels) and, for a frame in a
 // shared-memory segment registered with the GPU, where the GPU does (``device``, else 0); and
 // what keeps those pixels alive until the engine is done with them (a job may be answered, at
@@ -97,11 +98,10 @@ class Engine {
     virtual void start(std::vector<Work> batch) = 0;
 };
 
-// ``work`` as a GPU chain reads it: its shape, pixels and settings, the model's defaults
-// (``spec``'s) where the INFER sets none (gpu_chain.cpp).
-Frame frame_of(const GpuSpec& spec, const Work& work);
-// Why the GPU cannot pre-process ``frame`` (its pixels are not where the CPU reads them, or it
-// asks for more detections than the GPU stores), or "".
+// ``work`` as a GPU chain reads it: its shape, pixels and settings (gpu_chain.cpp).
+Frame frame_of(const Work& work);
+// Why the GPU cannot pre-process ``frame`` (its pixels are not where the CPU reads them, it
+// asks for more detections than the GPU stores, its settings are unresolved), or "".
 std::string refusal(const GpuSpec& spec, const Frame& frame);
 
 // A batch that could not start: its jobs fail with ``why``, and its slot is free.

@@ -112,7 +112,7 @@ void GpuBatchEngine::start(std::vector<Work> batch) {
     for (const Work& w : batch) {
         Member m;
         m.job = w.job;
-        const Frame f = frame_of(gpu_, w);
+        const Frame f = frame_of(w);
         m.max_det = f.max_det;
         m.refused = refusal(gpu_, f);
         if (m.refused.empty() && error.empty()) {

@@ -56,24 +56,26 @@ std::string make_current(const CudaApi& cuda, void* context) {
     return "";
 }
 
-Frame frame_of(const GpuSpec& spec, const Work& work) {
+Frame frame_of(const Work& work) {
     const Image& image = work.image;
     Frame f;
     f.height = static_cast<int>(image.height);
     f.width = static_cast<int>(image.width);
     f.channels = static_cast<int>(image.channels);
     f.bgr = image.bgr;
-    // the model's defaults where the INFER sets none (a max_det of 0 too)
-    f.conf = image.conf.value_or(spec.conf);
-    f.iou = image.iou.value_or(spec.iou);
-    f.max_det = static_cast<int>(image.max_det.value_or(0) > 0 ? *image.max_det
-                                                               : spec.default_max_det);
+    // the plane resolved the model's settings where the INFER set none (Plane::work_of)
+    f.conf = image.conf.value_or(-1);
+    f.iou = image.iou.value_or(-1);
+    f.max_det = static_cast<int>(image.max_det.value_or(-1));
     f.host = work.host;
     f.device = work.device;
     return f;
 }
 
 std::string refusal(const GpuSpec& spec, const Frame& frame) {
+    if (frame.conf < 0 || frame.iou < 0 || frame.max_det < 0) {
+        return "the frame's settings were not resolved";
+    }
     if (frame.host == nullptr) return "the frame's pixels are not where the GPU can read them";
     if (frame.max_det > spec.max_det) {
         return "max_det " + std::to_string(frame.max_det) + " is above the GPU's " +

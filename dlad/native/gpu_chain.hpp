@@ -110,9 +110,6 @@ struct GpuSpec {
     int canvas_h = 0;
     int canvas_w = 0;
     int max_det = 0;             // the pipelines' largest
-    double conf = 0.25;          // [models.*] defaults, for an INFER that sets none
-    double iou = 0.45;
-    int64_t default_max_det = 300;
     std::vector<GpuSlotSpec> slots;
     // What an emulated core in timing mode writes into each output (EmulatedDlaCore's
     // patterns: real-looking head logits), in the slots' ``outputs`` order

@@ -81,10 +81,10 @@ using GpuSlotTuple =
     std::tuple<uintptr_t, uint64_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uint64_t,
                uintptr_t, uint64_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
                uintptr_t, std::vector<uintptr_t>>;
-// context, pre_kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
-// default_max_det, slots, patterns: a device's GpuSpec
-using GpuTuple = std::tuple<uintptr_t, uintptr_t, bool, float, int, int, int, double, double,
-                            int64_t, std::vector<GpuSlotTuple>, std::vector<std::string>>;
+// context, pre_kernel, int8, input_scale, canvas_h, canvas_w, max_det, slots, patterns: a
+// device's GpuSpec
+using GpuTuple = std::tuple<uintptr_t, uintptr_t, bool, float, int, int, int,
+                            std::vector<GpuSlotTuple>, std::vector<std::string>>;
 // a cuDLA slot's registered pointers: inputs, outputs, the semaphore its tasks signal
 using CudlaSlotTuple = std::tuple<std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t>;
 // device handle, module, CPU wait context, submit flags, timeout_us, slots: a CudlaSpec
@@ -135,8 +135,8 @@ T* ptr(uintptr_t address) {
 }
 
 dlad::plane::GpuSpec gpu_of(const GpuTuple& t) {
-    const auto& [context, kernel, int8, input_scale, canvas_h, canvas_w, max_det, conf, iou,
-                 default_max_det, slots, patterns] = t;
+    const auto& [context, kernel, int8, input_scale, canvas_h, canvas_w, max_det, slots,
+                 patterns] = t;
     dlad::plane::GpuSpec g;
     g.context = ptr<void>(context);
     g.pre_kernel = ptr<void>(kernel);
@@ -145,9 +145,6 @@ dlad::plane::GpuSpec gpu_of(const GpuTuple& t) {
     g.canvas_h = canvas_h;
     g.canvas_w = canvas_w;
     g.max_det = max_det;
-    g.conf = conf;
-    g.iou = iou;
-    g.default_max_det = default_max_det;
     for (const auto& [stream, image, staging, staging_device, image_bytes, input, ready,
                       ready_device, done, done_device, ready_semaphore, done_semaphore, post_copy,
                       post_reuse, frame, out, outputs] : slots) {
@@ -214,7 +211,9 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::string& libzmq, uintptr_t router, uintptr_t forward,
     const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
     const std::vector<PlaneDevice>& devices,
-    std::map<std::string, std::vector<std::string>> models, double default_deadline_ms,
+    std::map<std::string, std::vector<std::string>> models,
+    const std::map<std::string, std::tuple<double, double, int64_t>>& settings,
+    double default_deadline_ms,
     double max_deadline_ms, int64_t max_in_flight_per_client, uint64_t max_buffered_bytes,
     const std::string& policy, double alpha,
     std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
@@ -255,6 +254,10 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     c.dram_contention = dram_contention;
     c.dram_k = coefficients(dram_k);
     c.models = std::move(models);
+    for (const auto& [model, t] : settings) {
+        const auto& [conf, iou, max_det] = t;
+        c.settings[model] = {conf, iou, max_det};
+    }
     c.default_deadline_ms = default_deadline_ms;
     c.max_deadline_ms = max_deadline_ms;
     c.max_in_flight_per_client = max_in_flight_per_client;
@@ -311,7 +314,7 @@ PYBIND11_MODULE(_native, m) {
     });
     py::class_<dlad::plane::Plane>(m, "Plane")
         .def(py::init(&make_plane), py::arg("libzmq"), py::arg("router"), py::arg("forward"),
-             py::arg("limits"), py::arg("devices"), py::arg("models"),
+             py::arg("limits"), py::arg("devices"), py::arg("models"), py::arg("settings"),
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),

@@ -154,6 +154,9 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
     }
     std::map<std::string, std::vector<std::string>> served;  // device -> its models
     for (const auto& [model, devices] : config_.models) {
+        if (config_.settings.count(model) == 0) {
+            throw std::invalid_argument("model " + model + ": no detection settings");
+        }
         for (const auto& d : devices) served[d].push_back(model);
     }
     for (const auto& d : config_.devices) {
@@ -959,6 +962,12 @@ std::vector<Work> Plane::work_of(const std::vector<int64_t>& ids, int64_t now) {
         Work w;
         w.job = id;
         w.image = job.image;
+        // the model's settings where the INFER sets none (a max_det of 0 too): every engine
+        // is handed resolved ones
+        const ModelSettings& s = config_.settings.at(job.model);
+        w.image.conf = job.image.conf.value_or(s.conf);
+        w.image.iou = job.image.iou.value_or(s.iou);
+        w.image.max_det = job.image.max_det.value_or(0) > 0 ? *job.image.max_det : s.max_det;
         if (job.payload) {
             w.host = job.payload->data();
             w.keep = job.payload;

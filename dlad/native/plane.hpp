@@ -95,6 +95,13 @@ class Part {
     ZmqMsg msg_{};
 };
 
+// A model's detection settings (``[models.*]`` conf_threshold, iou_threshold, max_det).
+struct ModelSettings {
+    double conf = 0;
+    double iou = 0;
+    int64_t max_det = 0;
+};
+
 struct DeviceSpec {
     std::string name;
     double latency_us = 0;  // the engine's service time for one task (an emulated core's in
@@ -152,6 +159,9 @@ struct Config {
     uint64_t max_buffered_bytes = 256ull << 20;
     std::vector<DeviceSpec> devices;
     std::map<std::string, std::vector<std::string>> models;  // model -> the devices serving it
+    // model -> its [models.*] detection settings, for an INFER that sets none: the plane
+    // resolves them for every engine (one for each model of ``models``)
+    std::map<std::string, ModelSettings> settings;
     Policy policy = Policy::latency;                         // [scheduler]
     double alpha = 0.2;
     bool shm = false;  // [shm] enabled: INFERs naming a segment the control plane registered

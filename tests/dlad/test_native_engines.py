@@ -99,10 +99,10 @@ def test_a_python_engine_answers_with_what_it_returned(recorder: Recorder, rigs:
     )  # the frame's own pixels and settings reached the engine
     assert (r.timing.pre_us, r.timing.post_us) == (11, 22)
     assert (r.timing.start_ns, r.timing.end_ns, r.timing.device_us) == (1_000, 5_000, 4)
-    rig.infer(4)  # no settings: the engine is told None, the model's defaults are its own
+    rig.infer(4)  # no settings: the plane resolves the model's ([models.*]'s defaults here)
     r = rig.reply()
     assert r.detections is not None
-    assert r.detections[0, 4:].tolist() == [-1.0, -1.0]
+    assert r.detections[0, 4:].tolist() == [0.25, 300]
 
 
 def test_the_plane_learns_what_a_frame_costs_the_host(rigs: list[Rig]) -> None:

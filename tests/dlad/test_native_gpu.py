@@ -42,6 +42,7 @@ from dlad.native_plane import (
     Frame,
     Health,
     Item,
+    ModelSettings,
     NativePlane,
     PlaneDevice,
     PlaneGpu,
@@ -62,6 +63,7 @@ WAIT_MS = 20_000  # a hang guard: the replies come in milliseconds
 CANVAS = (64, 96)  # height, width
 MAX_DET = 1000
 DEFAULTS = (0.25, 0.45, 300)  # the model's conf, iou, max_det
+SETTINGS = {"demo": ModelSettings(*DEFAULTS)}
 PRE = struct.Struct("<QQ12iffi4x")  # kernels.cu's PreParams
 IMAGE_BYTES = 1 << 16
 c_u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -221,8 +223,7 @@ class Rig:
         self.int8 = int8
         gpu = PlaneGpu(
             context=self.CONTEXT, pre_kernel=0x5EED, int8=int8, input_scale=0.5, canvas=CANVAS,
-            max_det=MAX_DET, conf=DEFAULTS[0], iou=DEFAULTS[1], default_max_det=DEFAULTS[2],
-            slots=tuple(s.spec() for s in self.slots), patterns=patterns,
+            max_det=MAX_DET, slots=tuple(s.spec() for s in self.slots), patterns=patterns,
         )  # fmt: skip
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -232,7 +233,8 @@ class Rig:
         device = PlaneDevice("dla0", latency_us, slots=slots, capacity=64, gpu=gpu)
         settings.setdefault("health", Health(quarantine_after=0))  # the chain's failures alone
         self.plane = NativePlane(
-            self.router, devices=[device], models={"demo": ["dla0"]}, cuda=fake.functions(),
+            self.router, devices=[device], models={"demo": ["dla0"]}, settings=SETTINGS,
+            cuda=fake.functions(),
             **settings,
         )  # fmt: skip
         self.plane.start()
@@ -541,16 +543,13 @@ class FakeService:
         self.plane_closed_first: bool | None = None
         FakeService.made.append(self)
 
-    def plane_gpu(
-        self, loadable: Any, slots: int, *, conf: float, iou: float, default_max_det: int
-    ) -> PlaneGpu:
+    def plane_gpu(self, loadable: Any, slots: int) -> PlaneGpu:
         made = [GpuSlotBuffers(self.fake, staging=False) for _ in range(slots)]
         self.slots += made
         h, w = loadable.image_size
         return PlaneGpu(
             context=Rig.CONTEXT, pre_kernel=0x5EED, int8=True, input_scale=0.5, canvas=(h, w),
-            max_det=MAX_DET, conf=conf, iou=iou, default_max_det=default_max_det,
-            slots=tuple(s.spec() for s in made),
+            max_det=MAX_DET, slots=tuple(s.spec() for s in made),
         )  # fmt: skip
 
     def register_frames(self, address: int, nbytes: int) -> None:

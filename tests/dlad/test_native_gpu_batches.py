@@ -24,12 +24,11 @@ import zmq
 
 from dlad import protocol
 from dlad.errors import Status
-from dlad.native_plane import Health, NativePlane, PlaneDevice, PlaneGpu
+from dlad.native_plane import Health, ModelSettings, NativePlane, PlaneDevice, PlaneGpu
 from dlad.protocol import InferReply, InferRequest
 from tests.dlad.test_metrics import wait_for
 from tests.dlad.test_native_gpu import (
     CANVAS,
-    DEFAULTS,
     MAX_DET,
     WAIT_MS,
     Fake,
@@ -46,6 +45,8 @@ pytestmark = [
 ]
 
 FRAME_BYTES = 1024  # one frame's slice of the model's input
+DEFAULTS = (0.3, 0.5, 200)  # the model's conf, iou, max_det ([models.*], not the defaults)
+SETTINGS = {"demo": ModelSettings(*DEFAULTS)}
 
 
 class BatchRig:
@@ -75,8 +76,7 @@ class BatchRig:
         self.graphs = [int(lib.fake_infer_graph_create(n)) for n in range(1, max_batch + 1)]
         gpu = PlaneGpu(
             context=self.CONTEXT, pre_kernel=0x5EED, int8=True, input_scale=0.5, canvas=CANVAS,
-            max_det=gpu_max_det, conf=DEFAULTS[0], iou=DEFAULTS[1], default_max_det=DEFAULTS[2],
-            slots=tuple(specs),
+            max_det=gpu_max_det, slots=tuple(specs),
         )  # fmt: skip
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -88,7 +88,8 @@ class BatchRig:
             kind="gpu", max_batch=max_batch, tier=1,
         )  # fmt: skip
         self.plane = NativePlane(
-            self.router, devices=[device], models={"demo": ["gpu"]}, cuda=fake.functions(),
+            self.router, devices=[device], models={"demo": ["gpu"]}, settings=SETTINGS,
+            cuda=fake.functions(),
             health=Health(quarantine_after=0),
         )  # fmt: skip
         self.plane.start()

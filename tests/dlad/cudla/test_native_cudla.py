@@ -351,7 +351,7 @@ class ChainRig:
             )  # fmt: skip
         gpu = PlaneGpu(
             context=0xC0FFEE, pre_kernel=0x5EED, int8=True, input_scale=0.5, canvas=(64, 96),
-            max_det=1000, conf=0.25, iou=0.45, default_max_det=300, slots=tuple(gpu_specs),
+            max_det=1000, slots=tuple(gpu_specs),
         )  # fmt: skip
         f = cuda.functions()
         functions = CudaFunctions(
