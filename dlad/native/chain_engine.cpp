@@ -11,11 +11,6 @@
 namespace dlad::plane {
 namespace {
 
-// Guards Tag::engine between CUDA's host-function thread and an engine going away.
-std::mutex& tags_mu() {
-    static std::mutex mu;
-    return mu;
-}
 
 uint64_t micros(int64_t ns) { return static_cast<uint64_t>(std::max<int64_t>(ns, 0) / 1000); }
 
@@ -95,12 +90,7 @@ ChainEngine::~ChainEngine() {
         settled = chains_cv_.wait_for(lock, std::chrono::seconds(10),
                                       [this] { return chains_running_ == 0; });
     }
-    std::lock_guard<std::mutex> guard(tags_mu());
-    for (Slot& s : slots_) {
-        s.tag->engine = nullptr;
-        // a GPU that never ran a host function may still: its tag outlives the engine
-        if (!settled) static_cast<void>(s.tag.release());
-    }
+    detach_tags(slots_, settled);
 }
 
 void ChainEngine::start(std::vector<Work> batch) {
@@ -200,7 +190,7 @@ void ChainEngine::task_done(Finished task) {
 
 void ChainEngine::chain_ended(void* tag) {
     const auto* t = static_cast<const Tag*>(tag);
-    std::lock_guard<std::mutex> guard(tags_mu());
+    std::lock_guard<std::mutex> guard(host_tags_mu());
     ChainEngine* engine = t->engine;
     if (engine == nullptr) return;  // the engine has gone (it gave up waiting for this one)
     std::optional<Finished> out;

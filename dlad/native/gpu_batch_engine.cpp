@@ -8,19 +8,6 @@
 #include "clock.hpp"
 
 namespace dlad::plane {
-namespace {
-
-// Guards Tag::engine between CUDA's host-function thread and an engine going away.
-std::mutex& tags_mu() {
-    static std::mutex mu;
-    return mu;
-}
-
-std::string failed(const char* call, int code) {
-    return std::string(call) + " failed (" + std::to_string(code) + ")";
-}
-
-}  // namespace
 
 GpuBatchEngine::GpuBatchEngine(std::string name, const CudaApi& cuda, const GpuSpec& gpu,
                                std::vector<void*> graphs, int64_t slots, OnFinished on_done)
@@ -74,12 +61,7 @@ GpuBatchEngine::~GpuBatchEngine() {
         settled = running_cv_.wait_for(lock, std::chrono::seconds(10),
                                        [this] { return running_ == 0; });
     }
-    std::lock_guard<std::mutex> guard(tags_mu());
-    for (Slot& s : slots_) {
-        s.tag->engine = nullptr;
-        // a GPU that never ran a host function may still: its tag outlives the engine
-        if (!settled) static_cast<void>(s.tag.release());
-    }
+    detach_tags(slots_, settled);
 }
 
 void GpuBatchEngine::start(std::vector<Work> batch) {
@@ -125,7 +107,9 @@ void GpuBatchEngine::start(std::vector<Work> batch) {
         s.keep.push_back(w.keep);
     }
     if (error.empty() && n > 0) {
-        if (int r = cuda_.graph_launch(graphs_[n - 1], stream_)) error = failed("cuGraphLaunch", r);
+        if (int r = cuda_.graph_launch(graphs_[n - 1], stream_)) {
+            error = call_failed("cuGraphLaunch", r);
+        }
     }
     for (size_t b = 0; error.empty() && b < n; ++b) {
         error = enqueue_post_graph(cuda_, s.images[b], frames[b]);
@@ -142,7 +126,7 @@ void GpuBatchEngine::start(std::vector<Work> batch) {
             {
                 std::lock_guard<std::mutex> lock(mu_);
                 --running_;
-                if (s.failed.empty()) s.failed = failed("cuLaunchHostFunc", r);
+                if (s.failed.empty()) s.failed = call_failed("cuLaunchHostFunc", r);
                 // the slot is lost: what was queued may still read its buffers and pixels
                 f = report(s, 0, 0);
             }
@@ -166,7 +150,7 @@ void GpuBatchEngine::start(std::vector<Work> batch) {
 
 void GpuBatchEngine::ended(void* tag) {
     const auto* t = static_cast<const Tag*>(tag);
-    std::lock_guard<std::mutex> guard(tags_mu());
+    std::lock_guard<std::mutex> guard(host_tags_mu());
     GpuBatchEngine* engine = t->engine;
     if (engine == nullptr) return;  // the engine has gone (it gave up waiting for this one)
     Finished f;

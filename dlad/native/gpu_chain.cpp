@@ -27,11 +27,16 @@ float logit_cut(double conf) {
     return static_cast<float>(std::log(conf / (1 - conf)) - 1e-3);
 }
 
-std::string failed(const char* call, int code) {
+}  // namespace
+
+std::string call_failed(const char* call, int code) {
     return std::string(call) + " failed (" + std::to_string(code) + ")";
 }
 
-}  // namespace
+std::mutex& host_tags_mu() {
+    static std::mutex mu;
+    return mu;
+}
 
 Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h) {
     Letterbox g;
@@ -51,7 +56,7 @@ std::string make_current(const CudaApi& cuda, void* context) {
     // the plane's thread, or a caller's once it has ended: the device's context current there
     static thread_local void* current = nullptr;
     if (current == context) return "";
-    if (int r = cuda.ctx_set_current(context)) return failed("cuCtxSetCurrent", r);
+    if (int r = cuda.ctx_set_current(context)) return call_failed("cuCtxSetCurrent", r);
     current = context;
     return "";
 }
@@ -94,13 +99,13 @@ std::string enqueue_pre(const CudaApi& cuda, const GpuSpec& spec, GpuSlot& slot,
         ExternalSemaphoreParams params;
         params.nvsci_fence = pre_fence;
         if (int r = cuda.signal_external(&s.ready_semaphore, &params, 1, s.stream)) {
-            return failed("cuSignalExternalSemaphoresAsync", r);
+            return call_failed("cuSignalExternalSemaphoresAsync", r);
         }
         return "";
     }
     const uint32_t ready = slot.ready + 1;
     if (int r = cuda.write_value32(s.stream, s.ready_device, ready, 0)) {
-        return failed("cuStreamWriteValue32", r);
+        return call_failed("cuStreamWriteValue32", r);
     }
     slot.ready = ready;
     return "";
@@ -124,7 +129,7 @@ std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot
             src = s.staging_device;
         } else {
             if (int r = cuda.memcpy_htod_async(s.image, frame.host, bytes, s.stream)) {
-                return failed("cuMemcpyHtoDAsync", r);
+                return call_failed("cuMemcpyHtoDAsync", r);
             }
             src = s.image;
         }
@@ -164,7 +169,7 @@ std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot
     const auto gy = static_cast<unsigned>((g.dst_h + 7) / 8);
     if (int r = cuda.launch_kernel(spec.pre_kernel, gx, gy, 1, 32, 8, 1, 0, s.stream, args,
                                    nullptr)) {
-        return failed("cuLaunchKernel(pre)", r);
+        return call_failed("cuLaunchKernel(pre)", r);
     }
     return "";
 }
@@ -176,17 +181,17 @@ std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
         ExternalSemaphoreParams params;
         params.nvsci_fence = const_cast<NvSciSyncFence*>(eof);  // CUDA reads it at the call
         if (int r = cuda.wait_external(&s.done_semaphore, &params, 1, s.stream)) {
-            return failed("cuWaitExternalSemaphoresAsync", r);
+            return call_failed("cuWaitExternalSemaphoresAsync", r);
         }
     } else {
         if (int r = cuda.wait_value32(s.stream, s.done_device, slot.done, cuda.wait_geq)) {
-            return failed("cuStreamWaitValue32", r);
+            return call_failed("cuStreamWaitValue32", r);
         }
         slot.waits = true;
     }
     std::string error = enqueue_post_graph(cuda, slot, frame);
     if (!error.empty()) return error;
-    if (int r = cuda.launch_host_func(s.stream, fn, data)) return failed("cuLaunchHostFunc", r);
+    if (int r = cuda.launch_host_func(s.stream, fn, data)) return call_failed("cuLaunchHostFunc", r);
     slot.hosted = true;
     return "";
 }
@@ -213,7 +218,7 @@ std::string enqueue_post_graph(const CudaApi& cuda, GpuSlot& slot, const Frame& 
         slot.copied = false;  // until the launch that copies them is queued
     }
     if (int r = cuda.graph_launch(copy ? s.post_copy : s.post_reuse, s.stream)) {
-        return failed("cuGraphLaunch", r);
+        return call_failed("cuGraphLaunch", r);
     }
     if (copy) {
         std::memcpy(slot.settings, settings, sizeof settings);

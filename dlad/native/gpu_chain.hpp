@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -186,6 +187,24 @@ std::string enqueue_post(const CudaApi& cuda, GpuSlot& slot, const Frame& frame,
 // The frame's post graph alone (its settings copied first where they differ from the slot's
 // last frame's), on the slot's stream. Returns "" or the failed call.
 std::string enqueue_post_graph(const CudaApi& cuda, GpuSlot& slot, const Frame& frame);
+// "<call> failed (<code>)": a failed driver call in the chains' words.
+std::string call_failed(const char* call, int code);
+
+// The tags CUDA's host functions get name their engine (null once it has gone): this guards
+// that pointer between CUDA's host-function thread and an engine going away.
+std::mutex& host_tags_mu();
+// An engine going away, after waiting for its host functions (``settled``: all ran): each
+// slot's tag forgets the engine, and where a host function may still run, its tag is left to
+// it (it outlives the engine).
+template <typename Slots>
+void detach_tags(Slots& slots, bool settled) {
+    std::lock_guard<std::mutex> guard(host_tags_mu());
+    for (auto& s : slots) {
+        s.tag->engine = nullptr;
+        if (!settled) static_cast<void>(s.tag.release());
+    }
+}
+
 // Make ``context`` current on the calling thread (once per thread and context). Returns "" or
 // the failed call.
 std::string make_current(const CudaApi& cuda, void* context);
