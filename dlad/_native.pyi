@@ -100,13 +100,23 @@ def write_infer_reply(
 
 # The plane's DRAM model (dlad/native/dram.hpp), for tests.
 class SharedDram:
+    contention: float
     def __init__(
-        self, contention: float, k: Mapping[tuple[_Kind, _Kind], float], clock: Callable[[], int]
+        self,
+        contention: float,
+        k: Mapping[tuple[_Kind, _Kind], float],
+        clock: Callable[[], int] | None = None,
     ) -> None: ...
     def begin(self, kind: str, work_ns: float) -> int: ...
     def finish(self, id: int) -> None: ...
     def end_ns(self, id: int) -> int: ...
+    def done_ns(self, id: int) -> int: ...
     def slowdown(self, id: int) -> float: ...
+    def wake(self) -> None: ...
+    def wakes(self) -> int: ...
+    def wait_for(
+        self, id: int, deadline_ns: int | None, since: int
+    ) -> tuple[Literal["done", "expired", "woken"], int]: ...
 
 # The native data plane (dlad/native/plane.hpp); used through dlad/native_plane.py.
 class Plane:
@@ -136,6 +146,7 @@ class Plane:
             ]
         ],
         models: Mapping[str, Sequence[str]],
+        settings: Mapping[str, tuple[float, float, int]],
         default_deadline_ms: float,
         max_deadline_ms: float,
         max_in_flight_per_client: int,
@@ -147,8 +158,7 @@ class Plane:
         curve: bool,
         cuda: tuple[int, int, int, int, int, int, int, int, int, int] | None,
         cudla: tuple[int, int, int, int] | None,
-        dram_contention: float,
-        dram_k: Mapping[tuple[_Kind, _Kind], float],
+        dram: SharedDram | None,
         health: tuple[int, bool, float, float],
         cheap_requests_per_s: float,
     ) -> None: ...

@@ -36,6 +36,7 @@ import dlad
 from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.base import DlaError
+from dlad.devices.dram import SharedDram
 from dlad.devices.factory import resolve_backend
 from dlad.engines.python import DlaFrames, GpuBatches
 from dlad.errors import DladError, Overloaded, StartupError
@@ -153,6 +154,9 @@ class Daemon:
         """Set when the drain is over and the frontend answers its last messages (for
         ``daemon.close_linger_ms``) before the socket closes."""
         self.executors: dict[str, Executor] = {}
+        # The emulated DRAM: one model, which the plane's timing cores and the Python engines'
+        # emulated devices share ([soc] dram_contention; dlad/devices/dram.py)
+        self.dram = SharedDram(self.config.soc.dram_contention)
         """The Python engines' executors, by device (the plane calls their per-frame code)."""
         self._stop = anyio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -304,7 +308,10 @@ class Daemon:
         # /health/ready and a scrape see the plane as it is (its events are the loop's)
         self.metrics.refresh = functools.partial(self._sync_plane, events=False)
         self.frontend.start_plane(
-            [devices[p.device] for p in self.plan.placements], cuda=cuda, cudla=cudla
+            [devices[p.device] for p in self.plan.placements],
+            cuda=cuda,
+            cudla=cudla,
+            dram=self.dram if self.dram.contention > 0 else None,
         )
         plane = self.frontend.plane
         assert plane is not None  # started above
@@ -338,8 +345,9 @@ class Daemon:
         if not placements:
             return {}
         try:
+            only = {p.device for p in placements}
             built = build_executors(self.plan, pre_post=self.pre_post, gpu=self._gpu,
-                                    only={p.device for p in placements})  # fmt: skip
+                                    dram=self.dram, only=only)  # fmt: skip
         except ExecutorBuildError as exc:
             raise StartupError(exc.message, key=exc.key) from None
         self.executors.update(built)  # closed with the daemon (they hold the cores)

@@ -41,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dlad import protocol
 from dlad.auth import ZAP_DOMAIN, ClientKeys, Gate, configure_server, read_server_keys, start_gate
 from dlad.config import Config
+from dlad.devices.dram import SharedDram
 from dlad.errors import (
     BadRequest,
     DladError,
@@ -247,10 +248,12 @@ class Frontend:
         devices: Sequence[PlaneDevice],
         cuda: CudaFunctions | None = None,
         cudla: CudlaFunctions | None = None,
+        dram: SharedDram | None = None,
     ) -> None:
         """Hand the socket to the native data plane, serving the
         config's models on ``devices`` (``cuda``: the driver's functions, where a device has
-        GPU pre/post; ``cudla``: cuDLA's, where one is a real core). Raises StartupError
+        GPU pre/post; ``cudla``: cuDLA's, where one is a real core; ``dram``: the emulated DRAM
+        its timing cores share with the daemon's other emulated engines). Raises StartupError
         where the plane cannot run."""
         assert self._socket is not None  # opened first
         c = self.config
@@ -274,7 +277,7 @@ class Frontend:
                 curve=self._curve is not None,
                 cuda=cuda,
                 cudla=cudla,
-                dram_contention=c.soc.dram_contention,
+                dram=dram,
                 health=Health(c.health.quarantine_after, c.health.retry, c.health.probe_after_s,
                               c.health.probe_max_s),
                 cheap_requests_per_s=c.frontend.cheap_requests_per_s,

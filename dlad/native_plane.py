@@ -48,7 +48,7 @@ import zmq
 
 from dlad import protocol
 from dlad.config import ModelConfig
-from dlad.devices.dram import ORIN_DRAM_K
+from dlad.devices.dram import SharedDram
 
 if TYPE_CHECKING:
     from dlad import _native
@@ -439,8 +439,9 @@ class NativePlane:
         curve: clients authenticate (CURVE): a client is its key, for the in-flight cap.
         cuda: the driver functions, where a device has ``gpu``.
         cudla: cuDLA's and NvSciSync's functions, where a device has ``cudla``.
-        dram_contention: ``[soc] dram_contention``: the cores share the emulated DRAM
-            (:mod:`dlad.devices.dram`; 0: they never slow each other).
+        dram: the emulated DRAM (``[soc] dram_contention``, :mod:`dlad.devices.dram`) the
+            timing cores share with the daemon's other emulated engines; None: they never slow
+            each other.
 
     Raises:
         PlaneUnavailable: see the class.
@@ -466,7 +467,7 @@ class NativePlane:
         curve: bool = False,
         cuda: CudaFunctions | None = None,
         cudla: CudlaFunctions | None = None,
-        dram_contention: float = 0.0,
+        dram: SharedDram | None = None,
         health: Health = Health(),
         cheap_requests_per_s: float = 100.0,
     ) -> None:
@@ -504,8 +505,8 @@ class NativePlane:
                 float(max_deadline_ms), max_in_flight_per_client, max_buffered_bytes, policy,
                 float(alpha), dict(pins or {}), shm, curve,
                 None if cuda is None else dataclasses.astuple(cuda),
-                None if cudla is None else dataclasses.astuple(cudla), float(dram_contention),
-                dict(ORIN_DRAM_K), (health.quarantine_after, health.retry,
+                None if cudla is None else dataclasses.astuple(cudla),
+                None if dram is None else dram.model, (health.quarantine_after, health.retry,
                                     float(health.probe_after_s), float(health.probe_max_s)),
                 float(cheap_requests_per_s),
             )  # fmt: skip

@@ -25,17 +25,18 @@ workload; ``contention = 0`` is NVIDIA's MLPerf ResNet-50 (native ``chw4`` INT8 
 batches: GPU 4,500/s, one DLA 600/s, all three configured at 6,100/s and measured at 6,424/s,
 above the isolated sum: no visible penalty). Real engines contend for real and ignore this.
 
-Thread-safe; the clock is injectable, so the model is tested by stepping a fake clock.
+The model itself is C++ (``dlad/native/dram.hpp``): one instance per daemon, which the native
+plane's timing cores and the Python engines' emulated devices share, so that a DLA task in the
+plane slows a Python engine's GPU batch as it would on the SoC. Thread-safe; the clock is
+injectable, so the model is tested by stepping a fake clock.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 __all__ = [
     "ORIN_DRAM_K",
@@ -64,8 +65,13 @@ def slowdown(
     contention: float,
     k: Mapping[tuple[EngineKind, EngineKind], float] = ORIN_DRAM_K,
 ) -> float:
-    """How many times longer a ``victim`` task takes while tasks of kinds ``others`` run."""
-    return 1.0 + contention * sum(k.get((victim, other), 0.0) for other in others)
+    """How many times longer a ``victim`` task takes while tasks of kinds ``others`` run (the
+    model's own answer: a task of each kind begun on a stopped clock)."""
+    model = _model(contention, k, lambda: 0)
+    victim_id = model.begin(victim, 1.0)
+    for other in others:
+        model.begin(other, 1.0)
+    return float(model.slowdown(victim_id))
 
 
 def saturated_rates(
@@ -82,26 +88,38 @@ def saturated_rates(
     return rates
 
 
+def _model(
+    contention: float,
+    k: Mapping[tuple[EngineKind, EngineKind], float],
+    clock: Callable[[], int] | None,
+) -> Any:
+    """The C++ model (``dlad/native/dram.hpp``). Raises ValueError for a bad contention."""
+    from dlad import _native  # noqa: PLC0415 (the C++ core: a daemon has it, an import need not)
+
+    return _native.SharedDram(contention, dict(k), clock)
+
+
 @dataclass(eq=False, slots=True)
 class Transfer:
-    """One running task's share of the DRAM: its kind, the work (ns alone) it has left as of
-    the DRAM's last change, and the slowdown it runs at since then."""
+    """One running task's share of the DRAM: its id in the model, its kind, and once
+    :meth:`SharedDram.wait` saw its work done, when that was."""
 
     id: int
     kind: EngineKind
-    left_ns: float
-    slowdown: float = 1.0
-    done_ns: int | None = None  # when its work was done, as :meth:`SharedDram.wait` projected
+    done_ns: int | None = None
 
 
 class SharedDram:
-    """The DRAM one emulated Orin's engines share (see the module docstring).
+    """The DRAM one emulated Orin's engines share (see the module docstring): the C++ model
+    (``dlad/native/dram.hpp``), which the native plane's timing cores share too when the daemon
+    hands the plane this object (:attr:`model`).
 
     Args:
         contention: scales :data:`ORIN_DRAM_K` (0: engines never slow each other; 1: the
             forum's DRAM-bound conv2d). Must be finite and in [0, 10].
         k: the coefficients (victim kind, aggressor kind) -> slowdown per aggressor.
-        clock: monotonic nanoseconds; it must be the clock of the engines' own timing.
+        clock: monotonic nanoseconds (tests step a fake one); by default the monotonic clock,
+            which is the engines' own and the plane's.
 
     Raises ValueError for a bad ``contention``.
     """
@@ -111,55 +129,40 @@ class SharedDram:
         contention: float = 1.0,
         *,
         k: Mapping[tuple[EngineKind, EngineKind], float] = ORIN_DRAM_K,
-        clock: Callable[[], int] = time.monotonic_ns,
+        clock: Callable[[], int] | None = None,
     ) -> None:
-        if not 0.0 <= contention <= 10.0:
-            raise ValueError(f"contention must be in [0, 10], got {contention!r}")
+        self.model = _model(contention, k, clock)
         self.contention = float(contention)
-        self._k = dict(k)
-        self._clock = clock
-        self._cv = threading.Condition()
+        self.k = dict(k)
+        self._lock = threading.Lock()
         self._running: dict[int, Transfer] = {}
-        self._ids = itertools.count()
-        self._last_ns = clock()
         self.done: dict[EngineKind, int] = {"dla": 0, "gpu": 0}
-        """Finished (or abandoned) transfers per kind."""
-
-    # ------------------------------------------------------------------ the model
+        """Finished (or abandoned) transfers per kind, of this side's engines."""
 
     def begin(self, kind: EngineKind, work_ns: float) -> Transfer:
-        """Start a task of ``kind`` that takes ``work_ns`` alone; the others slow down."""
-        if kind not in ("dla", "gpu"):
-            raise ValueError(f"an engine kind is 'dla' or 'gpu', got {kind!r}")
-        with self._cv:
-            self._advance()
-            transfer = Transfer(next(self._ids), kind, max(float(work_ns), 0.0))
+        """Start a task of ``kind`` that takes ``work_ns`` alone; the others slow down. Raises
+        ValueError for a kind other than ``"dla"`` or ``"gpu"``."""
+        transfer = Transfer(self.model.begin(kind, max(float(work_ns), 0.0)), kind)
+        with self._lock:
             self._running[transfer.id] = transfer
-            self._rerate()
         return transfer
 
     def finish(self, transfer: Transfer) -> None:
         """End ``transfer`` (done or abandoned); the others speed up. Idempotent."""
-        with self._cv:
+        with self._lock:
             if self._running.pop(transfer.id, None) is None:
                 return
-            self._advance()
             self.done[transfer.kind] += 1
-            self._rerate()
+        self.model.finish(transfer.id)
 
     def end_ns(self, transfer: Transfer) -> int:
-        """When ``transfer`` ends if the running set stays as it is (its own clock's ns)."""
-        with self._cv:
-            now = self._clock()
-            left = transfer.left_ns - (now - self._last_ns) / transfer.slowdown
-            return now + max(round(left * transfer.slowdown), 0)
+        """When ``transfer`` ends if the running set stays as it is (its clock's ns)."""
+        return int(self.model.end_ns(transfer.id))
 
     def running(self) -> list[EngineKind]:
-        """The kinds of the transfers running now."""
-        with self._cv:
+        """The kinds of this side's transfers running now."""
+        with self._lock:
             return [t.kind for t in self._running.values()]
-
-    # ------------------------------------------------------------------ waiting
 
     def wait(
         self,
@@ -167,44 +170,20 @@ class SharedDram:
         deadline_ns: int | None = None,
         stop: Callable[[], bool] | None = None,
     ) -> Literal["done", "expired", "stopped"]:
-        """Block until ``transfer``'s work is done, the clock passes ``deadline_ns``, or
-        ``stop()`` is true (checked whenever :meth:`wake` is called). Does not finish it."""
-        with self._cv:
-            while True:
-                if stop is not None and stop():
-                    return "stopped"
-                now = self._clock()
-                left = transfer.left_ns - (now - self._last_ns) / transfer.slowdown
-                end = now + max(left * transfer.slowdown, 0.0)
-                if now >= end:
-                    # the work ran out before this wake-up (a sleeper wakes late): when it did
-                    transfer.done_ns = round(now + min(left * transfer.slowdown, 0.0))
-                    return "done"
-                if deadline_ns is not None and now >= deadline_ns:
-                    return "expired"
-                until = end if deadline_ns is None else min(end, deadline_ns)
-                self._cv.wait((until - now) / 1e9)
+        """Block (without the GIL) until ``transfer``'s work is done, the clock passes
+        ``deadline_ns``, or ``stop()`` is true (checked whenever :meth:`wake` is called). Does
+        not finish it."""
+        while True:
+            since = self.model.wakes()  # read first: a wake() after it ends the wait below
+            if stop is not None and stop():
+                return "stopped"
+            waited, done_ns = self.model.wait_for(transfer.id, deadline_ns, since)
+            if waited == "done":
+                transfer.done_ns = int(done_ns)
+                return "done"
+            if waited == "expired":
+                return "expired"
 
     def wake(self) -> None:
         """Wake every :meth:`wait`-er to re-check its ``stop``."""
-        with self._cv:
-            self._cv.notify_all()
-
-    # ------------------------------------------------------------------ internals
-
-    def _advance(self) -> None:
-        """Charge every running transfer the work it did since the last change (lock held)."""
-        now = self._clock()
-        elapsed = now - self._last_ns
-        for t in self._running.values():
-            t.left_ns = max(t.left_ns - elapsed / t.slowdown, 0.0)
-        self._last_ns = now
-
-    def _rerate(self) -> None:
-        """New slowdowns for the running set; wakes the waiters to re-project (lock held)."""
-        kinds = [t.kind for t in self._running.values()]
-        for t in self._running.values():
-            others = list(kinds)
-            others.remove(t.kind)
-            t.slowdown = slowdown(t.kind, others, self.contention, self._k)
-        self._cv.notify_all()
+        self.model.wake()

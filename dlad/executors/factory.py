@@ -51,15 +51,19 @@ def build_executors(
     pre_post: bool,
     gpu: GpuService | None,
     only: Collection[str] | None = None,
+    dram: SharedDram | None = None,
 ) -> dict[str, Executor]:
     """One executor per placement (a DLA core's or the GPU's; ``only``: of those devices), by
-    device name; ``gpu``: their pre/post-processing runs on it where it can.
+    device name; ``gpu``: their pre/post-processing runs on it where it can; ``dram``: the
+    emulated DRAM their emulated engines share (a daemon's, which its plane shares too; by
+    default one of ``[soc] dram_contention`` for these executors alone).
 
     Raises ExecutorBuildError naming the device whose core or loadable fails (the executors
     built before it are closed first).
     """
     built: dict[str, Executor] = {}
-    dram = SharedDram(plan.config.soc.dram_contention)  # what the emulated engines share
+    if dram is None:
+        dram = SharedDram(plan.config.soc.dram_contention)  # what the emulated engines share
     # The DLA slots' threads pre/post-process this many frames at once between them.
     lanes = threading.BoundedSemaphore(max(plan.config.pre_post.threads, 1))
     try:

@@ -44,6 +44,44 @@ int64_t SharedDram::end_ns(int64_t id) {
     return now + std::max<int64_t>(std::llround(left * t.slowdown), 0);
 }
 
+int64_t SharedDram::done_ns(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Transfer& t = running_.at(id);
+    const int64_t now = clock_();
+    const double left = t.left_ns - static_cast<double>(now - last_ns_) / t.slowdown;
+    return std::llround(static_cast<double>(now) + left * t.slowdown);
+}
+
+uint64_t SharedDram::wakes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return wakes_;
+}
+
+SharedDram::Waited SharedDram::wait_for(int64_t id, std::optional<int64_t> deadline_ns,
+                                        uint64_t since, int64_t* done_at) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+        if (wakes_ != since) return Waited::woken;
+        const int64_t now = clock_();
+        const auto it = running_.find(id);
+        if (it == running_.end()) {
+            *done_at = now;
+            return Waited::done;
+        }
+        const Transfer& t = it->second;
+        const double left = t.left_ns - static_cast<double>(now - last_ns_) / t.slowdown;
+        const double done = static_cast<double>(now) + left * t.slowdown;
+        if (static_cast<double>(now) >= done) {  // the work ran out (a sleeper wakes late): when
+            *done_at = std::llround(done);
+            return Waited::done;
+        }
+        if (deadline_ns && now >= *deadline_ns) return Waited::expired;
+        const double until = deadline_ns ? std::min(done, static_cast<double>(*deadline_ns)) : done;
+        cv_.wait_for(lock, std::chrono::nanoseconds(
+                               static_cast<int64_t>(std::ceil(until - static_cast<double>(now)))));
+    }
+}
+
 double SharedDram::slowdown(int64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     return running_.at(id).slowdown;
@@ -68,6 +106,7 @@ std::optional<int64_t> SharedDram::wait(int64_t id, const std::atomic<bool>& sto
 
 void SharedDram::wake() {
     std::lock_guard<std::mutex> lock(mu_);
+    ++wakes_;
     cv_.notify_all();
 }
 

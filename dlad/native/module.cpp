@@ -218,7 +218,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     const std::string& policy, double alpha,
     std::unordered_map<std::string, std::string> pins, bool shm, bool curve,
     const std::optional<CudaTuple>& cuda, const std::optional<CudlaApiTuple>& cudla,
-    double dram_contention, const std::map<std::pair<std::string, std::string>, double>& dram_k,
+    std::shared_ptr<dlad::plane::SharedDram> dram,
     const std::tuple<int64_t, bool, double, double>& health, double cheap_requests_per_s) {
     dlad::plane::Config c;
     c.cheap_requests_per_s = cheap_requests_per_s;
@@ -251,8 +251,7 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
     }
     if (cuda) c.cuda = cuda_of(*cuda);
     if (cudla) c.cudla = cudla_api_of(*cudla);
-    c.dram_contention = dram_contention;
-    c.dram_k = coefficients(dram_k);
+    c.dram = std::move(dram);
     c.models = std::move(models);
     for (const auto& [model, t] : settings) {
         const auto& [conf, iou, max_det] = t;
@@ -318,8 +317,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("default_deadline_ms"), py::arg("max_deadline_ms"),
              py::arg("max_in_flight_per_client"), py::arg("max_buffered_bytes"),
              py::arg("policy"), py::arg("alpha"), py::arg("pins"), py::arg("shm"),
-             py::arg("curve"), py::arg("cuda"), py::arg("cudla"), py::arg("dram_contention"),
-             py::arg("dram_k"), py::arg("health"), py::arg("cheap_requests_per_s"))
+             py::arg("curve"), py::arg("cuda"), py::arg("cudla"), py::arg("dram"),
+             py::arg("health"), py::arg("cheap_requests_per_s"))
         .def("start", &dlad::plane::Plane::start)
         .def("close", &dlad::plane::Plane::close, py::call_guard<py::gil_scoped_release>())
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
@@ -440,23 +439,62 @@ PYBIND11_MODULE(_native, m) {
             out["by_status"] = c.by_status;
             return out;
         });
-    // The plane's DRAM model, for the tests that hold it to dlad/devices/dram.py (a Python
-    // clock: the GIL is held through every call).
-    py::class_<dlad::plane::SharedDram>(m, "SharedDram")
+    // The emulated DRAM (dlad/devices/dram.py's SharedDram wraps it): one per daemon, shared by
+    // the plane's timing cores and the Python engines' emulated devices. Every call releases
+    // the GIL before it takes the model's lock; a Python clock (tests) takes the GIL back for
+    // each reading.
+    using Dram = dlad::plane::SharedDram;
+    using release = py::call_guard<py::gil_scoped_release>;
+    py::class_<Dram, std::shared_ptr<Dram>>(m, "SharedDram")
         .def(py::init([](double contention,
                          const std::map<std::pair<std::string, std::string>, double>& k,
-                         py::function clock) {
-                 return std::make_unique<dlad::plane::SharedDram>(
-                     contention, coefficients(k), [clock] { return clock().cast<int64_t>(); });
+                         std::optional<py::function> clock) {
+                 std::function<int64_t()> read;
+                 if (clock) {
+                     // released wherever the model goes, with the GIL taken for it
+                     std::shared_ptr<py::function> held(
+                         new py::function(std::move(*clock)), [](py::function* f) {
+                             py::gil_scoped_acquire gil;
+                             delete f;
+                         });
+                     read = [clock = std::move(held)] {
+                         py::gil_scoped_acquire gil;
+                         return (*clock)().cast<int64_t>();
+                     };
+                 }
+                 return std::make_shared<Dram>(contention, coefficients(k), std::move(read));
              }),
-             py::arg("contention"), py::arg("k"), py::arg("clock"))
-        .def("begin",
-             [](dlad::plane::SharedDram& d, const std::string& kind, double work_ns) {
-                 return d.begin(engine_kind(kind), work_ns);
-             })
-        .def("finish", &dlad::plane::SharedDram::finish)
-        .def("end_ns", &dlad::plane::SharedDram::end_ns)
-        .def("slowdown", &dlad::plane::SharedDram::slowdown);
+             py::arg("contention"), py::arg("k"), py::arg("clock") = py::none())
+        .def_property_readonly("contention", &Dram::contention)
+        .def(
+            "begin",
+            [](Dram& d, const std::string& kind, double work_ns) {
+                const auto k = engine_kind(kind);  // throws before the GIL goes
+                py::gil_scoped_release gil;
+                return d.begin(k, work_ns);
+            },
+            py::arg("kind"), py::arg("work_ns"))
+        .def("finish", &Dram::finish, release())
+        .def("end_ns", &Dram::end_ns, release())
+        .def("done_ns", &Dram::done_ns, release())
+        .def("slowdown", &Dram::slowdown, release())
+        .def("wake", &Dram::wake, release())
+        .def(
+            "wait_for",
+            [](Dram& d, int64_t id, std::optional<int64_t> deadline_ns, uint64_t since) {
+                int64_t done_at = 0;
+                Dram::Waited w = Dram::Waited::woken;
+                {
+                    py::gil_scoped_release gil;
+                    w = d.wait_for(id, deadline_ns, since, &done_at);
+                }
+                const char* words = w == Dram::Waited::done      ? "done"
+                                    : w == Dram::Waited::expired ? "expired"
+                                                                 : "woken";
+                return py::make_tuple(words, done_at);
+            },
+            py::arg("id"), py::arg("deadline_ns"), py::arg("since"))
+        .def("wakes", &Dram::wakes, release());
     py::class_<Scheduler>(m, "Scheduler")
         .def(py::init([](double alpha, const std::string& policy,
                          std::vector<std::tuple<std::string, std::string, double>> interference,

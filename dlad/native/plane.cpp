@@ -95,9 +95,10 @@ std::string le64(int64_t v) {
 std::vector<std::tuple<std::string, std::string, double>> interference(const Config& c) {
     static const char* kinds[] = {"dla", "gpu"};
     std::vector<std::tuple<std::string, std::string, double>> out;
+    if (!c.dram) return out;
     for (size_t v = 0; v < 2; ++v) {
         for (size_t a = 0; a < 2; ++a) {
-            const double k = c.dram_k[v][a] * c.dram_contention;
+            const double k = c.dram->k()[v][a] * c.dram->contention();
             if (k != 0) out.emplace_back(kinds[v], kinds[a], k);
         }
     }
@@ -149,9 +150,7 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
       forward_(forward),
       config_(std::move(config)),
       scheduler_(config_.alpha, config_.policy, interference(config_), config_.pins) {
-    if (config_.dram_contention > 0) {
-        dram_ = std::make_unique<SharedDram>(config_.dram_contention, config_.dram_k);
-    }
+    dram_ = config_.dram;
     std::map<std::string, std::vector<std::string>> served;  // device -> its models
     for (const auto& [model, devices] : config_.models) {
         if (config_.settings.count(model) == 0) {

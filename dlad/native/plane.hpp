@@ -170,10 +170,9 @@ struct Config {
     std::unordered_map<std::string, std::string> pins;  // stream -> device (policy static)
     CudaApi cuda{};  // the driver's functions, where a device has GPU pre/post
     CudlaApi cudla{};  // cuDLA's and NvSciSync's, where a device is a cuDLA core
-    // [soc] dram_contention: the cores share the emulated DRAM (0: they never slow each
-    // other), with dram.py's ORIN_DRAM_K; the scheduler's estimates know it too
-    double dram_contention = 0;
-    SharedDram::Coefficients dram_k{};
+    // [soc] dram_contention: the emulated DRAM the cores share with the daemon's other emulated
+    // engines (none: they never slow each other); the scheduler's estimates know it too
+    std::shared_ptr<SharedDram> dram;
 };
 
 struct Counters {
@@ -419,7 +418,7 @@ class Plane {
     void* forward_;
     Config config_;
     Scheduler scheduler_;
-    std::unique_ptr<SharedDram> dram_;  // before the engines that use it
+    std::shared_ptr<SharedDram> dram_;  // before the engines that use it
     std::map<std::string, std::unique_ptr<Engine>> engines_;
     std::map<std::string, double> batch_delay_us_;  // device -> max_queue_delay_us
     std::map<std::string, int64_t> running_;  // device -> batches on it
