@@ -51,6 +51,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -919,8 +920,8 @@ def _run_name(
 
 def _with_variant(variant: str | None, config: str) -> str:
     """``config`` with a ``--variant``'s keys set (``NAME:SECTION.KEY=VALUE``, VALUE in TOML,
-    several joined by ``;``: ``'asyncio:daemon.event_loop="asyncio"'``); each section must be
-    one the config has."""
+    several joined by ``;``: ``'asyncio:daemon.event_loop="asyncio"'``), replacing the value
+    where the section sets the key already; each section must be one the config has."""
     if variant is None:
         return config
     _, _, settings = variant.partition(":")
@@ -932,7 +933,14 @@ def _with_variant(variant: str | None, config: str) -> str:
             raise SystemExit(f"--variant {variant!r}: want NAME:SECTION.KEY=VALUE[;...], "
                              "sections of ours")  # fmt: skip
         value = value.replace("{", "{{").replace("}", "}}")  # the config is a format string
-        config = config.replace(header, f"{header}{key} = {value}\n", 1)
+        start = config.index(header) + len(header)
+        end = config.find("\n[", start)
+        end = len(config) if end < 0 else end + 1
+        body, count = re.subn(rf"(?m)^{re.escape(key)} = .*$", f"{key} = {value}",
+                              config[start:end])  # fmt: skip
+        if not count:  # a key the section does not set yet
+            body = f"{key} = {value}\n{body}"
+        config = config[:start] + body + config[end:]
     return config
 
 
