@@ -16,6 +16,8 @@ import zmq
 
 from dlad import protocol
 from dlad.cli import main
+from dlad.config import load_config
+from dlad.daemon import plane_engine
 from dlad.errors import Status
 
 
@@ -275,3 +277,39 @@ def test_a_removed_key_is_named_as_removed(
     err = capsys.readouterr().err
     assert f"{table}.{key}: removed: " in err
     assert "delete the key" in err
+
+
+@pytest.mark.parametrize(
+    ("engine", "pre_post", "gpu", "words"),
+    [
+        ("torch", True, True, ("C++: GPU batches of up to 4 on the torch engine's CUDA graphs, "
+         "pre/post on the GPU")),
+        ("torch", True, False, ("Python: GPU batches of up to 4 on the torch engine, "
+         "pre/post on the CPU")),
+        ("emulated", True, True, ("Python: GPU batches of up to 4 on the emulated engine, "
+         "pre/post on the CPU")),
+        ("torch", False, True, ("Python: GPU batches of up to 4 on the torch engine, "
+         "pre/post off")),
+    ],
+)  # fmt: skip
+def test_platform_names_the_gpus_engine(
+    tmp_path: Path, engine: str, pre_post: bool, gpu: bool, words: str
+) -> None:
+    """Only the torch engine's batches with pre/post on a GPU run in the plane itself (its CUDA
+    graphs between the plane's kernels); the others are Python engines, their pre/post on the
+    CPU (no device-side I/O)."""
+    (tmp_path / "demo.pt2").write_bytes(b"")  # named only: the words read no program
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(
+        f'[devices.gpu]\nkind = "gpu"\nengine = "{engine}"\nmax_batch = 4\n'
+        '[models.demo]\ndevices = ["gpu"]\n[models.demo.loadables]\n'
+        'core0 = "bundled:demo/fp16_heads.dla0.emu"\ntorch = "demo.pt2"\n'
+    )
+    plan = load_config(cfg).plan()
+    where = (
+        "pre/post off" if not pre_post else "pre/post on the GPU" if gpu else "pre/post on the CPU"
+    )
+    if engine != "torch" and pre_post:
+        where = "pre/post on the CPU"  # no device-side I/O: numpy pre/post
+    got = plane_engine(plan, plan.placements[0], pre_post=pre_post, gpu=gpu)
+    assert got == ("python", words.format(where))
