@@ -202,9 +202,9 @@ static void run_op(Op* op) {
         case OP_GRAPH:
             run_graph((Graph*)op->graph);
             break;
-        case OP_HOST:
-            op->fn(op->data);
+        case OP_HOST:  // counted before the function runs: whoever it wakes sees the count
             __atomic_add_fetch(&g_host_calls, 1, __ATOMIC_SEQ_CST);
+            op->fn(op->data);
             break;
         case OP_SIGNAL_EXT:  // timed before the signal, as OP_WRITE is
             pthread_mutex_lock(&g_mu);

@@ -304,7 +304,8 @@ def test_failed_frames_are_retried_elsewhere_and_the_engine_quarantined_then_ret
         "3 tasks failed in a row; last: py0: task failed: broken",
     )
     py0 = rig.plane.state()[0][0]
-    assert (py0.quarantined, py0.quarantines, py0.failed) == (out.reason, 1, 3)
+    assert (py0.quarantined, py0.quarantines) == (out.reason, 1)
+    assert py0.failed >= 3  # the three frames, and any probe that has failed since
     wait_for(lambda: _events(rig, seen, EventKind.PROBE_FAILED))  # probed, still failing
     calls = flaky.calls
     rig.infer(10)  # out of placement: py1 serves it first time

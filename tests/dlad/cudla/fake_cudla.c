@@ -133,6 +133,7 @@ static uint64_t g_next_sync_id = 1;
 /* options (fake_set_option) */
 static int64_t opt_devices = 2, opt_version = 1004000, opt_dla_version = 0x20000;
 static int64_t opt_deterministic_only = 0, opt_misalign = 0, opt_task_delay_us = 0;
+static int64_t opt_hold_tasks = 0; /* while set, no task ends (a test orders submissions first) */
 
 typedef int (*fake_task_fn)(int dev, uint32_t n_in, void *const *ins, const uint64_t *in_sizes,
                             uint32_t n_out, void *const *outs, const uint64_t *out_sizes);
@@ -309,7 +310,9 @@ API int fake_set_option(const char *name, int64_t value) {
     else if (strcmp(name, "deterministic_only") == 0) opt_deterministic_only = value;
     else if (strcmp(name, "misalign") == 0) opt_misalign = value;
     else if (strcmp(name, "task_delay_us") == 0) opt_task_delay_us = value;
+    else if (strcmp(name, "hold_tasks") == 0) opt_hold_tasks = value;
     else ok = 0;
+    pthread_cond_broadcast(&g_cv);
     UNLOCK();
     return ok;
 }
@@ -340,7 +343,7 @@ API void fake_reset(void) {
     LOCK();
     memset(g_inject, 0, sizeof g_inject);
     opt_devices = 2; opt_version = 1004000; opt_dla_version = 0x20000;
-    opt_deterministic_only = 0; opt_misalign = 0; opt_task_delay_us = 0;
+    opt_deterministic_only = 0; opt_misalign = 0; opt_task_delay_us = 0; opt_hold_tasks = 0;
     g_callback = NULL;
     UNLOCK();
     fake_log_clear();
@@ -777,6 +780,7 @@ static void *device_thread(void *arg) {
             }
             LOCK();
         }
+        while (opt_hold_tasks) pthread_cond_wait(&g_cv, &g_mu);
         if (status) d->last_error = status;
         for (uint32_t i = 0; i < k->n_signal; i++)
             if (k->signal_obj[i]->value < k->signal_value[i]) k->signal_obj[i]->value = k->signal_value[i];

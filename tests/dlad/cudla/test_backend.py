@@ -297,10 +297,11 @@ def test_a_failure_that_may_be_either_of_two_tasks_fails_both(
         return original(record, timeout_us)
 
     monkeypatch.setattr(dla, "_await", late)
-    fake.option("task_delay_us", 20_000)  # both are submitted before the first has ended
+    fake.option("hold_tasks", 1)  # both are submitted before the first has ended
     ok = dla.submit(Task(module, ins, outs, signal=[(first, 1)]))
     fake.task_fault(0, FAULT_ERROR, int(CudlaStatus.DLA_ERR_ENGINE_TIMEOUT), 1)
     bad = dla.submit(Task(module, ins, outs, signal=[(second, 1)]))
+    fake.option("hold_tasks", 0)
     assert first.wait(1, WAIT_S)
     assert second.wait(1, WAIT_S)
     assert bad.status is CudlaStatus.DLA_ERR_ENGINE_TIMEOUT
