@@ -37,6 +37,7 @@ from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.base import DlaError
 from dlad.devices.dram import SharedDram
+from dlad.devices.emulated_gpu import EmulatedGpu
 from dlad.devices.factory import resolve_backend
 from dlad.engines.python import DlaFrames, GpuBatches
 from dlad.errors import DladError, Overloaded, StartupError
@@ -86,14 +87,18 @@ def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tupl
     core driven by the plane, and ``timing``, an emulated core in timing mode without faults,
     each with pre/post off or as the GPU chain; ``python``, built as an executor: a Python
     engine running its executor's per-frame code (a numeric or faulty core, any core whose
-    pre/post-processing runs on the CPU, the GPU's batches), except the torch engine's batches
-    with pre/post on the GPU, which the plane then runs itself (``Daemon._plane_batches``; where
-    that cannot be built, the log says why and a Python engine serves)."""
+    pre/post-processing runs on the CPU, the GPU's batches), except the GPU's batches that the
+    plane then runs itself: the torch engine's with pre/post on the GPU (``Daemon._plane_batches``;
+    where that cannot be built, the log says why and a Python engine serves), and the emulated
+    GPU's in timing mode with pre/post off."""
     d = plan.config.device(p.device)
     where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
              else "pre/post on the CPU")  # fmt: skip
     if d.kind != "dla":
         engine = d.engine or "emulated"
+        if not pre_post and engine == "emulated" and d.mode == "timing":
+            return "python", (f"C++: emulated Orin GPU (timing), batches of up to "
+                              f"{d.batch_limit}, pre/post off")  # fmt: skip
         if pre_post and gpu and engine == "torch":  # its graphs, launched by the plane
             return "python", (f"C++: GPU batches of up to {d.batch_limit} on the torch "
                               f"engine's CUDA graphs, {where}")  # fmt: skip
@@ -364,12 +369,16 @@ class Daemon:
                 native = None
                 if executor.cuda is not None and p.device not in self._cold:
                     native = await self._plane_batches(executor)
+                # the emulated GPU in timing mode without pre/post: the plane's own timing engine
+                engine = executor.engine
+                timing = (not executor.pre_post and isinstance(engine, EmulatedGpu)
+                          and engine.mode == "timing")  # fmt: skip
                 out[p.device] = PlaneDevice(
                     p.device, executor.service_us, slots=executor.slots, capacity=d.queue_depth,
                     kind="gpu" if on_soc else "", max_batch=executor.max_batch,
                     max_queue_delay_us=executor.max_queue_delay_us,
                     curve_us=executor.batch_service_us, tier=1,
-                    run=None if native else GpuBatches(executor),
+                    run=None if native or timing else GpuBatches(executor),
                     gpu=native[0] if native else None, graphs=native[1] if native else (),
                 )  # fmt: skip
             elif isinstance(executor, DlaExecutor):

@@ -187,6 +187,19 @@ Plane::Plane(ZmqApi api, void* router, void* forward, Config config)
         } else if (d.cudla) {
             // real silicon shares real DRAM: the emulated model is not applied to it
             engine = std::make_unique<CudlaEngine>(d.name, config_.cudla, *d.cudla, on_done);
+        } else if (d.kind == "gpu") {  // the emulated Orin GPU in timing mode
+            std::vector<double> curve;
+            for (int64_t n = 1; n <= d.max_batch; ++n) {
+                const auto known = d.curve_us.find(n);
+                if (n > 1 && known == d.curve_us.end()) {
+                    throw std::invalid_argument("device " + d.name + ": its batch curve has no "
+                                                "batch of " + std::to_string(n));
+                }
+                curve.push_back(n == 1 && known == d.curve_us.end() ? d.latency_us
+                                                                     : known->second);
+            }
+            engine = std::make_unique<TimingEngine>(d.name, std::move(curve), d.slots, on_done,
+                                                    dram_.get());
         } else {
             engine = std::make_unique<TimingEngine>(d.name, d.latency_us, d.slots, on_done,
                                                     dram_.get());

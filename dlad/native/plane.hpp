@@ -108,7 +108,9 @@ struct DeviceSpec {
                             // timing mode; for the others, the scheduler's first estimate)
     int64_t slots = 2;      // batches in flight on it at once (the DLA executor's slots)
     int64_t capacity = 4;   // its queue in the scheduler
-    std::string kind = "dla";  // "dla" or "gpu" for the DRAM model ("": it shares none)
+    std::string kind = "dla";  // "dla" or "gpu" for the DRAM model ("": it shares none); an
+                               // engine of none of the kinds below is an emulated DLA core,
+                               // or with "gpu" the emulated GPU, in timing mode
     int64_t max_batch = 1;     // the most jobs a batch holds (a GPU's dynamic batches)
     double max_queue_delay_us = 0;  // how long a partial batch may wait for more
     // the service time by batch size (µs), where more than batch 1 is known (a GPU's curve)

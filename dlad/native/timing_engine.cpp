@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <optional>
+#include <stdexcept>
 
 namespace dlad::plane {
 
@@ -19,12 +20,51 @@ TimingEngine::TimingEngine(std::string name, double latency_us, int64_t slots,
                            OnFinished on_done, SharedDram* dram,
                            std::vector<std::string> patterns)
     : name_(std::move(name)),
-      service_ns_(static_cast<int64_t>(std::llround(latency_us * 1e3))),
+      curve_ns_{static_cast<int64_t>(std::llround(latency_us * 1e3))},
       slots_(slots),
       on_done_(std::move(on_done)),
       dram_(dram),
       patterns_(std::move(patterns)),
       thread_([this] { run(); }) {}
+
+namespace {
+std::vector<int64_t> curve_of(const std::string& name, const std::vector<double>& curve_us) {
+    if (curve_us.empty()) throw std::invalid_argument("device " + name + ": an empty batch curve");
+    std::vector<int64_t> out;
+    for (double us : curve_us) {
+        if (!(us > 0)) throw std::invalid_argument("device " + name + ": a batch curve's times "
+                                                   "must be positive");
+        out.push_back(static_cast<int64_t>(std::llround(us * 1e3)));
+    }
+    return out;
+}
+}  // namespace
+
+TimingEngine::TimingEngine(std::string name, std::vector<double> curve_us, int64_t slots,
+                           OnFinished on_done, SharedDram* dram)
+    : name_(std::move(name)),
+      curve_ns_(curve_of(name_, curve_us)),
+      kind_(EngineKind::gpu),
+      slots_(slots),
+      on_done_(std::move(on_done)),
+      dram_(dram),
+      thread_([this] { run(); }) {}
+
+void TimingEngine::start(std::vector<Work> batch) {
+    if (batch.empty() || batch.size() > curve_ns_.size()) {
+        on_done_(refused(batch, Failure::internal,
+                         "a batch of " + std::to_string(batch.size()) + " on " + name_));
+        return;
+    }
+    const int64_t now = now_ns();
+    Task task{{}, now, {}, {}, nullptr};
+    for (const Work& w : batch) task.jobs.push_back(w.job);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+}
 
 TimingEngine::~TimingEngine() {
     {
@@ -42,7 +82,7 @@ void TimingEngine::submit(int64_t job, Fence wait, Fence signal,
     const int64_t now = now_ns();
     {
         std::lock_guard<std::mutex> lock(mu_);
-        tasks_.push_back({job, now, wait, signal, outputs});
+        tasks_.push_back({{job}, now, wait, signal, outputs});
     }
     cv_.notify_one();
 }
@@ -70,7 +110,7 @@ void TimingEngine::run() {
             std::unique_lock<std::mutex> lock(mu_);
             cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
             if (stop_) return;
-            task = tasks_.front();
+            task = std::move(tasks_.front());
             tasks_.pop_front();
         }
         // Back to back, as a DLA runs: a task submitted while the one before ran starts the
@@ -80,13 +120,14 @@ void TimingEngine::run() {
         if (task.wait.word != nullptr && !wait_for(task.wait, &ready)) return;
         const int64_t now = now_ns();
         const int64_t start = std::min(now, std::max({task.submitted_ns, free_at, ready}));
-        int64_t end = start + service_ns_;
+        const int64_t service_ns = curve_ns_[task.jobs.size() - 1];
+        int64_t end = start + service_ns;
         if (dram_ != nullptr) {
             // The service time is the task's work alone; sharing the DRAM stretches it
             // (EmulatedDlaCore._execute): the work done before this thread got here is not
             // waited for again
             const int64_t transfer =
-                dram_->begin(EngineKind::dla, static_cast<double>(service_ns_ - (now - start)));
+                dram_->begin(kind_, static_cast<double>(service_ns - (now - start)));
             const std::optional<int64_t> done = dram_->wait(transfer, stopping_);
             dram_->finish(transfer);
             if (!done) return;
@@ -105,7 +146,7 @@ void TimingEngine::run() {
         }
         // the task's own span, not this thread's wake-up
         Finished f;
-        f.jobs = {task.job};
+        f.jobs = task.jobs;
         f.start_ns = start;
         f.end_ns = end;
         on_done_(std::move(f));

@@ -290,6 +290,8 @@ def test_a_removed_key_is_named_as_removed(
          "pre/post on the CPU")),
         ("torch", False, True, ("Python: GPU batches of up to 4 on the torch engine, "
          "pre/post off")),
+        ("emulated", False, True, ("C++: emulated Orin GPU (timing), batches of up to 4, "
+         "pre/post off")),
     ],
 )  # fmt: skip
 def test_platform_names_the_gpus_engine(
@@ -299,9 +301,10 @@ def test_platform_names_the_gpus_engine(
     graphs between the plane's kernels); the others are Python engines, their pre/post on the
     CPU (no device-side I/O)."""
     (tmp_path / "demo.pt2").write_bytes(b"")  # named only: the words read no program
+    mode = 'mode = "timing"\n' if engine == "emulated" else ""  # the emulated engine's only
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(
-        f'[devices.gpu]\nkind = "gpu"\nengine = "{engine}"\nmax_batch = 4\n'
+        f'[devices.gpu]\nkind = "gpu"\nengine = "{engine}"\nmax_batch = 4\n{mode}'
         '[models.demo]\ndevices = ["gpu"]\n[models.demo.loadables]\n'
         'core0 = "bundled:demo/fp16_heads.dla0.emu"\ntorch = "demo.pt2"\n'
     )

@@ -562,3 +562,53 @@ def test_a_reply_the_plane_could_not_send_is_counted_and_logged(tmp_path: Path) 
         wait_for(lambda: bool(registry.get_sample_value("dlad_replies_dropped_total")))
         assert registry.get_sample_value("dlad_replies_dropped_total") == 1
     assert [e["dropped"] for e in logs if e["event"] == "reply_dropped"] == [1]
+
+
+GPU_TIMING = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+cheap_requests_per_s = 100000.0  # the test polls STATUS
+[pre_post]
+enabled = false
+[devices.gpu]
+kind = "gpu"
+engine = "emulated"
+mode = "timing"
+latency_us = 20000.0
+max_batch = 4
+max_queue_delay_us = 2000000.0
+[models.demo]
+devices = ["gpu"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+def test_the_emulated_gpu_in_timing_mode_batches_in_the_plane(tmp_path: Path) -> None:
+    """With pre/post off, the emulated Orin GPU in timing mode is the plane's own engine (no
+    Python per batch): frames sent together run as one batch, which takes the batch curve's
+    time for its size, and STATUS counts it by size."""
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(GPU_TIMING)
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    image = np.zeros((8, 8, 3), np.uint8)
+    with serve_in_thread(daemon) as ep, dealer(ep) as sock:
+        plane = daemon.frontend.plane
+        assert plane is not None
+        executor = daemon.executors["gpu"]
+        curve = executor.batch_service_us  # type: ignore[attr-defined]
+        for rid in range(4):  # queued within the 2 s a partial batch may wait to fill
+            sock.send_multipart(protocol.encode(protocol.InferRequest(rid, "demo", image)))
+        replies = [recv(sock) for _ in range(4)]
+        report = _status(sock, 10)
+        threads = {p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")}
+    assert "gpu-emulated" in threads  # the plane's timing engine
+    assert not [t for t in threads if t.startswith("gpu-py")]  # no Python engine's threads
+    assert all(isinstance(r, protocol.InferReply) and r.status is Status.OK for r in replies)
+    (gpu,) = report["devices"]
+    assert gpu["batches"] == [0, 0, 0, 1]  # the four, one batch
+    spans = {r.timing.device_us for r in replies if isinstance(r, protocol.InferReply)}
+    assert len(spans) == 1  # the batch's span is each of its frames'
+    assert spans.pop() >= curve[4] - 1  # the curve's time for a batch of four
