@@ -37,7 +37,6 @@ from dlad import protocol
 from dlad.config import Config, Plan
 from dlad.devices.base import DlaError
 from dlad.devices.dram import SharedDram
-from dlad.devices.emulated_gpu import EmulatedGpu
 from dlad.devices.factory import resolve_backend
 from dlad.engines.python import DlaFrames, GpuBatches
 from dlad.errors import DladError, Overloaded, StartupError
@@ -78,30 +77,30 @@ def _plane_failing(d: DeviceState) -> str:
     return "" if d.failing < UNHEALTHY_AFTER else failing_words(d.failing, d.last_failure)
 
 
-EngineKind = Literal["cudla", "timing", "python"]
+EngineKind = Literal["cudla", "timing", "gpu-graphs", "gpu-timing", "python"]
 
 
 def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tuple[EngineKind, str]:
     """Which engine serves placement ``p`` on the plane (``gpu``: pre/post-processing runs on
     the GPU), and that in words (``dlad status --platform``, the log): ``cudla``, a real DLA
     core driven by the plane, and ``timing``, an emulated core in timing mode without faults,
-    each with pre/post off or as the GPU chain; ``python``, built as an executor: a Python
-    engine running its executor's per-frame code (a numeric or faulty core, any core whose
-    pre/post-processing runs on the CPU, the GPU's batches), except the GPU's batches that the
-    plane then runs itself: the torch engine's with pre/post on the GPU (``Daemon._plane_batches``;
-    where that cannot be built, the log says why and a Python engine serves), and the emulated
-    GPU's in timing mode with pre/post off."""
+    each with pre/post off or as the GPU chain; ``gpu-graphs``, the torch engine's batches with
+    pre/post on the GPU, which the plane launches as CUDA graphs (``Daemon._plane_batches``; where
+    that cannot be built, the log says why and a Python engine serves); ``gpu-timing``, the
+    emulated GPU's batches in timing mode with pre/post off; ``python``, a Python engine running
+    its executor's per-frame code (a numeric or faulty core, any core whose pre/post-processing
+    runs on the CPU, the other GPU batches). The last three are built as executors."""
     d = plan.config.device(p.device)
     where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
              else "pre/post on the CPU")  # fmt: skip
     if d.kind != "dla":
         engine = d.engine or "emulated"
         if not pre_post and engine == "emulated" and d.mode == "timing":
-            return "python", (f"C++: emulated Orin GPU (timing), batches of up to "
-                              f"{d.batch_limit}, pre/post off")  # fmt: skip
+            return "gpu-timing", (f"C++: emulated Orin GPU (timing), batches of up to "
+                                  f"{d.batch_limit}, pre/post off")  # fmt: skip
         if pre_post and gpu and engine == "torch":  # its graphs, launched by the plane
-            return "python", (f"C++: GPU batches of up to {d.batch_limit} on the torch "
-                              f"engine's CUDA graphs, {where}")  # fmt: skip
+            return "gpu-graphs", (f"C++: GPU batches of up to {d.batch_limit} on the torch "
+                                  f"engine's CUDA graphs, {where}")  # fmt: skip
         on = "pre/post on the CPU" if pre_post else where  # only torch's stay on the GPU
         return (
             "python",
@@ -159,10 +158,10 @@ class Daemon:
         """Set when the drain is over and the frontend answers its last messages (for
         ``daemon.close_linger_ms``) before the socket closes."""
         self.executors: dict[str, Executor] = {}
-        # The emulated DRAM: one model, which the plane's timing cores and the Python engines'
-        # emulated devices share ([soc] dram_contention; dlad/devices/dram.py)
-        self.dram = SharedDram(self.config.soc.dram_contention)
         """The Python engines' executors, by device (the plane calls their per-frame code)."""
+        self.dram = SharedDram(self.config.soc.dram_contention)
+        """The emulated DRAM: one model, which the plane's timing cores and the Python engines'
+        emulated devices share (``[soc] dram_contention``; :mod:`dlad.devices.dram`)."""
         self._stop = anyio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         m = self.config.metrics
@@ -308,7 +307,7 @@ class Daemon:
             devices[p.device] = PlaneDevice(p.device, p.latency_us, slots=_PLANE_SLOTS,
                                             capacity=d.queue_depth, gpu=plane_gpu,
                                             cudla=spec)  # fmt: skip
-        devices.update(await self._python_engines(python))
+        devices.update(await self._python_engines(python, {p: k for p, (k, _) in engines.items()}))
         self.frontend.on_plane_health = self._sync_plane
         # /health/ready and a scrape see the plane as it is (its events are the loop's)
         self.metrics.refresh = functools.partial(self._sync_plane, events=False)
@@ -343,10 +342,14 @@ class Daemon:
         late = await self.frontend.answer_what_is_queued()
         log.info("closing", answered_after_the_drain=late)
 
-    async def _python_engines(self, placements: Sequence[Placement]) -> dict[str, PlaneDevice]:
-        """The plane's Python engines for ``placements``: each placement's executor, as the
-        config builds it (pre/post-processing on the CPU), warmed up, its per-frame code run by
-        the plane. Raises StartupError where one cannot be built."""
+    async def _python_engines(
+        self, placements: Sequence[Placement], kinds: dict[str, EngineKind]
+    ) -> dict[str, PlaneDevice]:
+        """The plane's engines for ``placements`` that are built as executors (``kinds``:
+        :func:`plane_engine`'s): each placement's executor, as the config builds it, warmed up;
+        its per-frame code run by the plane as a Python engine, or, for ``gpu-graphs`` and
+        ``gpu-timing``, its GPU's batches handed to the plane's own engine. Raises StartupError
+        where one cannot be built."""
         if not placements:
             return {}
         try:
@@ -367,12 +370,10 @@ class Daemon:
             if isinstance(executor, GpuExecutor):
                 on_soc = (d.engine or "emulated") != "torch"
                 native = None
-                if executor.cuda is not None and p.device not in self._cold:
+                graphs = kinds[p.device] == "gpu-graphs" and executor.cuda is not None
+                if graphs and p.device not in self._cold:
                     native = await self._plane_batches(executor)
-                # the emulated GPU in timing mode without pre/post: the plane's own timing engine
-                engine = executor.engine
-                timing = (not executor.pre_post and isinstance(engine, EmulatedGpu)
-                          and engine.mode == "timing")  # fmt: skip
+                timing = kinds[p.device] == "gpu-timing"  # the plane's own timing engine
                 out[p.device] = PlaneDevice(
                     p.device, executor.service_us, slots=executor.slots, capacity=d.queue_depth,
                     kind="gpu" if on_soc else "", max_batch=executor.max_batch,

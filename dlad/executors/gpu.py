@@ -59,12 +59,11 @@ from dlad.devices.emulated_gpu import GpuBatchTiming
 from dlad.errors import DeviceFailed
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.gpu.driver import CudaError, DeviceBuffer, _check, _driver
-from dlad.gpu.prepost import GpuPipeline, HeadSpec, PostResult
+from dlad.gpu.prepost import GpuPipeline, HeadSpec, PostResult, engine_heads
 from dlad.imaging.decoders import decoder_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import (
     Letterbox,
-    hwc4_layout,
     letterbox,
     letterbox_geometry,
     quantize_hwc4,
@@ -223,18 +222,7 @@ class CudaBatches:
         slots: int = 2,
         cand_capacity: int = 1 << 17,
     ) -> None:
-        h, w = loadable.image_size
-        frame = hwc4_layout(3, h, w, 1)[2]
-        if engine.frame_bytes != frame:
-            raise ValueError(
-                f"engine frames of {engine.frame_bytes} B, the pre kernel writes {frame}"
-            )
-        specs = [
-            HeadSpec(d.c, d.h, d.w, s)  # fp16 CHW16: what the engine writes, whatever the DLA's
-            for d, s in zip(loadable.outputs, loadable.strides, strict=True)
-        ]
-        if tuple(spec.nbytes for spec in specs) != tuple(engine.head_image_bytes):
-            raise ValueError("the engine's heads are not fp16 CHW16 of the loadable's shapes")
+        specs = engine_heads(loadable, engine.frame_bytes, engine.head_image_bytes)
         if not 1 <= max_batch <= engine.max_batch:
             raise ValueError(f"max_batch must be 1..{engine.max_batch}, got {max_batch}")
         self.engine = engine

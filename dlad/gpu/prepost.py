@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,9 @@ from dlad.gpu.driver import (
 )
 from dlad.imaging.pre import Letterbox, hwc4_layout
 
+if TYPE_CHECKING:
+    from dlad.loadable import Loadable
+
 __all__ = [
     "MAX_ANCHORS",
     "MAX_LEVELS",
@@ -48,6 +51,7 @@ __all__ = [
     "GpuPipeline",
     "HeadSpec",
     "PostResult",
+    "engine_heads",
 ]
 
 MAX_LEVELS = 4
@@ -161,6 +165,24 @@ class HeadSpec:
         vec = 32 if self.int8_scale is not None else 16
         elem = 1 if self.int8_scale is not None else 2
         return -(-self.c // vec) * self.h * self.w * vec * elem
+
+
+def engine_heads(
+    loadable: Loadable, frame_bytes: int, head_image_bytes: Sequence[int]
+) -> list[HeadSpec]:
+    """The heads of a GPU engine with device-side I/O (``TorchGpu``), as the post kernels read
+    them: fp16 ``CHW16`` of the loadable's shapes, whatever the DLA's. Raises ValueError where
+    its input (``frame_bytes`` a frame) is not the int8 ``DLA_HWC4`` frame the pre kernel
+    writes, or its heads (``head_image_bytes`` an image each) are not those."""
+    h, w = loadable.image_size
+    frame = hwc4_layout(3, h, w, 1)[2]
+    if frame_bytes != frame:
+        raise ValueError(f"engine frames of {frame_bytes} B, the pre kernel writes {frame}")
+    specs = [HeadSpec(d.c, d.h, d.w, s)
+             for d, s in zip(loadable.outputs, loadable.strides, strict=True)]  # fmt: skip
+    if tuple(spec.nbytes for spec in specs) != tuple(head_image_bytes):
+        raise ValueError("the engine's heads are not fp16 CHW16 of the loadable's shapes")
+    return specs
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,8 +38,8 @@ from dlad.gpu.links import (
     MappedFenceLink,
     link_cudla_slot,
 )
-from dlad.gpu.prepost import GpuPipeline, HeadSpec
-from dlad.imaging.pre import hwc4_layout, letterbox_geometry
+from dlad.gpu.prepost import GpuPipeline, HeadSpec, engine_heads
+from dlad.imaging.pre import letterbox_geometry
 from dlad.loadable import DataType, Loadable
 
 if TYPE_CHECKING:
@@ -222,10 +222,10 @@ class GpuService:
         slots as :meth:`slot` makes them for an emulated core (zeroed DLA buffers from
         :meth:`host_array`, kernels warmed up), or a cuDLA core's slots from :meth:`cudla_slot`
         (``cudla``; ``slots`` is then their number), handed over as handles and addresses.
-        Everything stays
-        this service's (a cuDLA slot's imports its core's), freed by :meth:`close`, which must
-        come after the plane's close. Raises ValueError where a frame could overflow the GPU's
-        candidate store (the plane has no numpy fallback), CudaError from the driver."""
+        Everything stays this service's (a cuDLA slot's imports its core's), freed by
+        :meth:`close`, which must come after the plane's close. Raises ValueError where a frame
+        could overflow the GPU's candidate store (the plane has no numpy fallback), CudaError
+        from the driver."""
         from dlad.devices.emulated import timing_pattern  # noqa: PLC0415
         from dlad.native_plane import PlaneGpu, PlaneGpuSlot  # noqa: PLC0415 (plane types)
         from dlad.protocol import MAX_DET  # noqa: PLC0415
@@ -288,8 +288,8 @@ class GpuService:
         slots and each frame ``b`` of its batch, a pipeline whose pre kernel writes frame ``b``
         of the engine's input and whose post graphs read image ``b`` of its ``CHW16`` heads
         (kernels warmed up), all queued on one stream (the first pipeline's). The plane then
-        owns the
-        engine's input and heads: nothing may run a batch on the engine itself afterwards.
+        owns the engine's input and heads: nothing may run a batch on the engine itself
+        afterwards.
         Everything stays this service's, freed by :meth:`close` after the plane's close.
         Raises ValueError where the engine's input or heads are not the layouts the kernels
         write and read, it has no graph per batch size, or a frame could overflow the GPU's
@@ -298,14 +298,8 @@ class GpuService:
         from dlad.protocol import MAX_DET  # noqa: PLC0415
 
         h, w = loadable.image_size
-        if engine.frame_bytes != hwc4_layout(3, h, w, 1)[2]:
-            raise ValueError(f"engine frames of {engine.frame_bytes} B, the pre kernel writes "
-                             f"{hwc4_layout(3, h, w, 1)[2]}")  # fmt: skip
-        heads = [HeadSpec(d.c, d.h, d.w, s)  # fp16 CHW16: what the engine writes
-                 for d, s in zip(loadable.outputs, loadable.strides, strict=True)]  # fmt: skip
         sizes = tuple(engine.head_image_bytes)
-        if tuple(spec.nbytes for spec in heads) != sizes:
-            raise ValueError("the engine's heads are not fp16 CHW16 of the loadable's shapes")
+        heads = engine_heads(loadable, engine.frame_bytes, sizes)
         graphs = tuple(engine.graph_execs)
         if not 1 <= max_batch <= len(graphs) or not all(graphs[:max_batch]):
             raise ValueError(f"the engine has graphs for batches of 1..{len(graphs)}, "

@@ -88,19 +88,11 @@ double SharedDram::slowdown(int64_t id) {
 }
 
 std::optional<int64_t> SharedDram::wait(int64_t id, const std::atomic<bool>& stop) {
-    std::unique_lock<std::mutex> lock(mu_);
     while (true) {
+        const uint64_t since = wakes();  // read first: a wake() after it ends the wait below
         if (stop.load()) return std::nullopt;
-        const Transfer& t = running_.at(id);
-        const int64_t now = clock_();
-        const double left = t.left_ns - static_cast<double>(now - last_ns_) / t.slowdown;
-        const double end = static_cast<double>(now) + std::max(left * t.slowdown, 0.0);
-        if (static_cast<double>(now) >= end) {
-            // the work ran out before this wake-up (a sleeper wakes late): when it did
-            return std::llround(static_cast<double>(now) + std::min(left * t.slowdown, 0.0));
-        }
-        cv_.wait_for(lock, std::chrono::nanoseconds(
-                               static_cast<int64_t>(std::ceil(end - static_cast<double>(now)))));
+        int64_t done_at = 0;
+        if (wait_for(id, std::nullopt, since, &done_at) == Waited::done) return done_at;
     }
 }
 

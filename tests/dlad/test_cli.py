@@ -280,26 +280,27 @@ def test_a_removed_key_is_named_as_removed(
 
 
 @pytest.mark.parametrize(
-    ("engine", "pre_post", "gpu", "words"),
+    ("engine", "pre_post", "gpu", "kind", "words"),
     [
-        ("torch", True, True, ("C++: GPU batches of up to 4 on the torch engine's CUDA graphs, "
-         "pre/post on the GPU")),
-        ("torch", True, False, ("Python: GPU batches of up to 4 on the torch engine, "
+        ("torch", True, True, "gpu-graphs", ("C++: GPU batches of up to 4 on the torch "
+         "engine's CUDA graphs, pre/post on the GPU")),
+        ("torch", True, False, "python", ("Python: GPU batches of up to 4 on the torch engine, "
          "pre/post on the CPU")),
-        ("emulated", True, True, ("Python: GPU batches of up to 4 on the emulated engine, "
-         "pre/post on the CPU")),
-        ("torch", False, True, ("Python: GPU batches of up to 4 on the torch engine, "
+        ("emulated", True, True, "python", ("Python: GPU batches of up to 4 on the emulated "
+         "engine, pre/post on the CPU")),
+        ("torch", False, True, "python", ("Python: GPU batches of up to 4 on the torch engine, "
          "pre/post off")),
-        ("emulated", False, True, ("C++: emulated Orin GPU (timing), batches of up to 4, "
-         "pre/post off")),
+        ("emulated", False, True, "gpu-timing", ("C++: emulated Orin GPU (timing), batches of "
+         "up to 4, pre/post off")),
     ],
 )  # fmt: skip
 def test_platform_names_the_gpus_engine(
-    tmp_path: Path, engine: str, pre_post: bool, gpu: bool, words: str
+    tmp_path: Path, engine: str, pre_post: bool, gpu: bool, kind: str, words: str
 ) -> None:
-    """Only the torch engine's batches with pre/post on a GPU run in the plane itself (its CUDA
-    graphs between the plane's kernels); the others are Python engines, their pre/post on the
-    CPU (no device-side I/O)."""
+    """The plane runs the GPU's batches itself for the torch engine with pre/post on a GPU (its
+    CUDA graphs between the plane's kernels) and for the emulated GPU in timing mode with
+    pre/post off; the others are Python engines, their pre/post on the CPU (no device-side
+    I/O)."""
     (tmp_path / "demo.pt2").write_bytes(b"")  # named only: the words read no program
     mode = 'mode = "timing"\n' if engine == "emulated" else ""  # the emulated engine's only
     cfg = tmp_path / "dlad.toml"
@@ -309,10 +310,4 @@ def test_platform_names_the_gpus_engine(
         'core0 = "bundled:demo/fp16_heads.dla0.emu"\ntorch = "demo.pt2"\n'
     )
     plan = load_config(cfg).plan()
-    where = (
-        "pre/post off" if not pre_post else "pre/post on the GPU" if gpu else "pre/post on the CPU"
-    )
-    if engine != "torch" and pre_post:
-        where = "pre/post on the CPU"  # no device-side I/O: numpy pre/post
-    got = plane_engine(plan, plan.placements[0], pre_post=pre_post, gpu=gpu)
-    assert got == ("python", words.format(where))
+    assert plane_engine(plan, plan.placements[0], pre_post=pre_post, gpu=gpu) == (kind, words)
