@@ -110,17 +110,19 @@ std::string CudlaEngine::submit(int64_t job, int64_t slot, bool wait) {
               wait ? &r.waits : nullptr,
               &r.signal};
     const int64_t submitted = now_ns();
-    // the plane's thread is the handle's one submitter: CUDLA_SUBMIT_SKIP_LOCK_ACQUIRE holds
-    if (int status = api_.submit_task(spec_.device, &r.task, 1, nullptr, spec_.flags)) {
-        api_.fence_clear(&r.eof);
-        if (wait) api_.fence_clear(&r.pre);
-        std::lock_guard<std::mutex> lock(mu_);
-        r.busy = false;
-        return "cudlaSubmitTask: " + cudla_status_name(status) + " (" + std::to_string(status) +
-               ")";
-    }
     {
+        // Submitted and queued for the completion thread as one step: a task that fails the
+        // moment it is submitted sets the handle's error, and the thread reading the task
+        // before it must then see it queued (run(): the failure may be either's)
         std::lock_guard<std::mutex> lock(mu_);
+        // the plane's thread is the handle's one submitter: CUDLA_SUBMIT_SKIP_LOCK_ACQUIRE holds
+        if (int status = api_.submit_task(spec_.device, &r.task, 1, nullptr, spec_.flags)) {
+            api_.fence_clear(&r.eof);
+            if (wait) api_.fence_clear(&r.pre);
+            r.busy = false;
+            return "cudlaSubmitTask: " + cudla_status_name(status) + " (" +
+                   std::to_string(status) + ")";
+        }
         tasks_.push_back({job, slot, submitted});
     }
     cv_.notify_all();

@@ -655,7 +655,6 @@ class CudlaDlaCore:
                 if not self._pending:
                     return
                 record = self._pending[0]
-                after = self._pending[1] if len(self._pending) > 1 else None
                 timeout_us = (self._timeout_ms + self._grace_ms) * 1000
             try:
                 status = self._await(record, timeout_us)
@@ -664,7 +663,10 @@ class CudlaDlaCore:
                 carried = CudlaStatus.SUCCESS
                 # cuDLA's error is the handle's, not a task's: where the next task had also
                 # ended when this one's was read, the failure may be either's, and both are
-                # failed (a failed frame must not be answered OK)
+                # failed (a failed frame must not be answered OK). The next task is looked up
+                # after the read: one submitted while this one ran may have ended before it.
+                with self._cv:
+                    after = self._pending[1] if len(self._pending) > 1 else None
                 failed = status is not CudlaStatus.SUCCESS
                 if failed and after is not None and self.nvsci.wait(after.eof, 0):
                     carried = status
