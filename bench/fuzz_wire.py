@@ -1,16 +1,17 @@
-"""The native plane's INFER reader (``dlad/native/wire.cpp``) under AddressSanitizer and
+"""The daemon's request decoder (``dlad/native/wire.cpp``) under AddressSanitizer and
 UndefinedBehaviorSanitizer, on structure-aware fuzzed messages (docs/reliability.md).
 
     python bench/fuzz_wire.py [--messages 1000000] [--seed 1] [--keep DIR]
 
-Builds ``tests/dlad/wire_fuzz.cpp`` with the reader, both sanitizers on and every finding fatal
+Builds ``tests/dlad/wire_fuzz.cpp`` with the decoder, both sanitizers on and every finding fatal
 (``-fno-sanitize-recover=all``), then streams it ``--messages`` messages: six in ten from
 ``dlad_bench.fuzz.messages`` (valid INFER, CANCEL, STATUS and INFER_BATCH requests mutated in
 their msgpack structure, fields, image and frames; about one in eight left valid), three in ten
 well-formed INFERs with random settings (half of them with one byte of the header changed or
 the header cut short), one in ten raw random bytes; each header in a buffer of exactly its
 size, with its frames, and shared memory on or off at random. The driver checks that what the
-reader takes keeps the protocol's promises and writes each taken INFER's reply. Prints the
+decoder takes keeps the protocol's promises, that each refusal names its field, and writes each
+INFER's reply or its refusal's. Prints the
 messages read and taken, and exits non-zero on a sanitizer report, a broken promise or a message
 not read.
 """

@@ -75,19 +75,22 @@ class Scheduler:
     ) -> list[tuple[str, int, int, int, float, int, int, tuple[int, ...], bool, float, str]]: ...
 
 # The INFER codec (dlad/native/wire.hpp); tests/dlad/test_native_wire.py holds it to protocol.py.
-def read_infer(
+_Image = tuple[str, int, int, int, str | None, tuple[str, int, int] | None, int]
+"""format, height, width, channels, stream, shm (name, offset, size) or None, payload frame"""
+
+def decode_request(
     header: bytes | memoryview,
-    frames: int,
-    payload_bytes: int,
+    payloads: list[int],
     limits: tuple[int, int, int, int, int],
     shm: bool,
 ) -> (
-    tuple[
-        int, str, str | None, int, int | None, float | None, float | None, int | None,
-        str, int, int, int, tuple[str, int, int] | None,
+    tuple[Literal[False], str, str, int | None, int | None]
+    | tuple[
+        Literal[True], int, int, str, int, int | None, float | None, float | None, int | None,
+        bool, list[_Image],
     ]
-    | None
 ): ...  # fmt: skip
+def printable(code_point: int) -> bool: ...
 def cudla_status_name(status: int) -> str: ...
 def write_infer_reply(
     id: int,

@@ -1084,11 +1084,9 @@ def encode_infer_ok(
 # ------------------------------------------------------------------------------ decode
 
 
-def _views(frames: object, limits: Limits) -> list[memoryview]:
+def _buffers(frames: object) -> list[memoryview]:
     if not isinstance(frames, Sequence) or isinstance(frames, (bytes, bytearray, str)):
         _fail("frames", "a message is a list of frames")
-    if not 1 <= len(frames) <= 1 + MAX_BATCH_IMAGES:
-        _fail("frames", f"a v1 message has 1 to {1 + MAX_BATCH_IMAGES} frames, got {len(frames)}")
     views = []
     for i, frame in enumerate(frames):
         try:
@@ -1100,6 +1098,15 @@ def _views(frames: object, limits: Limits) -> list[memoryview]:
         except (TypeError, ValueError):
             _fail(f"frames[{i}]", "not a contiguous bytes-like buffer")
         views.append(view)
+    return views
+
+
+def _views(frames: object, limits: Limits) -> list[memoryview]:
+    if not isinstance(frames, Sequence) or isinstance(frames, (bytes, bytearray, str)):
+        _fail("frames", "a message is a list of frames")
+    if not 1 <= len(frames) <= 1 + MAX_BATCH_IMAGES:
+        _fail("frames", f"a v1 message has 1 to {1 + MAX_BATCH_IMAGES} frames, got {len(frames)}")
+    views = _buffers(frames)
     total = sum(v.nbytes for v in views)
     if total > limits.max_message_bytes:
         _fail("frames", f"message of {total} bytes is over the limit of {limits.max_message_bytes}")
@@ -1145,11 +1152,12 @@ def _unpack(view: memoryview, max_depth: int) -> dict[str, Any]:
     return header
 
 
-def _open(
-    frames: object, limits: Limits, kinds: Collection[Kind], role: str
+def _open_reply(
+    frames: object, limits: Limits, kinds: Collection[Kind]
 ) -> tuple[Kind, dict[str, Any], list[memoryview]]:
+    """A reply's frames and header, its envelope checked (a request's is the C++ decoder's)."""
     views = _views(frames, limits)
-    header = _unpack(views[0], MAX_REPLY_DEPTH if role == "reply" else MAX_REQUEST_DEPTH)
+    header = _unpack(views[0], MAX_REPLY_DEPTH)
     rid, raw_kind = header.get("id"), header.get("kind")
     try:
         if "v" not in header:
@@ -1162,12 +1170,10 @@ def _open(
             _fail("kind", "missing required field")
         code = _int(raw_kind, "kind", 0, 255)
         if code not in kinds:
-            _fail("kind", f"{code} is not a {role} kind")
+            _fail("kind", f"{code} is not a reply kind")
         kind = _KINDS[code]
-        want = 2 if kind in (Kind.INFER, Kind.INFER_REPLY) else 1
-        if kind == Kind.INFER and "shm" in header:
-            want = 1  # the image is in a shared-memory segment
-        if len(views) != want and kind not in (Kind.INFER_BATCH, Kind.INFER_BATCH_REPLY):
+        want = 2 if kind == Kind.INFER_REPLY else 1
+        if len(views) != want and kind != Kind.INFER_BATCH_REPLY:
             _fail("frames", f"{kind.name} has {want} frame(s), got {len(views)}")
         _keys(header, "", *_HEADER_FIELDS[kind])
     except ProtocolError as exc:
@@ -1207,95 +1213,9 @@ _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = 
 }  # fmt: skip
 
 
-def _image(  # noqa: PLR0917  # the hot path's one call per image: positional is cheaper
-    img: dict[str, Any],
-    raw_shm: object,
-    payload: memoryview | None,
-    limits: Limits,
-    shm: ShmResolver | None,
-    path: str = "",
-    frame: int = 1,
-) -> tuple[npt.NDArray[np.uint8], PixelFormat, ShmRef | None]:
-    """An INFER's image from its checked ``image`` map (``path`` prefixes the field names:
-    ``images[2].`` in a batch): a read-only view over ``payload`` (``frames[frame]``), or over
-    the shared-memory frame ``raw_shm`` names when ``payload`` is None."""
-    fmt = _choice(img["format"], f"{path}image.format", CHANNELS)
-    if img["dtype"] != "uint8":
-        _fail(f"{path}image.dtype", f"only 'uint8' is supported, got {_show(img['dtype'])}")
-    height = _int(img["height"], f"{path}image.height", 1, limits.max_height)
-    width = _int(img["width"], f"{path}image.width", 1, limits.max_width)
-    if height * width > limits.max_image_pixels:
-        over = f"{width}x{height} is over the limit of {limits.max_image_pixels} pixels"
-        _fail(f"{path}image", over)
-    channels = CHANNELS[fmt]
-    ref = None
-    if payload is None:  # a shared-memory frame
-        if shm is None:
-            _fail(f"{path}shm",
-                  "this daemon takes no shared-memory frames ([shm] enabled = false), "
-                  "or not from this connection (ipc:// and loopback tcp only)")  # fmt: skip
-        raw = _map(raw_shm, f"{path}shm")
-        _keys(raw, f"{path}shm.", SHM_FIELDS)
-        ref = ShmRef(raw["name"], raw["offset"], raw["size"])
-        payload = shm(ref, height * width * channels)
-    if payload.nbytes != height * width * channels:
-        need = height * width * channels
-        _fail(f"frames[{frame}]",
-              f"image payload is {payload.nbytes} bytes, the header says {need}")  # fmt: skip
-    image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
-    image.flags.writeable = False  # the daemon never writes into a client's frame
-    return image, cast("PixelFormat", fmt), ref
-
-
-def _scalars(h: dict[str, Any], stream: object) -> tuple[Any, ...]:
-    priority = h.get("priority")  # nil means the default, like absence
-    return _infer_fields(
-        h["id"], h["model"], stream=stream,
-        priority=PRIORITY_MIN if priority is None else priority,
-        deadline_ms=h.get("deadline_ms"), conf=h.get("conf"), iou=h.get("iou"),
-        max_det=h.get("max_det"),
-    )  # fmt: skip
-
-
-def _infer_request(
-    h: dict[str, Any], payload: memoryview | None, limits: Limits, shm: ShmResolver | None
-) -> InferRequest:
-    img = _map(h["image"], "image")
-    _keys(img, "image.", IMAGE_FIELDS)
-    image, fmt, ref = _image(img, h.get("shm"), payload, limits, shm)
-    return InferRequest._decoded(image, fmt, _scalars(h, h.get("stream")), ref)
-
-
-def _infer_batch(
-    h: dict[str, Any], payloads: list[memoryview], limits: Limits, shm: ShmResolver | None
-) -> InferBatchRequest:
-    raw: object = h["images"]
-    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_BATCH_IMAGES:
-        _fail("images", f"must be an array of 1 to {MAX_BATCH_IMAGES} image maps")
-    inline = sum(1 for item in raw if not (isinstance(item, dict) and "shm" in item))
-    if len(payloads) != inline:
-        _fail("frames", f"INFER_BATCH has {1 + inline} frame(s) (one per image not in shared "
-                        f"memory), got {1 + len(payloads)}")  # fmt: skip
-    images, frame = [], 1
-    for i, item in enumerate(raw):
-        path = f"images[{i}]."
-        img = _map(item, f"images[{i}]")
-        _keys(img, path, IMAGE_FIELDS, ("stream", "shm"))
-        payload = None if "shm" in img else payloads[frame - 1]
-        image, fmt, ref = _image(img, img.get("shm"), payload, limits, shm, path, frame)
-        frame += payload is not None
-        try:
-            scalars = _scalars(h, img.get("stream"))
-        except ProtocolError as exc:
-            if exc.field == "stream":
-                _fail(f"{path}stream", exc.message.removeprefix("stream: "))
-            raise
-        images.append(InferRequest._decoded(image, fmt, scalars, ref))
-    batch = object.__new__(InferBatchRequest)
-    _set(batch, "id", images[0].id)
-    _set(batch, "model", images[0].model)
-    _set(batch, "images", tuple(images))
-    return batch
+def _native_limits(limits: Limits) -> tuple[int, int, int, int, int]:
+    return (limits.max_message_bytes, limits.max_header_bytes, limits.max_width,
+            limits.max_height, limits.max_image_pixels)  # fmt: skip
 
 
 def decode_request(
@@ -1303,37 +1223,63 @@ def decode_request(
 ) -> Request:
     """Decode the frames of a request (without the ROUTER's identity frames).
 
-    An INFER's image is a read-only view over ``frames[1]``'s buffer (no copy), or, for a
-    shared-memory frame, over what ``shm`` resolves its ``shm`` field to (None: such frames are
-    refused). Raises ProtocolError for anything that is not a valid v1 request: its ``field``
-    names the problem, and ``request_id``/``request_kind`` hold what the header yielded, if
-    anything; a DladError of ``shm``'s propagates, with the request's id attached.
+    The header is decoded by the daemon's one request decoder, in C++ (``dlad/native/wire.hpp``,
+    the one the native plane serves INFERs with). An INFER's image is a read-only view over
+    ``frames[1]``'s buffer (no copy), or, for a shared-memory frame, over what ``shm`` resolves
+    its ``shm`` field to (None: such frames are refused). Raises ProtocolError for anything that
+    is not a valid v1 request: its ``field`` names the problem, and
+    ``request_id``/``request_kind`` hold what the header yielded, if anything; a DladError of
+    ``shm``'s propagates, with the request's id attached.
     """
-    requests = (Kind.INFER, Kind.CANCEL, Kind.STATUS, Kind.INFER_BATCH)
-    kind, h, views = _open(frames, limits, requests, "request")
-    try:
-        if kind == Kind.INFER:
-            return _infer_request(h, views[1] if len(views) == 2 else None, limits, shm)
-        if kind == Kind.INFER_BATCH:
-            return _infer_batch(h, views[1:], limits, shm)
-        if kind == Kind.CANCEL:
-            return CancelRequest(h["id"])
-        load = h.get("load")  # nil means the default, like absence
-        return StatusRequest(h["id"], load=False if load is None else _bool(load, "load"))
-    except DladError as exc:
-        _address(exc, h)
-        raise
+    from dlad import _native  # noqa: PLC0415  # the daemon's side only: the SDK never decodes one
+
+    views = _buffers(frames)
+    if not views:
+        _fail("frames", "a message has its header frame at least")
+    decoded = _native.decode_request(
+        views[0], [v.nbytes for v in views[1:]], _native_limits(limits), shm is not None
+    )
+    if not decoded[0]:
+        _, field, message, rid, raw_kind = decoded
+        raise ProtocolError(message, field=field, request_id=rid, request_kind=raw_kind)
+    _, kind, rid, model, priority, deadline_ms, conf, iou, max_det, load, images = decoded
+    if kind == Kind.CANCEL:
+        return CancelRequest(rid)
+    if kind == Kind.STATUS:
+        return StatusRequest(rid, load=load)
+    built = []
+    for fmt, height, width, channels, stream, at, frame in images:
+        ref = None if at is None else _checked_ref(*at)
+        if ref is None:
+            payload = views[frame]
+        else:
+            assert shm is not None  # the decoder refuses a shared-memory frame without one
+            try:
+                payload = shm(ref, height * width * channels)
+            except DladError as exc:
+                if exc.request_id is None:
+                    exc.request_id = rid
+                raise
+        image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
+        image.flags.writeable = False  # the daemon never writes into a client's frame
+        scalars = (rid, model, stream, priority, deadline_ms, conf, iou, max_det)
+        built.append(InferRequest._decoded(image, cast("PixelFormat", fmt), scalars, ref))
+    if kind == Kind.INFER:
+        return built[0]
+    batch = object.__new__(InferBatchRequest)
+    _set(batch, "id", rid)
+    _set(batch, "model", model)
+    _set(batch, "images", tuple(built))
+    return batch
 
 
-def _address(exc: DladError, h: dict[str, Any]) -> None:
-    """Address a request's refusal to it: a ProtocolError gets the header's id and kind; another
-    DladError (the shared-memory lookup's) the id, unless it names one already."""
-    if isinstance(exc, ProtocolError):
-        _attach(exc, h.get("id"), h.get("kind"))
-        return
-    rid = h.get("id")
-    if exc.request_id is None and _is_int(rid) and 0 <= rid <= _U64_MAX:
-        exc.request_id = rid
+def _checked_ref(name: str, offset: int, size: int) -> ShmRef:
+    """A ShmRef the decoder has checked (not checked again)."""
+    ref = object.__new__(ShmRef)
+    _set(ref, "name", name)
+    _set(ref, "offset", offset)
+    _set(ref, "size", size)
+    return ref
 
 
 def _infer_reply(
@@ -1382,7 +1328,7 @@ def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -
     """
     replies = (Kind.INFER_REPLY, Kind.CANCEL_REPLY, Kind.STATUS_REPLY, Kind.ERROR_REPLY,
                Kind.INFER_BATCH_REPLY)  # fmt: skip
-    kind, h, views = _open(frames, limits, replies, "reply")
+    kind, h, views = _open_reply(frames, limits, replies)
     try:
         if kind == Kind.INFER_REPLY:
             return _infer_reply(h, views[1])

@@ -46,21 +46,34 @@ dlad::wire::Limits limits_of(const std::tuple<uint64_t, uint64_t, int64_t, int64
     return {message, header, width, height, pixels};
 }
 
-py::object read_infer(const py::buffer& header, size_t frames, uint64_t payload_bytes,
-                      const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
-                      bool shm) {
+// wire::decode_request for protocol.decode_request: (False, field, message, id, kind) for a
+// refusal, else (True, kind, id, model, priority, deadline_ms, conf, iou, max_det, load,
+// images), each image (format, height, width, channels, stream, shm (name, offset, size) or
+// None, its payload's frame or 0)
+py::tuple decode_request(const py::buffer& header, const std::vector<uint64_t>& payloads,
+                         const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
+                         bool shm) {
     const py::buffer_info info = header.request();
     if (info.ndim != 1 || info.itemsize != 1 || (info.ndim == 1 && info.strides[0] != 1)) {
         throw std::invalid_argument("the header must be a contiguous bytes-like buffer");
     }
-    const auto r = dlad::wire::read_infer(static_cast<const uint8_t*>(info.ptr),
-                                          static_cast<size_t>(info.size), frames, payload_bytes,
-                                          limits_of(limits), shm);
-    if (!r) return py::none();
-    py::object ref = py::none();
-    if (r->shm) ref = py::make_tuple(r->shm->name, r->shm->offset, r->shm->size);
-    return py::make_tuple(r->id, r->model, r->stream, r->priority, r->deadline_ms, r->conf,
-                          r->iou, r->max_det, r->format, r->height, r->width, r->channels, ref);
+    dlad::wire::Decoded d = dlad::wire::decode_request(
+        static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.size), payloads.data(),
+        payloads.size(), limits_of(limits), shm);
+    if (!d.request) {
+        const auto& r = d.refusal;
+        return py::make_tuple(false, r.field, r.message, r.id, r.kind);
+    }
+    const auto& r = *d.request;
+    py::list images;
+    for (const auto& img : r.images) {
+        py::object ref = py::none();
+        if (img.shm) ref = py::make_tuple(img.shm->name, img.shm->offset, img.shm->size);
+        images.append(py::make_tuple(img.format, img.height, img.width, img.channels, img.stream,
+                                     ref, img.frame));
+    }
+    return py::make_tuple(true, r.kind, r.id, r.model, r.priority, r.deadline_ms, r.conf, r.iou,
+                          r.max_det, r.load, images);
 }
 
 py::bytes write_infer_reply(uint64_t id, int64_t status, std::string_view message,
@@ -291,15 +304,22 @@ PYBIND11_MODULE(_native, m) {
         d["max_shm_name"] = w::kMaxShmName;
         d["limits"] = py::make_tuple(limits.max_message_bytes, limits.max_header_bytes,
                                      limits.max_width, limits.max_height, limits.max_image_pixels);
-        const w::InferKeys keys = w::infer_keys();
-        d["required"] = keys.required;
-        d["optional"] = keys.optional;
-        d["image"] = keys.image;
-        d["shm"] = keys.shm;
+        py::dict kinds;
+        for (const auto& [kind, keys] : w::header_keys()) {
+            kinds[py::int_(kind)] = py::make_tuple(keys.required, keys.optional);
+        }
+        d["header"] = kinds;
+        d["image"] = w::image_keys();
+        d["shm"] = w::shm_keys();
+        d["max_batch_images"] = w::kMaxBatchImages;
+        d["max_request_depth"] = w::kMaxRequestDepth;
         return d;
     });
-    m.def("read_infer", &read_infer, py::arg("header"), py::arg("frames"),
-          py::arg("payload_bytes"), py::arg("limits"), py::arg("shm"));
+    m.def("decode_request", &decode_request, py::arg("header"), py::arg("payloads"),
+          py::arg("limits"), py::arg("shm"),
+          "The daemon's request decoder (dlad/native/wire.hpp), for protocol.decode_request.");
+    m.def("printable", [](uint32_t c) { return dlad::wire::printable(static_cast<char32_t>(c)); },
+          py::arg("code_point"), "Whether a name may hold this character.");
     m.def("write_infer_reply", &write_infer_reply, py::arg("id"), py::arg("status"),
           py::arg("message"), py::arg("device"), py::arg("timing"), py::arg("count"));
     m.def("cudla_status_name", &dlad::plane::cudla_status_name, py::arg("status"),

@@ -45,8 +45,8 @@ const char* status_name(int64_t s) {
     return s >= 0 && s <= INTERNAL ? names[s] : "INTERNAL";
 }
 
-// Python's repr() of a printable-ASCII str (the reader takes no other name), for the refusals'
-// words, as the Python decoder writes them.
+// Python's repr() of a name (printable: only the quote and the backslash are escaped), for the
+// refusals' words, as the control plane writes them.
 std::string py_repr(const std::string& s) {
     const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
     const char quote = dq ? '"' : '\'';
@@ -559,18 +559,21 @@ int Plane::read_messages() {
 }
 
 void Plane::handle(std::vector<Part>& parts) {
-    // [routing id, header, payload?]: anything else is the control plane's
+    // [routing id, header, payload?]: an INFER is served here, a STATUS or CANCEL counted
+    // against its client's rate; anything else (a refusal included) is the control plane's,
+    // which decodes it again with the same decoder
     if (parts.size() == 2 || parts.size() == 3) {
-        const size_t frames = parts.size() - 1;
-        const auto req = wire::read_infer(parts[1].data(), parts[1].size(), frames,
-                                          frames == 2 ? parts[2].size() : 0, config_.limits,
-                                          config_.shm);
-        if (req) {
-            infer(parts, *req);
-            return;
+        const uint64_t payload = parts.size() == 3 ? parts[2].size() : 0;
+        wire::Decoded d = wire::decode_request(parts[1].data(), parts[1].size(), &payload,
+                                               parts.size() - 2, config_.limits, config_.shm);
+        if (d.request) {
+            if (auto req = wire::as_infer(std::move(*d.request))) {
+                infer(parts, *req);
+                return;
+            }
+            const auto cheap = wire::as_cheap(*d.request);
+            if (cheap && cheap_refused(parts, *cheap)) return;
         }
-        const auto cheap = wire::read_cheap(parts[1].data(), parts[1].size(), frames);
-        if (cheap && cheap_refused(parts, *cheap)) return;
     }
     forward(parts);
 }
@@ -678,12 +681,12 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     job.image = {req.height, req.width, req.channels, req.format == "BGR", req.conf, req.iou,
                  req.max_det};
     if (req.shm) {
-        // a frame in a segment the control plane registered, inside it: else the control
-        // plane maps the segment, checks it and the peer, or refuses naming why
+        // a frame in a segment the control plane registered (the decoder checked that it
+        // lies inside the segment the client names): else the control plane maps the
+        // segment, checks it and the peer, or refuses naming why
         std::string seg = segment_key(job.owner, req.shm->name);
         const auto it = segments_.find(seg);
-        if (it == segments_.end() || it->second.size != req.shm->size ||
-            req.shm->offset > req.shm->size || job.size > req.shm->size - req.shm->offset) {
+        if (it == segments_.end() || it->second.size != req.shm->size) {
             forward(parts);
             return;
         }

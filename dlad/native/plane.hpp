@@ -4,13 +4,14 @@
 // One thread ("dlad-plane") owns the daemon's ROUTER socket once it is handed over: pyzmq creates
 // and configures it (CURVE, ZAP, heartbeats, high-water marks), and the plane calls the libzmq
 // that pyzmq loaded, through the functions ZmqApi resolves. Per message:
-//   - an INFER the native reader takes (wire.hpp) is checked against the frontend's bounds (the
+//   - an INFER the request decoder takes (wire.hpp) is checked against the frontend's bounds (the
 //     client's in-flight cap, the daemon's byte budget, a request id in use), admitted into the
 //     scheduler's C++ core (scheduler.hpp) with the frontend's deadline rule, run on an engine
 //     when one of its slots is free, and answered from here: OK with its timing, or the typed
 //     error with the Python frontend's words (not found, overloaded, displaced, superseded,
 //     deadline passed, shutting down);
-//   - every other message (STATUS, CANCEL, INFER_BATCH, a malformed one, a shared-memory notice)
+//   - every other message (STATUS, CANCEL, INFER_BATCH, a refused one, an INFER in a segment
+//     not registered yet)
 //     goes whole, its routing id first, to the ``forward`` socket, where the control plane in
 //     Python answers it through send().
 // Every frame runs on an engine (engine.hpp: one interface): an emulated DLA core in timing mode
@@ -213,7 +214,7 @@ struct State {
     int64_t streams_waiting = 0;
 };
 
-// An image the control plane decoded (an INFER the reader left, an INFER_BATCH's image), for
+// An image the control plane decoded (an INFER whose segment it mapped, an INFER_BATCH's image), for
 // submit(): what the plane needs of it.
 struct Item {
     std::string model;

@@ -1,20 +1,19 @@
-// The daemon's hot messages in C++: an INFER's header read, an INFER_REPLY's header written.
+// The daemon's requests in C++: every request's header decoded, or refused naming the field;
+// an INFER_REPLY's header written.
 //
-// This is the wire half of the native data plane (docs/daemon.md, "The native data plane"):
-// the path an INFER takes from the ROUTER to the scheduler core and back without the
-// interpreter. dlad/protocol.py stays the reference and the full decoder.
+// This is the daemon's one request decoder (docs/daemon.md, "The native data plane"). The
+// plane's thread decodes each message it receives here and serves an INFER, or rate-limits a
+// STATUS or CANCEL, without the interpreter; anything else (a refusal included) it forwards to
+// the control plane, whose protocol.decode_request calls this same decoder (through
+// dlad._native.decode_request) for the refusal's words, or for an INFER_BATCH's images, or to
+// map an INFER's shared-memory segment the plane does not know yet. dlad/protocol.py declares
+// the protocol's constants and field names; tests/dlad/test_native_wire.py holds this file's to
+// them.
 //
-// The reader is dlad/protocol.py's _fast_infer again: it takes the daemon's common message, an
-// INFER whose every field is well formed, and answers "not mine" (std::nullopt) for anything
-// else. A caller hands such a message to the full decoder, which decodes it or refuses it naming
-// the field; so the reader needs no error messages, and it never takes what Python refuses.
-// It is narrower than _fast_infer in one way only: names (model, stream) must be printable ASCII
-// (Python's str.isprintable over all of Unicode is not repeated here). A name outside ASCII goes
-// the full decoder's way, as every message this reader does not take does.
-// tests/dlad/test_native_wire.py holds the two to that on generated and mutated messages.
-//
-// The writer gives an INFER_REPLY's header the bytes msgpack-python's packb gives the same map,
-// byte for byte (the same smallest encodings, the same key order).
+// The header is read whole first, as msgpack (every string valid UTF-8, every map's keys
+// strings and distinct, no bytes after it), then its envelope (v, kind, the frames the kind
+// has, the kind's field names), then each field. The writer gives an INFER_REPLY's header the
+// bytes msgpack-python's packb gives the same map, byte for byte.
 #pragma once
 
 #include <cstddef>
@@ -28,11 +27,16 @@ namespace dlad::wire {
 
 constexpr int64_t kProtocolVersion = 1;   // protocol.PROTOCOL_VERSION
 constexpr int64_t kInfer = 0x01;          // protocol.Kind.INFER
+constexpr int64_t kCancel = 0x02;         // protocol.Kind.CANCEL
+constexpr int64_t kStatus = 0x03;         // protocol.Kind.STATUS
+constexpr int64_t kInferBatch = 0x04;     // protocol.Kind.INFER_BATCH
 constexpr int64_t kInferReply = 0x81;     // protocol.Kind.INFER_REPLY
 constexpr int64_t kPriorityMax = 7;       // protocol.PRIORITY_MAX
 constexpr int64_t kMaxDeadlineMs = 3'600'000;
 constexpr int64_t kMaxDet = 1000;
 constexpr size_t kMaxNameChars = 128;
+constexpr size_t kMaxBatchImages = 16;     // protocol.MAX_BATCH_IMAGES
+constexpr int kMaxRequestDepth = 4;        // protocol.MAX_REQUEST_DEPTH
 constexpr uint64_t kMaxShmBytes = uint64_t{1} << 40;  // protocol.MAX_SHM_BYTES
 constexpr size_t kMaxShmName = 200;
 
@@ -51,7 +55,62 @@ struct ShmRef {  // protocol.ShmRef
     uint64_t size = 0;
 };
 
-// An INFER's fields as protocol.InferRequest holds them after decoding (``None`` is nullopt).
+// A decoded request: its kind's fields (protocol.InferRequest, InferBatchRequest,
+// CancelRequest, StatusRequest). An INFER has one image, an INFER_BATCH 1 to 16; the shared
+// fields are the message's. ``None`` is nullopt, as in protocol.InferRequest.
+struct Image {
+    std::string format;  // RGB, BGR or GRAY
+    int64_t height = 0;
+    int64_t width = 0;
+    int64_t channels = 0;
+    std::optional<std::string> stream;
+    std::optional<ShmRef> shm;  // the image lies there (it has no payload frame)
+    size_t frame = 0;           // its payload's frame (1 is the first after the header), or 0
+
+    uint64_t bytes() const {
+        return static_cast<uint64_t>(height) * static_cast<uint64_t>(width) *
+               static_cast<uint64_t>(channels);
+    }
+};
+
+struct Request {
+    int64_t kind = 0;
+    uint64_t id = 0;
+    std::string model;  // INFER, INFER_BATCH
+    int64_t priority = 0;
+    std::optional<int64_t> deadline_ms;
+    std::optional<double> conf;
+    std::optional<double> iou;
+    std::optional<int64_t> max_det;
+    bool load = false;  // STATUS
+    std::vector<Image> images;
+};
+
+// Why a message is refused: ``field`` is the dotted path (``image.height``, ``frames``,
+// ``header``), ``message`` starts with it (a protocol.ProtocolError's). ``id`` and ``kind``: what
+// the header yielded, to address the refusal, if anything.
+struct Refusal {
+    std::string field;
+    std::string message;
+    std::optional<uint64_t> id;
+    std::optional<int64_t> kind;
+};
+
+struct Decoded {
+    std::optional<Request> request;  // nullopt: refused
+    Refusal refusal;
+};
+
+// Decode a request (its frames without the routing id): ``header`` its first frame,
+// ``payloads[i]`` the size of frame i + 1. ``shm``: whether this daemon takes shared-memory
+// frames from this connection at all. An image in shared memory comes with its reference only:
+// finding the segment, and checking that the image lies inside it, is the caller's part (the
+// plane's registered segments, or protocol.ShmResolver); an image in a frame has that frame's
+// size when this returns.
+Decoded decode_request(const uint8_t* header, size_t header_bytes, const uint64_t* payloads,
+                       size_t payload_count, const Limits& limits, bool shm);
+
+// An INFER's fields, for the plane's hot path (``None`` is nullopt).
 struct Infer {
     uint64_t id = 0;
     std::string model;
@@ -72,36 +131,31 @@ struct Infer {
                static_cast<uint64_t>(channels);
     }
 };
+// ``request`` as an INFER's fields, when it is one (it is moved from).
+std::optional<Infer> as_infer(Request&& request);
 
-// An INFER's header read, or nullopt where the full decoder must look (see the top of this
-// file). ``frames``: how many frames the message had (its header included; no routing id),
-// ``payload_bytes`` the size of the second one (ignored with one frame). ``shm``: whether this
-// daemon takes shared-memory frames from this connection at all. A shared-memory frame is
-// returned with its reference only: finding the segment, and checking that the image lies
-// inside it, is the caller's (protocol.ShmResolver's) part. With a payload frame, the payload
-// is the image's size when this returns.
-std::optional<Infer> read_infer(const uint8_t* header, size_t header_bytes, size_t frames,
-                                uint64_t payload_bytes, const Limits& limits, bool shm);
-
-// A STATUS or CANCEL request whose header holds only ``v``, ``kind``, ``id`` (and STATUS's
-// ``load``, nil or a bool), in one frame: what the plane's per-client rate limit needs. Anything
-// else, nullopt: the control plane decodes it (or refuses it, naming the field).
-constexpr int64_t kCancel = 0x02;  // protocol.Kind.CANCEL
-constexpr int64_t kStatus = 0x03;  // protocol.Kind.STATUS
+// A STATUS or CANCEL (what the plane's per-client rate limit counts) and the one-frame reply
+// refusing it: a STATUS_REPLY (its report nil) or a CANCEL_REPLY.
 struct Cheap {
     int64_t kind = 0;
     uint64_t id = 0;
 };
-std::optional<Cheap> read_cheap(const uint8_t* header, size_t header_bytes, size_t frames);
-// The one-frame reply refusing it: a STATUS_REPLY (its report nil) or a CANCEL_REPLY.
+std::optional<Cheap> as_cheap(const Request& request);
 std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_view message);
 
-// The field names the reader takes, for the test that holds them to dlad/protocol.py's one
-// declaration: the header's required and optional fields, the image map's, the shm map's.
-struct InferKeys {
-    std::vector<std::string> required, optional, image, shm;
+// Whether a name's character is printable (protocol: model, stream and device names): not a
+// control, format, separator other than the space, surrogate or private-use character.
+bool printable(char32_t c);
+
+// The field names the decoder takes, for the test that holds them to dlad/protocol.py's one
+// declaration: each request kind's required and optional fields; the image map's (an
+// INFER_BATCH's image map also takes stream and shm) and the shm map's.
+struct Keys {
+    std::vector<std::string> required, optional;
 };
-InferKeys infer_keys();
+std::vector<std::pair<int64_t, Keys>> header_keys();
+std::vector<std::string> image_keys();
+std::vector<std::string> shm_keys();
 
 // An INFER_REPLY's ``timing`` map (protocol.timing_fields): µs, and the task's stamps or none.
 struct Timing {

@@ -133,7 +133,7 @@ def test_infers_are_served_by_the_plane_and_counted_everywhere(tmp_path: Path) -
 
 def test_what_the_plane_leaves_is_answered_with_the_frontends_words(tmp_path: Path) -> None:
     with native(tmp_path) as (_, ep), dealer(ep) as sock:
-        sock.send_multipart(_infer(1, stream="caméra"))  # not ASCII: the full decoder's
+        sock.send_multipart(_infer(1, stream="caméra"))  # any printable name: the plane's
         ok = recv(sock)
         assert (ok.id, ok.status, ok.device in ("dla0", "dla1")) == (1, Status.OK, True)
         sock.send_multipart(_infer(2, model="modèle"))
@@ -143,10 +143,11 @@ def test_what_the_plane_leaves_is_answered_with_the_frontends_words(tmp_path: Pa
         sock.send_multipart([b"\xc1", b"junk"])  # malformed: a typed reply, the daemon stays
         assert recv(sock).status is Status.BAD_REQUEST
         header = msgpack.unpackb(_infer(3)[0])
-        header["image"]["height"] = 9  # the payload no longer fits: the full decoder refuses
+        header["image"]["height"] = 9  # the payload no longer fits: refused, naming frames[1]
         sock.send_multipart([msgpack.packb(header), IMAGE.tobytes()])
         bad = recv(sock)
         assert (bad.id, bad.status) == (3, Status.BAD_REQUEST)
+        assert bad.message == "frames[1]: image payload is 192 bytes, the header says 216"
         sock.send_multipart(_infer(4))
         assert recv(sock).status is Status.OK
 

@@ -182,10 +182,11 @@ def test_a_newer_frame_of_a_stream_supersedes_the_queued_one() -> None:
 
 def test_other_messages_reach_the_control_plane_whole(rig: Rig) -> None:
     status = protocol.encode(protocol.StatusRequest(5))
-    odd = InferRequest(id=6, model="modèle", image=IMAGE)  # a name the fast path leaves
+    head, payload = protocol.encode(InferRequest(id=6, model="demo", image=IMAGE))
+    refused = [msgpack.packb(msgpack.unpackb(head) | {"conf": 2}), payload]  # answered there
     batch = protocol.InferBatchRequest(8, "demo", (InferRequest(id=8, model="demo", image=IMAGE),))
     garbage = [b"\xc1", b"x", b"y", b"z"]
-    sent: list[list[Any]] = [status, protocol.encode(odd), protocol.encode(batch), garbage]
+    sent: list[list[Any]] = [status, refused, protocol.encode(batch), garbage]
     for frames in sent:
         rig.client.send_multipart([bytes(f) for f in frames])
     for frames in sent:

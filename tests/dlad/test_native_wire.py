@@ -1,12 +1,12 @@
-"""The native data plane's codec (dlad/native/wire.cpp) against dlad/protocol.py.
+"""The daemon's one request decoder (dlad/native/wire.cpp, through protocol.decode_request) and
+the native plane's reply writer.
 
-What the reader takes, the Python decoder (``protocol.decode_request``, which decodes what the
-plane forwards) takes too, reading the same fields; it takes every well-formed INFER whose names
-are ASCII (a non-ASCII name is left to the Python decoder, by design), and on every other message
-it answers "not mine" (the plane forwards it). Held to that on generated INFERs, broken in a few
-places or whole, in every msgpack encoding of each value, at every truncation and on random
-bytes. The writer must give the bytes msgpack-python gives. The reader's constants are the
-protocol's (one declaration, ``dlad/protocol.py``).
+The decoder is held to the protocol: every well-formed request, in every msgpack encoding of each
+value, decodes to the fields it was built from; each bound is taken at its edge and refused just
+past it, naming the field; anything else (broken in a few places, truncated, random bytes) is
+refused with a message that starts with the field it names, and what is taken keeps every bound.
+The writer must give the bytes msgpack-python gives. The decoder's constants and field names are
+the protocol's (one declaration, ``dlad/protocol.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+import sys
+import unicodedata
 from typing import Any
 
 import msgpack
@@ -23,8 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlad import protocol
-from dlad.errors import DladError, Status
-from dlad.protocol import MAX_MESSAGE_CHARS, InferReply, InferRequest, Limits, ShmRef, Timing
+from dlad.errors import DladError, ProtocolError, Status
+from dlad.protocol import (
+    MAX_MESSAGE_CHARS,
+    InferBatchRequest,
+    InferReply,
+    InferRequest,
+    Limits,
+    ShmRef,
+    Timing,
+)
 from tests.dlad.test_protocol import (
     _SMALL,
     _resolve,
@@ -39,70 +49,44 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-ascii_names = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1,
-                      max_size=24)  # fmt: skip
-_FIELDS = (*protocol._INFER_SCALARS, "format")
+_FIELDS = (*protocol._INFER_SCALARS, "format", "shm")
 
 
-def _limits(limits: Limits) -> tuple[int, int, int, int, int]:
-    return (limits.max_message_bytes, limits.max_header_bytes, limits.max_width,
-            limits.max_height, limits.max_image_pixels)  # fmt: skip
-
-
-def native(frames: list[Any], limits: Limits) -> dict[str, Any] | None:
-    """What the native reader takes from ``frames``, as the request's fields (None: not its),
-    the shared-memory frame found as a daemon finds it (``_resolve``, which may raise)."""
-    from dlad import _native
-
-    payload = len(frames[1]) if len(frames) == 2 else 0
-    read = _native.read_infer(frames[0], len(frames), payload, _limits(limits), True)
-    if read is None:
-        return None
-    *scalars, fmt, height, width, channels, ref = read
-    fields: dict[str, Any] = dict(zip(_FIELDS, (*scalars, fmt), strict=True))
-    fields["shape"] = (height, width, channels)
-    fields["shm"] = None if ref is None else ShmRef(*ref)
-    need = height * width * channels
-    if ref is not None and _resolve(fields["shm"], need).nbytes != need:
-        return None  # the image runs past the segment's end
-    return fields
-
-
-def python(frames: list[Any], limits: Limits) -> dict[str, Any] | None:
-    """The same from protocol.decode_request (None: not an INFER; its refusal raises)."""
+def decode(frames: list[Any], limits: Limits = protocol.DEFAULT_LIMITS) -> dict[str, Any]:
+    """An INFER's fields as decode_request gives them (its refusal raises)."""
     request = protocol.decode_request(frames, limits, _resolve)
-    if not isinstance(request, InferRequest):
-        return None
-    fields = {name: getattr(request, name) for name in (*_FIELDS, "shm")}
+    assert isinstance(request, InferRequest)
+    fields = {name: getattr(request, name) for name in _FIELDS}
     fields["shape"] = request.image.shape
     return fields
 
 
-def _both(frames: list[Any], limits: Limits) -> tuple[Any, Any]:
-    """(native, Python), each the fields or None, or the error the segment's lookup raised."""
-    return _outcome(native, frames, limits), _outcome(python, frames, limits)
-
-
-def _outcome(read: Any, frames: list[Any], limits: Limits) -> Any:
+def taken(frames: list[Any], limits: Limits = protocol.DEFAULT_LIMITS) -> bool:
     try:
-        return read(frames, limits)
-    except DladError as exc:
-        return type(exc), exc.message
+        decode(frames, limits)
+    except ProtocolError:
+        return False
+    return True
 
 
-def check(frames: list[Any], limits: Limits = _SMALL) -> Any:
-    got, want = _both(frames, limits)
-    if got is not None:  # taken: Python takes it too, and reads the same
-        assert got == want
-    return got
+def refused_at(frames: list[Any], limits: Limits = protocol.DEFAULT_LIMITS) -> str:
+    """The field a refusal names (its message starts with it)."""
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, limits)
+    field = info.value.field
+    assert field is not None
+    assert info.value.message.startswith(field + ": "), info.value.message
+    return field
 
 
-def test_the_readers_constants_are_the_protocols() -> None:
-    """One declaration (dlad/protocol.py): the C++ reader's constants, default limits and the
+def test_the_decoders_constants_are_the_protocols() -> None:
+    """One declaration (dlad/protocol.py): the C++ decoder's constants, default limits and the
     field names it takes must be the protocol's."""
     from dlad import _native
 
     shm_name_chars = int(protocol._SHM_NAME.pattern.rsplit(",", 1)[1].rstrip("}")) + 1
+    requests = (protocol.Kind.INFER, protocol.Kind.CANCEL, protocol.Kind.STATUS,
+                protocol.Kind.INFER_BATCH)  # fmt: skip
     assert _native.wire_constants() == {
         "protocol_version": protocol.PROTOCOL_VERSION,
         "infer": int(protocol.Kind.INFER),
@@ -113,37 +97,67 @@ def test_the_readers_constants_are_the_protocols() -> None:
         "max_name_chars": protocol.MAX_NAME_CHARS,
         "max_shm_bytes": protocol.MAX_SHM_BYTES,
         "max_shm_name": shm_name_chars,
-        "limits": _limits(protocol.DEFAULT_LIMITS),
-        "required": list(protocol._HEADER_FIELDS[protocol.Kind.INFER][0]),
-        "optional": list(protocol._HEADER_FIELDS[protocol.Kind.INFER][1]),
+        "max_batch_images": protocol.MAX_BATCH_IMAGES,
+        "max_request_depth": protocol.MAX_REQUEST_DEPTH,
+        "limits": protocol._native_limits(protocol.DEFAULT_LIMITS),
+        "header": {int(k): tuple(map(list, protocol._HEADER_FIELDS[k])) for k in requests},
         "image": list(protocol.IMAGE_FIELDS),
         "shm": list(protocol.SHM_FIELDS),
     }
 
 
+def test_a_name_is_printable_as_python_says_of_every_assigned_character() -> None:
+    """Names (model, stream) hold printable characters: the decoder's table is Python's
+    str.isprintable on every character this Python's Unicode database assigns."""
+    from dlad import _native
+
+    wrong = [
+        hex(c) for c in range(sys.maxunicode + 1)
+        if unicodedata.category(chr(c)) != "Cn" and _native.printable(c) != chr(c).isprintable()
+    ]  # fmt: skip
+    assert wrong == []
+
+
+def _keeps_the_promises(request: protocol.Request) -> None:
+    """What is taken keeps every bound, and encodes back to a message that decodes the same."""
+    images = request.images if isinstance(request, InferBatchRequest) else (request,)
+    for item in images:
+        assert isinstance(item, InferRequest)
+        InferRequest(**{f: getattr(item, f) for f in protocol._REQUEST_FIELDS})  # checks all
+    again = protocol.decode_request(protocol.encode(request), _SMALL, _resolve)
+    assert type(again) is type(request)
+    assert again.id == request.id
+
+
 @settings(max_examples=1500, suppress_health_check=[HealthCheck.too_slow])
 @given(infer_messages())
-def test_the_reader_takes_what_python_takes_and_reads_the_same(frames: list[bytes]) -> None:
-    check(frames)
-
-
-@st.composite
-def ascii_requests(draw: st.DrawFn) -> InferRequest:
-    request: InferRequest = draw(infer_requests())
-    header = {"model": draw(ascii_names), "stream": draw(st.none() | ascii_names)}
-    return InferRequest(**{f: getattr(request, f) for f in protocol._REQUEST_FIELDS} | header)
+def test_a_message_is_taken_keeping_every_bound_or_refused_naming_the_field(
+    frames: list[bytes],
+) -> None:
+    try:
+        request = protocol.decode_request(frames, _SMALL, _resolve)
+    except ProtocolError as exc:
+        refusal = exc
+    except DladError:  # the segment's lookup (``_resolve``) refused it
+        return
+    else:
+        _keeps_the_promises(request)
+        return
+    assert refusal.field is not None
+    assert refusal.message.startswith(refusal.field + ": "), refusal.message
 
 
 @settings(max_examples=400)
-@given(ascii_requests(), st.booleans())
-def test_every_well_formed_infer_is_taken(request: InferRequest, in_shm: bool) -> None:
+@given(infer_requests(), st.booleans())
+def test_every_well_formed_infer_is_taken_as_it_was_built(
+    request: InferRequest, in_shm: bool
+) -> None:
     if in_shm:
         request = request.in_shared_memory(ShmRef("seg", 0, 1 << 10))
-    frames = protocol.encode(request)
-    got = check(frames, protocol.DEFAULT_LIMITS)
-    assert got is not None
-    assert got["id"] == request.id
-    assert got["shape"] == request.image.shape
+    got = decode(protocol.encode(request))
+    assert got == {name: getattr(request, name) for name in _FIELDS} | {
+        "shape": request.image.shape
+    }
 
 
 # -------------------------------------------------------------- every encoding msgpack allows
@@ -207,7 +221,7 @@ def packed(value: object) -> st.SearchStrategy[bytes]:
 
 
 @settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data(), ascii_requests(), st.booleans())
+@given(st.data(), infer_requests(), st.booleans())
 def test_every_encoding_of_a_value_reads_the_same(
     data: st.DataObject, request: InferRequest, in_shm: bool
 ) -> None:
@@ -218,9 +232,32 @@ def test_every_encoding_of_a_value_reads_the_same(
     if data.draw(st.booleans()):  # conf and iou as ints and floats of their value
         header["iou"] = 1
         header["conf"] = data.draw(st.sampled_from([0, 0.25, 0.5, -0.0]))
+    smallest = [msgpack.packb(header), *frames[1:]]
     frames[0] = data.draw(packed(header))
-    got = check(frames, protocol.DEFAULT_LIMITS)
-    assert got is not None
+    assert decode(frames) == decode(smallest)
+
+
+_BOUNDS: dict[str, Any] = {
+    # field: whether a value is taken (Python's view of the msgpack value)
+    "v": lambda x: _is_int(x) and x == 1,
+    "kind": lambda x: _is_int(x) and x == 1,
+    "id": lambda x: _is_int(x) and 0 <= x < 2**64,
+    "priority": lambda x: _is_int(x) and 0 <= x <= protocol.PRIORITY_MAX,
+    "deadline_ms": lambda x: _is_int(x) and 1 <= x <= protocol.MAX_DEADLINE_MS,
+    "max_det": lambda x: _is_int(x) and 1 <= x <= protocol.MAX_DET,
+    "conf": lambda x: _is_number(x) and 0.0 <= x < 1.0,
+    "iou": lambda x: _is_number(x) and 0.0 < x <= 1.0,
+    "height": lambda x: _is_int(x) and x == 3,  # the payload is 3 x 4 x 3
+    "width": lambda x: _is_int(x) and x == 4,
+}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @settings(max_examples=300)
@@ -231,7 +268,8 @@ def test_every_encoding_of_a_value_reads_the_same(
     st.integers(-(2**63), 2**64 - 1) | st.floats() | st.booleans(),
 )  # fmt: skip
 def test_numbers_at_and_past_their_bounds(data: st.DataObject, field: str, value: Any) -> None:
-    """Each number field set to anything numeric, in any encoding: the bounds are Python's."""
+    """Each number field set to anything numeric, in any encoding: taken within its bounds,
+    else refused naming it."""
     request = InferRequest(id=1, model="m", image=np.zeros((3, 4, 3), np.uint8))
     frames = protocol.encode(request)
     header = msgpack.unpackb(frames[0])
@@ -240,7 +278,10 @@ def test_numbers_at_and_past_their_bounds(data: st.DataObject, field: str, value
     else:
         header[field] = value
     frames[0] = data.draw(packed(header))
-    check(frames, protocol.DEFAULT_LIMITS)
+    want = _BOUNDS[field](value)
+    assert taken(frames) == want
+    if not want and field not in ("kind", "height", "width"):  # those refuse by frame counts too
+        assert refused_at(frames) == field
 
 
 @pytest.mark.parametrize("value", [2, 0, 7, 8, -1, None, 1.0, True])
@@ -248,8 +289,7 @@ def test_bounds_of_priority(value: Any) -> None:
     request = InferRequest(id=1, model="m", image=np.zeros((3, 4, 3), np.uint8))
     header = msgpack.unpackb(protocol.encode(request)[0])
     header["priority"] = value
-    got = check([msgpack.packb(header), bytes(36)], protocol.DEFAULT_LIMITS)
-    assert (got is not None) == (value in (2, 0, 7, None))
+    assert taken([msgpack.packb(header), bytes(36)]) == (value in (2, 0, 7, None))
 
 
 def _edited(edit: dict[str, Any], shm: dict[str, Any] | None = None) -> list[Any]:
@@ -275,6 +315,10 @@ _SEG = {"name": "seg", "offset": 0, "size": 1 << 10}
     ({"model": "a\x7f"}, None, False), ({"model": "a\x1f"}, None, False),
     ({"model": " ~"}, None, True), ({"model": "m" * 128}, None, True),
     ({"model": "m" * 129}, None, False), ({"stream": ""}, None, False),
+    ({"model": "modèle"}, None, True), ({"stream": "カメラ1"}, None, True),
+    ({"model": "é" * 128}, None, True), ({"model": "é" * 129}, None, False),
+    ({"stream": "cam\u200b"}, None, False), ({"stream": "cam\u202e"}, None, False),
+    ({"model": "a\u3000b"}, None, False), ({"model": "a\ue000"}, None, False),
     ({}, _SEG, True), ({}, _SEG | {"name": ".seg"}, False), ({}, _SEG | {"name": "s.e-g_0"}, True),
     ({}, _SEG | {"name": "s" * 200}, True), ({}, _SEG | {"name": "s" * 201}, False),
     ({}, _SEG | {"name": "se/g"}, False), ({}, _SEG | {"offset": 988}, True),
@@ -287,9 +331,9 @@ _SEG = {"name": "seg", "offset": 0, "size": 1 << 10}
     ({"max_det": 1001}, None, False), ({"v": 2}, None, False), ({"kind": 2}, None, False),
 ])  # fmt: skip
 def test_edges(edit: dict[str, Any], shm: dict[str, Any] | None, taken: bool) -> None:
-    """Each bound at and just past it (and, through check, Python's verdict on the same)."""
-    got = check(_edited(edit, shm), protocol.DEFAULT_LIMITS)
-    assert (got is not None) == taken
+    taken_ = globals()["taken"]
+    """Each bound at and just past it."""
+    assert taken_(_edited(edit, shm)) == taken
 
 
 @pytest.mark.parametrize(("height", "width", "taken"), [
@@ -297,50 +341,93 @@ def test_edges(edit: dict[str, Any], shm: dict[str, Any] | None, taken: bool) ->
     (1, 8, True), (1, 9, False), (0, 1, False),
 ])  # fmt: skip
 def test_image_bounds(height: int, width: int, taken: bool) -> None:
+    taken_ = globals()["taken"]
     limits = Limits(max_message_bytes=1 << 12, max_header_bytes=1 << 10, max_width=8,
                     max_height=8, max_image_pixels=20)  # fmt: skip
     frames = _edited({"height": height, "width": width})
     frames[1] = bytes(height * width * 3)
-    got = check(frames, limits)
-    assert (got is not None) == taken
+    assert taken_(frames, limits) == taken
 
 
-def test_a_key_given_twice_is_left_to_the_full_decoder() -> None:
+def test_a_key_given_twice_is_refused() -> None:
     head = msgpack.packb(msgpack.unpackb(_edited({})[0]))
     assert head[0] == 0x85  # a fixmap of five: give it a sixth entry, "id" again
     twice = bytes([0x86]) + head[1:] + msgpack.packb("id") + msgpack.packb(1)
-    assert check([twice, bytes(36)], protocol.DEFAULT_LIMITS) is None
+    with pytest.raises(ProtocolError, match=r"^header: duplicate field 'id'$"):
+        decode([twice, bytes(36)])
     image = msgpack.packb({"height": 3, "width": 4, "format": "RGB", "dtype": "uint8"})
     header = msgpack.unpackb(head)
     del header["image"]
     image_twice = bytes([0x85]) + image[1:] + msgpack.packb("width") + msgpack.packb(4)
     whole = bytes([0x85]) + msgpack.packb(header)[1:] + msgpack.packb("image") + image_twice
-    assert check([whole, bytes(36)], protocol.DEFAULT_LIMITS) is None
+    with pytest.raises(ProtocolError, match=r"^header: duplicate field 'width'$"):
+        decode([whole, bytes(36)])
 
 
-def test_a_truncated_header_is_never_taken() -> None:
+def test_a_truncated_header_is_refused() -> None:
     request = InferRequest(id=2**40, model="demo", image=np.zeros((2, 2, 3), np.uint8),
                            stream="cam", conf=0.25, iou=0.5, max_det=10)  # fmt: skip
     head, payload = protocol.encode(request)
-    assert check([head, payload], protocol.DEFAULT_LIMITS) is not None
+    assert taken([head, payload])
     for n in range(len(head)):
-        assert check([head[:n], payload], protocol.DEFAULT_LIMITS) is None
-    assert check([bytes(head) + b"\x00", payload], protocol.DEFAULT_LIMITS) is None  # extra data
+        with pytest.raises(ProtocolError, match=r"^header: not a valid msgpack document \("):
+            decode([head[:n], payload])
+    with pytest.raises(ProtocolError, match=r"^header: .*\(trailing data\)"):
+        decode([bytes(head) + b"\x00", payload])
 
 
 @settings(max_examples=500)
 @given(st.binary(max_size=64), st.integers(1, 2), st.integers(0, 64))
-def test_random_bytes_are_never_taken(head: bytes, frames: int, payload: int) -> None:
+def test_random_bytes_are_refused_naming_a_field(head: bytes, frames: int, payload: int) -> None:
     message = [head, bytes(payload)][:frames]
-    assert check(message, protocol.DEFAULT_LIMITS) is None
+    try:
+        request = protocol.decode_request(message, protocol.DEFAULT_LIMITS, _resolve)
+    except ProtocolError as exc:
+        refusal = exc
+    else:
+        _keeps_the_promises(request)
+        return
+    assert refusal.field is not None
+    assert refusal.message.startswith(refusal.field + ": ")
 
 
-def test_a_non_ascii_name_is_left_to_the_full_decoder() -> None:
-    request = InferRequest(id=1, model="modèle", image=np.zeros((1, 1, 1), np.uint8), format="GRAY")
-    frames = protocol.encode(request)
-    got, want = _both(frames, protocol.DEFAULT_LIMITS)
-    assert got is None
-    assert want is not None
+@pytest.mark.parametrize("value", [
+    0.1, 1e16, 1e-05, 123456789.0, -2.5e-7, 1.5e300, float("inf"), float("nan"), -0.0,
+    "it's", 'say "hi"', "'\"", "a\nb\t\\", "x" * 50, "é" * 60, "a'b" * 20, "\x00\x7f\x85\u200b",
+    "カメラ" * 20, b"\x00a'", [1, [2, [3]]], [1, 2, 3, 4, 5], [], {"a": 1}, {"a": [{"b": 1}]},
+    True, -(2**63), -1, "\U0001f600",
+])  # fmt: skip
+def test_a_refusal_shows_the_value_as_python_would(value: Any) -> None:
+    """The value in a refusal's words is Python's repr of it, cut as protocol._show cuts (the
+    SDK's own words for the same value)."""
+    request = InferRequest(id=1, model="m", image=np.zeros((3, 4, 3), np.uint8))
+    header = msgpack.unpackb(protocol.encode(request)[0])
+    header["id"] = value
+    with pytest.raises(ProtocolError) as info:
+        decode([msgpack.packb(header, use_bin_type=True), bytes(36)])
+    bound = f"[0, {2**64 - 1}]"
+    assert info.value.message == f"id: must be an int in {bound}, got {protocol._show(value)}"
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    (0.1, "0.1"), (1e16, "1e+16"), (1e-05, "1e-05"), (-0.0, "-0.0"),
+    ("x" * 40, "'" + "x" * 15 + "..."),
+])  # fmt: skip
+def test_shown_values_are_short(value: Any, shown: str) -> None:
+    request = InferRequest(id=1, model="m", image=np.zeros((3, 4, 3), np.uint8))
+    header = msgpack.unpackb(protocol.encode(request)[0]) | {"max_det": value}
+    with pytest.raises(ProtocolError) as info:
+        decode([msgpack.packb(header), bytes(36)])
+    assert info.value.message.startswith(f"max_det: must be an int in [1, 1000], got {shown}")
+
+
+def test_a_refusal_is_addressed_to_the_request() -> None:
+    request = InferRequest(id=77, model="m", image=np.zeros((3, 4, 3), np.uint8))
+    header = msgpack.unpackb(protocol.encode(request)[0])
+    with pytest.raises(ProtocolError) as info:
+        decode([msgpack.packb(header | {"conf": 2}), bytes(36)])
+    assert (info.value.request_id, info.value.request_kind) == (77, 1)
+    assert info.value.field == "conf"
 
 
 # ------------------------------------------------------------------------------ the writer
@@ -383,6 +470,4 @@ def test_an_error_reply_is_packed_as_msgpack_python_packs_it(
 def test_formats_have_their_channels(fmt: str) -> None:
     shape = (2, 3, protocol.CHANNELS[fmt])
     request = InferRequest(id=1, model="m", image=np.zeros(shape, np.uint8), format=fmt)  # type: ignore[arg-type]
-    got = check(protocol.encode(request), protocol.DEFAULT_LIMITS)
-    assert got is not None
-    assert got["shape"] == shape
+    assert decode(protocol.encode(request))["shape"] == shape

@@ -1,4 +1,4 @@
-"""The native plane's INFER reader under AddressSanitizer and UndefinedBehaviorSanitizer: a short
+"""The daemon's request decoder under AddressSanitizer and UndefinedBehaviorSanitizer: a short
 run of ``bench/fuzz_wire.py`` (docs/reliability.md records the long one)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(shutil.which("g++") is None, reason="g++ builds the sanitized reader"),
+    pytest.mark.skipif(shutil.which("g++") is None, reason="g++ builds the sanitized decoder"),
 ]
 
 

@@ -1,16 +1,18 @@
-// A driver for the native plane's INFER reader (dlad/native/wire.cpp) under AddressSanitizer and
+// A driver for the daemon's request decoder (dlad/native/wire.cpp) under AddressSanitizer and
 // UndefinedBehaviorSanitizer: bench/fuzz_wire.py builds it with both and feeds it messages on
-// stdin, one record each: u32 header bytes, the header, u8 frames, u64 payload bytes, u8 shm
-// (little-endian). Every header is read into a buffer of exactly its size, so a read past its
-// end is a sanitizer report. What the reader takes must keep the protocol's promises (checked
-// here; a broken one aborts); each taken INFER's reply is written too. At the end it prints
-// "read N taken T" and exits 0.
+// stdin, one record each: u32 header bytes, the header, u8 frames, u64 the first payload's
+// bytes (any other payload is empty), u8 shm (little-endian). Every header is read into a buffer
+// of exactly its size, so a read past its end is a sanitizer report. What the decoder takes
+// must keep the protocol's promises, and a refusal must name its field (checked here; a broken
+// promise aborts); each INFER's reply, or its refusal's, is written too. At the end it prints
+// "read N taken T" (T: INFERs taken) and exits 0.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../../dlad/native/wire.hpp"
 
@@ -33,8 +35,9 @@ void check(const dlad::wire::Infer& in, size_t frames, uint64_t payload, bool sh
     require(in.height >= 1 && in.height <= limits.max_height, "height");
     require(in.width >= 1 && in.width <= limits.max_width, "width");
     require(in.height * in.width <= limits.max_image_pixels, "pixels");
-    require(!in.model.empty() && in.model.size() <= w::kMaxNameChars, "model");
-    require(!in.stream || (!in.stream->empty() && in.stream->size() <= w::kMaxNameChars),
+    // 1 to 128 characters, each 1 to 4 bytes of UTF-8
+    require(!in.model.empty() && in.model.size() <= 4 * w::kMaxNameChars, "model");
+    require(!in.stream || (!in.stream->empty() && in.stream->size() <= 4 * w::kMaxNameChars),
             "stream");
     require(in.priority >= 0 && in.priority <= w::kPriorityMax, "priority");
     require(!in.deadline_ms || (*in.deadline_ms >= 1 && *in.deadline_ms <= w::kMaxDeadlineMs),
@@ -48,6 +51,8 @@ void check(const dlad::wire::Infer& in, size_t frames, uint64_t payload, bool sh
         require(frames == 1 && shm && in.shm, "shm frame");
         require(!in.shm->name.empty() && in.shm->name.size() <= w::kMaxShmName, "shm name");
         require(in.shm->size <= w::kMaxShmBytes, "shm size");
+        require(in.shm->offset < in.shm->size &&
+                    in.image_bytes() <= in.shm->size - in.shm->offset, "shm frame inside");
     }
 }
 
@@ -75,12 +80,24 @@ int main() {
             return 2;
         }
         ++read;
-        const auto in =
-            dlad::wire::read_infer(header.get(), n, frames, payload, limits, shm != 0);
+        std::vector<uint64_t> payloads(frames > 1 ? frames - 1 : 0, 0);
+        if (!payloads.empty()) payloads[0] = payload;
+        dlad::wire::Timing timing;
+        auto decoded = dlad::wire::decode_request(header.get(), n, payloads.data(),
+                                                  payloads.size(), limits, shm != 0);
+        if (!decoded.request) {
+            const auto& r = decoded.refusal;
+            require(!r.field.empty() && r.message.rfind(r.field + ": ", 0) == 0, "refusal");
+            const std::string reply =
+                dlad::wire::write_infer_reply(r.id.value_or(0), 3, r.message, std::nullopt,
+                                              timing, 0);
+            require(!reply.empty(), "refusal's reply");
+            continue;
+        }
+        const auto in = dlad::wire::as_infer(std::move(*decoded.request));
         if (!in) continue;
         ++taken;
         check(*in, frames, payload, shm != 0, limits);
-        dlad::wire::Timing timing;
         timing.total_us = static_cast<uint64_t>(in->height);
         const std::string ok = dlad::wire::write_infer_reply(in->id, 0, "", in->model, timing, 0);
         const std::string refused = dlad::wire::write_infer_reply(
