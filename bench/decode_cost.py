@@ -1,6 +1,8 @@
-"""What decoding one request costs the daemon's loop, warm: ``dlad.protocol.decode_request``
-of an INFER (the frame in the message, and a shared-memory INFER's header alone) against
-msgpack's unpack of the same header, in the same run, µs a call (process CPU).
+"""What decoding one request costs the daemon, warm: the C++ request decoder alone (what the
+plane's thread spends on an INFER, here with one call from Python around it) and
+``dlad.protocol.decode_request`` of an INFER (the frame in the message, and a shared-memory
+INFER's header alone: the control plane's cost) against msgpack's unpack of the same header, in
+the same run, µs a call (process CPU).
 
     python bench/decode_cost.py [--calls 20000] [--trials 3] [--gaps-ms 0.2,2]
 
@@ -21,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from dlad import protocol
+from dlad import _native, protocol
 
 LIMITS = protocol.Limits(
     max_message_bytes=64 << 20, max_width=4096, max_height=4096, max_image_pixels=4096 * 4096
@@ -76,8 +78,13 @@ def main() -> None:
     image = np.zeros((672, 672, 3), np.uint8)
     inline = protocol.encode(protocol.InferRequest(7, "demo", image, format="RGB"))
     header = bytes(inline[0])
+    limits = protocol._native_limits(LIMITS)
+    payloads = [len(inline[1])]
     cases: dict[str, Callable[[], Any]] = {
         "msgpack.unpackb of the INFER header": lambda: msgpack.unpackb(header),
+        "the C++ decoder, INFER header": lambda: _native.decode_request(
+            header, payloads, limits, False
+        ),
         "decode_request, INFER, frame in the message": lambda: protocol.decode_request(
             inline, LIMITS
         ),

@@ -45,20 +45,6 @@ const char* status_name(int64_t s) {
     return s >= 0 && s <= INTERNAL ? names[s] : "INTERNAL";
 }
 
-// Python's repr() of a name (printable: only the quote and the backslash are escaped), for the
-// refusals' words, as the control plane writes them.
-std::string py_repr(const std::string& s) {
-    const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
-    const char quote = dq ? '"' : '\'';
-    std::string out(1, quote);
-    for (const char c : s) {
-        if (c == '\\' || c == quote) out.push_back('\\');
-        out.push_back(c);
-    }
-    out.push_back(quote);
-    return out;
-}
-
 std::string hex(const std::string& bytes) {
     static const char digits[] = "0123456789abcdef";
     std::string out;
@@ -794,10 +780,10 @@ bool Plane::admit(Job job, const std::string& key, const Item& item, int64_t now
 std::pair<int64_t, std::string> Plane::refusal(const AdmitResult& r, const std::string& model,
                                                int64_t id) {
     if (r.refusal == Refusal::not_found) {
-        return {NOT_FOUND, "no device serves model " + py_repr(model)};
+        return {NOT_FOUND, "no device serves model " + wire::py_repr(model)};
     }
     if (r.refusal == Refusal::overloaded) {
-        std::string why = "all queues for model " + py_repr(model) + " are full (";
+        std::string why = "all queues for model " + wire::py_repr(model) + " are full (";
         for (size_t i = 0; i < r.full.size(); ++i) {
             why += (i ? ", " : "") + r.full[i].name + " " + std::to_string(r.full[i].depth) + "/" +
                    std::to_string(r.full[i].capacity);
@@ -805,7 +791,7 @@ std::pair<int64_t, std::string> Plane::refusal(const AdmitResult& r, const std::
         return {OVERLOADED, why + ")"};
     }
     if (r.refusal == Refusal::device_failed) {
-        std::string why = "no healthy device serves model " + py_repr(model) + " now (";
+        std::string why = "no healthy device serves model " + wire::py_repr(model) + " now (";
         for (size_t i = 0; i < r.unhealthy.size(); ++i) {
             why += (i ? ", " : "") + r.unhealthy[i].first +
                    (r.unhealthy[i].second ? " failed it" : " quarantined");

@@ -860,6 +860,8 @@ Request decode(Decoder& dec, const uint8_t* header, size_t header_bytes, const u
 
 }  // namespace
 
+std::string py_repr(std::string_view utf8) { return py_string(code_points(utf8)); }
+
 bool printable(char32_t c) {
     // Python's str.isprintable on every assigned character: the controls (Cc), format (Cf),
     // separators other than the space (Zs, Zl, Zp), surrogates (Cs) and private use (Co)

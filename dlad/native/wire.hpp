@@ -143,6 +143,9 @@ struct Cheap {
 std::optional<Cheap> as_cheap(const Request& request);
 std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_view message);
 
+// Python's repr() of a str (valid UTF-8), for words that name a value as the control plane does.
+std::string py_repr(std::string_view utf8);
+
 // Whether a name's character is printable (protocol: model, stream and device names): not a
 // control, format, separator other than the space, surrogate or private-use character.
 bool printable(char32_t c);
