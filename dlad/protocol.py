@@ -1102,11 +1102,11 @@ def _buffers(frames: object) -> list[memoryview]:
 
 
 def _views(frames: object, limits: Limits) -> list[memoryview]:
-    if not isinstance(frames, Sequence) or isinstance(frames, (bytes, bytearray, str)):
-        _fail("frames", "a message is a list of frames")
-    if not 1 <= len(frames) <= 1 + MAX_BATCH_IMAGES:
-        _fail("frames", f"a v1 message has 1 to {1 + MAX_BATCH_IMAGES} frames, got {len(frames)}")
+    """A reply's frames as byte views, their count and sizes checked (a request's are the C++
+    decoder's)."""
     views = _buffers(frames)
+    if not 1 <= len(views) <= 1 + MAX_BATCH_IMAGES:
+        _fail("frames", f"a v1 message has 1 to {1 + MAX_BATCH_IMAGES} frames, got {len(views)}")
     total = sum(v.nbytes for v in views)
     if total > limits.max_message_bytes:
         _fail("frames", f"message of {total} bytes is over the limit of {limits.max_message_bytes}")
