@@ -23,6 +23,10 @@ cannot be built, encoded or decoded. Every refusal raises :class:`~dlad.errors.P
 or ValueError, and fill in the request id and kind when the header still yields them, so the
 daemon can address its ``BAD_REQUEST`` reply (see :func:`error_reply`).
 
+Requests are decoded by the daemon's one request decoder, in C++ (``dlad/native/wire.hpp``, the
+native plane's), which :func:`decode_request` calls; this module declares the constants and field
+names it must follow (``tests/dlad/test_native_wire.py`` holds it to them) and decodes replies.
+
 Payloads cross without copies: :func:`encode` returns the image (or detections) as a memoryview
 over the caller's array, for ``send_multipart(frames, copy=False)``; the decoders return read-only
 numpy views over the received frames' buffers (``zmq.Frame`` or any bytes-like object), which keep
