@@ -553,8 +553,8 @@ void Plane::handle(std::vector<Part>& parts) {
         wire::Decoded d = wire::decode_request(parts[1].data(), parts[1].size(), &payload,
                                                parts.size() - 2, config_.limits, config_.shm);
         if (d.request) {
-            if (auto req = wire::as_infer(std::move(*d.request))) {
-                infer(parts, *req);
+            if (d.request->kind == wire::kInfer) {
+                infer(parts, *d.request);
                 return;
             }
             const auto cheap = wire::as_cheap(*d.request);
@@ -653,7 +653,8 @@ std::string Plane::property(std::vector<Part>& parts, const char* name) {
     return value == nullptr ? "" : value;
 }
 
-void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
+void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
+    const wire::Image& img = req.images.front();  // an INFER has one
     const int64_t now = now_ns();
     Job job;
     job.client.assign(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
@@ -663,21 +664,21 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
     if (job.owner.empty()) job.owner = hex(job.client);
     job.model = req.model;
     job.received_ns = now;
-    job.size = req.image_bytes();
-    job.image = {req.height, req.width, req.channels, req.format == "BGR", req.conf, req.iou,
+    job.size = img.bytes();
+    job.image = {img.height, img.width, img.channels, img.format == "BGR", req.conf, req.iou,
                  req.max_det};
-    if (req.shm) {
+    if (img.shm) {
         // a frame in a segment the control plane registered (the decoder checked that it
         // lies inside the segment the client names): else the control plane maps the
         // segment, checks it and the peer, or refuses naming why
-        std::string seg = segment_key(job.owner, req.shm->name);
+        std::string seg = segment_key(job.owner, img.shm->name);
         const auto it = segments_.find(seg);
-        if (it == segments_.end() || it->second.size != req.shm->size) {
+        if (it == segments_.end() || it->second.size != img.shm->size) {
             forward(parts);
             return;
         }
         job.segment = std::move(seg);
-        job.shm_offset = req.shm->offset;
+        job.shm_offset = img.shm->offset;
         job.size = 0;  // the client's memory, not the daemon's budget
         std::lock_guard<std::mutex> lock(mu_);
         ++counters_.shm_frames;
@@ -687,7 +688,7 @@ void Plane::infer(std::vector<Part>& parts, const wire::Infer& req) {
         refuse(job, why->first, why->second);
         return;
     }
-    const Item item{req.model, req.stream, req.priority, req.deadline_ms, job.size, std::nullopt,
+    const Item item{req.model, img.stream, req.priority, req.deadline_ms, job.size, std::nullopt,
                     0,          {},         {}};
     std::shared_ptr<Part> payload;
     if (parts.size() == 3) payload = std::make_shared<Part>(std::move(parts[2]));

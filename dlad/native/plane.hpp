@@ -367,7 +367,7 @@ class Plane {
     // for the socket's send timeout at most, what it still cannot take then being lost).
     void flush_backlog(bool block);
     std::string property(std::vector<Part>& parts, const char* name);  // "" where none
-    void infer(std::vector<Part>& parts, const wire::Infer& req);
+    void infer(std::vector<Part>& parts, const wire::Request& req);
     // The room check of one request (Frontend._room): (status, message) of a refusal.
     std::optional<std::pair<int64_t, std::string>> room(const std::string& key,
                                                          uint64_t request_id,

@@ -634,25 +634,23 @@ void check_keys(Decoder& dec, const std::vector<Node>& d) {
             keys.push_back(child);
             child = d[d[child].end].end;
         }
-        bool twice = false;
-        if (keys.size() <= 16) {  // a header's maps: a few keys, compared pairwise
-            for (size_t j = 1; j < keys.size() && !twice; ++j) {
-                for (size_t i = 0; i < j && !twice; ++i) twice = d[keys[i]].s == d[keys[j]].s;
-            }
-        } else {
-            sorted.clear();
-            for (const uint32_t key : keys) sorted.push_back(d[key].s);
-            std::sort(sorted.begin(), sorted.end());
-            twice = std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
-        }
-        if (!twice) continue;
-        for (size_t j = 1; j < keys.size(); ++j) {  // the first key seen again, in the map's order
-            for (size_t i = 0; i < j; ++i) {
-                if (d[keys[i]].s == d[keys[j]].s) {
-                    dec.fail("header", "duplicate field " + show(d, keys[j]));
+        const auto first_repeated = [&] {  // the first key seen again, in the map's order
+            for (size_t j = 1; j < keys.size(); ++j) {
+                for (size_t i = 0; i < j; ++i) {
+                    if (d[keys[i]].s == d[keys[j]].s) {
+                        dec.fail("header", "duplicate field " + show(d, keys[j]));
+                    }
                 }
             }
+        };
+        if (keys.size() <= 16) {  // a header's maps: a few keys, compared pairwise
+            first_repeated();
+            continue;
         }
+        sorted.clear();
+        for (const uint32_t key : keys) sorted.push_back(d[key].s);
+        std::sort(sorted.begin(), sorted.end());
+        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) first_repeated();
     }
 }
 
@@ -893,26 +891,6 @@ Decoded decode_request(const uint8_t* header, size_t header_bytes, const uint64_
         out.request.reset();
     }
     if (nodes.capacity() > 4096) std::vector<Node>().swap(nodes);  // a big header's, let go
-    return out;
-}
-
-std::optional<Infer> as_infer(Request&& r) {
-    if (r.kind != kInfer) return std::nullopt;
-    Image& img = r.images.front();
-    Infer out;
-    out.id = r.id;
-    out.model = std::move(r.model);
-    out.stream = std::move(img.stream);
-    out.priority = r.priority;
-    out.deadline_ms = r.deadline_ms;
-    out.conf = r.conf;
-    out.iou = r.iou;
-    out.max_det = r.max_det;
-    out.format = std::move(img.format);
-    out.height = img.height;
-    out.width = img.width;
-    out.channels = img.channels;
-    out.shm = std::move(img.shm);
     return out;
 }
 

@@ -110,30 +110,6 @@ struct Decoded {
 Decoded decode_request(const uint8_t* header, size_t header_bytes, const uint64_t* payloads,
                        size_t payload_count, const Limits& limits, bool shm);
 
-// An INFER's fields, for the plane's hot path (``None`` is nullopt).
-struct Infer {
-    uint64_t id = 0;
-    std::string model;
-    std::optional<std::string> stream;
-    int64_t priority = 0;
-    std::optional<int64_t> deadline_ms;
-    std::optional<double> conf;
-    std::optional<double> iou;
-    std::optional<int64_t> max_det;
-    std::string format;  // RGB, BGR or GRAY
-    int64_t height = 0;
-    int64_t width = 0;
-    int64_t channels = 0;
-    std::optional<ShmRef> shm;  // the image lies there (the message had no payload frame)
-
-    uint64_t image_bytes() const {
-        return static_cast<uint64_t>(height) * static_cast<uint64_t>(width) *
-               static_cast<uint64_t>(channels);
-    }
-};
-// ``request`` as an INFER's fields, when it is one (it is moved from).
-std::optional<Infer> as_infer(Request&& request);
-
 // A STATUS or CANCEL (what the plane's per-client rate limit counts) and the one-frame reply
 // refusing it: a STATUS_REPLY (its report nil) or a CANCEL_REPLY.
 struct Cheap {

@@ -219,13 +219,16 @@ def test_the_drain_finishes_what_runs_and_the_socket_answers_after_it(tmp_path: 
         assert late[1].report["state"] == "DRAINING"
 
 
-EVERY_KIND = """
+POLLING = """
 [daemon]
 default_deadline_ms = 60000.0
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
 cheap_requests_per_s = 100000.0  # the test polls STATUS
-[pre_post]
+"""
+"""A daemon's first sections, for a test that polls STATUS."""
+
+EVERY_KIND = f"""{POLLING}[pre_post]
 backend = "cpu"
 [soc]
 dram_contention = 1.0
@@ -565,13 +568,7 @@ def test_a_reply_the_plane_could_not_send_is_counted_and_logged(tmp_path: Path) 
     assert [e["dropped"] for e in logs if e["event"] == "reply_dropped"] == [1]
 
 
-GPU_TIMING = """
-[daemon]
-default_deadline_ms = 60000.0
-[frontend]
-endpoints = ["tcp://127.0.0.1:5555"]
-cheap_requests_per_s = 100000.0  # the test polls STATUS
-[pre_post]
+GPU_TIMING = f"""{POLLING}[pre_post]
 enabled = false
 [devices.gpu]
 kind = "gpu"

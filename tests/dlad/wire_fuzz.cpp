@@ -26,18 +26,20 @@ void require(bool ok, const char* what) {
     std::abort();
 }
 
-void check(const dlad::wire::Infer& in, size_t frames, uint64_t payload, bool shm,
+void check(const dlad::wire::Request& in, size_t frames, uint64_t payload, bool shm,
            const dlad::wire::Limits& limits) {
     namespace w = dlad::wire;
-    const int64_t channels = in.format == "GRAY" ? 1 : 3;
-    require(in.format == "RGB" || in.format == "BGR" || in.format == "GRAY", "format");
-    require(in.channels == channels, "channels");
-    require(in.height >= 1 && in.height <= limits.max_height, "height");
-    require(in.width >= 1 && in.width <= limits.max_width, "width");
-    require(in.height * in.width <= limits.max_image_pixels, "pixels");
+    require(in.images.size() == 1, "one image");
+    const w::Image& img = in.images.front();
+    const int64_t channels = img.format == "GRAY" ? 1 : 3;
+    require(img.format == "RGB" || img.format == "BGR" || img.format == "GRAY", "format");
+    require(img.channels == channels, "channels");
+    require(img.height >= 1 && img.height <= limits.max_height, "height");
+    require(img.width >= 1 && img.width <= limits.max_width, "width");
+    require(img.height * img.width <= limits.max_image_pixels, "pixels");
     // 1 to 128 characters, each 1 to 4 bytes of UTF-8
     require(!in.model.empty() && in.model.size() <= 4 * w::kMaxNameChars, "model");
-    require(!in.stream || (!in.stream->empty() && in.stream->size() <= 4 * w::kMaxNameChars),
+    require(!img.stream || (!img.stream->empty() && img.stream->size() <= 4 * w::kMaxNameChars),
             "stream");
     require(in.priority >= 0 && in.priority <= w::kPriorityMax, "priority");
     require(!in.deadline_ms || (*in.deadline_ms >= 1 && *in.deadline_ms <= w::kMaxDeadlineMs),
@@ -46,13 +48,13 @@ void check(const dlad::wire::Infer& in, size_t frames, uint64_t payload, bool sh
     require(!in.conf || (*in.conf >= 0.0 && *in.conf < 1.0), "conf");  // protocol: [0, 1)
     require(!in.iou || (*in.iou > 0.0 && *in.iou <= 1.0), "iou");       // protocol: (0, 1]
     if (frames == 2) {
-        require(!in.shm && payload == in.image_bytes(), "payload");
+        require(!img.shm && img.frame == 1 && payload == img.bytes(), "payload");
     } else {
-        require(frames == 1 && shm && in.shm, "shm frame");
-        require(!in.shm->name.empty() && in.shm->name.size() <= w::kMaxShmName, "shm name");
-        require(in.shm->size <= w::kMaxShmBytes, "shm size");
-        require(in.shm->offset < in.shm->size &&
-                    in.image_bytes() <= in.shm->size - in.shm->offset, "shm frame inside");
+        require(frames == 1 && shm && img.shm, "shm frame");
+        require(!img.shm->name.empty() && img.shm->name.size() <= w::kMaxShmName, "shm name");
+        require(img.shm->size <= w::kMaxShmBytes, "shm size");
+        require(img.shm->offset < img.shm->size &&
+                    img.bytes() <= img.shm->size - img.shm->offset, "shm frame inside");
     }
 }
 
@@ -94,14 +96,15 @@ int main() {
             require(!reply.empty(), "refusal's reply");
             continue;
         }
-        const auto in = dlad::wire::as_infer(std::move(*decoded.request));
-        if (!in) continue;
+        const dlad::wire::Request& in = *decoded.request;
+        if (in.kind != dlad::wire::kInfer) continue;
         ++taken;
-        check(*in, frames, payload, shm != 0, limits);
-        timing.total_us = static_cast<uint64_t>(in->height);
-        const std::string ok = dlad::wire::write_infer_reply(in->id, 0, "", in->model, timing, 0);
+        check(in, frames, payload, shm != 0, limits);
+        const dlad::wire::Image& img = in.images.front();
+        timing.total_us = static_cast<uint64_t>(img.height);
+        const std::string ok = dlad::wire::write_infer_reply(in.id, 0, "", in.model, timing, 0);
         const std::string refused = dlad::wire::write_infer_reply(
-            in->id, 3, in->stream.value_or(in->model), std::nullopt, timing, 0);
+            in.id, 3, img.stream.value_or(in.model), std::nullopt, timing, 0);
         require(!ok.empty() && !refused.empty(), "reply");
     }
     std::printf("read %llu taken %llu\n", static_cast<unsigned long long>(read),
