@@ -313,7 +313,9 @@ def _bool(value: object, path: str) -> bool:
 
 
 def _name(value: object, path: str) -> str:
-    if not (isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS and value.isprintable()):
+    from dlad import _native  # noqa: PLC0415  # the one rule of a name: the C++ decoder's
+
+    if not (isinstance(value, str) and _native.is_name(value)):
         _fail(path, f"must be 1 to {MAX_NAME_CHARS} printable characters, got {_show(value)}")
     return value
 

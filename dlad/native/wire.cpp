@@ -505,17 +505,6 @@ const char* kind_name(int64_t kind) {
     }
 }
 
-// protocol: a name (model, stream) is 1 to 128 printable characters
-bool is_name(std::string_view utf8) {  // of valid UTF-8
-    auto p = reinterpret_cast<const uint8_t*>(utf8.data());
-    const auto end = p + utf8.size();
-    size_t n = 0;
-    char32_t c = 0;
-    while (p < end && next_code_point(p, end, c)) {
-        if (++n > kMaxNameChars || !printable(c)) return false;
-    }
-    return n > 0;
-}
 
 // A field's dotted path, joined only when a refusal names it: ``prefix`` ("", "images[2].")
 // and the field's name.
@@ -859,6 +848,18 @@ Request decode(Decoder& dec, const uint8_t* header, size_t header_bytes, const u
 }  // namespace
 
 std::string py_repr(std::string_view utf8) { return py_string(code_points(utf8)); }
+
+bool is_name(std::string_view utf8) {  // of valid UTF-8
+    auto p = reinterpret_cast<const uint8_t*>(utf8.data());
+    const auto end = p + utf8.size();
+    size_t n = 0;
+    char32_t c = 0;
+    while (p < end && next_code_point(p, end, c)) {
+        if (++n > kMaxNameChars || !printable(c)) return false;
+    }
+    return n > 0;
+}
+
 
 bool printable(char32_t c) {
     // Python's str.isprintable on every assigned character: the controls (Cc), format (Cf),

@@ -122,6 +122,10 @@ std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_
 // Python's repr() of a str (valid UTF-8), for words that name a value as the control plane does.
 std::string py_repr(std::string_view utf8);
 
+// Whether ``utf8`` (valid UTF-8) is a name (model, stream, device): 1 to 128 characters, each
+// printable. The SDK checks its names with this too (protocol._name).
+bool is_name(std::string_view utf8);
+
 // Whether a name's character is printable (protocol: model, stream and device names): not a
 // control, format, separator other than the space, surrogate or private-use character.
 bool printable(char32_t c);

@@ -118,6 +118,27 @@ def test_a_name_is_printable_as_python_says_of_every_assigned_character() -> Non
     assert wrong == []
 
 
+@pytest.mark.parametrize("name", ["\u0b4e", "cam\U000e0100x", "modèle", "a\u200b", "\ud800", ""])
+def test_the_sdk_and_the_decoder_share_the_one_rule_of_a_name(name: str) -> None:
+    """A name the decoder takes, the SDK builds, and the other way round (an unassigned
+    character such as U+0B4E included: Python's isprintable refuses it, the rule takes it)."""
+    from dlad import _native
+
+    try:
+        request = InferRequest(id=1, model=name, image=np.zeros((3, 4, 3), np.uint8))
+    except ProtocolError:
+        built = False
+    else:
+        built = True
+        assert decode(protocol.encode(request))["model"] == name
+    assert built == _native.is_name(name)
+    if "\ud800" not in name:  # a lone surrogate cannot be sent at all
+        head = msgpack.unpackb(
+            protocol.encode(InferRequest(1, "m", np.zeros((3, 4, 3), np.uint8)))[0]
+        )
+        assert taken([msgpack.packb(head | {"model": name}), bytes(36)]) == built
+
+
 def _keeps_the_promises(request: protocol.Request) -> None:
     """What is taken keeps every bound, and encodes back to a message that decodes the same."""
     images = request.images if isinstance(request, InferBatchRequest) else (request,)
