@@ -84,9 +84,10 @@ def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tupl
     """Which engine serves placement ``p`` on the plane (``gpu``: pre/post-processing runs on
     the GPU), and that in words (``dlad status --platform``, the log): ``cudla``, a real DLA
     core driven by the plane, and ``timing``, an emulated core in timing mode without faults,
-    each with pre/post off or as the GPU chain; ``gpu-graphs``, the torch engine's batches with
-    pre/post on the GPU, which the plane launches as CUDA graphs (``Daemon._plane_batches``; where
-    that cannot be built, the log says why and a Python engine serves); ``gpu-timing``, the
+    each with pre/post off or as the GPU chain; ``gpu-graphs``, the torch or TensorRT engine's
+    batches with pre/post on the GPU, which the plane launches as CUDA graphs
+    (``Daemon._plane_batches``; where that cannot be built, the log says why and a Python engine
+    serves); ``gpu-timing``, the
     emulated GPU's batches in timing mode with pre/post off; ``python``, a Python engine running
     its executor's per-frame code (a numeric or faulty core, any core whose pre/post-processing
     runs on the CPU, the other GPU batches). The last three are built as executors."""
@@ -98,10 +99,10 @@ def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tupl
         if not pre_post and engine == "emulated" and d.mode == "timing":
             return "gpu-timing", (f"C++: emulated Orin GPU (timing), batches of up to "
                                   f"{d.batch_limit}, pre/post off")  # fmt: skip
-        if pre_post and gpu and engine == "torch":  # its graphs, launched by the plane
-            return "gpu-graphs", (f"C++: GPU batches of up to {d.batch_limit} on the torch "
+        if pre_post and gpu and engine in ("torch", "tensorrt"):  # graphs the plane launches
+            return "gpu-graphs", (f"C++: GPU batches of up to {d.batch_limit} on the {engine} "
                                   f"engine's CUDA graphs, {where}")  # fmt: skip
-        on = "pre/post on the CPU" if pre_post else where  # only torch's stay on the GPU
+        on = "pre/post on the CPU" if pre_post else where  # only graphs stay on the GPU
         return (
             "python",
             f"Python: GPU batches of up to {d.batch_limit} on the {engine} engine, {on}",

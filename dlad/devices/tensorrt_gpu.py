@@ -35,18 +35,23 @@ warm-up (after one untimed run per size). ``start_ns``/``end_ns`` are ``time.mon
 around the whole call. Batches run one at a time (a lock); every call makes the device current on
 its own thread first (the CUDA runtime's current device is per thread).
 
-**The production path on a Jetson goes further.** There, dlad's GPU pre-processing kernel
-(``dlad/gpu/kernels.cu``: letterbox, normalise) would write the engine's input buffer on this
-same stream and the post-processing kernels (decode, select, NMS) would read its output buffers,
-so a frame never comes back to the host between decoding and detections. This module does the
-pre-processing (dequantisation and layout) on the host for now, and hands the heads back as
-host arrays, because that is the ``GpuEngine`` contract the executor runs today.
+**Device-side I/O** (where pre/post-processing runs on CUDA: the engine is built with the
+GPU service's layout kernels, ``dlad/gpu/layout.py``). The engine then also holds static int8
+``DLA_HWC4`` frames and fp16 ``CHW16`` heads, the layouts dlad's pre and post kernels speak,
+and one CUDA graph per batch size, captured on its stream at start (after warm-up has enqueued
+every shape once, as TensorRT asks before a capture): the layout kernel from the frames into
+the engine's linear input, ``execute_async_v3``, and a layout kernel from each linear head into
+``CHW16``. Those graphs are what the native plane launches between its own pre and post kernels
+(``graph_execs``, the torch engine's contract: ``dlad/executors/gpu.py``'s
+``DeviceIoEngine``), so a frame never comes back to the host between decoding and detections.
 
 **What was not run.** TensorRT cannot be installed on the project's machines, and the GPU host
 (an H200) has no TensorRT either: this module has never run against a real TensorRT or a real
 engine, nor on a Jetson. Its TensorRT calls are tested only against a strict stand-in
 (``tests/dlad/fake_trt_runtime.py``) whose engine computes a known function of its input, so
-that strides, rows, dequantisation and output order are checked end to end. Its CUDA side is
+that strides, rows, dequantisation and output order are checked end to end; the stand-in
+captures and launches graphs and runs the layout kernels' numpy specification, which the real
+kernels are held to bit for bit on a GPU (``tests/dlad/gpu/test_layout.py``). Its CUDA side is
 tested against that file's stand-in of the CUDA runtime and, on the H200, against cuda-python's
 real runtime (cuda-bindings 13.3): the stream, events, device and pinned buffers, copies and
 timing are real there, with only the engine standing in.
@@ -69,7 +74,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -78,6 +83,9 @@ import numpy.typing as npt
 
 from dlad.devices.emulated_gpu import GpuBatchTiming
 from dlad.devices.gpu_frames import check_batch, frame_shape
+from dlad.devices.torch_gpu import chw16_image_bytes
+from dlad.gpu.driver import CudaError
+from dlad.gpu.layout import LayoutKernels, hwc4_to_nchw
 from dlad.loadable import Loadable
 
 __all__ = [
@@ -246,6 +254,20 @@ class _Head:
     host: npt.NDArray[Any]
 
 
+@dataclass
+class _DeviceIo:
+    """The device-side I/O (module docstring): the static int8 ``DLA_HWC4`` frames, the fp16
+    ``CHW16`` heads, and per batch size the captured graph and its executable."""
+
+    layouts: LayoutKernels
+    frames: int
+    heads: tuple[int, ...]
+    graphs: dict[int, tuple[Any, Any]]  # batch size -> (cudaGraph_t, cudaGraphExec_t)
+    input_free: Any  # a cudaEvent_t recorded after every run_device's launch
+    input_read: bool = False  # input_free was recorded at least once
+    batch_events: set[Any] = field(default_factory=set)  # run_device's, until read
+
+
 @dataclass(frozen=True)
 class _Buffers:
     """What a batch runs on: the input's pinned view ``[max_batch, 3, H, W]`` and device buffer,
@@ -281,6 +303,7 @@ class TensorRtGpu:
         max_batch: int = 8,
         device_index: int = 0,
         replays: int = 5,
+        layouts: LayoutKernels | None = None,
     ) -> None:
         for key, value, low in (
             ("max_batch", max_batch, 1), ("device_index", device_index, 0),
@@ -289,8 +312,14 @@ class TensorRtGpu:
             raw: object = value  # checked as untyped: callers need not be type-checked
             if not isinstance(raw, int) or isinstance(raw, bool) or value < low:
                 raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
+        if layouts is not None and layouts.device_index != device_index:
+            raise ValueError(
+                f"the layout kernels are on CUDA device {layouts.device_index}, the engine on "
+                f"{device_index}"
+            )
         self.loadable = loadable
         self.engine_path = Path(engine_path)
+        self.device = f"cuda:{device_index}"
         self.max_batch = max_batch
         self.device_index = device_index
         self.replays = replays
@@ -307,6 +336,8 @@ class TensorRtGpu:
         self._engine: Any = None
         self._runtime: Any = None
         self._bufs: _Buffers | None = None
+        self._io: _DeviceIo | None = None
+        self._layouts = layouts
 
         blob = self._read_engine()
         self.metadata: dict[str, Any] | None = read_engine_metadata(self.engine_path, blob)
@@ -321,6 +352,8 @@ class TensorRtGpu:
             inp = self._check_engine()
             self._bufs = self._allocate(inp)
             self.warm_up()
+            if layouts is not None:
+                self._io = self._device_io(self._bufs, layouts)
         except TensorRtRunError as exc:
             self._release(raise_failure=False)
             raise TensorRtGpuError(
@@ -541,7 +574,7 @@ class TensorRtGpu:
         returns (the stream span's µs, the execution's µs). The heads are in the pinned host
         views afterwards. Raises TensorRtRunError."""
         cudart, stream, ctx = self._cudart, self._stream, self._context
-        e0, e1, e2, e3 = self._events
+        e0, e1, e2, e3 = self._events[:4]  # the host path's (device I/O adds one)
         h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
         shape = (b, *bufs.in_host.shape[1:])
@@ -596,14 +629,201 @@ class TensorRtGpu:
         with self._lock:  # one engine: batches queue behind each other
             start = time.monotonic_ns()
             bufs = self._open()
-            for i, f in enumerate(frames):
-                # [H, W', 4] int8 -> [3, H, W]: float32 products, cast to the engine's type.
-                bufs.in_host[i] = np.moveaxis(f[:, :w, :c], 2, 0) * scale
+            for i, f in enumerate(frames):  # [H, W', 4] int8 -> [3, H, W] of the input's type
+                bufs.in_host[i] = hwc4_to_nchw(f[None], c, w, float(scale), bufs.in_host.dtype)[0]
             actual_us, compute_us = self._execute(bufs, b)
             heads = [[np.array(h.host[i], dtype=np.float32) for h in bufs.heads] for i in range(b)]
             end = time.monotonic_ns()
         timing = GpuBatchTiming(b, self.curve_us[b], compute_us, actual_us, start, end)
         return heads, timing
+
+    # ------------------------------------------------------------------------------ device I/O
+
+    def _device_io(self, bufs: _Buffers, layouts: LayoutKernels) -> _DeviceIo:
+        """Allocate the static frames and ``CHW16`` heads and capture one graph per batch size
+        (after warm-up: every shape has been enqueued once, as TensorRT wants before a
+        capture). Raises TensorRtRunError."""
+        cudart = self._cudart
+        frames = int(_check(cudart.cudaMalloc(self.max_batch * self.frame_bytes), "cudaMalloc"))
+        self._device_ptrs.append(frames)
+        heads = []
+        for nbytes in self.head_image_bytes:
+            heads.append(int(_check(cudart.cudaMalloc(self.max_batch * nbytes), "cudaMalloc")))
+            self._device_ptrs.append(heads[-1])
+        event = _check(cudart.cudaEventCreate(), "cudaEventCreate")
+        self._events.append(event)
+        io = _DeviceIo(layouts, frames, tuple(heads), {}, event)
+        with self._lock:
+            self._open()
+            for b in range(1, self.max_batch + 1):
+                io.graphs[b] = self._capture(bufs, io, b)
+        return io
+
+    def _capture(self, bufs: _Buffers, io: _DeviceIo, b: int) -> tuple[Any, Any]:
+        """Batch ``b``'s graph: the frames into the engine's input, the engine, its heads into
+        ``CHW16``, captured on the engine's stream (thread-local mode: other threads' CUDA calls
+        go on). Returns (graph, executable)."""
+        cudart, stream, ctx = self._cudart, self._stream, self._context
+        handle = int(stream)
+        (c, h, w), pitch = bufs.in_host.shape[1:], self._frame_shape[1]
+        shape = (b, c, h, w)
+        if not ctx.set_input_shape(bufs.input_name, shape):
+            raise TensorRtRunError(
+                f"IExecutionContext.set_input_shape({bufs.input_name!r}, {shape})", -1,
+                self._trt_errors(),
+            )  # fmt: skip
+        mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        _check(cudart.cudaStreamBeginCapture(stream, mode), "cudaStreamBeginCapture")
+        try:
+            try:
+                io.layouts.to_nchw(
+                    handle, io.frames, bufs.in_device, n=b, c=c, h=h, w=w, pitch_px=pitch,
+                    scale=float(np.float32(self.loadable.input_scale)),
+                    half=bufs.in_host.dtype == np.float16,
+                )  # fmt: skip
+                if not ctx.execute_async_v3(handle):
+                    raise TensorRtRunError(
+                        "IExecutionContext.execute_async_v3", -1, self._trt_errors()
+                    )
+                for head, dst in zip(bufs.heads, io.heads, strict=True):
+                    hc, hh, hw = head.host.shape[1:]
+                    io.layouts.to_chw16(
+                        handle, head.device, dst, n=b, c=hc, h=hh, w=hw,
+                        half=head.host.dtype == np.float16,
+                    )  # fmt: skip
+            except CudaError as exc:
+                raise TensorRtRunError(exc.call, exc.code, f"capturing a batch of {b}") from exc
+        except BaseException:
+            ended = cudart.cudaStreamEndCapture(stream)  # a capture must end, whatever failed
+            if int(ended[0]) == 0:
+                cudart.cudaGraphDestroy(ended[1])
+            raise
+        graph = _check(cudart.cudaStreamEndCapture(stream), "cudaStreamEndCapture")
+        try:
+            executable = _check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        except TensorRtRunError:
+            cudart.cudaGraphDestroy(graph)
+            raise
+        return graph, executable
+
+    @property
+    def device_io(self) -> bool:
+        """Whether batches can stay on the device (built with layout kernels, not closed): the
+        members below then work (the torch engine's contract, ``dlad/executors/gpu.py``'s
+        ``DeviceIoEngine``)."""
+        return self._io is not None and not self._closed
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes of one ``DLA_HWC4`` int8 input frame (frame ``b`` at ``input_ptr + b *
+        frame_bytes``)."""
+        h, w, c = self._frame_shape
+        return h * w * c
+
+    @property
+    def head_image_bytes(self) -> tuple[int, ...]:
+        """Bytes of one image of each ``CHW16`` head, in output order."""
+        return tuple(chw16_image_bytes(d.c, d.h, d.w) for d in self.loadable.outputs)
+
+    @property
+    def input_ptr(self) -> int:
+        """Device address of the static ``DLA_HWC4`` frames (``max_batch``). Raises
+        RuntimeError without device I/O."""
+        return self._device().frames
+
+    @property
+    def head_ptrs(self) -> tuple[int, ...]:
+        """Device addresses of the static ``CHW16`` heads, in output order (``max_batch``
+        images each; the next batch overwrites them). Raises RuntimeError without device I/O."""
+        return self._device().heads
+
+    @property
+    def graph_execs(self) -> tuple[int, ...]:
+        """The captured graph of each batch size, ``cudaGraphExec_t`` handles (a batch of n at
+        ``[n - 1]``): a launch on any stream of the device reads the first n frames and writes
+        their ``CHW16`` heads. For a caller that queues the whole batch itself (the native
+        plane's GPU engine), who must then be the only one to run batches: one launch at a
+        time, in its stream's order. Raises RuntimeError without device I/O."""
+        graphs = self._device().graphs
+        return tuple(int(graphs[b][1]) for b in sorted(graphs))
+
+    def _device(self) -> _DeviceIo:
+        if self._closed or self._io is None:
+            raise RuntimeError(
+                f"the TensorRT GPU engine of {self.engine_path} has no device-side I/O (it is "
+                "built with the GPU's layout kernels where pre/post-processing runs on CUDA)"
+                if not self._closed
+                else f"the TensorRT GPU engine of {self.engine_path} is closed"
+            )
+        return self._io
+
+    def wait_input_free(self, stream: Any) -> None:
+        """Queue on ``stream`` (a stream of this device, driver or runtime handle) a wait until
+        every batch queued so far has read the frames; the torch engine's contract. Raises
+        RuntimeError without device I/O, TensorRtRunError."""
+        io = self._device()
+        if io.input_read:
+            _check(self._cudart.cudaStreamWaitEvent(stream, io.input_free, 0),
+                   "cudaStreamWaitEvent")  # fmt: skip
+
+    def run_device(
+        self, n: int, *, after: Any, done: Any, heads_to: Sequence[int] | None = None
+    ) -> TensorRtDeviceBatch:
+        """Queue the first ``n`` static frames as one batch, without a host copy or wait: the
+        engine's stream waits for ``after`` (an event; None: no wait), launches batch ``n``'s
+        graph, copies the ``n`` images of each ``CHW16`` head to ``heads_to`` (device
+        addresses, output order; None: no copy) and records ``done``. The torch engine's
+        contract (``TorchGpu.run_device``). Raises ValueError for ``n`` outside
+        1..``max_batch`` or ``heads_to`` of the wrong length, RuntimeError without device I/O,
+        TensorRtRunError."""
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"a batch holds 1..{self.max_batch} frames, got {n}")
+        sizes = self.head_image_bytes
+        if heads_to is not None and len(heads_to) != len(sizes):
+            raise ValueError(f"heads_to needs {len(sizes)} addresses")
+        cudart = self._cudart
+        d2d = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        with self._lock:  # one engine: batches queue behind each other
+            io = self._device()
+            self._open()
+            stream = self._stream
+            events = tuple(_check(cudart.cudaEventCreate(), "cudaEventCreate") for _ in range(3))
+            io.batch_events.update(events)
+            if after is not None:
+                _check(cudart.cudaStreamWaitEvent(stream, after, 0), "cudaStreamWaitEvent")
+            _check(cudart.cudaEventRecord(events[0], stream), "cudaEventRecord")
+            _check(cudart.cudaGraphLaunch(io.graphs[n][1], stream), "cudaGraphLaunch")
+            _check(cudart.cudaEventRecord(events[1], stream), "cudaEventRecord")
+            _check(cudart.cudaEventRecord(io.input_free, stream), "cudaEventRecord")
+            io.input_read = True
+            for dst, src, nbytes in zip(heads_to or (), io.heads, sizes, strict=False):
+                _check(cudart.cudaMemcpyAsync(int(dst), src, n * nbytes, d2d, stream),
+                       "cudaMemcpyAsync")  # fmt: skip
+            _check(cudart.cudaEventRecord(events[2], stream), "cudaEventRecord")
+            _check(cudart.cudaEventRecord(done, stream), "cudaEventRecord")
+        return TensorRtDeviceBatch(self, n, self.curve_us[n], events)
+
+    def _batch_timing(
+        self, events: tuple[Any, ...], end_ns: int | None
+    ) -> tuple[float, float, int]:
+        """(compute µs, span µs, end) of a run_device batch once done; its events freed."""
+        cudart = self._cudart
+        start, launched, copied = events
+        with self._lock:
+            io = self._device()
+            try:
+                _check(cudart.cudaEventSynchronize(copied), "cudaEventSynchronize")
+                compute_ms = _check(cudart.cudaEventElapsedTime(start, launched),
+                                    "cudaEventElapsedTime")  # fmt: skip
+                span_ms = _check(cudart.cudaEventElapsedTime(start, copied),
+                                 "cudaEventElapsedTime")  # fmt: skip
+            finally:
+                for event in events:
+                    if event in io.batch_events:
+                        io.batch_events.discard(event)
+                        cudart.cudaEventDestroy(event)
+        end = time.monotonic_ns() if end_ns is None else end_ns
+        return float(compute_ms) * 1e3, float(span_ms) * 1e3, end
 
     # ------------------------------------------------------------------------------ teardown
 
@@ -635,6 +855,13 @@ class TensorRtGpu:
         # TensorRT's objects first (the context refers to the buffers); the pinned views die
         # with the memory they view.
         self._bufs = None
+        if self._io is not None:  # the graphs refer to the buffers
+            for graph, executable in self._io.graphs.values():
+                attempt("cudaGraphExecDestroy", cudart.cudaGraphExecDestroy, executable)
+                attempt("cudaGraphDestroy", cudart.cudaGraphDestroy, graph)
+            for event in self._io.batch_events:
+                attempt("cudaEventDestroy", cudart.cudaEventDestroy, event)
+            self._io = None
         self._context = self._engine = self._runtime = None
         for ptr in self._device_ptrs:
             attempt("cudaFree", cudart.cudaFree, ptr)
@@ -647,3 +874,24 @@ class TensorRtGpu:
         self._device_ptrs, self._host_ptrs, self._events, self._stream = [], [], [], None
         if failures and raise_failure:
             raise failures[0]
+
+
+class TensorRtDeviceBatch:
+    """One batch :meth:`TensorRtGpu.run_device` queued: ``size`` frames; :meth:`timing` once
+    the caller knows it is done (reading it frees the batch's events)."""
+
+    def __init__(
+        self, engine: TensorRtGpu, size: int, modelled_us: float, events: tuple[Any, ...]
+    ) -> None:
+        self.size = size
+        self._engine = engine
+        self._modelled_us = modelled_us
+        self._events = events
+
+    def timing(self, end_ns: int | None = None) -> GpuBatchTiming:
+        """The batch's GPU times (``compute_us`` the graph, ``actual_us`` the graph and the
+        head copies), waiting for it first; the span ends at ``end_ns`` (default: now) on the
+        host's ``time.monotonic_ns`` clock. Raises TensorRtRunError."""
+        compute_us, actual_us, end = self._engine._batch_timing(self._events, end_ns)
+        start = end - round(actual_us * 1e3)
+        return GpuBatchTiming(self.size, self._modelled_us, compute_us, actual_us, start, end)

@@ -144,8 +144,15 @@ def _gpu_executor(
                 engine = TorchGpu(placement.loadable, artifact, max_batch=max_batch)
             else:
                 from dlad.devices.tensorrt_gpu import TensorRtGpu  # noqa: PLC0415 (lazy)
+                from dlad.gpu.layout import GpuLayouts  # noqa: PLC0415
 
-                engine = TensorRtGpu(placement.loadable, artifact, max_batch=max_batch)
+                # With the GPU's pre/post kernels, its layout kernels around the engine keep
+                # batches on the device (one CUDA graph per batch size, for the plane).
+                engine = TensorRtGpu(
+                    placement.loadable, artifact, max_batch=max_batch,
+                    device_index=0 if gpu is None else int(gpu.ctx.device),
+                    layouts=None if gpu is None else GpuLayouts(gpu.ctx),
+                )  # fmt: skip
     except (Int8EngineError, ValueError) as exc:  # TorchGpuError, TensorRtGpuError too
         raise ExecutorBuildError(
             f"cannot build the {kind} GPU engine for model {placement.model!r}: {exc}",

@@ -114,8 +114,9 @@ class DeviceBatch(Protocol):
 
 
 class DeviceIoEngine(GpuEngine, Protocol):
-    """A :class:`GpuEngine` whose batches can stay on the GPU (``TorchGpu`` on CUDA; see its
-    module docstring for the contract of each member)."""
+    """A :class:`GpuEngine` whose batches can stay on the GPU (``TorchGpu`` on CUDA,
+    ``TensorRtGpu`` built with layout kernels; see the torch module's docstring for the contract
+    of each member)."""
 
     device: str
 

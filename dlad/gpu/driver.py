@@ -296,6 +296,8 @@ class GpuContext:
             "post_select_sort",
             "post_mask",
             "post_scan",
+            "layout_hwc4_nchw",
+            "layout_nchw_chw16",
         ):
             fn = _check(drv.cuModuleGetFunction(self.module, name.encode()), "cuModuleGetFunction")
             self.kernels[name] = Kernel(name, fn)

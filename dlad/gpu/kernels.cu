@@ -124,6 +124,66 @@ extern "C" __global__ void pre_chw16_f16(const PreParams p) {
     out[1] = make_uint4(lanes[4], lanes[5], lanes[6], lanes[7]);
 }
 
+// --------------------------------------------------------------------------------- layout
+
+// Between the layouts dlad's kernels speak (int8 DLA_HWC4 in, fp16 CHW16 heads out) and a
+// TensorRT GPU engine's linear NCHW tensors (dlad/devices/tensorrt_gpu.py captures both
+// around the engine in one CUDA graph per batch size).
+struct LayoutParams {
+    const void* src;
+    void* dst;
+    int n, c, h, w;    // frames, channels, rows, columns of the linear NCHW side
+    int pitch_px;      // DLA_HWC4 row pitch in pixels (W padded; layout_hwc4_nchw only)
+    int half;          // 1: the linear side is fp16, 0: fp32
+    float scale;       // the int8 input's scale (layout_hwc4_nchw only)
+};
+
+// int8 DLA_HWC4 [n][h][pitch_px][4] -> linear NCHW [n][c][h][w], q * scale as float32, stored
+// as fp32 or rounded to fp16 (nearest even): numpy's `q * np.float32(scale)` then astype.
+// One thread per pixel; grid (ceil(w/32), h, n), block 32x1.
+extern "C" __global__ void layout_hwc4_nchw(const LayoutParams p) {
+    int x = blockIdx.x * blockDim.x + threadIdx.x;
+    int y = blockIdx.y, b = blockIdx.z;
+    if (x >= p.w) return;
+    u32 word = reinterpret_cast<const u32*>(p.src)[((long long)b * p.h + y) * p.pitch_px + x];
+    long long plane = (long long)p.h * p.w, at = (long long)b * p.c * plane + (long long)y * p.w + x;
+    for (int c = 0; c < p.c; ++c) {
+        float v = __fmul_rn((float)(i8)((word >> (8 * c)) & 0xff), p.scale);
+        if (p.half) reinterpret_cast<u16*>(p.dst)[at + c * plane] = float_to_half_rn(v);
+        else reinterpret_cast<float*>(p.dst)[at + c * plane] = v;
+    }
+}
+
+// linear NCHW [n][c][h][w] (fp32 or fp16) -> fp16 CHW16 [n][ceil(c/16)][h][w][16], rounded to
+// nearest even, the padding lanes of the last group written as zero. One thread per
+// (pixel, group of 16 channels), two 16-byte stores; grid (ceil(w/32), h, n * ceil(c/16)).
+extern "C" __global__ void layout_nchw_chw16(const LayoutParams p) {
+    int x = blockIdx.x * blockDim.x + threadIdx.x;
+    int y = blockIdx.y, groups = (p.c + 15) / 16;
+    int b = blockIdx.z / groups, g = blockIdx.z % groups;
+    if (x >= p.w) return;
+    long long plane = (long long)p.h * p.w;
+    long long at = ((long long)b * p.c + g * 16) * plane + (long long)y * p.w + x;
+    u32 lanes[8];
+#pragma unroll
+    for (int l = 0; l < 16; l += 2) {
+        u16 pair[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            int c = g * 16 + l + k;
+            long long i = at + (long long)(l + k) * plane;
+            pair[k] = c >= p.c ? (u16)0
+                      : p.half ? reinterpret_cast<const u16*>(p.src)[i]
+                               : float_to_half_rn(reinterpret_cast<const float*>(p.src)[i]);
+        }
+        lanes[l / 2] = (u32)pair[0] | ((u32)pair[1] << 16);
+    }
+    uint4* out = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.dst) +
+                                          ((((long long)b * groups + g) * p.h + y) * p.w + x) * 16);
+    out[0] = make_uint4(lanes[0], lanes[1], lanes[2], lanes[3]);
+    out[1] = make_uint4(lanes[4], lanes[5], lanes[6], lanes[7]);
+}
+
 // --------------------------------------------------------------------------------- post
 
 struct Candidate {

@@ -47,6 +47,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from dlad.gpu.layout import hwc4_to_nchw
+from dlad.imaging.post import pack_chw16
+
 # The enums follow TensorRT's headers; the builder's stand-in already spells them out.
 from tests.prep.fake_tensorrt import DataType, Severity, TensorFormat
 
@@ -75,6 +78,14 @@ class CudaError(enum.IntEnum):
     cudaErrorInvalidResourceHandle = 400
     cudaErrorNotReady = 600
     cudaErrorIllegalAddress = 700
+
+
+class StreamCaptureMode(enum.IntEnum):
+    """``cudaStreamCaptureMode``."""
+
+    cudaStreamCaptureModeGlobal = 0
+    cudaStreamCaptureModeThreadLocal = 1
+    cudaStreamCaptureModeRelaxed = 2
 
 
 class MemcpyKind(enum.IntEnum):
@@ -122,6 +133,24 @@ class FakeStream:
     clock_ns: int = 1_000_000
     ops: list[tuple[str, Callable[[], int]]] = field(default_factory=list)
     destroyed: bool = False
+    capture: list[tuple[str, Callable[[], int]]] | None = None  # capturing: work goes here
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def enqueue(self, name: str, op: Callable[[], int]) -> None:
+        """Queue ``op``, or record it into the graph being captured."""
+        (self.ops if self.capture is None else self.capture).append((name, op))
+
+
+@dataclass(eq=False)
+class FakeGraph:
+    """A ``cudaGraph_t`` (``ops`` the captured work) or, ``executable``, a ``cudaGraphExec_t``."""
+
+    handle: int
+    ops: tuple[tuple[str, Callable[[], int]], ...]
+    executable: bool = False
+    destroyed: bool = False
 
     def __int__(self) -> int:
         return self.handle
@@ -152,6 +181,7 @@ class FakeCudart:
 
     cudaError_t = CudaError
     cudaMemcpyKind = MemcpyKind
+    cudaStreamCaptureMode = StreamCaptureMode
     cudaStreamNonBlocking = 1
     cudaHostAllocDefault = 0
 
@@ -169,6 +199,7 @@ class FakeCudart:
         self.allocs: list[_Alloc] = []
         self.streams: list[FakeStream] = []
         self.events: list[FakeEvent] = []
+        self.graphs: list[FakeGraph] = []
         self._handles = itertools.count(0x5000)
         self._next_device = _DEVICE_BASE
         self._local = threading.local()
@@ -182,6 +213,7 @@ class FakeCudart:
             "host": sum(1 for a in self.allocs if a.device < 0 and not a.freed),
             "stream": sum(1 for s in self.streams if not s.destroyed),
             "event": sum(1 for e in self.events if not e.destroyed),
+            "graph": sum(1 for g in self.graphs if not g.destroyed),
         }
 
     def copies(self, kind: MemcpyKind) -> list[int]:
@@ -287,22 +319,25 @@ class FakeCudart:
         if err := self._enter("cudaMemcpyAsync", dst, src, count, kind, stream):
             return (err,)
         s = self._stream(stream)
-        if kind not in (
-            MemcpyKind.cudaMemcpyHostToDevice,
-            MemcpyKind.cudaMemcpyDeviceToHost,
-        ):
-            raise ApiMisuse(f"copy kind {kind!r}: only HostToDevice / DeviceToHost are faked")
-        to_device = kind == MemcpyKind.cudaMemcpyHostToDevice
+        sides = {
+            MemcpyKind.cudaMemcpyHostToDevice: (True, False),
+            MemcpyKind.cudaMemcpyDeviceToHost: (False, True),
+            MemcpyKind.cudaMemcpyDeviceToDevice: (True, True),
+        }
+        if kind not in sides:
+            raise ApiMisuse(f"copy kind {kind!r}: only HostToDevice, DeviceToHost and "
+                            "DeviceToDevice are faked")  # fmt: skip
+        to_device, from_device = sides[kind]
         self._check_size(count)
         self.region(dst, count, device=to_device)  # checked now, resolved again when it runs
-        self.region(src, count, device=not to_device)
+        self.region(src, count, device=from_device)
 
         def copy() -> int:
             target = self.region(dst, count, device=to_device)
-            target[:] = self.region(src, count, device=not to_device)
+            target[:] = self.region(src, count, device=from_device)
             return 1000 + count // 20
 
-        s.ops.append(("copy", copy))
+        s.enqueue("copy", copy)
         return (CudaError.cudaSuccess,)
 
     # ---- streams and events
@@ -332,8 +367,92 @@ class FakeCudart:
 
     def cudaStreamSynchronize(self, stream: Any) -> tuple[CudaError]:
         err = self._enter("cudaStreamSynchronize", stream)
-        self._drain(self._stream(stream))  # a failing sync still ends the stream's work
+        s = self._stream(stream)
+        if s.capture is not None:
+            raise ApiMisuse(f"cudaStreamSynchronize of stream {s.handle:#x} while it captures")
+        self._drain(s)  # a failing sync still ends the stream's work
         return (err or CudaError.cudaSuccess,)
+
+    # ---- graphs: a capture records the work queued on the stream, a launch queues it again
+    def cudaStreamBeginCapture(self, stream: Any, mode: Any) -> tuple[CudaError]:
+        if err := self._enter("cudaStreamBeginCapture", stream, mode):
+            return (err,)
+        s = self._stream(stream)
+        if not isinstance(mode, StreamCaptureMode):
+            raise ApiMisuse(f"capture mode {mode!r}: a cudaStreamCaptureMode")
+        if s.capture is not None:
+            raise ApiMisuse(f"stream {s.handle:#x} is already capturing")
+        s.capture = []
+        return (CudaError.cudaSuccess,)
+
+    def cudaStreamEndCapture(self, stream: Any) -> tuple[CudaError, FakeGraph | None]:
+        s = self._stream(stream)
+        if s.capture is None:
+            raise ApiMisuse(f"cudaStreamEndCapture of stream {s.handle:#x}, which is not capturing")
+        ops, s.capture = tuple(s.capture), None
+        if err := self._enter("cudaStreamEndCapture", stream):
+            return err, None
+        graph = FakeGraph(next(self._handles), ops)
+        self.graphs.append(graph)
+        return CudaError.cudaSuccess, graph
+
+    def _graph(self, graph: Any, *, executable: bool) -> FakeGraph:
+        for g in self.graphs:
+            if g is graph or (isinstance(graph, int) and g.handle == graph):
+                if g.executable != executable:
+                    break
+                if g.destroyed:
+                    raise ApiMisuse(f"graph {g.handle:#x} used after it was destroyed")
+                return g
+        kind = "cudaGraphExec_t" if executable else "cudaGraph_t"
+        raise ApiMisuse(f"{graph!r} is not a {kind} of this runtime")
+
+    def cudaGraphInstantiate(self, graph: Any, flags: int) -> tuple[CudaError, FakeGraph | None]:
+        if err := self._enter("cudaGraphInstantiate", graph, flags):
+            return err, None
+        executable = FakeGraph(
+            next(self._handles), self._graph(graph, executable=False).ops, executable=True
+        )
+        self.graphs.append(executable)
+        return CudaError.cudaSuccess, executable
+
+    def cudaGraphLaunch(self, executable: Any, stream: Any) -> tuple[CudaError]:
+        if err := self._enter("cudaGraphLaunch", executable, stream):
+            return (err,)
+        s = self._stream(stream)
+        for name, op in self._graph(executable, executable=True).ops:
+            s.enqueue(name, op)
+        return (CudaError.cudaSuccess,)
+
+    def cudaGraphExecDestroy(self, executable: Any) -> tuple[CudaError]:
+        self._enter("cudaGraphExecDestroy", executable)
+        self._graph(executable, executable=True).destroyed = True
+        return (CudaError.cudaSuccess,)
+
+    def cudaGraphDestroy(self, graph: Any) -> tuple[CudaError]:
+        self._enter("cudaGraphDestroy", graph)
+        self._graph(graph, executable=False).destroyed = True
+        return (CudaError.cudaSuccess,)
+
+    def cudaStreamWaitEvent(self, stream: Any, event: Any, flags: int) -> tuple[CudaError]:
+        """Streams here run when synchronised, in the order the test drains them: the wait
+        checks its arguments and drains the event's stream first."""
+        if err := self._enter("cudaStreamWaitEvent", stream, event, flags):
+            return (err,)
+        self._stream(stream)
+        self._event(event)
+        if flags != 0:
+            raise ApiMisuse(f"cudaStreamWaitEvent flags {flags!r}")
+        return (CudaError.cudaSuccess,)
+
+    def cudaEventSynchronize(self, event: Any) -> tuple[CudaError]:
+        if err := self._enter("cudaEventSynchronize", event):
+            return (err,)
+        e = self._event(event)
+        for s in self.streams:  # the stream that will record it runs its work
+            if e.pending and not s.destroyed and s.capture is None:
+                self._drain(s)
+        return (CudaError.cudaSuccess,)
 
     def _drain(self, s: FakeStream) -> None:
         while s.ops:
@@ -372,7 +491,7 @@ class FakeCudart:
             e.time_ns, e.pending = s.clock_ns, False
             return 0
 
-        s.ops.append(("record", record))
+        s.enqueue("record", record)
         return (CudaError.cudaSuccess,)
 
     def cudaEventElapsedTime(self, start: Any, end: Any) -> tuple[CudaError, float]:
@@ -390,6 +509,65 @@ class FakeCudart:
             return (err,)
         self._event(event).destroyed = True
         return (CudaError.cudaSuccess,)
+
+
+class FakeLayouts:
+    """``dlad.gpu.layout.LayoutKernels`` on :class:`FakeCudart`: each step is queued on the
+    stream (or recorded into its capture) as a kernel would be, and computes the kernels'
+    numpy specification when it runs (``hwc4_to_nchw``; ``pack_chw16`` of the heads as fp16).
+    ``launches`` counts them by name; ``fail`` (a ``dlad.gpu.driver.CudaError``) is raised by
+    every launch, as a failing ``cuLaunchKernel`` would."""
+
+    def __init__(self, cuda: FakeCudart, device_index: int = 0) -> None:
+        self.cuda = cuda
+        self.device_index = device_index
+        self.launches: list[str] = []
+        self.fail: Exception | None = None
+
+    def _queue(self, name: str, stream: object, run: Callable[[], None]) -> None:
+        if self.fail is not None:
+            raise self.fail
+        s = self.cuda.live_stream(stream)
+        if s is None:
+            raise ApiMisuse(f"{name} on {stream!r}: not the int handle of a live stream")
+        self.launches.append(name)
+
+        def op() -> int:
+            run()
+            return 2_000
+
+        s.enqueue(name, op)
+
+    def to_nchw(  # the LayoutKernels signature
+        self, stream: int, src: int, dst: int, *, n: int, c: int, h: int, w: int,
+        pitch_px: int, scale: float, half: bool,
+    ) -> None:  # fmt: skip
+        dtype = np.float16 if half else np.float32
+        size_in, size_out = n * h * pitch_px * 4, n * c * h * w * np.dtype(dtype).itemsize
+        self.cuda.region(src, size_in, device=True)
+        self.cuda.region(dst, size_out, device=True)
+
+        def run() -> None:
+            frames = self.cuda.region(src, size_in, device=True).view(np.int8)
+            out = hwc4_to_nchw(frames.reshape(n, h, pitch_px, 4), c, w, scale, dtype)
+            self.cuda.region(dst, size_out, device=True)[:] = out.view(np.uint8).ravel()
+
+        self._queue("to_nchw", stream, run)
+
+    def to_chw16(
+        self, stream: int, src: int, dst: int, *, n: int, c: int, h: int, w: int, half: bool
+    ) -> None:
+        dtype = np.float16 if half else np.float32
+        size_in, size_out = n * c * h * w * np.dtype(dtype).itemsize, n * -(-c // 16) * h * w * 32
+        self.cuda.region(src, size_in, device=True)
+        self.cuda.region(dst, size_out, device=True)
+
+        def run() -> None:
+            heads = self.cuda.region(src, size_in, device=True).view(dtype).reshape(n, c, h, w)
+            out = np.stack([pack_chw16(x) for x in heads])
+            self.cuda.region(dst, size_out, device=True)[:] = out.view(np.uint8).ravel()
+
+        self._queue("to_chw16", stream, run)
 
 
 # ------------------------------------------------------------------------------ tensorrt
@@ -586,7 +764,7 @@ class FakeContext:
                 )
             return trt.exec_base_ns + trt.exec_per_frame_ns * source.shape[0]
 
-        stream.ops.append(("execute", run))
+        stream.enqueue("execute", run)
         return True
 
     def _run_on_real_cuda(self, cudart: Any, handle: int, source: _In, outs: list[_Out]) -> bool:

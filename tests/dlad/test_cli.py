@@ -284,8 +284,12 @@ def test_a_removed_key_is_named_as_removed(
     [
         ("torch", True, True, "gpu-graphs", ("C++: GPU batches of up to 4 on the torch "
          "engine's CUDA graphs, pre/post on the GPU")),
+        ("tensorrt", True, True, "gpu-graphs", ("C++: GPU batches of up to 4 on the tensorrt "
+         "engine's CUDA graphs, pre/post on the GPU")),
         ("torch", True, False, "python", ("Python: GPU batches of up to 4 on the torch engine, "
          "pre/post on the CPU")),
+        ("tensorrt", True, False, "python", ("Python: GPU batches of up to 4 on the tensorrt "
+         "engine, pre/post on the CPU")),
         ("emulated", True, True, "python", ("Python: GPU batches of up to 4 on the emulated "
          "engine, pre/post on the CPU")),
         ("torch", False, True, "python", ("Python: GPU batches of up to 4 on the torch engine, "
@@ -297,10 +301,10 @@ def test_a_removed_key_is_named_as_removed(
 def test_platform_names_the_gpus_engine(
     tmp_path: Path, engine: str, pre_post: bool, gpu: bool, kind: str, words: str
 ) -> None:
-    """The plane runs the GPU's batches itself for the torch engine with pre/post on a GPU (its
-    CUDA graphs between the plane's kernels) and for the emulated GPU in timing mode with
-    pre/post off; the others are Python engines, their pre/post on the CPU (no device-side
-    I/O)."""
+    """The plane runs the GPU's batches itself for the torch and TensorRT engines with pre/post
+    on a GPU (their CUDA graphs between the plane's kernels) and for the emulated GPU in timing
+    mode with pre/post off; the others are Python engines, their pre/post on the CPU (no
+    device-side I/O)."""
     (tmp_path / "demo.pt2").write_bytes(b"")  # named only: the words read no program
     mode = 'mode = "timing"\n' if engine == "emulated" else ""  # the emulated engine's only
     cfg = tmp_path / "dlad.toml"
@@ -308,6 +312,7 @@ def test_platform_names_the_gpus_engine(
         f'[devices.gpu]\nkind = "gpu"\nengine = "{engine}"\nmax_batch = 4\n{mode}'
         '[models.demo]\ndevices = ["gpu"]\n[models.demo.loadables]\n'
         'core0 = "bundled:demo/fp16_heads.dla0.emu"\ntorch = "demo.pt2"\n'
+        'tensorrt = "demo.gpu.engine"\n'
     )
     plan = load_config(cfg).plan()
     assert plane_engine(plan, plan.placements[0], pre_post=pre_post, gpu=gpu) == (kind, words)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dlad.gpu.driver import KERNEL_SOURCE
+from dlad.gpu.layout import LayoutParams
 from dlad.gpu.prepost import FrameParams, Geometry, PostParams, PreParams
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {
@@ -18,6 +19,7 @@ MIRRORS: dict[str, type[ctypes.Structure]] = {
     "PostParams": PostParams,
     "Geometry": Geometry,
     "FrameParams": FrameParams,
+    "LayoutParams": LayoutParams,
 }
 
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ from dlad.devices.tensorrt_gpu import (
     TensorRtRunError,
     engine_metadata_path,
 )
+from dlad.gpu.driver import CudaError as CudaDriverError
+from dlad.imaging.post import pack_chw16
 from dlad.imaging.pre import quantize_hwc4
 from dlad.loadable import DataType, Loadable, chw_vectorized, hwc4_input, read_loadable
 from dlad.models import DEMO
@@ -37,7 +39,9 @@ from tests.dlad.engines import assert_batches_run_one_at_a_time
 from tests.dlad.fake_trt_runtime import (
     ApiMisuse,
     CudaError,
+    FakeContext,
     FakeCudart,
+    FakeLayouts,
     Fakes,
     FakeStream,
     FakeTensorRT,
@@ -317,7 +321,7 @@ def test_an_engine_of_another_model_is_refused(
     path = write_engine(tmp_path / "e.engine", _mutated(demo, change))
     with pytest.raises(TensorRtGpuError, match=rf"not built for loadable '{demo.name}'.*{match}"):
         TensorRtGpu(demo, path, max_batch=MAX_BATCH, replays=1)
-    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0}
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
 
 
 def test_missing_junk_and_foreign_version_engines(
@@ -336,7 +340,7 @@ def test_missing_junk_and_foreign_version_engines(
         TensorRtGpuError, match=r"TensorRT 10\.3\.0\.30 cannot deserialise.*got 8\.6"
     ):
         TensorRtGpu(demo, old)
-    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0}
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
 
 
 def test_without_tensorrt_the_error_says_so(
@@ -369,7 +373,7 @@ def test_older_cuda_python_layout_works(
     )
     assert sorted(gpu.curve_us) == [1]
     gpu.close()
-    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0}
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
 
 
 @pytest.mark.parametrize(
@@ -400,11 +404,17 @@ def test_close_frees_every_allocation_and_is_idempotent(
         demo, write_engine(tmp_path / "e.engine", describe(demo)), max_batch=2, replays=1
     )
     heads = len(demo.outputs)
-    assert fakes.cuda.live() == {"device": 1 + heads, "host": 1 + heads, "stream": 1, "event": 4}
+    assert fakes.cuda.live() == {
+        "device": 1 + heads,
+        "host": 1 + heads,
+        "stream": 1,
+        "event": 4,
+        "graph": 0,
+    }
     frame = frames_for(demo, 1, seed=4)[0]
     gpu.run([frame])
     gpu.close()
-    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0}
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
     calls = len(fakes.cuda.calls)
     gpu.close()  # idempotent: nothing is freed twice (the fake raises on a double free)
     assert len(fakes.cuda.calls) == calls
@@ -423,7 +433,7 @@ def test_a_failed_setup_frees_what_it_allocated(
     path = write_engine(tmp_path / "e.engine", describe(demo))
     with pytest.raises(TensorRtGpuError, match=rf"cannot set the engine up.*{call} failed \(2\)"):
         TensorRtGpu(demo, path, max_batch=2)
-    assert cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0}
+    assert cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
 
 
 def test_a_failing_execution_at_warm_up_is_a_typed_error(
@@ -435,7 +445,7 @@ def test_a_failing_execution_at_warm_up_is_a_typed_error(
         TensorRtGpuError, match=r"failed on a batch of 1 at warm-up.*fake execution failure"
     ):
         TensorRtGpu(demo, path, max_batch=2)
-    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0}
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
 
 
 def test_a_failing_batch_names_the_call(engine: TensorRtGpu, fakes: Fakes, demo: Loadable) -> None:
@@ -587,3 +597,158 @@ def test_importing_the_engine_does_not_import_tensorrt_or_cuda() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ device I/O
+# Built with layout kernels (the GPU service's, where pre/post-processing runs on CUDA), the
+# engine keeps batches on the device: one graph per batch size, captured at start, reads the
+# static DLA_HWC4 frames and writes CHW16 heads, the layouts the GPU's pre/post kernels speak;
+# the native plane launches those graphs (dlad/native/gpu_batch_engine.hpp).
+
+
+@pytest.fixture
+def io_engine(fakes: Fakes, demo: Loadable, tmp_path: Path) -> Iterator[TensorRtGpu]:
+    path = write_engine(tmp_path / "demo.gpu.engine", describe(demo))
+    gpu = TensorRtGpu(demo, path, max_batch=MAX_BATCH, replays=1, layouts=FakeLayouts(fakes.cuda))
+    yield gpu
+    gpu.close()
+
+
+def _chw16_heads(
+    cuda: FakeCudart, gpu: TensorRtGpu, ptrs: Sequence[int], n: int
+) -> list[list[npt.NDArray[np.float16]]]:
+    """The first ``n`` images of each CHW16 head at ``ptrs``, per frame."""
+    out = []
+    for i in range(n):
+        frame = []
+        for ptr, nbytes, d in zip(ptrs, gpu.head_image_bytes, gpu.loadable.outputs, strict=True):
+            raw = cuda.region(ptr + i * nbytes, nbytes, device=True).view(np.float16)
+            frame.append(raw.reshape(-(-d.c // 16), d.h, d.w, 16).copy())
+        out.append(frame)
+    return out
+
+
+def _write_frames(
+    cuda: FakeCudart, gpu: TensorRtGpu, frames: Sequence[npt.NDArray[np.int8]]
+) -> None:
+    for i, f in enumerate(frames):
+        cuda.region(gpu.input_ptr + i * gpu.frame_bytes, gpu.frame_bytes, device=True)[:] = f.view(
+            np.uint8
+        ).ravel()
+
+
+def test_one_graph_per_batch_size_is_captured_around_the_engine(
+    io_engine: TensorRtGpu, fakes: Fakes, demo: Loadable
+) -> None:
+    assert io_engine.device_io
+    assert io_engine.device == "cuda:0"
+    executables = [g for g in fakes.cuda.graphs if g.executable]
+    assert [int(g) for g in executables] == list(io_engine.graph_execs)
+    heads = len(demo.outputs)
+    for g in executables:  # the frames into the engine's input, the engine, each head out
+        assert [name for name, _ in g.ops] == ["to_nchw", "execute"] + ["to_chw16"] * heads
+    assert io_engine.frame_bytes == int(np.prod(io_engine._frame_shape))
+    assert io_engine.head_image_bytes == tuple(-(-d.c // 16) * d.h * d.w * 32 for d in demo.outputs)
+
+
+@pytest.mark.parametrize("dtype", ["HALF", "FLOAT"])
+def test_a_launched_graph_writes_the_host_paths_heads_as_chw16(
+    fakes: Fakes, demo: Loadable, tmp_path: Path, dtype: str
+) -> None:
+    """A batch of n through graph n (what the plane launches) gives, per frame, the heads the
+    host path computes for the same frames, as fp16 CHW16."""
+    path = write_engine(tmp_path / "e.engine", describe(demo, dtype=dtype))
+    gpu = TensorRtGpu(demo, path, max_batch=MAX_BATCH, replays=1, layouts=FakeLayouts(fakes.cuda))
+    for n in (MAX_BATCH, 1):
+        frames = frames_for(demo, n, seed=30 + n)
+        _write_frames(fakes.cuda, gpu, frames)
+        stream = fakes.cuda.streams[0]
+        assert fakes.cuda.cudaGraphLaunch(gpu.graph_execs[n - 1], stream)[0] == 0
+        assert fakes.cuda.cudaStreamSynchronize(stream)[0] == 0
+        got = _chw16_heads(fakes.cuda, gpu, gpu.head_ptrs, n)
+        host, _ = gpu.run(frames)
+        for frame_got, frame_host in zip(got, host, strict=True):
+            for g, h in zip(frame_got, frame_host, strict=True):
+                np.testing.assert_array_equal(g, pack_chw16(h.astype(np.float16)))
+    gpu.close()
+
+
+def test_run_device_queues_a_batch_and_its_head_copies(
+    io_engine: TensorRtGpu, fakes: Fakes, demo: Loadable
+) -> None:
+    cuda = fakes.cuda
+    frames = frames_for(demo, 2, seed=40)
+    _write_frames(cuda, io_engine, frames)
+    targets = [cuda.cudaMalloc(MAX_BATCH * n)[1] for n in io_engine.head_image_bytes]
+    after, done = cuda.cudaEventCreate()[1], cuda.cudaEventCreate()[1]
+    stream = cuda.streams[0]
+    io_engine.wait_input_free(stream)  # nothing has read the frames yet: no wait queued
+    assert not [c for c, _ in cuda.calls if c == "cudaStreamWaitEvent"]
+    batch = io_engine.run_device(2, after=after, done=done, heads_to=targets)
+    timing = batch.timing()
+    assert batch.size == timing.size == 2
+    assert timing.compute_us is not None
+    assert 0 < timing.compute_us < timing.actual_us
+    host, _ = io_engine.run(frames)
+    for frame_got, frame_host in zip(_chw16_heads(cuda, io_engine, targets, 2), host, strict=True):
+        for g, h in zip(frame_got, frame_host, strict=True):
+            np.testing.assert_array_equal(g, pack_chw16(h.astype(np.float16)))
+    io_engine.wait_input_free(stream)  # now the next writer waits for the graph's read
+    waits = [args for c, args in cuda.calls if c == "cudaStreamWaitEvent"]
+    assert [w[0] for w in waits] == [stream, stream]
+    assert waits[0][1] is after
+    with pytest.raises(ValueError, match=r"1\.\.3 frames"):
+        io_engine.run_device(0, after=None, done=done)
+    with pytest.raises(ValueError, match="heads_to needs"):
+        io_engine.run_device(1, after=None, done=done, heads_to=targets[:1])
+
+
+def test_without_layout_kernels_there_is_no_device_io(engine: TensorRtGpu) -> None:
+    assert not engine.device_io
+    for member in ("input_ptr", "head_ptrs", "graph_execs"):
+        with pytest.raises(RuntimeError, match="no device-side I/O"):
+            getattr(engine, member)
+
+
+def test_layout_kernels_of_another_device_are_refused(
+    fakes: Fakes, demo: Loadable, tmp_path: Path
+) -> None:
+    path = write_engine(tmp_path / "e.engine", describe(demo))
+    with pytest.raises(ValueError, match="on CUDA device 1, the engine on 0"):
+        TensorRtGpu(demo, path, layouts=FakeLayouts(fakes.cuda, device_index=1))
+
+
+@pytest.mark.parametrize("failing", ["layout", "execute", "cudaGraphInstantiate"])
+def test_a_failed_capture_ends_it_and_frees_everything(
+    monkeypatch: pytest.MonkeyPatch, fakes: Fakes, demo: Loadable, tmp_path: Path, failing: str
+) -> None:
+    layouts = FakeLayouts(fakes.cuda)
+    path = write_engine(tmp_path / "e.engine", describe(demo))
+    if failing == "layout":
+        layouts.fail = CudaDriverError("cuLaunchKernel(layout_hwc4_nchw)", 719, "LAUNCH_FAILED")
+        match = r"cuLaunchKernel\(layout_hwc4_nchw\) failed \(719\): capturing a batch of 1"
+    elif failing == "execute":  # warm-up's eager runs pass; the first captured enqueue fails
+        eager = FakeContext.execute_async_v3
+
+        def fails_in_capture(self: FakeContext, handle: object) -> bool:
+            stream = fakes.cuda.live_stream(handle)
+            return (stream is None or stream.capture is None) and eager(self, handle)
+
+        monkeypatch.setattr(FakeContext, "execute_async_v3", fails_in_capture)
+        match = r"execute_async_v3 failed"
+    else:
+        fakes.cuda.fail["cudaGraphInstantiate"] = CudaError.cudaErrorInvalidValue
+        match = r"cudaGraphInstantiate failed \(1\)"
+    with pytest.raises(TensorRtGpuError, match=match):
+        TensorRtGpu(demo, path, max_batch=2, replays=1, layouts=layouts)
+    assert all(s.capture is None for s in fakes.cuda.streams)
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
+
+
+def test_close_destroys_the_graphs(io_engine: TensorRtGpu, fakes: Fakes) -> None:
+    assert fakes.cuda.live()["graph"] == 2 * MAX_BATCH  # each size: its graph and executable
+    io_engine.close()
+    assert fakes.cuda.live() == {"device": 0, "host": 0, "stream": 0, "event": 0, "graph": 0}
+    assert not io_engine.device_io
+    with pytest.raises(RuntimeError, match="closed"):
+        io_engine.graph_execs  # noqa: B018
