@@ -33,6 +33,7 @@ engine then reads and writes the real device buffers the product allocated.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import itertools
 import json
@@ -683,7 +684,6 @@ class FakeContext:
         self.address_sets: dict[str, int] = {}
         self.input_shapes: dict[str, tuple[int, ...]] = {}
         self.executions: list[int] = []  # batch sizes, in enqueue order
-        self._keep: list[npt.NDArray[Any]] = []
 
     def set_input_shape(self, name: str, shape: Sequence[int]) -> bool:
         desc = self.engine.inputs.get(name)
@@ -768,23 +768,93 @@ class FakeContext:
         return True
 
     def _run_on_real_cuda(self, cudart: Any, handle: int, source: _In, outs: list[_Out]) -> bool:
-        """The same computation on a real CUDA runtime (the H200 test): the input comes to the
-        host in stream order, the heads go back on the stream. A round trip a real engine would
-        not make, but every buffer, copy and address the product set up is real."""
-        d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-        staging = np.empty(source.nbytes, np.uint8)
-        _real(cudart.cudaMemcpyAsync(staging.ctypes.data, source.ptr, source.nbytes, d2h, handle))
-        _real(cudart.cudaStreamSynchronize(handle))
-        x = staging.view(source.dtype).reshape(source.shape).astype(np.float32)
-        self._keep = []  # pageable sources must outlive their copies: until the next call
+        """The same computation on a real CUDA runtime (the GPU host's tests): one kernel per
+        head on the stream (:data:`_FAKE_HEAD_SOURCE`), so it runs in stream order and can be
+        captured into a graph as a real engine's kernels are."""
+        kernel = _fake_head_kernel(cudart)
+        b, _, xh, xw = source.shape
         for out in outs:
-            heads = fake_heads(x, out.shape[1:], out.desc["gain"], out.desc["offset"])
-            data = np.ascontiguousarray(heads.astype(out.dtype))
-            self._keep.append(data)
-            _real(cudart.cudaMemcpyAsync(out.ptr, data.ctypes.data, out.nbytes, h2d, handle))
+            _, c, h, w = out.shape
+            params = _FakeHeadParams(
+                source.ptr, out.ptr, b, xh, xw, c, h, w, int(source.dtype is np.float16),
+                int(out.dtype is np.float16), out.desc["gain"], out.desc["offset"],
+            )  # fmt: skip
+            argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+            drv = _cuda_driver()
+            total = b * c * h * w
+            _real(drv.cuLaunchKernel(kernel, -(-total // 256), 1, 1, 256, 1, 1, 0,
+                                     drv.CUstream(handle), ctypes.addressof(argv), 0))  # fmt: skip
         self.executions.append(source.shape[0])
         return True
+
+
+_FAKE_HEAD_SOURCE = r"""
+struct FakeHeadParams {
+    const void* x; void* out;
+    int b, xh, xw, c, h, w, in_half, out_half;
+    float gain, offset;
+};
+__device__ float load(const void* p, long long i, int half) {
+    if (!half) return reinterpret_cast<const float*>(p)[i];
+    unsigned short h = reinterpret_cast<const unsigned short*>(p)[i];
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+// fake_heads: channel c of a head is gain * avgpool(x[:, c % 3]) + offset * c.
+extern "C" __global__ void fake_head(const FakeHeadParams p) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)p.b * p.c * p.h * p.w) return;
+    int x = t % p.w, y = (t / p.w) % p.h, c = (t / ((long long)p.w * p.h)) % p.c;
+    int b = t / ((long long)p.w * p.h * p.c);
+    int sh = p.xh / p.h, sw = p.xw / p.w;
+    float sum = 0.0f;
+    for (int dy = 0; dy < sh; ++dy)
+        for (int dx = 0; dx < sw; ++dx)
+            sum += load(p.x, (((long long)b * 3 + c % 3) * p.xh + y * sh + dy) * p.xw + x * sw + dx,
+                        p.in_half);
+    float v = p.gain * (sum / (float)(sh * sw)) + p.offset * (float)c;
+    if (p.out_half) {
+        unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        reinterpret_cast<unsigned short*>(p.out)[t] = h;
+    } else {
+        reinterpret_cast<float*>(p.out)[t] = v;
+    }
+}
+"""
+
+
+class _FakeHeadParams(ctypes.Structure):
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("b", ctypes.c_int),
+        ("xh", ctypes.c_int), ("xw", ctypes.c_int), ("c", ctypes.c_int), ("h", ctypes.c_int),
+        ("w", ctypes.c_int), ("in_half", ctypes.c_int), ("out_half", ctypes.c_int),
+        ("gain", ctypes.c_float), ("offset", ctypes.c_float),
+    ]  # fmt: skip
+
+
+_KERNELS: dict[int, Any] = {}  # device -> the loaded fake_head function
+
+
+def _cuda_driver() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _fake_head_kernel(cudart: Any) -> Any:
+    """``fake_head`` compiled (NVRTC, through dlad's compiler and cache) and loaded into the
+    current device's primary context, once per device."""
+    from dlad.gpu.driver import compile_cubin
+
+    device = int(_real(cudart.cudaGetDevice()))
+    if device not in _KERNELS:
+        drv = _cuda_driver()
+        _real(cudart.cudaFree(0))  # the runtime's context is current on this thread
+        props = _real(cudart.cudaGetDeviceProperties(device))
+        cubin, _ = compile_cubin(_FAKE_HEAD_SOURCE, (int(props.major), int(props.minor)))
+        module = _real(drv.cuModuleLoadData(cubin))
+        _KERNELS[device] = _real(drv.cuModuleGetFunction(module, b"fake_head"))
+    return _KERNELS[device]
 
 
 @dataclass(frozen=True)

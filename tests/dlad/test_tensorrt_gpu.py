@@ -588,6 +588,44 @@ def test_on_a_real_cuda_runtime(
         gpu.run(frames)
 
 
+@pytest.mark.skipif(REAL_CUDART is None, reason="needs cuda-python and a CUDA GPU (the H200)")
+def test_device_io_on_a_real_cuda_runtime(
+    monkeypatch: pytest.MonkeyPatch, demo: Loadable, tmp_path: Path
+) -> None:
+    """The capture on a real GPU: the real layout kernels and the stand-in engine's kernel in
+    one graph per batch size; a launched graph (as the plane launches it) writes the CHW16 of
+    the heads the host path computes for the same frames, bit for bit."""
+    from cuda.bindings import driver
+
+    from dlad.gpu.driver import GpuContext
+    from dlad.gpu.layout import GpuLayouts
+
+    cudart = REAL_CUDART
+    monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT(cudart, VERSION))
+    ctx = GpuContext(0, cache_dir=tmp_path / "kernels")
+    gpu = TensorRtGpu(
+        demo, write_engine(tmp_path / "e.engine", describe(demo)), max_batch=MAX_BATCH,
+        replays=1, layouts=GpuLayouts(ctx),
+    )  # fmt: skip
+    h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+    d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+    for n in (MAX_BATCH, 2, 1):
+        frames = frames_for(demo, n, seed=50 + n)
+        staged = np.ascontiguousarray(np.stack(frames))
+        assert int(cudart.cudaMemcpy(gpu.input_ptr, staged.ctypes.data, staged.nbytes, h2d)[0]) == 0
+        graph = driver.CUgraphExec(gpu.graph_execs[n - 1])
+        assert int(driver.cuGraphLaunch(graph, driver.CUstream(0))[0]) == 0
+        assert int(cudart.cudaDeviceSynchronize()[0]) == 0
+        host, _ = gpu.run(frames)
+        for k, (ptr, nbytes) in enumerate(zip(gpu.head_ptrs, gpu.head_image_bytes, strict=True)):
+            got = np.empty(n * nbytes, np.uint8)
+            assert int(cudart.cudaMemcpy(got.ctypes.data, ptr, got.nbytes, d2h)[0]) == 0
+            want = np.stack([pack_chw16(heads[k].astype(np.float16)) for heads in host])
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16).ravel())
+    gpu.close()
+    ctx.close()
+
+
 def test_importing_the_engine_does_not_import_tensorrt_or_cuda() -> None:
     code = (
         "import sys, dlad.devices.tensorrt_gpu; "

@@ -13,6 +13,7 @@ classes, scores within 1e-5 relative and boxes within 1e-3 px.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from dlad.config import load_config  # noqa: E402
 from dlad.daemon import Daemon  # noqa: E402
 from dlad.devices.torch_gpu import TorchGpu, frame_shape  # noqa: E402
 from dlad.executors.base import Request  # noqa: E402
-from dlad.executors.gpu import CudaBatches, CudaBatchResult, GpuExecutor  # noqa: E402
+from dlad.executors.gpu import CudaBatches, CudaBatchResult, GpuEngine, GpuExecutor  # noqa: E402
 from dlad.gpu.prepost import HeadSpec  # noqa: E402
 from dlad.gpu.service import GpuService  # noqa: E402
 from dlad.imaging.decoders import decoder_for  # noqa: E402
@@ -112,7 +113,7 @@ def _requests(
 
 
 def _cpu_path(
-    engine: TorchGpu, demo: Loadable, requests: list[Request]
+    engine: GpuEngine, demo: Loadable, requests: list[Request]
 ) -> tuple[list[np.ndarray], list[list[np.ndarray]], list[np.ndarray]]:
     """The CPU path on the same engine: numpy pre → host ``run`` → numpy post. Returns the
     frames, the heads and the detections."""
@@ -270,6 +271,41 @@ def test_a_daemon_serves_the_torch_engine_with_gpu_pre_post(
     own settings, whatever batch it was in."""
     cfg = tmp_path / "torch.toml"
     cfg.write_text(CONFIG.format(program=program))
+    _assert_the_plane_serves_the_cpu_paths_detections(cfg, engine, demo)
+
+
+def test_a_daemon_serves_the_tensorrt_engine_with_gpu_pre_post(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo: Loadable, service: GpuService
+) -> None:
+    """The same for a TensorRT engine: its graphs hold the layout kernels around the engine
+    (dlad/gpu/layout.py). TensorRT is the stand-in (tests/dlad/fake_trt_runtime.py) over the
+    real CUDA runtime, its engine a kernel on the stream; everything else is the product's."""
+    del service  # the primary context first, as in the daemon
+    from cuda.bindings import runtime
+
+    from dlad.devices.tensorrt_gpu import TensorRtGpu
+    from tests.dlad.fake_trt_runtime import FakeTensorRT, serialise
+    from tests.dlad.test_tensorrt_gpu import VERSION, describe
+
+    monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT(runtime, VERSION))
+    path = tmp_path / "demo.gpu.engine"
+    path.write_bytes(serialise(describe(demo, profile_max=4)))
+    cfg = tmp_path / "tensorrt.toml"
+    cfg.write_text(CONFIG.replace('engine = "torch"', 'engine = "tensorrt"')
+                   .replace('torch = "{program}"', f'tensorrt = "{path}"'))  # fmt: skip
+    host = TensorRtGpu(demo, path, max_batch=4, replays=1)  # the CPU path's engine
+    try:
+        _assert_the_plane_serves_the_cpu_paths_detections(cfg, host, demo)
+    finally:
+        host.close()
+
+
+def _assert_the_plane_serves_the_cpu_paths_detections(
+    cfg: Path, engine: GpuEngine, demo: Loadable
+) -> None:
+    """A daemon on ``cfg`` serves 18 frames from three clients at once, with mixed settings,
+    through the plane's own GPU engine (the executor's CUDA path handed over); each reply is the
+    CPU path's detections on ``engine``."""
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     replies: dict[int, tuple[str | None, np.ndarray]] = {}
     errors: list[BaseException] = []
