@@ -13,7 +13,12 @@ import numpy as np
 
 from dlad.loadable import Loadable
 
-__all__ = ["check_batch", "frame_shape"]
+__all__ = [
+    "DeviceIoSizes",
+    "check_batch",
+    "chw16_image_bytes",
+    "frame_shape",
+]
 
 
 def frame_shape(loadable: Loadable) -> tuple[int, int, int]:
@@ -21,6 +26,31 @@ def frame_shape(loadable: Loadable) -> tuple[int, int, int]:
     ``quantize_hwc4`` writes it for ``loadable``'s input."""
     _, h, w, c = loadable.inputs[0].buffer_shape
     return (h, w, c)
+
+
+def chw16_image_bytes(c: int, h: int, w: int) -> int:
+    """Bytes of one image of a ``c x h x w`` head in fp16 ``CHW16`` (``HeadSpec.nbytes``)."""
+    return -(-c // 16) * h * w * 16 * 2
+
+
+class DeviceIoSizes:
+    """The sizes of an engine's device-side I/O (``DeviceIoEngine``), from its ``loadable``:
+    the torch and TensorRT engines both keep int8 ``DLA_HWC4`` frames and fp16 ``CHW16`` heads
+    on the device."""
+
+    loadable: Loadable
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes of one ``DLA_HWC4`` int8 input frame (frame ``b`` at ``input_ptr + b *
+        frame_bytes``)."""
+        h, w, c = frame_shape(self.loadable)
+        return h * w * c
+
+    @property
+    def head_image_bytes(self) -> tuple[int, ...]:
+        """Bytes of one image of each ``CHW16`` head, in output order (``HeadSpec.nbytes``)."""
+        return tuple(chw16_image_bytes(d.c, d.h, d.w) for d in self.loadable.outputs)
 
 
 def check_batch(frames: Sequence[object], max_batch: int, shape: tuple[int, ...]) -> None:

@@ -82,8 +82,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dlad.devices.emulated_gpu import GpuBatchTiming
-from dlad.devices.gpu_frames import check_batch, frame_shape
-from dlad.devices.torch_gpu import chw16_image_bytes
+from dlad.devices.gpu_frames import DeviceIoSizes, check_batch, frame_shape
 from dlad.gpu.driver import CudaError
 from dlad.gpu.layout import LayoutKernels, hwc4_to_nchw
 from dlad.loadable import Loadable
@@ -281,7 +280,7 @@ class _Buffers:
     heads: tuple[_Head, ...]
 
 
-class TensorRtGpu:
+class TensorRtGpu(DeviceIoSizes):
     """One TensorRT GPU engine for one model (see the module docstring).
 
     Args:
@@ -712,18 +711,6 @@ class TensorRtGpu:
         members below then work (the torch engine's contract, ``dlad/executors/gpu.py``'s
         ``DeviceIoEngine``)."""
         return self._io is not None and not self._closed
-
-    @property
-    def frame_bytes(self) -> int:
-        """Bytes of one ``DLA_HWC4`` int8 input frame (frame ``b`` at ``input_ptr + b *
-        frame_bytes``)."""
-        h, w, c = self._frame_shape
-        return h * w * c
-
-    @property
-    def head_image_bytes(self) -> tuple[int, ...]:
-        """Bytes of one image of each ``CHW16`` head, in output order."""
-        return tuple(chw16_image_bytes(d.c, d.h, d.w) for d in self.loadable.outputs)
 
     @property
     def input_ptr(self) -> int:

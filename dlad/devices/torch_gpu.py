@@ -89,7 +89,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dlad.devices.emulated_gpu import GpuBatchTiming
-from dlad.devices.gpu_frames import check_batch, frame_shape
+from dlad.devices.gpu_frames import DeviceIoSizes, check_batch, frame_shape
 from dlad.gpu.driver import CudaError
 from dlad.loadable import Loadable
 
@@ -192,11 +192,6 @@ def _positive_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
-def chw16_image_bytes(c: int, h: int, w: int) -> int:
-    """Bytes of one image of a ``c x h x w`` head in fp16 ``CHW16`` (``HeadSpec.nbytes``)."""
-    return -(-c // 16) * h * w * 16 * 2
-
-
 def _drv_check(result: Any, call: str) -> None:
     """Raise CudaError unless a cuda.bindings call returned success."""
     err = result[0] if isinstance(result, tuple) else result
@@ -291,7 +286,7 @@ class TorchDeviceBatch:
         )
 
 
-class TorchGpu:
+class TorchGpu(DeviceIoSizes):
     """One torch GPU engine for one model (see the module docstring).
 
     Args:
@@ -560,18 +555,6 @@ class TorchGpu:
         """Whether batches can stay on the device (CUDA, cuda-python installed, not closed):
         the members below then work."""
         return self._cuda is not None and self._cuda.drv is not None and self._module is not None
-
-    @property
-    def frame_bytes(self) -> int:
-        """Bytes of one ``DLA_HWC4`` int8 input frame (frame ``b`` at ``input_ptr + b *
-        frame_bytes``)."""
-        h, w, c = self._frame_shape
-        return h * w * c
-
-    @property
-    def head_image_bytes(self) -> tuple[int, ...]:
-        """Bytes of one image of each ``CHW16`` head, in output order (``HeadSpec.nbytes``)."""
-        return tuple(chw16_image_bytes(c, h, w) for c, h, w in self._heads_shape)
 
     @property
     def input_ptr(self) -> int:

@@ -18,10 +18,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch GPU engine needs torch (the [prep] extra)")
 pytest.importorskip("onnx", reason="exporting the program needs onnx")
 
+from dlad.devices.gpu_frames import chw16_image_bytes  # noqa: E402
 from dlad.devices.torch_gpu import (  # noqa: E402
     TorchGpu,
     TorchGpuError,
-    chw16_image_bytes,
     frame_shape,
     write_chw16,
 )
