@@ -192,7 +192,9 @@ class SharedFrames:
                 )
         path = os.path.join(self._root, ref.name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO (or a device) a client put there must not block the
+            # event loop; its type is refused below, before anything reads it.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             why = "no such segment" if exc.errno == errno.ENOENT else exc.strerror
             raise BadRequest(f"shm: cannot open segment {ref.name!r}: {why}") from None

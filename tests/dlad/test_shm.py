@@ -3,6 +3,7 @@ daemon's segment table, and every refusal a bad notification gets."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -272,3 +273,26 @@ def test_an_async_client_makes_its_segment_on_entry_and_unlinks_it_on_exit(
     assert not os.path.exists(os.path.join(SHM_DIR, name))
     with pytest.raises(ValueError, match="shm_slots must be"):
         AsyncClient("ipc:///tmp/x.sock", shm_slot_bytes=SLOT, shm_slots=0)
+
+
+def test_a_fifo_named_as_a_segment_is_refused_without_blocking_the_daemon(tmp_path: Path) -> None:
+    """A client that puts a FIFO where a segment should be gets BAD_REQUEST, and the daemon
+    goes on serving: the open must not wait for a writer (it did, with the event loop in it)."""
+    name = f"dlad-test-fifo-{os.getpid()}"
+    path = os.path.join(SHM_DIR, name)
+    os.mkfifo(path)
+    try:
+        with running(tmp_path) as (daemon, ep), dealer(ep) as sock:
+            try:
+                sock.send_multipart([_infer_header(7, {"name": name, "offset": 0, "size": SLOT})])
+                reply = recv(sock)
+            finally:  # were the daemon stuck in open(), a writer would free it: the test ends
+                with contextlib.suppress(OSError):
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            assert (reply.id, reply.status) == (7, Status.BAD_REQUEST)
+            assert "not a shared-memory segment" in reply.message
+            sock.send_multipart(protocol.encode(protocol.StatusRequest(8)))
+            assert recv(sock).id == 8
+            assert daemon.frontend.pending == 0
+    finally:
+        os.unlink(path)
