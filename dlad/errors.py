@@ -65,16 +65,20 @@ class DladError(Exception):
     """Base of every error dlad answers or the SDK raises; never raised itself.
 
     ``message`` is the human-readable text sent in the reply's ``message`` field. ``request_id``
-    is the id of the request the error answers, where known (``None`` otherwise).
+    is the id of the request the error answers, where known (``None`` otherwise), and
+    ``request_kind`` its raw ``kind``, where known: with both, the answer is that kind's reply.
     """
 
     status: ClassVar[Status] = Status.INTERNAL
     retryable: ClassVar[bool] = False
 
-    def __init__(self, message: str = "", *, request_id: int | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, request_id: int | None = None, request_kind: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.request_id = request_id
+        self.request_kind = request_kind
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, request_id={self.request_id!r})"
@@ -102,9 +106,8 @@ class ProtocolError(BadRequest):
         request_id: int | None = None,
         request_kind: int | None = None,
     ) -> None:
-        super().__init__(message, request_id=request_id)
+        super().__init__(message, request_id=request_id, request_kind=request_kind)
         self.field = field
-        self.request_kind = request_kind
 
 
 class NotFound(DladError):

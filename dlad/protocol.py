@@ -912,11 +912,12 @@ def error_reply(
     """The reply answering a request that failed with ``error``.
 
     ``request_id``/``request_kind`` default to what ``error`` carries (a ProtocolError carries
-    what the decoder could read). A known request kind and id give that kind's reply; anything
-    else an :class:`ErrorReply`. The message is cut to :data:`MAX_MESSAGE_CHARS`.
+    what the decoder could read, a shared-memory refusal its request's). A known request kind
+    and id give that kind's reply; anything else an :class:`ErrorReply`. The message is cut to
+    :data:`MAX_MESSAGE_CHARS`.
     """
     rid = request_id if request_id is not None else error.request_id
-    if request_kind is None and isinstance(error, ProtocolError):
+    if request_kind is None:
         request_kind = error.request_kind
     text = error.message[:MAX_MESSAGE_CHARS]
     if rid is not None and request_kind is not None and request_kind in _REPLY_CLASSES:
@@ -1235,7 +1236,7 @@ def decode_request(
     its ``shm`` field to (None: such frames are refused). Raises ProtocolError for anything that
     is not a valid v1 request: its ``field`` names the problem, and
     ``request_id``/``request_kind`` hold what the header yielded, if anything; a DladError of
-    ``shm``'s propagates, with the request's id attached.
+    ``shm``'s propagates, with the request's id and kind attached.
     """
     from dlad import _native  # noqa: PLC0415  # the daemon's side only: the SDK never decodes one
 
@@ -1262,9 +1263,9 @@ def decode_request(
             assert shm is not None  # the decoder refuses a shared-memory frame without one
             try:
                 payload = shm(ref, height * width * channels)
-            except DladError as exc:
+            except DladError as exc:  # answered in the request's own kind of reply
                 if exc.request_id is None:
-                    exc.request_id = rid
+                    exc.request_id, exc.request_kind = rid, int(kind)
                 raise
         image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
         image.flags.writeable = False  # the daemon never writes into a client's frame

@@ -159,6 +159,7 @@ def test_a_bad_notification_is_a_bad_request_and_the_daemon_goes_on(
         sock.send_multipart([header] if frames == 1 else [header, IMAGE.tobytes()])
         reply = recv(sock)
         assert (reply.id, reply.status) == (41, Status.BAD_REQUEST)
+        assert isinstance(reply, protocol.InferReply)  # an INFER's refusal, whoever found it
         assert field in reply.message, reply.message
         # and a good notification on the same connection is served
         good = {"name": segment.name, "offset": 0, "size": 2 * SLOT}
@@ -290,6 +291,7 @@ def test_a_fifo_named_as_a_segment_is_refused_without_blocking_the_daemon(tmp_pa
                 with contextlib.suppress(OSError):
                     os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             assert (reply.id, reply.status) == (7, Status.BAD_REQUEST)
+            assert isinstance(reply, protocol.InferReply)
             assert "not a shared-memory segment" in reply.message
             sock.send_multipart(protocol.encode(protocol.StatusRequest(8)))
             assert recv(sock).id == 8
