@@ -450,7 +450,9 @@ class ShmConfig:
     that died or closed leaves nothing mapped)."""
 
     def __post_init__(self) -> None:
-        _check(self.max_segments >= 1, "max_segments", f"must be >= 1, got {self.max_segments}")
+        _check(1 <= self.max_segments <= 4096, "max_segments",
+               f"must be 1..4096 (the segments the SIGBUS guard watches), got "
+               f"{self.max_segments}")  # fmt: skip
         _check(self.max_bytes >= 1 << 20, "max_bytes", f"must be >= 1 MiB, got {self.max_bytes}")
         _positive(self.idle_s, "idle_s")
 

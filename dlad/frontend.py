@@ -513,10 +513,12 @@ class Frontend:
         # The plane takes this segment's frames once it is mapped here and registered there;
         # the registration holds it mapped until the plane lets it go (reclaim_shm).
         key = (owner, ref.name)
-        if key in self._registered and self.shm.size_of(owner, ref.name) != ref.size:
+        truncated = self.shm.broken(owner, ref.name)  # the file shrank under the mapping
+        if key in self._registered and (truncated or self.shm.size_of(owner, ref.name) != ref.size):
             if not self.plane.drop_segment(owner, ref.name):
+                what = "was truncated" if truncated else "changed size"
                 raise BadRequest(
-                    f"shm: segment {ref.name!r} changed size while frames of it are in flight; "
+                    f"shm: segment {ref.name!r} {what} while frames of it are in flight; "
                     "a client must not resize a segment in use"
                 )
             self._registered.discard(key)

@@ -14,6 +14,10 @@ What keeps it safe and bounded:
 - segments are mapped per client identity (two clients naming the same segment get separate
   mappings, each checked), read-only, opened with ``O_NOFOLLOW`` from ``/dev/shm`` only; the
   name, offset and size are checked against the segment before any byte is read;
+- a client that shrinks a segment the daemon has mapped (``ftruncate``) cannot kill it: reading
+  a page the file no longer has raises SIGBUS, which the C++ guard (``dlad/native/shm_guard.hpp``)
+  absorbs, mapping zero pages over the segment; the frames of it in flight are refused
+  (BAD_REQUEST) and the segment is dropped;
 - at most ``[shm] max_segments`` segments and ``max_bytes`` bytes are mapped at once (more is
   OVERLOADED); a segment no frame in the daemon uses is unmapped after ``idle_s`` unused, so a
   client that dies (its segment unlinked by its resource tracker) or never reads its replies
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
+from dlad import _native
 from dlad.config import ShmConfig
 from dlad.errors import BadRequest, Overloaded
 from dlad.protocol import ShmRef
@@ -79,6 +84,8 @@ class SharedFrames:
         self._segments: dict[tuple[str, str], _Segment] = {}
         self._closing: list[mmap.mmap] = []  # unmapped, closed once no frame view remains
         self.stats = ShmStats()
+        if not _native.shm_guard_install():
+            raise OSError("cannot install the SIGBUS guard of shared-memory segments")
         # Told of each mapping's base address and size, and of its end (the GPU registers
         # segments so that its pre-processing reads frames without a CPU copy).
         self.on_map: Callable[[int, int], None] | None = None
@@ -101,6 +108,14 @@ class SharedFrames:
             )
         key = (owner, ref.name)
         seg = self._segments.get(key)
+        if seg is not None and self.broken(owner, ref.name):  # the client shrank it
+            if seg.users:
+                raise BadRequest(
+                    f"shm: segment {ref.name!r} was truncated while frames of it are in "
+                    "flight; a client must not resize a segment in use"
+                )
+            self._unmap(key)  # mapped again below: its size is checked
+            seg = None
         if seg is None or seg.size != ref.size:
             seg = self._map(key, ref)
         seg.last_used = self._clock()
@@ -124,6 +139,12 @@ class SharedFrames:
         """The size of ``owner``'s segment ``name`` as mapped, or None where it is not."""
         seg = self._segments.get((owner, name))
         return None if seg is None else seg.size
+
+    def broken(self, owner: str, name: str) -> bool:
+        """Whether ``owner``'s segment ``name`` is mapped and a read of it found the file
+        shrunk (the guard then reads zeros there)."""
+        seg = self._segments.get((owner, name))
+        return seg is not None and _native.shm_broken(_address(seg.map))
 
     def address_of(self, owner: str, name: str) -> int:
         """Where ``owner``'s segment ``name`` is mapped in this process (0: it is not)."""
@@ -209,6 +230,9 @@ class SharedFrames:
             m = mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
+        if not _native.shm_watch(_address(m), ref.size):
+            m.close()
+            raise Overloaded("shm: the guard watches as many segments as it can; try later")
         seg = _Segment(ref.name, ref.size, m)
         self._segments[key] = seg
         if self.on_map is not None:
@@ -229,10 +253,14 @@ class SharedFrames:
 
 
 def _closed(m: mmap.mmap) -> bool:
-    """Close ``m``; False while a view of it is still alive (try again later)."""
+    """Close ``m`` (its guard first: its range may be reused); False while a view of it is
+    still alive (try again later; it stays guarded)."""
+    address, size = _address(m), len(m)
+    _native.shm_forget(address)
     try:
         m.close()
     except BufferError:
+        _native.shm_watch(address, size)
         return False
     return True
 

@@ -8,6 +8,7 @@
 #include "plane.hpp"
 #include "python_engine.hpp"
 #include "scheduler.hpp"
+#include "shm_guard.hpp"
 #include "wire.hpp"
 
 namespace py = pybind11;
@@ -334,6 +335,15 @@ PYBIND11_MODULE(_native, m) {
           py::arg("code_point"), "Whether a name may hold this character.");
     m.def("write_infer_reply", &write_infer_reply, py::arg("id"), py::arg("status"),
           py::arg("message"), py::arg("device"), py::arg("timing"), py::arg("count"));
+    m.def("shm_guard_install", &dlad::shm_guard::install,
+          "Install the SIGBUS guard of mapped client segments (shm_guard.hpp); idempotent.");
+    m.def("shm_watch", [](uintptr_t base, size_t size) { return dlad::shm_guard::watch(base, size); },
+          py::arg("base"), py::arg("size"),
+          "Guard the mapping at base; False where the table is full.");
+    m.def("shm_forget", [](uintptr_t base) { dlad::shm_guard::forget(base); }, py::arg("base"));
+    m.def("shm_broken", [](uintptr_t base) { return dlad::shm_guard::broken(base); },
+          py::arg("base"), "Whether a SIGBUS hit the guarded mapping at base.");
+    m.def("shm_faults", &dlad::shm_guard::faults, "SIGBUS faults the guard absorbed.");
     m.def("cudla_status_name", &dlad::plane::cudla_status_name, py::arg("status"),
           "The C name of a cudlaStatus, as the plane's replies spell it.");
     py::register_exception_translator([](std::exception_ptr p) {

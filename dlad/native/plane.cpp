@@ -4,6 +4,7 @@
 #include "chain_engine.hpp"
 #include "clock.hpp"
 #include "gpu_batch_engine.hpp"
+#include "shm_guard.hpp"
 #include "timing_engine.hpp"
 
 #include <dlfcn.h>
@@ -673,8 +674,9 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
         // segment, checks it and the peer, or refuses naming why
         std::string seg = segment_key(job.owner, img.shm->name);
         const auto it = segments_.find(seg);
-        if (it == segments_.end() || it->second.size != img.shm->size) {
-            forward(parts);
+        if (it == segments_.end() || it->second.size != img.shm->size ||
+            shm_guard::broken(reinterpret_cast<uintptr_t>(it->second.host))) {
+            forward(parts);  // (a segment that shrank: the control plane refuses and drops it)
             return;
         }
         job.segment = std::move(seg);
@@ -838,13 +840,26 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
             timing.post_us = result->post_us.value_or(0);
         }
     }
+    std::string shrunk;  // a client shrank the frame's segment while the frame was read
+    if (status == OK && !job.segment.empty()) {
+        const auto seg = segments_.find(job.segment);
+        if (seg != segments_.end() &&
+            shm_guard::broken(reinterpret_cast<uintptr_t>(seg->second.host))) {
+            status = BAD_REQUEST;
+            shrunk = "shm: the segment was truncated below its " +
+                     std::to_string(seg->second.size) +
+                     " bytes while this frame was read; a client must not resize a segment "
+                     "in use";
+        }
+    }
+    const std::string& said = shrunk.empty() ? message : shrunk;
     observe(job, status, device, timing);
     const std::string_view rows = status == OK && result != nullptr
                                       ? std::string_view(result->detections)
                                       : std::string_view();
     const uint64_t count = rows.size() / (6 * sizeof(float));
     const std::string header =
-        wire::write_infer_reply(job.request_id, status, message, device, timing, count);
+        wire::write_infer_reply(job.request_id, status, said, device, timing, count);
     // The job's place is freed before its reply leaves: whoever has the reply sees it gone
     // (pending, the client's cap, the counters).
     const Job answered = std::move(job);

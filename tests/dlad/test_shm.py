@@ -4,6 +4,7 @@ daemon's segment table, and every refusal a bad notification gets."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -298,3 +299,71 @@ def test_a_fifo_named_as_a_segment_is_refused_without_blocking_the_daemon(tmp_pa
             assert daemon.frontend.pending == 0
     finally:
         os.unlink(path)
+
+
+TRUNCATING_CLIENT = textwrap.dedent(
+    """
+    import json, os, sys
+    from multiprocessing import shared_memory
+    import msgpack, numpy as np, zmq
+    endpoint, name, slot = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    image = np.load(sys.argv[4])
+    seg = shared_memory.SharedMemory(name=name, create=True, size=slot)
+    np.frombuffer(seg.buf, np.uint8)[: image.nbytes] = image.reshape(-1)
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    h, w, _ = image.shape
+    def infer(rid):
+        header = {"v": 1, "kind": 1, "id": rid, "model": "demo",
+                  "shm": {"name": name, "offset": 0, "size": slot},
+                  "image": {"height": h, "width": w, "format": "RGB", "dtype": "uint8"}}
+        sock.send_multipart([msgpack.packb(header)])
+    def replies(n):
+        out = []
+        for _ in range(n):
+            assert sock.poll(30_000), "no reply"
+            reply = msgpack.unpackb(sock.recv_multipart()[0])
+            out.append((reply["id"], reply["status"], reply["message"]))
+        return json.dumps(sorted(out))
+    infer(1)
+    print(replies(1), flush=True)
+    os.ftruncate(seg._fd, 0)  # the attack: the segment shrinks under the daemon's mapping
+    for rid in range(2, 10):
+        infer(rid)
+    print(replies(8), flush=True)
+    infer(10)  # the segment, named again
+    print(replies(1), flush=True)
+    seg.close()
+    seg.unlink()
+    """
+)
+
+
+def test_a_segment_truncated_under_the_daemon_is_refused_and_the_daemon_lives(
+    tmp_path: Path,
+) -> None:
+    """A client maps a segment, gets a frame of it served, shrinks the file to 0 bytes and
+    sends eight more frames of it: each is answered BAD_REQUEST naming the size (none is served
+    from pages the file no longer has), the daemon reads no page past the file's end (before,
+    SIGBUS killed it with every frame in it), and it goes on serving."""
+    image = tmp_path / "image.npy"
+    np.save(image, IMAGE)
+    name = f"dlad-test-trunc-{os.getpid()}"
+    with running(tmp_path) as (daemon, ep), dealer(ep) as sock:
+        out = subprocess.run(
+            [sys.executable, "-c", TRUNCATING_CLIENT, ep, name, str(SLOT), str(image)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        first, refused, again = (json.loads(line) for line in out.stdout.splitlines())
+        assert first == [[1, int(Status.OK), ""]]
+        assert [(rid, status) for rid, status, _ in refused] == [
+            (rid, int(Status.BAD_REQUEST)) for rid in range(2, 10)
+        ]
+        for _, _, message in refused:
+            assert "truncated" in message or "is 0 bytes" in message, message
+        assert again[0][:2] == [10, int(Status.BAD_REQUEST)]
+        assert "is 0 bytes, the request says" in again[0][2]
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(11)))
+        assert recv(sock).id == 11  # alive
+        assert daemon.frontend.pending == 0
