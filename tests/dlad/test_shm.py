@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from dlad import protocol
+from dlad import _native, protocol
 from dlad.config import ShmConfig, load_config
 from dlad.daemon import Daemon
 from dlad.errors import BadRequest, Overloaded, Status
@@ -367,3 +367,28 @@ def test_a_segment_truncated_under_the_daemon_is_refused_and_the_daemon_lives(
         sock.send_multipart(protocol.encode(protocol.StatusRequest(11)))
         assert recv(sock).id == 11  # alive
         assert daemon.frontend.pending == 0
+
+
+def test_the_guard_reads_zeros_where_a_mapped_segment_shrank() -> None:
+    seg = shared_memory.SharedMemory(create=True, size=1 << 20)
+    try:
+        assert seg.buf is not None
+        seg.buf[:8] = b"\x01" * 8
+        frames = SharedFrames(ShmConfig())
+        ref = protocol.ShmRef(seg.name, 0, 1 << 20)
+        faults = _native.shm_faults()
+        view = frames.resolve("c", ref, 1 << 20)
+        assert bytes(view[:8]) == b"\x01" * 8
+        assert not frames.broken("c", seg.name)
+        os.ftruncate(seg._fd, 0)  # type: ignore[attr-defined]  # the client's fd
+        assert not np.frombuffer(view, np.uint8).any()  # zeros, not SIGBUS
+        assert frames.broken("c", seg.name)
+        assert _native.shm_faults() == faults + 1  # one fault: the whole range was replaced
+        del view
+        with pytest.raises(BadRequest, match="is 0 bytes, the request says 1048576"):
+            frames.resolve("c", ref, 4096)  # dropped and opened again: refused with its size
+        assert frames.segments == 0
+        frames.close()
+    finally:
+        seg.close()
+        seg.unlink()
