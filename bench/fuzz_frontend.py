@@ -45,6 +45,7 @@ MAX_MESSAGE_BYTES = 2**20
 CONFIG = """
 [frontend]
 endpoints = ["{endpoint}"]
+cheap_requests_per_s = 1000000.0  # the decoder's refusals, not the junk rate limit, are tested
 max_message_bytes = {max_bytes}
 max_image_width = 640
 max_image_height = 480

@@ -214,8 +214,9 @@ class FrontendConfig:
     connection. Full queues are also shared: a client holding the most of them gives up its
     newest frame to a client holding fewer."""
     cheap_requests_per_s: float = 100.0
-    """STATUS and CANCEL requests per second per client (bursts of twice as many); more are
-    OVERLOADED at once, so that a flood of cheap messages cannot stall the daemon (> 0)."""
+    """STATUS, CANCEL and malformed requests per second per client (bursts of twice as many);
+    more are answered OVERLOADED by the native plane at once, so that a flood of cheap or junk
+    messages cannot stall the daemon (> 0)."""
     heartbeat_s: float = 5.0
     """ZeroMQ heartbeats to each client (ZMQ_HEARTBEAT_IVL); one silent for three of them is
     disconnected and its queues freed (> 0)."""

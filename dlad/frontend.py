@@ -650,6 +650,10 @@ class Frontend:
             self.metrics.reply_dropped(dropped)
             log.warning("reply_dropped", reason="a client's queue was full, or it had gone",
                         dropped=dropped, dropped_total=now["dropped"])  # fmt: skip
+        refused = now["refused_over_rate"] - seen.get("refused_over_rate", 0)
+        if refused:  # answered OVERLOADED by the plane, never reaching this loop
+            log.warning("bad_requests_over_rate", refused=refused,
+                        reason="malformed messages past a client's cheap-message rate")  # fmt: skip
         failed = now["gpu_errors"] - seen.get("gpu_errors", 0)
         if failed:  # each frame was answered DEVICE_FAILED with these words
             log.error("gpu_chain_failed", frames=failed, last=now["last_gpu_error"])

@@ -344,6 +344,17 @@ PYBIND11_MODULE(_native, m) {
     m.def("shm_broken", [](uintptr_t base) { return dlad::shm_guard::broken(base); },
           py::arg("base"), "Whether a SIGBUS hit the guarded mapping at base.");
     m.def("shm_faults", &dlad::shm_guard::faults, "SIGBUS faults the guard absorbed.");
+    m.def(
+        "write_refusal_reply",
+        [](std::optional<uint64_t> id, std::optional<int64_t> kind, int64_t status,
+           const std::string& message) {
+            bool payload_frame = false;
+            dlad::wire::Refusal r{"", message, id, kind};
+            std::string header = dlad::wire::write_refusal_reply(r, status, message, &payload_frame);
+            return py::make_tuple(py::bytes(header), payload_frame);
+        },
+        py::arg("id"), py::arg("kind"), py::arg("status"), py::arg("message"),
+        "The plane's reply to a refused request: (header, whether an empty payload follows).");
     m.def("cudla_status_name", &dlad::plane::cudla_status_name, py::arg("status"),
           "The C name of a cudlaStatus, as the plane's replies spell it.");
     py::register_exception_translator([](std::exception_ptr p) {
@@ -471,6 +482,7 @@ PYBIND11_MODULE(_native, m) {
             py::dict out;
             out["received"] = c.received;
             out["forwarded"] = c.forwarded;
+            out["refused_over_rate"] = c.refused_over_rate;
             out["replied"] = c.replied;
             out["dropped"] = c.dropped;
             out["forward_lost"] = c.forward_lost;

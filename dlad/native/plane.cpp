@@ -546,31 +546,76 @@ int Plane::read_messages() {
 }
 
 void Plane::handle(std::vector<Part>& parts) {
-    // [routing id, header, payload?]: an INFER is served here, a STATUS or CANCEL counted
-    // against its client's rate; anything else (a refusal included) is the control plane's,
-    // which decodes it again with the same decoder
-    if (parts.size() == 2 || parts.size() == 3) {
-        const uint64_t payload = parts.size() == 3 ? parts[2].size() : 0;
-        wire::Decoded d = wire::decode_request(parts[1].data(), parts[1].size(), &payload,
-                                               parts.size() - 2, config_.limits, config_.shm);
+    // [routing id, header, payload...]: an INFER is served here; a STATUS, a CANCEL and a
+    // message the decoder refuses are counted against their client's rate of cheap messages
+    // first (past it, answered OVERLOADED here: a flood never reaches the control plane, which
+    // serves everyone's slow messages); the rest is the control plane's, which decodes it
+    // again with the same decoder (and answers a refusal in its words, and logs it)
+    if (parts.size() >= 2) {
+        uint64_t payload = parts.size() == 3 ? parts[2].size() : 0;
+        std::vector<uint64_t> payloads;  // four parts or more: refused, but by the decoder
+        for (size_t i = 2; parts.size() > 3 && i < parts.size(); ++i) {
+            payloads.push_back(parts[i].size());
+        }
+        wire::Decoded d = wire::decode_request(
+            parts[1].data(), parts[1].size(), payloads.empty() ? &payload : payloads.data(),
+            parts.size() - 2, config_.limits, config_.shm);
         if (d.request) {
             if (d.request->kind == wire::kInfer) {
                 infer(parts, *d.request);
                 return;
             }
             const auto cheap = wire::as_cheap(*d.request);
-            if (cheap && cheap_refused(parts, *cheap)) return;
+            if (cheap && over_rate(parts)) {
+                const std::string words = rate_words("STATUS and CANCEL requests");
+                send_reply(client_of(parts), wire::write_cheap_reply(*cheap, OVERLOADED, words),
+                           nullptr, 0, OVERLOADED, /*payload_frame=*/false);
+                return;
+            }
+        } else if (over_rate(parts)) {
+            refuse_over_rate(parts, d.refusal);
+            return;
         }
+    } else if (over_rate(parts)) {  // a routing id and nothing else
+        refuse_over_rate(parts, {});
+        return;
     }
     forward(parts);
 }
 
-bool Plane::cheap_refused(std::vector<Part>& parts, const wire::Cheap& request) {
+void Plane::refuse_over_rate(std::vector<Part>& parts, const wire::Refusal& refusal) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.refused_over_rate;
+        if (observations_.size() < kMaxObservations) {  // a reply of no model, no device
+            observations_.push_back({"", "", OVERLOADED, 0, 0, 0});
+        } else {
+            ++counters_.observations_lost;
+        }
+    }
+    bool payload_frame = false;
+    const std::string words = rate_words("malformed, STATUS and CANCEL requests");
+    const std::string header =
+        wire::write_refusal_reply(refusal, OVERLOADED, words, &payload_frame);
+    send_reply(client_of(parts), header, nullptr, 0, OVERLOADED, payload_frame);
+}
+
+std::string Plane::rate_words(const char* what) const {
+    char words[128];
+    std::snprintf(words, sizeof words, "more than %g %s a second", config_.cheap_requests_per_s,
+                  what);
+    return words;
+}
+
+std::string Plane::client_of(std::vector<Part>& parts) {
+    return std::string(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
+}
+
+bool Plane::over_rate(std::vector<Part>& parts) {
     constexpr size_t kMaxClientsTracked = 10'000;  // more: every bucket is forgotten (refilled)
     const double rate = config_.cheap_requests_per_s;
     std::string owner = config_.curve ? property(parts, "User-Id") : "";
-    const std::string client(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
-    if (owner.empty()) owner = hex(client);
+    if (owner.empty()) owner = hex(client_of(parts));
     const int64_t now = now_ns();
     auto it = buckets_.find(owner);
     double tokens = 2 * rate;
@@ -584,10 +629,6 @@ bool Plane::cheap_refused(std::vector<Part>& parts, const wire::Cheap& request) 
         return false;
     }
     buckets_[owner] = {tokens, now};
-    char words[96];
-    std::snprintf(words, sizeof words, "more than %g STATUS and CANCEL requests a second", rate);
-    send_reply(client, wire::write_cheap_reply(request, OVERLOADED, words), nullptr, 0, OVERLOADED,
-               /*payload_frame=*/false);
     return true;
 }
 

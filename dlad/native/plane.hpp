@@ -181,6 +181,7 @@ struct Config {
 struct Counters {
     int64_t received = 0;   // messages read from the ROUTER
     int64_t forwarded = 0;  // of them, handed to the control plane
+    int64_t refused_over_rate = 0;  // malformed ones past their client's rate, refused here
     int64_t replied = 0;    // the plane's own INFER replies, sent or dropped
     int64_t dropped = 0;    // replies ZeroMQ could not queue (the plane's and the control plane's)
     int64_t forward_lost = 0;  // messages the forward socket could not queue (its peer stalled)
@@ -413,7 +414,13 @@ class Plane {
                     size_t payload_bytes, int64_t status, bool payload_frame = true);
     // A client's STATUS or CANCEL past its rate (Config::cheap_requests_per_s): answered
     // OVERLOADED here, so that no client's flood fills the control plane's queue
-    bool cheap_refused(std::vector<Part>& parts, const wire::Cheap& request);
+    // Whether a cheap message (STATUS, CANCEL, one the decoder refuses) of this client is past
+    // its rate ([frontend] cheap_requests_per_s, bursts of twice that): a token bucket per
+    // client identity.
+    bool over_rate(std::vector<Part>& parts);
+    void refuse_over_rate(std::vector<Part>& parts, const wire::Refusal& refusal);
+    std::string rate_words(const char* what) const;
+    static std::string client_of(std::vector<Part>& parts);
     long poll_timeout(int64_t now) const;
 
     ZmqApi api_;

@@ -978,6 +978,9 @@ class Writer {
         }
     }
     void nil() { byte(0xc0); }
+    void array(uint32_t n) {  // a msgpack array of n items (n < 16 here)
+        byte(static_cast<uint8_t>(0x90 | n));
+    }
     void opt_uint(const std::optional<uint64_t>& v) { v ? uint(*v) : nil(); }
     void field(std::string_view key, uint64_t v) {
         str(key);
@@ -1012,6 +1015,35 @@ std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_
     if (status_reply) {
         w.str("report");
         w.nil();
+    }
+    return w.take();
+}
+
+std::string write_refusal_reply(const Refusal& refusal, int64_t status, std::string_view message,
+                                bool* payload_frame) {
+    *payload_frame = false;
+    const int64_t kind = refusal.kind.value_or(0);
+    const bool known = refusal.id && (kind == kInfer || kind == kCancel || kind == kStatus ||
+                                      kind == kInferBatch);
+    if (known && kind == kInfer) {
+        *payload_frame = true;
+        return write_infer_reply(*refusal.id, status, message, std::nullopt, Timing{}, 0);
+    }
+    if (known && kind != kInferBatch) return write_cheap_reply({kind, *refusal.id}, status, message);
+    Writer w;
+    // protocol.encode's map: v kind id status message (and an INFER_BATCH_REPLY's results)
+    w.map(known ? 6 : 5);
+    w.field("v", kProtocolVersion);
+    w.field("kind", known ? static_cast<uint64_t>(kInferBatch | 0x80) : 0x80);
+    w.str("id");
+    w.opt_uint(refusal.id);
+    w.str("status");
+    w.sint(status);
+    w.str("message");
+    w.str(message);
+    if (known) {
+        w.str("results");
+        w.array(0);
     }
     return w.take();
 }

@@ -119,6 +119,13 @@ struct Cheap {
 std::optional<Cheap> as_cheap(const Request& request);
 std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_view message);
 
+// The reply to a request refused before it was decoded whole (protocol.error_reply's): the
+// kind's own reply where the refusal yielded the request's id and a known kind, else an
+// ERROR_REPLY (id nil where it yielded none). An INFER_REPLY is followed by an empty payload
+// frame (``payload_frame``). ``message`` is ASCII.
+std::string write_refusal_reply(const Refusal& refusal, int64_t status, std::string_view message,
+                                bool* payload_frame);
+
 // Python's repr() of a str (valid UTF-8), for words that name a value as the control plane does.
 std::string py_repr(std::string_view utf8);
 

@@ -17,6 +17,7 @@ from tests.dlad.serving import serve_in_thread
 CONFIG = """
 [frontend]
 endpoints = ["tcp://127.0.0.1:5555"]
+cheap_requests_per_s = 1000000.0  # every malformed message reaches the decoder's words
 max_message_bytes = 262144
 max_image_width = 256
 max_image_height = 256

@@ -465,6 +465,43 @@ def test_the_plane_and_the_python_engines_share_one_dram() -> None:
         dram.finish(gpu)
 
 
+def test_malformed_messages_past_a_clients_rate_are_answered_by_the_plane() -> None:
+    """A flood of junk cannot stall other clients: a message the decoder refuses costs its
+    client a token of the same bucket as STATUS and CANCEL, and past it the plane answers it
+    OVERLOADED itself, in the reply the refusal can address (the kind's own where the header
+    yielded an id and a known kind, else ERROR_REPLY), without the control plane."""
+    r = Rig([PlaneDevice("dla0", 500.0)], cheap_requests_per_s=0.5)
+    try:
+        image = {"height": 2, "width": 2, "format": "RGB", "dtype": "uint8"}
+        bad_infer = msgpack.packb({"v": 1, "kind": 1, "id": 8, "model": "demo", "image": image,
+                                   "max_det": -1})  # fmt: skip
+        bad_batch = msgpack.packb({"v": 1, "kind": 4, "id": 9, "model": "demo", "images": []})
+        r.client.send_multipart([b"\xc1"])  # the one token: forwarded, the control plane's
+        for frames in ([b"\xc1"], [bad_infer, bytes(12)], [bad_batch], [b""]):
+            r.client.send_multipart(frames)
+        r.client.send_multipart(protocol.encode(protocol.StatusRequest(10)))  # the same bucket
+        got = []
+        for _ in range(5):
+            assert r.client.poll(WAIT_MS)
+            frames = r.client.recv_multipart()
+            reply = protocol.decode_reply(frames)
+            got.append((type(reply).__name__, reply.id, reply.status, len(frames)))
+            assert reply.message.startswith("more than 0.5 "), reply.message
+        assert got == [
+            ("ErrorReply", None, Status.OVERLOADED, 1),
+            ("InferReply", 8, Status.OVERLOADED, 2),
+            ("InferBatchReply", 9, Status.OVERLOADED, 1),
+            ("ErrorReply", None, Status.OVERLOADED, 1),
+            ("StatusReply", 10, Status.OVERLOADED, 1),
+        ]
+        assert r.plane.forwarded.poll(WAIT_MS)
+        assert r.plane.forwarded.recv_multipart()[-1] == b"\xc1"
+        assert not r.plane.forwarded.poll(100)  # nothing else reached the control plane
+        assert r.plane.counters()["refused_over_rate"] == 4
+    finally:
+        r.close()
+
+
 def test_a_client_past_its_status_rate_is_answered_by_the_plane() -> None:
     """STATUS and CANCEL past a client's rate (bursts of twice it) are answered OVERLOADED by
     the plane itself, in their own reply kinds, and never reach the control plane: a flood of

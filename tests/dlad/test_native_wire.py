@@ -487,6 +487,24 @@ def test_an_error_reply_is_packed_as_msgpack_python_packs_it(
     assert got == bytes(want[0])
 
 
+@given(st.none() | ids, st.none() | st.integers(-3, 300),
+       st.sampled_from([s for s in Status if s is not Status.OK]),
+       st.text(st.characters(max_codepoint=127), min_size=1, max_size=200))  # fmt: skip
+def test_the_planes_refusal_is_the_reply_python_would_send(
+    rid: int | None, kind: int | None, status: Status, message: str
+) -> None:
+    """The plane answers a refused request past its client's rate itself: the same frames as
+    protocol.error_reply's, for every id and kind a refusal can yield."""
+    from dlad import _native
+
+    error = DladError(message, request_id=rid, request_kind=kind)
+    error.status = status  # type: ignore[misc]  # a DladError of each status
+    want = protocol.encode(protocol.error_reply(error))
+    header, payload_frame = _native.write_refusal_reply(rid, kind, int(status), message)
+    assert header == bytes(want[0])
+    assert payload_frame == (len(want) == 2)
+
+
 @given(formats)
 def test_formats_have_their_channels(fmt: str) -> None:
     shape = (2, 3, protocol.CHANNELS[fmt])
