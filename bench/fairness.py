@@ -1,15 +1,16 @@
-"""A polite client beside a greedy one and beside a STATUS flood (docs/reliability.md
-"Fairness"), against the code before issue 13 and this code, in one run.
+"""A polite client beside a greedy one, a STATUS flood and a junk flood (docs/reliability.md
+"Fairness"), against a baseline's code and this code, in one run.
 
-    git worktree add /tmp/before <commit before issue 13>    # the baseline's code
-    python bench/fairness.py --before /tmp/before [--seconds 10]
+    git worktree add /tmp/before <the baseline's commit>    # the baseline's code
+    python bench/fairness.py --before /tmp/before [--seconds 10] [--cases "junk flood"]
 
 The daemon: two emulated DLA cores in timing mode (3.82 ms a frame), pre/post off. The polite
 client (the SDK, this process) sends one 64x64 INFER every 50 ms (20/s) with a 100 ms deadline.
 Beside it, from another process, either:
 
 - **greedy**: a raw DEALER keeping 200 INFERs in flight (a new one for each reply), or
-- **STATUS flood**: a raw DEALER sending STATUS requests as fast as it can (reading the replies).
+- **STATUS flood**: a raw DEALER sending STATUS requests as fast as it can (reading the replies);
+- **junk flood**: the same with 1-byte messages no decoder takes.
 
 Reported per case and code: the polite client's OK %, OVERLOADED %, other failures (timeouts
 included) and its p50/p99 latency.
@@ -68,14 +69,15 @@ def greedy(endpoint: str, seconds: float, window: int = 200) -> int:
     return sent
 
 
-def flood(endpoint: str, seconds: float) -> int:
+def flood(endpoint: str, seconds: float, message: list[bytes] | None = None) -> int:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.sndhwm = sock.rcvhwm = 100_000
     sock.connect(endpoint)
     sent = 0
-    message = protocol.encode(protocol.StatusRequest(1))
+    if message is None:
+        message = [bytes(f) for f in protocol.encode(protocol.StatusRequest(1))]
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for _ in range(100):
@@ -86,6 +88,13 @@ def flood(endpoint: str, seconds: float) -> int:
     sock.close(0)
     ctx.term()
     return sent
+
+
+def junk(endpoint: str, seconds: float) -> int:
+    return flood(endpoint, seconds, [b"\xc1"])
+
+
+AGGRESSORS = {"greedy": greedy, "STATUS flood": flood, "junk flood": junk}
 
 
 def polite(endpoint: str, seconds: float) -> tuple[Counter[str], list[float]]:
@@ -116,13 +125,16 @@ def main() -> int:
     p.add_argument("--before", type=Path, required=True, help="a checkout of the baseline")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "fairness")
+    p.add_argument("--cases", default=",".join(AGGRESSORS),
+                   help=f"comma-separated, of {', '.join(AGGRESSORS)}")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print("| beside | code | polite OK % | OVERLOADED % | other % | p50 ms | p99 ms | "
           "aggressor sent |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     spawn = multiprocessing.get_context("spawn")
-    for case, aggressor in (("greedy", greedy), ("STATUS flood", flood)):
+    for case in args.cases.split(","):
+        aggressor = AGGRESSORS[case]
         for code, tree in (("before", args.before), ("now", None)):
             log = args.out / f"{case.replace(' ', '_')}_{code}.log"
             with running_daemon(CONFIG, log, tree=tree) as (_, endpoint), spawn.Pool(1) as pool:
