@@ -21,8 +21,12 @@ are listed in ``docs/metrics.md``.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import io
 import itertools
 import json
+import selectors
+import socket
 import threading
 import time
 from collections import deque
@@ -446,26 +450,104 @@ class _Refresh(Collector):
 HTTP_WORKERS: Final = 4
 """Threads answering HTTP; a fixed pool, whatever the number of connections."""
 HTTP_PENDING: Final = 32
-"""Connections accepted and not yet answered, at most; one more is closed at once."""
+"""Whole requests waiting for a worker, at most; one more is closed at once."""
+HTTP_READING: Final = 256
+"""Connections still sending their request's head, at most; at the cap the one that has been at
+it longest is closed, so that a new connection (a probe) always gets its turn."""
+HTTP_MAX_HEAD: Final = 8192
+"""The largest request head read; a longer one is closed unanswered."""
 
 
 class _Server(WSGIServer):
-    """A WSGI server on a fixed pool of :data:`HTTP_WORKERS` threads, with at most
-    :data:`HTTP_PENDING` connections waiting (a flood of connections costs no threads)."""
+    """A WSGI server that reads every request's head on one thread, with a deadline for the whole
+    head (``request_timeout_s``), and answers the whole requests on a fixed pool of
+    :data:`HTTP_WORKERS` threads. A flood of connections, or of half-written requests held open,
+    costs no threads and never holds a worker: a probe's request, which arrives whole, is read
+    and answered beside them."""
 
     allow_reuse_address = True
+    request_queue_size = 128  # listen(2)'s backlog: a burst of connections waits, not retries
+    request_timeout_s = 2.0  # set per server (MetricsServer.start)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Before binding: a bind that fails calls server_close, which shuts the pool down.
         self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="dlad-metrics")
         self._pending = threading.BoundedSemaphore(HTTP_PENDING)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._reading: dict[socket.socket, tuple[float, bytearray, Any]] = {}  # deadline, head
+        self._incoming: deque[tuple[socket.socket, Any]] = deque()
+        self._heads: dict[socket.socket, bytes] = {}
+        self._heads_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read_heads, name="dlad-metrics-read",
+                                        daemon=True)  # fmt: skip
         super().__init__(*args, **kwargs)
+        self._reader.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._pending.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: this one is closed unanswered
+        """Hand an accepted connection to the head reader (the accept thread never reads)."""
+        self._incoming.append((request, client_address))
+        self._wake_w.send(b"\0")
+
+    def _read_heads(self) -> None:
+        while not self._closing.is_set():
+            now = time.monotonic()
+            waits = [d for d, _, _ in self._reading.values()]
+            timeout = max(min(waits) - now, 0.0) if waits else None
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj is self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_r.recv(4096)
+                else:
+                    self._read_one(cast("socket.socket", key.fileobj))
+            while self._incoming:
+                self._start_reading(*self._incoming.popleft())
+            now = time.monotonic()
+            for sock in [k for k, (d, _, _) in self._reading.items() if d <= now]:
+                self._drop(sock)  # its head took longer than request_timeout_s
+
+    def _start_reading(self, sock: socket.socket, address: Any) -> None:
+        if len(self._reading) >= HTTP_READING:  # the longest at it goes, the newest gets a turn
+            self._drop(min(self._reading, key=lambda k: self._reading[k][0]))
+        sock.setblocking(False)
+        self._reading[sock] = (time.monotonic() + self.request_timeout_s, bytearray(), address)
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read_one(self, sock: socket.socket) -> None:
+        _, head, address = self._reading[sock]
+        try:
+            chunk = sock.recv(HTTP_MAX_HEAD)
+        except BlockingIOError:
             return
-        self._pool.submit(self._answer, request, client_address)
+        except OSError:
+            chunk = b""
+        head += chunk
+        if not chunk or len(head) > HTTP_MAX_HEAD:
+            self._drop(sock)  # gone, or a head no probe sends
+        elif b"\r\n\r\n" in head:
+            self._selector.unregister(sock)
+            del self._reading[sock]
+            if not self._pending.acquire(blocking=False):
+                self.shutdown_request(sock)  # too many whole requests at once: closed unanswered
+                return
+            sock.setblocking(True)
+            sock.settimeout(self.request_timeout_s)
+            with self._heads_lock:
+                self._heads[sock] = bytes(head)
+            self._pool.submit(self._answer, sock, address)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._selector.unregister(sock)
+        del self._reading[sock]
+        self.shutdown_request(sock)
+
+    def take_head(self, sock: socket.socket) -> bytes:
+        """The head read for ``sock`` (the handler reads the request from it)."""
+        with self._heads_lock:
+            return self._heads.pop(sock, b"")
 
     def _answer(self, request: Any, client_address: Any) -> None:
         try:
@@ -473,19 +555,59 @@ class _Server(WSGIServer):
         except OSError:  # the client's connection broke: its own business, not the log's
             return
         finally:
+            self.take_head(request)
             self.shutdown_request(request)
             self._pending.release()
 
     def server_close(self) -> None:
         super().server_close()
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        if self._reader.is_alive():
+            self._reader.join()
+        for sock in list(self._reading):
+            self._drop(sock)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = 2.0  # [metrics] request_timeout_s, set per server (MetricsServer.start)
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        # the head the server's reader took off the socket comes first (a GET has no body)
+        self.rfile = io.BufferedReader(_Prefixed(self.server.take_head(self.connection),
+                                                 self.rfile))  # fmt: skip
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would flood the daemon's log; they are not logged."""
+
+
+class _Prefixed(io.RawIOBase):
+    """``prefix``, then what ``rest`` reads."""
+
+    def __init__(self, prefix: bytes, rest: Any) -> None:
+        self._prefix = memoryview(prefix)
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._prefix:
+            n = min(len(view), len(self._prefix))
+            view[:n] = self._prefix[:n]
+            self._prefix = self._prefix[n:]
+            return n
+        data = self._rest.read1(len(view)) if hasattr(self._rest, "read1") else b""
+        view[: len(data)] = data
+        return len(data)
 
 
 class MetricsServer:
@@ -501,6 +623,7 @@ class MetricsServer:
     ) -> None:  # fmt: skip
         self._metrics = metrics
         self._handler = type("_Handler", (_QuietHandler,), {"timeout": request_timeout_s})
+        self._timeout = request_timeout_s
         self._host = host
         self._want_port = port
         self._prometheus = make_wsgi_app(metrics.registry)
@@ -520,10 +643,13 @@ class MetricsServer:
         return f"http://{self._host}:{self.port}"
 
     def start(self) -> None:
-        server = make_server(
-            self._host, self._want_port, self._app, server_class=_Server,
+        server_class = type("_TimedServer", (_Server,),
+                            {"request_timeout_s": self._timeout})  # fmt: skip
+        made: WSGIServer = make_server(
+            self._host, self._want_port, self._app, server_class=server_class,
             handler_class=self._handler,
         )  # fmt: skip
+        server = cast("_Server", made)
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="dlad-metrics",

@@ -469,3 +469,30 @@ def test_a_flood_of_half_open_connections_costs_no_threads_and_passes() -> None:
         for s in half_open:
             s.close()
         server.close()
+
+
+def test_the_probes_answer_while_hundreds_of_half_written_requests_are_held_open() -> None:
+    """A slowloris attack (the adversarial test's: 500 half-written HTTP requests held open)
+    timed out /metrics and the probes, and a kubelet would restart a healthy daemon. Heads are
+    now read on one thread with a deadline for the whole head, and at the cap the connection
+    longest at it goes: a probe's whole request is read and answered beside them."""
+    import socket
+
+    from dlad.metrics import HTTP_PENDING, HTTP_READING
+
+    m = Metrics("d", "0.1.0")
+    server = MetricsServer(m, port=0, request_timeout_s=60.0)  # the attackers are never timed out
+    server.start()
+    held = []
+    try:
+        for _ in range(HTTP_READING + 2 * HTTP_PENDING):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            held.append(s)
+        for path in ("/health/live", "/metrics", "/health/live"):
+            status, _ = get(server.url + path)
+            assert status in (200, 503), path  # answered, not timed out or cut
+    finally:
+        for s in held:
+            s.close()
+        server.close()
