@@ -122,7 +122,9 @@ def _cpu_path(
         canvas, geometry = letterbox(to_rgb(r.image, r.pixel_format), demo.image_size)  # type: ignore[arg-type]
         frames.append(quantize_hwc4(canvas, demo.input_scale))
         geometries.append(geometry)
-    heads, _ = engine.run(frames)
+    heads = []
+    for at in range(0, len(frames), engine.max_batch):  # in batches the engine takes
+        heads += engine.run(frames[at : at + engine.max_batch])[0]
     decoder = decoder_for(demo.decoder)
     dets = [
         decoder.postprocess(h, demo, g, conf=r.conf, iou=r.iou, max_det=r.max_det)
