@@ -412,11 +412,10 @@ class Plane {
     void send_outbox();
     void send_reply(const std::string& client, const std::string& header, const void* payload,
                     size_t payload_bytes, int64_t status, bool payload_frame = true);
-    // A client's STATUS or CANCEL past its rate (Config::cheap_requests_per_s): answered
-    // OVERLOADED here, so that no client's flood fills the control plane's queue
     // Whether a cheap message (STATUS, CANCEL, one the decoder refuses) of this client is past
     // its rate ([frontend] cheap_requests_per_s, bursts of twice that): a token bucket per
-    // client identity.
+    // client identity. Past it, the plane answers OVERLOADED itself, so that no client's
+    // flood fills the control plane's queue.
     bool over_rate(std::vector<Part>& parts);
     void refuse_over_rate(std::vector<Part>& parts, const wire::Refusal& refusal);
     std::string rate_words(const char* what) const;

@@ -48,8 +48,8 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
         void* got = mmap(reinterpret_cast<void*>(base), size, PROT_READ,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
         if (got == MAP_FAILED) break;
-        e.broken.store(true, std::memory_order_release);
-        absorbed.fetch_add(1, std::memory_order_relaxed);
+        e.broken.store(true, std::memory_order_relaxed);
+        absorbed.fetch_add(1, std::memory_order_release);  // publishes the flag with it
         return;
     }
     pass_on(sig, info, context);
