@@ -119,21 +119,22 @@ class ClientKeys:
 
 
 class Gate(AsyncioAuthenticator):
-    """The daemon's ZAP handler: every handshake (NULL or CURVE) asks it. It refuses one more
-    connection than ``max_connections`` (``active``, kept by the frontend from the socket's
-    monitor events, counts the one under handshake), then lets pyzmq's authenticator judge
-    CURVE keys against the allow-list."""
+    """The daemon's ZAP handler: every handshake (NULL or CURVE) asks it. It refuses a
+    connection when ``max_connections`` others are established (``established``, the frontend's
+    count: connections that have spoken or outlived the handshake deadline, so that connections
+    that never finish a handshake cannot take an authenticated client's place), then lets
+    pyzmq's authenticator judge CURVE keys against the allow-list."""
 
     def __init__(
         self, ctx: zmq.Context[Any], max_connections: int, on_refused: Callable[[], None]
     ) -> None:
         super().__init__(ctx)
         self.max_connections = max_connections
-        self.active = 0
+        self.established: Callable[[], int] = lambda: 0
         self._on_refused = on_refused
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
-        if len(msg) >= 6 and self.active > self.max_connections:
+        if len(msg) >= 6 and self.established() >= self.max_connections:
             self._on_refused()
             self._send_zap_reply(msg[1], b"400", b"too many connections")  # RFC 27's reply
             return

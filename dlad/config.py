@@ -205,9 +205,12 @@ class FrontendConfig:
     ``rcvhwm`` messages per connection of at most ``max_message_bytes`` (docs/protocol.md,
     Limits)."""
     max_connections: int = 1024
-    """The most client connections open at once (>= 1); one more is refused at its handshake
-    (no reply; ZeroMQ retries it). With ``rcvhwm`` and ``max_message_bytes`` it bounds what
-    libzmq buffers before the daemon reads: connections x messages x size."""
+    """The most client connections established at once (>= 1): connections that have sent a
+    message, or been open past ``handshake_timeout_s``; one more is refused at its handshake (no
+    reply; ZeroMQ retries it). Connections that never finish a handshake are not counted (they
+    cannot take a client's place) and are cut at ``handshake_timeout_s``. With ``rcvhwm`` and
+    ``max_message_bytes`` it bounds what libzmq buffers before the daemon reads: connections x
+    messages x size."""
     max_in_flight_per_client: int = 256
     """The most INFERs one client may have admitted and unanswered at once; more are
     OVERLOADED at once (>= 1). A client is its CURVE key when clients authenticate, else its

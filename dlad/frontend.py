@@ -170,6 +170,7 @@ class Frontend:
         self._monitor: zmq.asyncio.Socket | None = None
         self._refusal_logged = -1.0
         self.connections = 0  # open connections, as the socket's monitor counts them
+        self._accepted: dict[int, float] = {}  # their file descriptors -> when accepted
         self.client_keys: ClientKeys | None = None
         self.shm = SharedFrames(config.shm) if config.shm.enabled else None
         self.plane: NativePlane | None = None  # from start_plane() to close_plane()
@@ -384,17 +385,36 @@ class Frontend:
             self._inbox = None
 
     async def watch_connections(self) -> None:
-        """Count the socket's connections from its monitor events, for the connection cap and
-        the ``dlad_connections`` gauge, until cancelled."""
+        """Follow the socket's connections from its monitor events (the file descriptor each
+        is on, and when it was accepted), for the connection cap and the ``dlad_connections``
+        gauge, until cancelled."""
         monitor, gate = self._monitor, self._gate
         assert monitor is not None
         assert gate is not None
+        gate.established = self.established_connections
         while True:
             event = await recv_monitor_message(monitor)
-            opened = event["event"] == zmq.EVENT_ACCEPTED
-            self.connections = max(self.connections + (1 if opened else -1), 0)
-            gate.active = self.connections
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted[fd] = time.monotonic()
+                if self.plane is not None:
+                    self.plane.reset_spoke(fd)
+            else:
+                self._accepted.pop(fd, None)
+            self.connections = len(self._accepted)
             self.metrics.connections(self.connections)
+
+    def established_connections(self) -> int:
+        """The open connections the cap counts: those that have sent a message (the plane saw
+        one from their fd) or have been open past ``handshake_timeout_s`` (libzmq cuts one that
+        has not finished its handshake by then). A connection that never speaks and is cut at
+        its deadline is never counted, however many of them are opened."""
+        settled = time.monotonic() - self.config.frontend.handshake_timeout_s
+        plane = self.plane
+        return sum(
+            1 for fd, at in self._accepted.items()
+            if at <= settled or plane is None or plane.spoke(fd)
+        )  # fmt: skip
 
     def _connection_refused(self) -> None:
         self.metrics.connection_refused()

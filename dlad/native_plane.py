@@ -612,6 +612,14 @@ class NativePlane:
         "", status, queue_us, device_us, total_us)."""
         return self._plane.take_observations()
 
+    def spoke(self, fd: int) -> bool:
+        """Whether a message came from the connection on ``fd`` since :meth:`reset_spoke`."""
+        return self._plane.spoke(fd)
+
+    def reset_spoke(self, fd: int) -> None:
+        """A connection was accepted on ``fd``: it has not spoken yet."""
+        self._plane.reset_spoke(fd)
+
     @property
     def pending(self) -> int:
         """The plane's jobs admitted and not yet answered."""

@@ -475,6 +475,8 @@ PYBIND11_MODULE(_native, m) {
                  return out;
              })
         .def_property_readonly("pending", &dlad::plane::Plane::pending)
+        .def("spoke", &dlad::plane::Plane::spoke, py::arg("fd"))
+        .def("reset_spoke", &dlad::plane::Plane::reset_spoke, py::arg("fd"))
         .def_property_readonly("buffered_bytes", &dlad::plane::Plane::buffered_bytes)
         .def_property_readonly("draining", &dlad::plane::Plane::draining)
         .def("counters", [](const dlad::plane::Plane& p) {

@@ -28,6 +28,7 @@ namespace {
 
 constexpr int kDontWait = 1;  // ZMQ_DONTWAIT
 constexpr int kSndMore = 2;   // ZMQ_SNDMORE
+constexpr int kSrcFd = 2;     // ZMQ_SRCFD (zmq_msg_get): the fd a message was read from
 constexpr short kPollIn = 1;  // ZMQ_POLLIN
 constexpr short kPollOut = 2;  // ZMQ_POLLOUT
 constexpr int kBurst = 64;    // messages read in a row before engines and replies get a turn
@@ -120,6 +121,7 @@ ZmqApi ZmqApi::load(const std::string& path) {
     api.poll = symbol<decltype(api.poll)>(lib, "zmq_poll");
     api.errno_ = symbol<decltype(api.errno_)>(lib, "zmq_errno");
     api.msg_gets = symbol<decltype(api.msg_gets)>(lib, "zmq_msg_gets");
+    api.msg_get = symbol<decltype(api.msg_get)>(lib, "zmq_msg_get");
     dlclose(lib);  // the reference NOLOAD took: pyzmq's own keeps the library loaded
     return api;
 }
@@ -529,6 +531,10 @@ int Plane::read_messages() {
         parts.reserve(4);
         parts.emplace_back(&api_);
         if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) break;  // none waits
+        // the connection it came from has spoken (ZMQ_SRCFD: the file descriptor it was read
+        // from), so it counts toward the connection cap
+        const int fd = api_.msg_get(parts.back().get(), kSrcFd);
+        if (fd >= 0 && fd < kMaxFds) spoke_[fd].store(1, std::memory_order_relaxed);
         while (api_.msg_more(parts.back().get())) {
             parts.emplace_back(&api_);
             if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) {

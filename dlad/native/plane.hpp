@@ -73,6 +73,7 @@ struct ZmqApi {
     int (*poll)(ZmqPollItem*, int, long);
     int (*errno_)();
     const char* (*msg_gets)(const ZmqMsg*, const char*);
+    int (*msg_get)(const ZmqMsg*, int);
 
     // The API of the libzmq at ``path`` (already loaded: it is not loaded again). Throws
     // std::runtime_error naming what is missing.
@@ -308,6 +309,17 @@ class Plane {
     std::vector<HealthEvent> take_events();
     static constexpr size_t kMaxObservations = size_t{1} << 20;
     int64_t pending() const { return pending_.load(); }
+    // Whether a message has come from the connection on file descriptor ``fd`` since
+    // reset_spoke(fd) (the control plane resets it when the socket's monitor says a connection
+    // was accepted on that fd): the connection cap counts connections that have spoken, so
+    // that connections that never finish a handshake cannot take authenticated clients' places.
+    bool spoke(int fd) const {
+        return fd >= 0 && fd < kMaxFds && spoke_[fd].load(std::memory_order_relaxed) != 0;
+    }
+    void reset_spoke(int fd) {
+        if (fd >= 0 && fd < kMaxFds) spoke_[fd].store(0, std::memory_order_relaxed);
+    }
+    static constexpr int kMaxFds = 1 << 16;
     // The image bytes of the frames admitted and not yet answered (the byte budget's count).
     uint64_t buffered_bytes() const { return buffered_bytes_.load(); }
     bool draining() const {
@@ -489,6 +501,7 @@ class Plane {
     int64_t drain_until_ns_ = 0;
 
     std::atomic<int64_t> pending_{0};
+    std::unique_ptr<std::atomic<uint8_t>[]> spoke_{new std::atomic<uint8_t>[kMaxFds]()};
     std::atomic<uint64_t> buffered_bytes_{0};
     std::mutex join_mu_;
     std::mutex inline_mu_;  // calls and sends made on the caller's thread, one at a time

@@ -133,6 +133,36 @@ def test_the_daemon_holds_at_most_its_byte_budget_of_frames(tmp_path: Path) -> N
         assert daemon.frontend.buffered_bytes == budget
 
 
+def test_connections_that_never_speak_take_no_clients_place(tmp_path: Path) -> None:
+    """Raw TCP connections that never send a byte were counted toward the cap before any
+    handshake: 80 of them, re-opened as they were cut, locked every client out. The cap now
+    counts connections that have spoken (or outlived the handshake deadline): ten silent ones
+    beside two clients, and the clients are served; a third client is still refused."""
+    import socket
+
+    cfg = tmp_path / "dlad.toml"
+    text = SLOW_CORE.format(cap=256, cheap=100000.0)
+    cfg.write_text(text.replace(  # the silent ones stay for the test's length
+        "[metrics]", "max_connections = 2\nhandshake_timeout_s = 600.0\n[metrics]"))  # fmt: skip
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep:
+        host, port = ep.removeprefix("tcp://").rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port))) for _ in range(10)]
+        try:
+            wait_for(lambda: daemon.frontend.connections == 10)  # accepted, never speaking
+            with dealer(ep) as a, dealer(ep) as b:
+                for sock in (a, b):
+                    assert _status(sock, 1)["state"] == "RUNNING"
+                with dealer(ep) as c:  # the cap holds for clients that speak
+                    c.send_multipart(protocol.encode(protocol.StatusRequest(3)))
+                    refused = daemon.metrics.registry.get_sample_value
+                    wait_for(lambda: bool(refused("dlad_connections_refused_total")))
+                    assert c.poll(0) == 0
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_connections_past_the_cap_are_refused_at_the_handshake(tmp_path: Path) -> None:
     cfg = tmp_path / "dlad.toml"
     text = SLOW_CORE.format(cap=256, cheap=100000.0)
