@@ -398,9 +398,11 @@ class Frontend:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._accepted[fd] = time.monotonic()
                 if self.plane is not None:
-                    self.plane.reset_spoke(fd)
+                    self.plane.connection_opened(fd)
             else:
                 self._accepted.pop(fd, None)
+                if self.plane is not None:  # its replies and queued work go with it
+                    self.plane.connection_closed(fd)
             self.connections = len(self._accepted)
             self.metrics.connections(self.connections)
 
@@ -665,11 +667,14 @@ class Frontend:
                     queue_us=queue_us, device_us=device_us, total_us=total_us)  # fmt: skip
         now = self.plane.counters()
         seen, self._plane_seen = self._plane_seen, now
-        dropped = now["dropped"] - seen.get("dropped", 0)
+        # dropped: ZeroMQ could not queue them; orphaned: their connection had closed (a new
+        # one on the same routing id gets none of them)
+        total = now["dropped"] + now["orphaned"]
+        dropped = total - seen.get("dropped", 0) - seen.get("orphaned", 0)
         if dropped:
             self.metrics.reply_dropped(dropped)
             log.warning("reply_dropped", reason="a client's queue was full, or it had gone",
-                        dropped=dropped, dropped_total=now["dropped"])  # fmt: skip
+                        dropped=dropped, dropped_total=total)  # fmt: skip
         refused = now["refused_over_rate"] - seen.get("refused_over_rate", 0)
         if refused:  # answered OVERLOADED by the plane, never reaching this loop
             log.warning("bad_requests_over_rate", refused=refused,
@@ -697,7 +702,7 @@ class Frontend:
             received=mine.received + plane["received"] - plane["forwarded"],
             replied=mine.replied + plane["replied"],
             by_status=by_status,
-            dropped=mine.dropped + plane["dropped"],
+            dropped=mine.dropped + plane["dropped"] + plane["orphaned"],
         )
 
     async def drain(self, timeout_s: float) -> None:

@@ -616,9 +616,16 @@ class NativePlane:
         """Whether a message came from the connection on ``fd`` since :meth:`reset_spoke`."""
         return self._plane.spoke(fd)
 
-    def reset_spoke(self, fd: int) -> None:
-        """A connection was accepted on ``fd``: it has not spoken yet."""
-        self._plane.reset_spoke(fd)
+    def connection_opened(self, fd: int) -> None:
+        """A connection was accepted on ``fd`` (the socket's monitor): it has not spoken yet,
+        and nothing of an earlier connection on ``fd`` is its."""
+        self._plane.connection_opened(fd)
+
+    def connection_closed(self, fd: int) -> int:
+        """The connection on ``fd`` closed: its replies are dropped from now on and its queued
+        INFERs cancelled (counted: ``orphaned``, ``cancelled_on_close``); returns how many were
+        cancelled."""
+        return self._plane.connection_closed(fd)
 
     @property
     def pending(self) -> int:

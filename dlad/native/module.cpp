@@ -476,7 +476,9 @@ PYBIND11_MODULE(_native, m) {
              })
         .def_property_readonly("pending", &dlad::plane::Plane::pending)
         .def("spoke", &dlad::plane::Plane::spoke, py::arg("fd"))
-        .def("reset_spoke", &dlad::plane::Plane::reset_spoke, py::arg("fd"))
+        .def("connection_opened", &dlad::plane::Plane::connection_opened, py::arg("fd"))
+        .def("connection_closed", &dlad::plane::Plane::connection_closed, py::arg("fd"),
+             py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("buffered_bytes", &dlad::plane::Plane::buffered_bytes)
         .def_property_readonly("draining", &dlad::plane::Plane::draining)
         .def("counters", [](const dlad::plane::Plane& p) {
@@ -485,6 +487,8 @@ PYBIND11_MODULE(_native, m) {
             out["received"] = c.received;
             out["forwarded"] = c.forwarded;
             out["refused_over_rate"] = c.refused_over_rate;
+            out["orphaned"] = c.orphaned;
+            out["cancelled_on_close"] = c.cancelled_on_close;
             out["replied"] = c.replied;
             out["dropped"] = c.dropped;
             out["forward_lost"] = c.forward_lost;

@@ -309,6 +309,35 @@ void Plane::run_calls() {
     called_.notify_all();
 }
 
+void Plane::connection_opened(int fd) {
+    if (fd < 0 || fd >= kMaxFds) return;
+    generation_[fd].fetch_add(1, std::memory_order_acq_rel);
+    spoke_[fd].store(0, std::memory_order_relaxed);
+}
+
+int64_t Plane::connection_closed(int fd) {
+    if (fd < 0 || fd >= kMaxFds) return 0;
+    // From here the closed connection's replies are dropped (answer() compares generations),
+    // whichever thread answers them.
+    const uint32_t ended = generation_[fd].fetch_add(1, std::memory_order_acq_rel);
+    int64_t cancelled = 0;
+    call([&] {
+        std::vector<int64_t> found;
+        for (const auto& [id, job] : jobs_) {
+            if (job.fd == fd && job.generation == ended && !job.probe) found.push_back(id);
+        }
+        std::sort(found.begin(), found.end());
+        for (int64_t id : found) {
+            if (!scheduler_.cancel(id)) continue;  // running: its reply is dropped when done
+            answer(id, CANCELLED, "its connection closed");
+            ++cancelled;
+        }
+    });
+    std::lock_guard<std::mutex> lock(mu_);
+    counters_.cancelled_on_close += cancelled;
+    return cancelled;
+}
+
 CancelResult Plane::cancel(const std::string& client, uint64_t request_id) {
     CancelResult out = CancelResult::not_queued;
     call([&] {
@@ -707,6 +736,12 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
     Job job;
     job.client.assign(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
     job.request_id = req.id;
+    // the connection it came on, and that connection's generation now
+    const int fd = api_.msg_get(parts[0].get(), kSrcFd);
+    if (fd >= 0 && fd < kMaxFds) {
+        job.fd = fd;
+        job.generation = generation_[fd].load(std::memory_order_acquire);
+    }
     // who the client is (Frontend._identity): its CURVE key, else its connection
     job.owner = config_.curve ? property(parts, "User-Id") : "";
     if (job.owner.empty()) job.owner = hex(job.client);
@@ -923,6 +958,13 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
             --seg->second.users;
             seg->second.last_used_ns = now;
         }
+    }
+    if (answered.fd >= 0 &&
+        generation_[answered.fd].load(std::memory_order_acquire) != answered.generation) {
+        // its connection closed: a new one on its routing id must not get its reply
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.orphaned;
+        return;
     }
     deliver(answered, header, status, rows);
 }

@@ -183,6 +183,8 @@ struct Counters {
     int64_t received = 0;   // messages read from the ROUTER
     int64_t forwarded = 0;  // of them, handed to the control plane
     int64_t refused_over_rate = 0;  // malformed ones past their client's rate, refused here
+    int64_t orphaned = 0;  // replies not sent: their connection had closed
+    int64_t cancelled_on_close = 0;  // queued INFERs cancelled as their connection closed
     int64_t replied = 0;    // the plane's own INFER replies, sent or dropped
     int64_t dropped = 0;    // replies ZeroMQ could not queue (the plane's and the control plane's)
     int64_t forward_lost = 0;  // messages the forward socket could not queue (its peer stalled)
@@ -309,15 +311,20 @@ class Plane {
     std::vector<HealthEvent> take_events();
     static constexpr size_t kMaxObservations = size_t{1} << 20;
     int64_t pending() const { return pending_.load(); }
-    // Whether a message has come from the connection on file descriptor ``fd`` since
-    // reset_spoke(fd) (the control plane resets it when the socket's monitor says a connection
-    // was accepted on that fd): the connection cap counts connections that have spoken, so
-    // that connections that never finish a handshake cannot take authenticated clients' places.
+    // Connections, by the file descriptor each is on (the socket's monitor tells the control
+    // plane of each accepted and each closed one, and each message carries its descriptor,
+    // ZMQ_SRCFD). A connection's replies and queued work are its own, not its routing id's: a
+    // new connection that takes a closed one's routing id inherits nothing.
+    // A connection was accepted on ``fd``: a new generation, which has not spoken yet.
+    void connection_opened(int fd);
+    // The connection on ``fd`` closed: its generation ends (its replies are dropped from now
+    // on, counted), and its queued work is cancelled (counted); returns how many were.
+    int64_t connection_closed(int fd);
+    // Whether a message has come from the connection on ``fd`` since it was opened: the
+    // connection cap counts connections that have spoken, so that connections that never
+    // finish a handshake cannot take authenticated clients' places.
     bool spoke(int fd) const {
         return fd >= 0 && fd < kMaxFds && spoke_[fd].load(std::memory_order_relaxed) != 0;
-    }
-    void reset_spoke(int fd) {
-        if (fd >= 0 && fd < kMaxFds) spoke_[fd].store(0, std::memory_order_relaxed);
     }
     static constexpr int kMaxFds = 1 << 16;
     // The image bytes of the frames admitted and not yet answered (the byte budget's count).
@@ -349,6 +356,8 @@ class Plane {
         bool retried = false;  // it failed once and was placed again
         bool probe = false;    // a health probe or a warm-up: no client waits for it
         bool warm = false;     // an engine's warm-up (a probe too)
+        int fd = -1;               // the connection it came on (-1: the control plane's)
+        uint32_t generation = 0;   // and that connection's generation then
     };
     // An engine's health
     struct Watch {
@@ -502,6 +511,7 @@ class Plane {
 
     std::atomic<int64_t> pending_{0};
     std::unique_ptr<std::atomic<uint8_t>[]> spoke_{new std::atomic<uint8_t>[kMaxFds]()};
+    std::unique_ptr<std::atomic<uint32_t>[]> generation_{new std::atomic<uint32_t>[kMaxFds]()};
     std::atomic<uint64_t> buffered_bytes_{0};
     std::mutex join_mu_;
     std::mutex inline_mu_;  // calls and sends made on the caller's thread, one at a time

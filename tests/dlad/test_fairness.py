@@ -133,6 +133,48 @@ def test_the_daemon_holds_at_most_its_byte_budget_of_frames(tmp_path: Path) -> N
         assert daemon.frontend.buffered_bytes == budget
 
 
+def test_a_connection_that_takes_a_closed_ones_routing_id_inherits_nothing(
+    tmp_path: Path,
+) -> None:
+    """A client as routing id ``cam1`` sends five INFERs to a core that takes 1 s a frame and
+    exits; another connects as ``cam1``. Before, the second got the first one's replies, with
+    their detections, and could cancel its queued requests by id. Now the closed connection's
+    queued INFERs are cancelled when it closes and its replies are dropped (both counted): the
+    newcomer gets only the replies to what it sent."""
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(SLOW_CORE.format(cap=256, cheap=100000.0))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep:
+        plane = daemon.frontend.plane
+        assert plane is not None
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        first = ctx.socket(zmq.DEALER)
+        first.setsockopt(zmq.ROUTING_ID, b"cam1")
+        first.linger = 0
+        first.connect(ep)
+        for rid in range(5):  # the core's slots run some, the rest wait in the queue
+            first.send_multipart(protocol.encode(protocol.InferRequest(rid, "demo", IMAGE)))
+        wait_for(lambda: plane.pending == 5)
+        first.close(0)
+        wait_for(lambda: plane.counters()["cancelled_on_close"] > 0)
+        second = ctx.socket(zmq.DEALER)
+        second.setsockopt(zmq.ROUTING_ID, b"cam1")
+        second.linger = 0
+        second.connect(ep)
+        try:
+            second.send_multipart(protocol.encode(protocol.StatusRequest(99)))
+            reply = recv(second)
+            assert (type(reply).__name__, reply.id) == ("StatusReply", 99)
+            # the running ones end on the core: their replies go nowhere either
+            wait_for(lambda: plane.counters()["orphaned"] == 5 and plane.pending == 0)
+            assert plane.counters()["cancelled_on_close"] >= 3  # the queued ones
+            second.send_multipart(protocol.encode(protocol.StatusRequest(100)))
+            assert recv(second).id == 100  # its own, and nothing of the first one's before it
+        finally:
+            second.close(0)
+            ctx.term()
+
+
 def test_connections_that_never_speak_take_no_clients_place(tmp_path: Path) -> None:
     """Raw TCP connections that never send a byte were counted toward the cap before any
     handshake: 80 of them, re-opened as they were cut, locked every client out. The cap now
