@@ -580,34 +580,12 @@ class _QuietHandler(WSGIRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        # the head the server's reader took off the socket comes first (a GET has no body)
-        self.rfile = io.BufferedReader(_Prefixed(self.server.take_head(self.connection),
-                                                 self.rfile))  # fmt: skip
+        # the request is the head the server's reader took off the socket (dlad's endpoints
+        # are GETs: no body follows)
+        self.rfile = io.BytesIO(self.server.take_head(self.connection))
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would flood the daemon's log; they are not logged."""
-
-
-class _Prefixed(io.RawIOBase):
-    """``prefix``, then what ``rest`` reads."""
-
-    def __init__(self, prefix: bytes, rest: Any) -> None:
-        self._prefix = memoryview(prefix)
-        self._rest = rest
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._prefix:
-            n = min(len(view), len(self._prefix))
-            view[:n] = self._prefix[:n]
-            self._prefix = self._prefix[n:]
-            return n
-        data = self._rest.read1(len(view)) if hasattr(self._rest, "read1") else b""
-        view[: len(data)] = data
-        return len(data)
 
 
 class MetricsServer:

@@ -629,7 +629,8 @@ class TensorRtGpu(DeviceIoSizes):
             start = time.monotonic_ns()
             bufs = self._open()
             for i, f in enumerate(frames):  # [H, W', 4] int8 -> [3, H, W] of the input's type
-                bufs.in_host[i] = hwc4_to_nchw(f[None], c, w, float(scale), bufs.in_host.dtype)[0]
+                hwc4_to_nchw(f[None], c, w, float(scale), bufs.in_host.dtype,
+                             out=bufs.in_host[i : i + 1])  # fmt: skip
             actual_us, compute_us = self._execute(bufs, b)
             heads = [[np.array(h.host[i], dtype=np.float32) for h in bufs.heads] for i in range(b)]
             end = time.monotonic_ns()

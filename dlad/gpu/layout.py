@@ -90,9 +90,19 @@ class GpuLayouts:
 
 
 def hwc4_to_nchw(
-    frames: npt.NDArray[np.int8], c: int, w: int, scale: float, dtype: npt.DTypeLike
+    frames: npt.NDArray[np.int8],
+    c: int,
+    w: int,
+    scale: float,
+    dtype: npt.DTypeLike,
+    *,
+    out: npt.NDArray[Any] | None = None,
 ) -> npt.NDArray[Any]:
     """The numpy specification of ``layout_hwc4_nchw``: int8 ``[n, H, W', 4]`` frames ->
-    ``[n, c, H, w]`` of ``dtype``, float32 products ``q * scale`` cast (nearest even)."""
+    ``[n, c, H, w]`` of ``dtype``, float32 products ``q * scale`` cast (nearest even); written
+    into ``out`` (of that dtype and shape) where given."""
     products = np.moveaxis(frames[:, :, :w, :c], 3, 1) * np.float32(scale)
-    return products.astype(dtype, order="C")
+    if out is None:
+        return products.astype(dtype, order="C")
+    out[...] = products  # the same cast, into the caller's buffer
+    return out
