@@ -301,7 +301,7 @@ while True:  # the control plane: the messages the plane leaves (the benchmark s
         err = InternalError("this benchmark's server takes INFERs alone")
     except BadRequest as exc:
         err = exc
-    plane.send(client, protocol.encode(protocol.error_reply(err)))
+    plane.send(client, protocol.encode_error_reply(err))
 plane.drain(5.0)
 print(plane.counters(), flush=True)
 """

@@ -484,15 +484,14 @@ class Frontend:
                     "bad_request", reason=exc.message
                 )
                 self.metrics.observe_reply("", None, exc.status)
-                await self._reply_safely(client, protocol.error_reply(exc))
+                await self._reply_safely(client, exc)
                 return
             if isinstance(request, (protocol.InferRequest, protocol.InferBatchRequest)):
                 # refused at admission; an unknown model's name is the client's: a label ""
                 # keeps the series bounded
                 model = request.model if request.model in self._models else ""
                 self.metrics.observe_reply(model, None, exc.status)
-            reply = protocol.error_reply(exc, request_id=request.id, request_kind=int(request.kind))
-            await self._reply_safely(client, reply)
+            await self._reply_safely(client, exc, request.id, int(request.kind))
         except Exception as exc:  # noqa: BLE001  # a bug on the request path: answered, logged
             request_id = request.id if request is not None else None
             log.bind(client=client.hex(), request_id=request_id).error(
@@ -501,9 +500,7 @@ class Frontend:
             err = InternalError(f"internal error ({type(exc).__name__}); see the daemon's log")
             self.metrics.observe_reply("", None, err.status)
             kind = int(request.kind) if request is not None else None
-            await self._reply_safely(
-                client, protocol.error_reply(err, request_id=request_id, request_kind=kind)
-            )
+            await self._reply_safely(client, err, request_id, kind)
 
     def _identity(self, client: bytes, frames: list[Any], user: str | None = None) -> str:
         """Who sent ``frames``: its CURVE public key when clients authenticate (the same for
@@ -564,9 +561,16 @@ class Frontend:
             self.shm.unmap(owner, name)
         self.shm.reclaim()
 
-    async def _reply_safely(self, client: bytes, reply: Any) -> None:
+    async def _reply_safely(
+        self, client: bytes, error: DladError, request_id: int | None = None,
+        request_kind: int | None = None,
+    ) -> None:  # fmt: skip
+        """Answer a request that failed with ``error`` (``protocol.encode_error_reply``)."""
         try:
-            await self._send(client, reply)
+            frames = protocol.encode_error_reply(
+                error, request_id=request_id, request_kind=request_kind
+            )
+            self._send_frames(client, error.status, frames)
         except Exception as exc:  # noqa: BLE001  # the receive loop must outlive any one reply
             log.bind(client=client.hex()).error("reply_failed", error=type(exc).__name__)
 

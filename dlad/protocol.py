@@ -21,7 +21,7 @@ Messages are frozen dataclasses that validate themselves on construction, so an 
 cannot be built, encoded or decoded. Every refusal raises :class:`~dlad.errors.ProtocolError` (a
 ``BadRequest``) whose ``field`` names the offending field; decoders never leak KeyError, TypeError
 or ValueError, and fill in the request id and kind when the header still yields them, so the
-daemon can address its ``BAD_REQUEST`` reply (see :func:`error_reply`).
+daemon can address its ``BAD_REQUEST`` reply (see :func:`encode_error_reply`).
 
 Requests are decoded by the daemon's one request decoder, in C++ (``dlad/native/wire.hpp``, the
 native plane's), which :func:`decode_request` calls; this module declares the constants and field
@@ -119,9 +119,9 @@ __all__ = [
     "decode_request",
     "encode",
     "encode_batch_reply",
+    "encode_error_reply",
     "encode_infer_ok",
     "endpoint_error",
-    "error_reply",
     "timing_fields",
 ]
 
@@ -151,7 +151,7 @@ MAX_REPLY_DEPTH: Final = 8
 MAX_NAME_CHARS: Final = 128
 """Longest model, stream or device name (characters, all printable)."""
 MAX_MESSAGE_CHARS: Final = 1024
-"""Longest reply ``message``; :func:`error_reply` truncates to it."""
+"""Longest reply ``message``; :func:`encode_error_reply` truncates to it."""
 CHANNELS: Final[Mapping[str, int]] = {"RGB": 3, "BGR": 3, "GRAY": 1}
 """Bytes per pixel of each ``image.format``."""
 
@@ -892,37 +892,31 @@ def _reply_envelope(
         _fail("message", "must be empty when status is OK")
 
 
-_REPLY_CLASSES: Final[
-    Mapping[int, type[InferReply | CancelReply | StatusReply | InferBatchReply]]
-] = {
-    Kind.INFER: InferReply,
-    Kind.CANCEL: CancelReply,
-    Kind.STATUS: StatusReply,
-    Kind.INFER_BATCH: InferBatchReply,
-}
-
 Request: TypeAlias = "InferRequest | CancelRequest | StatusRequest | InferBatchRequest"
 Reply: TypeAlias = "InferReply | CancelReply | StatusReply | ErrorReply | InferBatchReply"
 Message: TypeAlias = "Request | Reply"
 
 
-def error_reply(
+def encode_error_reply(
     error: DladError, *, request_id: int | None = None, request_kind: int | None = None
-) -> Reply:
-    """The reply answering a request that failed with ``error``.
+) -> list[bytes]:
+    """The frames of the reply answering a request that failed with ``error``: the daemon's one
+    writer of error replies, in C++ (``dlad/native/wire.hpp``, ``write_refusal_reply``, which
+    the native plane answers refusals with too).
 
     ``request_id``/``request_kind`` default to what ``error`` carries (a ProtocolError carries
     what the decoder could read, a shared-memory refusal its request's). A known request kind
-    and id give that kind's reply; anything else an :class:`ErrorReply`. The message is cut to
-    :data:`MAX_MESSAGE_CHARS`.
+    and id give that kind's reply (an INFER_REPLY with an empty payload frame); anything else an
+    ERROR_REPLY. The message is cut to :data:`MAX_MESSAGE_CHARS`.
     """
+    from dlad import _native  # noqa: PLC0415  # the daemon's side only: the SDK never answers
+
     rid = request_id if request_id is not None else error.request_id
-    if request_kind is None:
-        request_kind = error.request_kind
-    text = error.message[:MAX_MESSAGE_CHARS]
-    if rid is not None and request_kind is not None and request_kind in _REPLY_CLASSES:
-        return _REPLY_CLASSES[request_kind](rid, error.status, text)
-    return ErrorReply(rid, error.status, text)
+    kind = request_kind if request_kind is not None else error.request_kind
+    header, payload = _native.write_refusal_reply(
+        rid, kind, int(error.status), error.message[:MAX_MESSAGE_CHARS]
+    )
+    return [header, b""] if payload else [header]
 
 
 # ------------------------------------------------------------------------------ encode

@@ -119,10 +119,11 @@ struct Cheap {
 std::optional<Cheap> as_cheap(const Request& request);
 std::string write_cheap_reply(const Cheap& request, int64_t status, std::string_view message);
 
-// The reply to a request refused before it was decoded whole (protocol.error_reply's): the
+// The reply to a request that failed (a refusal, or an error the control plane found): the
 // kind's own reply where the refusal yielded the request's id and a known kind, else an
 // ERROR_REPLY (id nil where it yielded none). An INFER_REPLY is followed by an empty payload
-// frame (``payload_frame``). ``message`` is ASCII.
+// frame (``payload_frame``). ``message`` is UTF-8. The control plane answers with it too
+// (protocol.encode_error_reply): the one writer of error replies.
 std::string write_refusal_reply(const Refusal& refusal, int64_t status, std::string_view message,
                                 bool* payload_frame);
 

@@ -41,7 +41,7 @@ from dlad.protocol import (
     Timing,
     decode_request,
     encode,
-    error_reply,
+    encode_error_reply,
 )
 from dlad_client import Result
 
@@ -177,7 +177,7 @@ class FakeDaemon:
             with self._changed:
                 self._refused.append(exc)
                 self._changed.notify_all()
-            self._router.send_multipart([identity, *encode(error_reply(exc))])
+            self._router.send_multipart([identity, *encode_error_reply(exc)])
             return
         with self._changed:
             self._requests.append(request)

@@ -489,20 +489,25 @@ def test_an_error_reply_is_packed_as_msgpack_python_packs_it(
 
 @given(st.none() | ids, st.none() | st.integers(-3, 300),
        st.sampled_from([s for s in Status if s is not Status.OK]),
-       st.text(st.characters(max_codepoint=127), min_size=1, max_size=200))  # fmt: skip
-def test_the_planes_refusal_is_the_reply_python_would_send(
+       st.text(st.characters(exclude_categories=["Cs"]), min_size=1,
+               max_size=MAX_MESSAGE_CHARS))  # fmt: skip
+def test_an_error_reply_is_the_one_the_sdk_reads_for_its_request(
     rid: int | None, kind: int | None, status: Status, message: str
 ) -> None:
-    """The plane answers a refused request past its client's rate itself: the same frames as
-    protocol.error_reply's, for every id and kind a refusal can yield."""
-    from dlad import _native
-
+    """The daemon's one writer of error replies (the plane's refusals past a client's rate and
+    the control plane's answers both): for every id and kind a refusal can yield, the SDK reads
+    the request's own reply kind where the id and the kind are known, else an ERROR_REPLY, with
+    the status and the words."""
     error = DladError(message, request_id=rid, request_kind=kind)
     error.status = status  # type: ignore[misc]  # a DladError of each status
-    want = protocol.encode(protocol.error_reply(error))
-    header, payload_frame = _native.write_refusal_reply(rid, kind, int(status), message)
-    assert header == bytes(want[0])
-    assert payload_frame == (len(want) == 2)
+    reply = protocol.decode_reply(protocol.encode_error_reply(error))
+    kinds = {1: protocol.InferReply, 2: protocol.CancelReply, 3: protocol.StatusReply,
+             4: protocol.InferBatchReply}  # fmt: skip
+    want: type = protocol.ErrorReply
+    if rid is not None and kind is not None:
+        want = kinds.get(kind, protocol.ErrorReply)
+    assert type(reply) is want
+    assert (reply.id, reply.status, reply.message) == (rid, status, message)
 
 
 @given(formats)

@@ -41,7 +41,7 @@ from dlad.protocol import (
     decode_reply,
     decode_request,
     encode,
-    error_reply,
+    encode_error_reply,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -408,7 +408,7 @@ def test_bad_infer_fields_are_refused_by_name(path: str, value: Any) -> None:
     exc = _refuse([_pack(_mutate(header, path, value)), payload], path)
     # the id and kind survive, so the daemon can address its BAD_REQUEST reply
     assert (exc.request_id, exc.request_kind) == (9, Kind.INFER)
-    reply = error_reply(exc)
+    reply = decode_reply(encode_error_reply(exc))
     assert isinstance(reply, InferReply)
     assert (reply.id, reply.status, reply.message) == (9, Status.BAD_REQUEST, exc.message)
 
@@ -631,20 +631,27 @@ def test_reply_construction_rules() -> None:
         Limits(max_message_bytes=10, max_header_bytes=11)
 
 
+def _error_reply(error: Any, **address: Any) -> Any:
+    """What the daemon's one error writer sends for ``error``, as the SDK reads it."""
+    return decode_reply(encode_error_reply(error, **address))
+
+
 def test_error_reply_addresses_what_it_can() -> None:
-    assert isinstance(error_reply(NotFound("no model", request_id=3), request_kind=1), InferReply)
-    cancel = error_reply(NotFound("not queued"), request_id=4, request_kind=Kind.CANCEL)
+    infer = _error_reply(NotFound("no model", request_id=3), request_kind=1)
+    assert (type(infer), infer.id, infer.status) == (InferReply, 3, Status.NOT_FOUND)
+    cancel = _error_reply(NotFound("not queued"), request_id=4, request_kind=Kind.CANCEL)
     assert (type(cancel), cancel.id, cancel.status) == (CancelReply, 4, Status.NOT_FOUND)
-    status = error_reply(Overloaded("x"), request_id=5, request_kind=Kind.STATUS)
+    status = _error_reply(Overloaded("x"), request_id=5, request_kind=Kind.STATUS)
     assert isinstance(status, StatusReply)
     assert status.report is None
-    unknown = error_reply(ProtocolError("kind: 99", request_id=6, request_kind=99))
+    unknown = _error_reply(ProtocolError("kind: 99", request_id=6, request_kind=99))
     assert (type(unknown), unknown.id) == (ErrorReply, 6)
-    anonymous = error_reply(ProtocolError("header: garbage " + "x" * 5000))
-    assert (type(anonymous), anonymous.id) == (ErrorReply, None)
-    assert len(anonymous.message) == MAX_MESSAGE_CHARS
-    got = decode_reply(encode(anonymous))
-    _assert_same_reply(anonymous, got)
+    anonymous = _error_reply(ProtocolError("header: garbage " + "x" * 5000))
+    assert (type(anonymous), anonymous.id, anonymous.status) == (ErrorReply, None,
+                                                                Status.BAD_REQUEST)  # fmt: skip
+    assert anonymous.message == ("header: garbage " + "x" * 5000)[:MAX_MESSAGE_CHARS]
+    named = _error_reply(NotFound("no model 'caméra'", request_id=7, request_kind=1))
+    assert named.message == "no model 'caméra'"  # the words as they are, not only ASCII
 
 
 # ------------------------------------------------------------------------------ docs
@@ -761,8 +768,9 @@ def test_a_batch_reply_round_trips_and_only_ok_carries_results() -> None:
     _assert_same_reply(ok, got.results[0])
     _assert_same_reply(gone, got.results[1])
     batch_kind = int(Kind.INFER_BATCH)
-    refusal = protocol.error_reply(Overloaded("full"), request_id=4, request_kind=batch_kind)
-    refused = decode_reply(encode(refusal))
+    refused = decode_reply(
+        protocol.encode_error_reply(Overloaded("full"), request_id=4, request_kind=batch_kind)
+    )
     assert isinstance(refused, protocol.InferBatchReply)
     assert (refused.status, refused.results) == (Status.OVERLOADED, ())
     with pytest.raises(ProtocolError, match="results: must be empty when status is not OK"):
