@@ -120,7 +120,6 @@ __all__ = [
     "encode",
     "encode_batch_reply",
     "encode_error_reply",
-    "encode_infer_ok",
     "endpoint_error",
     "timing_fields",
 ]
@@ -1059,27 +1058,6 @@ def timing_fields(
         "total_us": max(int(total_us), 0), "start_ns": start_ns or None,
         "end_ns": end_ns or None,
     }  # fmt: skip
-
-
-_INFER_REPLY: Final = int(Kind.INFER_REPLY)
-_OK: Final = int(Status.OK)
-
-
-def encode_infer_ok(
-    request_id: int,
-    device: str,
-    timing: dict[str, int | None],
-    detections: npt.NDArray[np.float32],
-) -> list[Frame]:
-    """The frames of an OK INFER_REPLY, without building (and re-checking) an
-    :class:`InferReply`: the daemon's hot path, whose values it made itself — ``timing`` from
-    :func:`timing_fields`, ``detections`` ``N x 6`` float32 with ``N <= MAX_DET`` (decoding
-    either checks all of it)."""
-    header: dict[str, Any] = {
-        "v": PROTOCOL_VERSION, "kind": _INFER_REPLY, "id": request_id,
-        "status": _OK, "message": "", "device": device, "timing": timing,
-    }  # fmt: skip
-    return _with_detections(header, detections)
 
 
 # ------------------------------------------------------------------------------ decode
