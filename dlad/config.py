@@ -193,33 +193,30 @@ class FrontendConfig:
     sndhwm: int = 128
     """ZMQ_SNDHWM: replies queued per client before ZeroMQ pushes back (>= 1; never 0, which
     ZeroMQ reads as unbounded)."""
-    rcvhwm: int = 128
-    """ZMQ_RCVHWM: requests queued in the socket before TCP pushes back on clients (>= 1)."""
     max_message_bytes: int = 64 * 2**20
     """ZMQ_MAXMSGSIZE: a larger message drops its sender's connection. Must hold a
     max_image_width x max_image_height x 3 image."""
     max_buffered_bytes: int = 512 * 2**20
     """The most image bytes the daemon holds for admitted INFERs (queued or running) at once,
     all clients together; an INFER that would go past it is OVERLOADED at once (>= one largest
-    image). Messages ZeroMQ has read but the daemon not yet are bounded apart from this:
-    ``rcvhwm`` messages per connection of at most ``max_message_bytes`` (docs/protocol.md,
-    Limits)."""
+    image). The native plane reads each message as it comes, so what ZeroMQ has read but the
+    daemon not yet is what arrived since its last read (docs/protocol.md, Limits)."""
     max_connections: int = 1024
     """The most client connections established at once (>= 1): connections that have sent a
     message, or been open past ``handshake_timeout_s``; one more is refused at its handshake (no
     reply; ZeroMQ retries it). Connections that never finish a handshake are not counted (they
-    cannot take a client's place) and are cut at ``handshake_timeout_s``. With ``rcvhwm`` and
-    ``max_message_bytes`` it bounds what libzmq buffers before the daemon reads: connections x
-    messages x size."""
+    cannot take a client's place) and are cut at ``handshake_timeout_s``."""
     max_in_flight_per_client: int = 256
     """The most INFERs one client may have admitted and unanswered at once; more are
     OVERLOADED at once (>= 1). A client is its CURVE key when clients authenticate, else its
     connection. Full queues are also shared: a client holding the most of them gives up its
     newest frame to a client holding fewer."""
     cheap_requests_per_s: float = 100.0
-    """STATUS, CANCEL and malformed requests per second per client (bursts of twice as many);
-    more are answered OVERLOADED by the native plane at once, so that a flood of cheap or junk
-    messages cannot stall the daemon (> 0)."""
+    """STATUS, CANCEL and malformed requests per second per client (bursts of twice as many;
+    INFERs refused over the client's own cap count too); more are answered OVERLOADED by the
+    native plane at once, so that a flood of cheap or junk messages cannot stall the daemon;
+    past as many refusals again (64 at least) they are dropped unanswered, and past as many
+    drops the connection is closed (> 0)."""
     heartbeat_s: float = 5.0
     """ZeroMQ heartbeats to each client (ZMQ_HEARTBEAT_IVL); one silent for three of them is
     disconnected and its queues freed (> 0)."""
@@ -241,7 +238,7 @@ class FrontendConfig:
             problem = endpoint_problem(endpoint)
             _check(problem is None, f"endpoints[{i}]", f"{problem}, got {endpoint!r}")
             _check(endpoint not in self.endpoints[:i], f"endpoints[{i}]", f"{endpoint} twice")
-        for key in ("sndhwm", "rcvhwm", "max_message_bytes", "max_image_width", "max_image_height"):
+        for key in ("sndhwm", "max_message_bytes", "max_image_width", "max_image_height"):
             _at_least_one(getattr(self, key), key)
         _at_least_one(self.max_in_flight_per_client, "max_in_flight_per_client")
         _at_least_one(self.max_connections, "max_connections")
@@ -970,6 +967,8 @@ def _convert(tp: Any, value: object, key: str) -> object:
 _REMOVED: Final = {
     "frontend.data_plane": "every request runs on the native data plane now",
     "scheduler.core": "the scheduler's C++ core is the only scheduler now",
+    "frontend.rcvhwm": "the daemon reads every message as it comes (a full inbound queue can "
+    "abort libzmq: docs/reliability.md)",
 }
 """Keys of earlier versions, and why they went (a config naming one is told so)."""
 

@@ -218,7 +218,12 @@ class Frontend:
         )
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, f.sndhwm)
-        sock.setsockopt(zmq.RCVHWM, f.rcvhwm)
+        # No inbound high-water mark: libzmq 4.3.5 aborts the process (stream_engine_base.cpp,
+        # out_event's "!_io_error") when a peer whose inbound pipe is full hangs up and a PING
+        # or a heartbeat then asks that engine to write. The plane reads every message as it
+        # comes and answers or drops it, so nothing queues unread (docs/reliability.md, "A
+        # flood that vanishes").
+        sock.setsockopt(zmq.RCVHWM, 0)
         # A hard memory guard at twice the limit (ZeroMQ drops such a peer without a word);
         # between the limit and the guard the decoder answers BAD_REQUEST, naming the size.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * f.max_message_bytes)
@@ -679,10 +684,16 @@ class Frontend:
             self.metrics.reply_dropped(dropped)
             log.warning("reply_dropped", reason="a client's queue was full, or it had gone",
                         dropped=dropped, dropped_total=total)  # fmt: skip
-        refused = now["refused_over_rate"] - seen.get("refused_over_rate", 0)
-        if refused:  # answered OVERLOADED by the plane, never reaching this loop
-            log.warning("bad_requests_over_rate", refused=refused,
-                        reason="malformed messages past a client's cheap-message rate")  # fmt: skip
+        keys = ("refused_over_rate", "dropped_over_rate", "cut", "refused_busy")
+        new = {k: now[k] - seen.get(k, 0) for k in keys}
+        if new["refused_over_rate"] or new["dropped_over_rate"]:  # never reaching this loop
+            why = ("malformed messages and refusals past a client's cheap-message rate: "
+                   "answered OVERLOADED, then dropped, then the connection cut")  # fmt: skip
+            log.warning("bad_requests_over_rate", refused=new["refused_over_rate"],
+                        dropped=new["dropped_over_rate"], connections_cut=new["cut"],
+                        reason=why)  # fmt: skip
+        if new["refused_busy"]:  # the plane answered OVERLOADED what this loop could not take
+            log.warning("control_plane_behind", refused=new["refused_busy"])
         failed = now["gpu_errors"] - seen.get("gpu_errors", 0)
         if failed:  # each frame was answered DEVICE_FAILED with these words
             log.error("gpu_chain_failed", frames=failed, last=now["last_gpu_error"])

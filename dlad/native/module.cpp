@@ -487,6 +487,9 @@ PYBIND11_MODULE(_native, m) {
             out["received"] = c.received;
             out["forwarded"] = c.forwarded;
             out["refused_over_rate"] = c.refused_over_rate;
+            out["refused_busy"] = c.refused_busy;
+            out["dropped_over_rate"] = c.dropped_over_rate;
+            out["cut"] = c.cut;
             out["orphaned"] = c.orphaned;
             out["cancelled_on_close"] = c.cancelled_on_close;
             out["replied"] = c.replied;

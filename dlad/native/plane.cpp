@@ -9,8 +9,9 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
-#include <sys/prctl.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@ constexpr int kSndMore = 2;   // ZMQ_SNDMORE
 constexpr int kSrcFd = 2;     // ZMQ_SRCFD (zmq_msg_get): the fd a message was read from
 constexpr short kPollIn = 1;  // ZMQ_POLLIN
 constexpr short kPollOut = 2;  // ZMQ_POLLOUT
+constexpr int kMinRefusals = 64;  // a client's refusals over its rate before silence, at least
 constexpr int kBurst = 64;    // messages read in a row before engines and replies get a turn
 // A probe (or a warm-up) waits for its engine however long (a hung task ends at its timeout)
 constexpr int64_t kProbeDeadlineNs = 86'400'000'000'000;
@@ -477,11 +479,12 @@ void Plane::wake() {
 }
 
 void Plane::run() {
-    ZmqPollItem items[2] = {{router_, 0, kPollIn, 0}, {nullptr, event_fd_, kPollIn, 0}};
+    ZmqPollItem items[3] = {{router_, 0, kPollIn, 0},
+                            {nullptr, event_fd_, kPollIn, 0},
+                            {forward_, 0, kPollOut, 0}};
     while (true) {
-        // with a backlog for the control plane, wait for its room, not for more messages
-        items[0] = backlog_.empty() ? ZmqPollItem{router_, 0, kPollIn, 0}
-                                    : ZmqPollItem{forward_, 0, kPollOut, 0};
+        // the socket is always read (docs/reliability.md, "A flood that vanishes"); with a
+        // backlog for the control plane, its room is waited for too
         int64_t now = now_ns();
         bool draining = false;
         int64_t until = 0;
@@ -498,7 +501,10 @@ void Plane::run() {
             }
         }
         if (draining && (jobs_.empty() || now >= until)) break;
-        if (api_.poll(items, 2, poll_timeout(now)) < 0 && api_.errno_() != EINTR) break;
+        if (api_.poll(items, backlog_.empty() ? 2 : 3, poll_timeout(now)) < 0 &&
+            api_.errno_() != EINTR) {
+            break;
+        }
         if (items[1].revents & kPollIn) {
             uint64_t n = 0;
             [[maybe_unused]] const ssize_t r = read(event_fd_, &n, sizeof n);
@@ -555,7 +561,7 @@ long Plane::poll_timeout(int64_t now) const {
 int Plane::read_messages() {
     flush_backlog(/*block=*/false);
     int n = 0;
-    for (; n < kBurst && backlog_.empty(); ++n) {
+    for (; n < kBurst; ++n) {
         std::vector<Part> parts;
         parts.reserve(4);
         parts.emplace_back(&api_);
@@ -563,7 +569,11 @@ int Plane::read_messages() {
         // the connection it came from has spoken (ZMQ_SRCFD: the file descriptor it was read
         // from), so it counts toward the connection cap
         const int fd = api_.msg_get(parts.back().get(), kSrcFd);
-        if (fd >= 0 && fd < kMaxFds) spoke_[fd].store(1, std::memory_order_relaxed);
+        reading_ = nullptr;
+        if (fd >= 0 && fd < kMaxFds) {
+            spoke_[fd].store(1, std::memory_order_relaxed);
+            saw(fd, parts.back());
+        }
         while (api_.msg_more(parts.back().get())) {
             parts.emplace_back(&api_);
             if (api_.msg_recv(parts.back().get(), router_, kDontWait) < 0) {
@@ -586,6 +596,11 @@ void Plane::handle(std::vector<Part>& parts) {
     // first (past it, answered OVERLOADED here: a flood never reaches the control plane, which
     // serves everyone's slow messages); the rest is the control plane's, which decodes it
     // again with the same decoder (and answers a refusal in its words, and logs it)
+    if (reading_ != nullptr && reading_->cut) {  // a connection cut for flooding: gone
+        std::lock_guard<std::mutex> lock(mu_);
+        ++counters_.dropped_over_rate;
+        return;
+    }
     if (parts.size() >= 2) {
         uint64_t payload = parts.size() == 3 ? parts[2].size() : 0;
         std::vector<uint64_t> payloads;  // four parts or more: refused, but by the decoder
@@ -601,27 +616,36 @@ void Plane::handle(std::vector<Part>& parts) {
                 return;
             }
             const auto cheap = wire::as_cheap(*d.request);
-            if (cheap && over_rate(parts)) {
+            const Rate rate = cheap ? over_rate(parts) : Rate::kWithin;
+            if (rate == Rate::kRefuse) {
                 const std::string words = rate_words("STATUS and CANCEL requests");
                 send_reply(client_of(parts), wire::write_cheap_reply(*cheap, OVERLOADED, words),
                            nullptr, 0, OVERLOADED, /*payload_frame=*/false);
-                return;
             }
-        } else if (over_rate(parts)) {
-            refuse_over_rate(parts, d.refusal);
+            if (rate != Rate::kWithin) return;
+            forward(parts, {"", "", d.request->id, d.request->kind});
             return;
         }
-    } else if (over_rate(parts)) {  // a routing id and nothing else
-        refuse_over_rate(parts, {});
+        const Rate rate = over_rate(parts);
+        if (rate == Rate::kRefuse) refuse_over_rate(parts, d.refusal);
+        if (rate == Rate::kWithin) forward(parts, d.refusal);
         return;
     }
-    forward(parts);
+    const Rate rate = over_rate(parts);  // a routing id and nothing else
+    if (rate == Rate::kRefuse) refuse_over_rate(parts, {});
+    if (rate == Rate::kWithin) forward(parts, {});
 }
 
 void Plane::refuse_over_rate(std::vector<Part>& parts, const wire::Refusal& refusal) {
+    refuse_unread(client_of(parts), refusal,
+                  rate_words("malformed, STATUS and CANCEL requests"), &Counters::refused_over_rate);
+}
+
+void Plane::refuse_unread(const std::string& client, const wire::Refusal& refusal,
+                          const std::string& words, int64_t Counters::*counter) {
     {
         std::lock_guard<std::mutex> lock(mu_);
-        ++counters_.refused_over_rate;
+        ++(counters_.*counter);
         if (observations_.size() < kMaxObservations) {  // a reply of no model, no device
             observations_.push_back({"", "", OVERLOADED, 0, 0, 0});
         } else {
@@ -629,10 +653,9 @@ void Plane::refuse_over_rate(std::vector<Part>& parts, const wire::Refusal& refu
         }
     }
     bool payload_frame = false;
-    const std::string words = rate_words("malformed, STATUS and CANCEL requests");
     const std::string header =
         wire::write_refusal_reply(refusal, OVERLOADED, words, &payload_frame);
-    send_reply(client_of(parts), header, nullptr, 0, OVERLOADED, payload_frame);
+    send_reply(client, header, nullptr, 0, OVERLOADED, payload_frame);
 }
 
 std::string Plane::rate_words(const char* what) const {
@@ -646,9 +669,14 @@ std::string Plane::client_of(std::vector<Part>& parts) {
     return std::string(reinterpret_cast<const char*>(parts[0].data()), parts[0].size());
 }
 
-bool Plane::over_rate(std::vector<Part>& parts) {
+Plane::Rate Plane::over_rate(std::vector<Part>& parts) {
     constexpr size_t kMaxClientsTracked = 10'000;  // more: every bucket is forgotten (refilled)
+    // A bucket of 2 x rate tokens, refilled at rate: a message takes one, or is refused taking
+    // one of as many again below zero (64 at least); below that it is dropped unanswered, so
+    // that a flood costs the plane a lookup a message and no reply (which a flooder does not
+    // read anyway).
     const double rate = config_.cheap_requests_per_s;
+    const double refusals = std::max(2 * rate, static_cast<double>(kMinRefusals));
     std::string owner = config_.curve ? property(parts, "User-Id") : "";
     if (owner.empty()) owner = hex(client_of(parts));
     const int64_t now = now_ns();
@@ -658,23 +686,91 @@ bool Plane::over_rate(std::vector<Part>& parts) {
         const double refill = static_cast<double>(now - it->second.second) / 1e9 * rate;
         tokens = std::min(2 * rate, it->second.first + refill);
     }
-    if (tokens >= 1) {
-        if (it == buckets_.end() && buckets_.size() >= kMaxClientsTracked) buckets_.clear();
-        buckets_[owner] = {tokens - 1, now};
-        return false;
-    }
-    buckets_[owner] = {tokens, now};
-    return true;
+    if (it == buckets_.end() && buckets_.size() >= kMaxClientsTracked) buckets_.clear();
+    const Rate verdict = tokens >= 1            ? Rate::kWithin
+                         : tokens >= 1 - refusals ? Rate::kRefuse
+                                                  : Rate::kDrop;
+    buckets_[owner] = {verdict == Rate::kDrop ? tokens : tokens - 1, now};
+    if (verdict == Rate::kDrop) dropped_from();
+    return verdict;
 }
 
-void Plane::forward(std::vector<Part>& parts) {
-    {
+namespace {
+
+uint64_t socket_cookie(int fd) {
+    uint64_t cookie = 0;
+    socklen_t size = sizeof cookie;
+    return getsockopt(fd, SOL_SOCKET, SO_COOKIE, &cookie, &size) == 0 ? cookie : 0;
+}
+
+uint64_t fnv1a(const uint8_t* data, size_t size) {
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < size; ++i) h = (h ^ data[i]) * 1099511628211ULL;
+    return h | 1;  // never 0, the hash of no connection
+}
+
+}  // namespace
+
+void Plane::saw(int fd, Part& id) {
+    constexpr size_t kMaxPeers = 1 << 16;  // more: those whose socket is gone are forgotten
+    const uint64_t h = fnv1a(id.data(), id.size());
+    const uint32_t generation = generation_[fd].load(std::memory_order_acquire);
+    auto it = peers_.find(h);
+    if (it != peers_.end() && it->second.fd == fd) {
+        Peer& p = it->second;
+        reading_ = &p;
+        // the fd's generation moved (the control plane heard of an accept or a close on it):
+        // still this connection while the fd holds the same socket; else a closed
+        // connection's last messages, or a new one that took its routing id on the same fd,
+        // and which of them holds the fd is not known: never cut
+        if (p.generation != generation && p.cookie != 0 && socket_cookie(fd) != p.cookie) {
+            p.cookie = 0;
+        }
+        p.generation = generation;
+        return;
+    }
+    if (it == peers_.end() && peers_.size() >= kMaxPeers) {
+        for (auto at = peers_.begin(); at != peers_.end();) {
+            at = socket_cookie(at->second.fd) == at->second.cookie ? std::next(at)
+                                                                   : peers_.erase(at);
+        }
+        if (peers_.size() >= kMaxPeers) peers_.clear();
+    }
+    Peer& p = peers_[h];  // new, or its routing id on another fd
+    p = {fd, generation, socket_cookie(fd), 0, false};
+    reading_ = &p;
+}
+
+void Plane::dropped_from() {
+    int64_t cut = 0;
+    if (reading_ != nullptr && reading_->cookie != 0) {
+        Peer& p = *reading_;
+        const auto cut_after = static_cast<uint32_t>(
+            std::min(std::max(2 * config_.cheap_requests_per_s, double{kMinRefusals}), 1e9));
+        if (++p.dropped == cut_after && socket_cookie(p.fd) == p.cookie) {
+            // the engine reads its end of file and closes the connection as any peer's; what
+            // it had read is still read here, and dropped unparsed (handle)
+            p.cut = shutdown(p.fd, SHUT_RDWR) == 0;
+            cut = p.cut ? 1 : 0;
+        }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counters_.dropped_over_rate;
+    counters_.cut += cut;
+}
+
+void Plane::forward(std::vector<Part>& parts, const wire::Refusal& address) {
+    Pending m{std::move(parts), {}};
+    if (backlog_.empty() && send_forward(m, kDontWait)) {
         std::lock_guard<std::mutex> lock(mu_);
         ++counters_.forwarded;
+        return;
     }
-    Pending m{std::move(parts), {}};
-    if (backlog_.empty() && send_forward(m, kDontWait)) return;
-    backlog_.push_back(std::move(m));  // in order, after what waits already
+    // The control plane is _FORWARD_HWM messages behind: the message is answered OVERLOADED
+    // here, in the reply its header can address, and the socket is still read (a connection
+    // whose messages queue in libzmq unread can abort it: docs/reliability.md).
+    refuse_unread(client_of(m.parts), address, "the daemon's control plane is behind; try again",
+                  &Counters::refused_busy);
 }
 
 bool Plane::send_forward(Pending& m, int flags) {
@@ -758,7 +854,8 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
         const auto it = segments_.find(seg);
         if (it == segments_.end() || it->second.size != img.shm->size ||
             shm_guard::broken(reinterpret_cast<uintptr_t>(it->second.host))) {
-            forward(parts);  // (a segment that shrank: the control plane refuses and drops it)
+            // (a segment that shrank: the control plane refuses and drops it)
+            forward(parts, {"", "", req.id, wire::kInfer});
             return;
         }
         job.segment = std::move(seg);
@@ -768,8 +865,11 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
         ++counters_.shm_frames;
     }
     const std::string key = key_of(job.client, req.id);
-    if (auto why = room(key, req.id, job.owner, 1, job.size)) {
-        refuse(job, why->first, why->second);
+    bool own = false;
+    if (auto why = room(key, req.id, job.owner, 1, job.size, &own)) {
+        // a refusal of the client's own making (its cap, an id in flight) costs it a token of
+        // its cheap messages: a flood of them is dropped past its refusals, as junk is
+        if (!own || over_rate(parts) != Rate::kDrop) refuse(job, why->first, why->second);
         return;
     }
     const Item item{req.model, img.stream, req.priority, req.deadline_ms, job.size, std::nullopt,
@@ -784,11 +884,16 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
 std::optional<std::pair<int64_t, std::string>> Plane::room(const std::string& key,
                                                            uint64_t request_id,
                                                            const std::string& owner,
-                                                           int64_t frames, uint64_t size) {
+                                                           int64_t frames, uint64_t size,
+                                                           bool* own) {
     // The frontend's room check (Frontend._room), in its order and words
+    if (own != nullptr) *own = true;  // unless the daemon's state refuses it (below)
     {
         std::lock_guard<std::mutex> lock(mu_);
-        if (draining_) return std::make_pair(SHUTTING_DOWN, "the daemon is shutting down");
+        if (draining_) {
+            if (own != nullptr) *own = false;
+            return std::make_pair(SHUTTING_DOWN, "the daemon is shutting down");
+        }
     }
     if (in_use_.count(key) != 0) {
         return std::make_pair(BAD_REQUEST, "request id " + std::to_string(request_id) +
@@ -809,6 +914,7 @@ std::optional<std::pair<int64_t, std::string>> Plane::room(const std::string& ke
                                           " requests in flight" + more);
     }
     if (size && buffered_ + size > config_.max_buffered_bytes) {
+        if (own != nullptr) *own = false;
         return std::make_pair(OVERLOADED,
                               "the daemon holds " + std::to_string(buffered_) +
                                   " bytes of frames; this one would pass its budget of " +

@@ -183,6 +183,9 @@ struct Counters {
     int64_t received = 0;   // messages read from the ROUTER
     int64_t forwarded = 0;  // of them, handed to the control plane
     int64_t refused_over_rate = 0;  // malformed ones past their client's rate, refused here
+    int64_t refused_busy = 0;  // the control plane's ones refused: it was far behind
+    int64_t dropped_over_rate = 0;  // cheap ones past twice their client's refusals, unanswered
+    int64_t cut = 0;  // connections shut down for flooding past their drops
     int64_t orphaned = 0;  // replies not sent: their connection had closed
     int64_t cancelled_on_close = 0;  // queued INFERs cancelled as their connection closed
     int64_t replied = 0;    // the plane's own INFER replies, sent or dropped
@@ -376,7 +379,9 @@ class Plane {
     void run_calls();
     int read_messages();  // how many it read (at most kBurst)
     void handle(std::vector<Part>& parts);
-    void forward(std::vector<Part>& parts);
+    // Hand a message to the control plane, or refuse it OVERLOADED where the control plane is
+    // behind (``address``: what its header yielded to address the refusal).
+    void forward(std::vector<Part>& parts, const wire::Refusal& address);
     // A message for the forward socket: a client's (routing id first) or an outcome's frames.
     struct Pending {
         std::vector<Part> parts;
@@ -390,11 +395,14 @@ class Plane {
     void flush_backlog(bool block);
     std::string property(std::vector<Part>& parts, const char* name);  // "" where none
     void infer(std::vector<Part>& parts, const wire::Request& req);
-    // The room check of one request (Frontend._room): (status, message) of a refusal.
+    // The room check of one request (Frontend._room): (status, message) of a refusal;
+    // ``own``: set to whether a refusal is of the client's own making (its cap, an id in
+    // flight) rather than the daemon's state (draining, the byte budget).
     std::optional<std::pair<int64_t, std::string>> room(const std::string& key,
                                                          uint64_t request_id,
                                                          const std::string& owner,
-                                                         int64_t frames, uint64_t size);
+                                                         int64_t frames, uint64_t size,
+                                                         bool* own = nullptr);
     // Admit one image into the scheduler; false once its refusal is answered.
     bool admit(Job job, const std::string& key, const Item& item, int64_t now,
                std::shared_ptr<Part> payload);
@@ -433,12 +441,26 @@ class Plane {
     void send_outbox();
     void send_reply(const std::string& client, const std::string& header, const void* payload,
                     size_t payload_bytes, int64_t status, bool payload_frame = true);
-    // Whether a cheap message (STATUS, CANCEL, one the decoder refuses) of this client is past
-    // its rate ([frontend] cheap_requests_per_s, bursts of twice that): a token bucket per
-    // client identity. Past it, the plane answers OVERLOADED itself, so that no client's
-    // flood fills the control plane's queue.
-    bool over_rate(std::vector<Part>& parts);
+    // Whether a cheap message (STATUS, CANCEL, one the decoder refuses) of this client is within
+    // its rate ([frontend] cheap_requests_per_s, bursts of twice that: a token bucket per
+    // client identity), past it (the plane answers OVERLOADED itself, so that no client's flood
+    // fills the control plane's queue), or past as many refusals again, 64 at least (dropped
+    // unanswered, counted: the plane then spends a lookup on each and sends nothing).
+    enum class Rate { kWithin, kRefuse, kDrop };
+    Rate over_rate(std::vector<Part>& parts);
+    // The message just read came from ``fd`` under routing id ``id``: a connection not seen
+    // before has its socket's cookie taken now, while the fd surely holds its socket (its
+    // first message is read within a turn of the socket's fair queue).
+    void saw(int fd, Part& id);
+    // A message of the connection at reading_ was dropped over its rate: past as many as it
+    // may have refusals, the connection is shut down (where the fd still holds the socket whose cookie was
+    // taken), so that a flood cannot grow what libzmq has read and the plane not yet.
+    void dropped_from();
     void refuse_over_rate(std::vector<Part>& parts, const wire::Refusal& refusal);
+    // Answer OVERLOADED a message the control plane does not see (``refusal``: what its header
+    // yielded, to address the reply), counted in ``counter``.
+    void refuse_unread(const std::string& client, const wire::Refusal& refusal,
+                       const std::string& words, int64_t Counters::*counter);
     std::string rate_words(const char* what) const;
     static std::string client_of(std::vector<Part>& parts);
     long poll_timeout(int64_t now) const;
@@ -512,6 +534,20 @@ class Plane {
     std::atomic<int64_t> pending_{0};
     std::unique_ptr<std::atomic<uint8_t>[]> spoke_{new std::atomic<uint8_t>[kMaxFds]()};
     std::unique_ptr<std::atomic<uint32_t>[]> generation_{new std::atomic<uint32_t>[kMaxFds]()};
+    // Each connection as the plane's thread first saw it (docs/reliability.md, "A flood that
+    // vanishes"), by its routing id's hash: its fd, the generation of that fd then, the
+    // socket's cookie (SO_COOKIE) when its first message was read (0: unknown, never cut), and
+    // its messages dropped over its rate. A connection past as many drops as it may have
+    // refusals is cut (dropped_from).
+    struct Peer {
+        int fd = -1;
+        uint32_t generation = 0;
+        uint64_t cookie = 0;
+        uint32_t dropped = 0;
+        bool cut = false;  // what it had sent is dropped as it is read, unparsed
+    };
+    std::unordered_map<uint64_t, Peer> peers_;
+    Peer* reading_ = nullptr;  // the connection of the message handle() is at (null: unknown)
     std::atomic<uint64_t> buffered_bytes_{0};
     std::mutex join_mu_;
     std::mutex inline_mu_;  // calls and sends made on the caller's thread, one at a time

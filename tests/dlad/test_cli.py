@@ -265,7 +265,9 @@ def test_without_the_cpp_core_the_daemon_says_so_in_one_line_and_exits_2(
     assert "No module named 'dlad._native'" in err
 
 
-@pytest.mark.parametrize(("table", "key"), [("frontend", "data_plane"), ("scheduler", "core")])
+@pytest.mark.parametrize(
+    ("table", "key"), [("frontend", "data_plane"), ("scheduler", "core"), ("frontend", "rcvhwm")]
+)
 def test_a_removed_key_is_named_as_removed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str, key: str
 ) -> None:

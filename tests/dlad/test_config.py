@@ -268,7 +268,6 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ("core = 0\nqueue_depth = 4", "core = 0\nqueue_depth = -3", "devices.dla0.queue_depth",
          ">= 1"),
         ("sndhwm = 128", "sndhwm = 0", "frontend.sndhwm", ">= 1, got 0"),
-        ("rcvhwm = 128", "rcvhwm = 0", "frontend.rcvhwm", ">= 1, got 0"),
         ("threads = 2", "threads = 0", "pre_post.threads", ">= 1"),
         ("max_message_bytes = 67108864", "max_message_bytes = 1000000",
          "frontend.max_message_bytes", "cannot hold a 4096x4096x3 image"),

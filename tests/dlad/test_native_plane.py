@@ -26,7 +26,6 @@ from dlad.devices.dram import SharedDram
 from dlad.errors import Status
 from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, loaded_libzmq
 from dlad.protocol import InferReply, InferRequest
-from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -392,26 +391,40 @@ def test_calls_and_sends_after_the_thread_has_ended_run_on_the_callers() -> None
         r.close()
 
 
-def test_a_control_plane_that_falls_behind_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the forwarding pair full, the plane stops reading the socket until it has room
-    (the clients' sockets push back): every message arrives, in order."""
+def test_a_control_plane_that_falls_behind_is_spared_and_the_socket_still_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the forwarding pair full, the plane keeps reading the socket (a connection whose
+    messages queue unread in libzmq can abort it): what the pair cannot take is answered
+    OVERLOADED by the plane, each in its own reply; what it took arrives in order; an INFER
+    behind them all is served."""
     monkeypatch.setattr(native_plane, "_FORWARD_HWM", 2)
     r = Rig([PlaneDevice("dla0", 500.0)], cheap_requests_per_s=1e6)  # every STATUS forwarded
     try:
         n = 300
         for rid in range(n):
             r.client.send_multipart(protocol.encode(protocol.StatusRequest(rid)))
-        r.infer(1000)  # behind them on the socket: read once they have gone through
-        wait_for(lambda: r.plane.counters()["received"] >= 3)  # the plane has read a few
-        assert not r.client.poll(200)  # the INFER waits behind the backlog
-        got = []
-        for _ in range(n):
-            assert r.plane.forwarded.poll(WAIT_MS)
+        r.infer(1000)
+        refused, infer = [], None
+        while infer is None:
+            assert r.client.poll(WAIT_MS)
+            reply = protocol.decode_reply(r.client.recv_multipart())
+            if isinstance(reply, protocol.InferReply):
+                infer = reply
+            else:
+                assert (type(reply).__name__, reply.status) == ("StatusReply", Status.OVERLOADED)
+                assert reply.message == "the daemon's control plane is behind; try again"
+                refused.append(reply.id)
+        assert (infer.id, infer.status) == (1000, Status.OK)
+        taken = []
+        while r.plane.forwarded.poll(200):
             _, _, _, header = r.plane.forwarded.recv_multipart()
-            got.append(msgpack.unpackb(header)["id"])
-        assert got == list(range(n))
-        assert r.reply().id == 1000
-        assert r.plane.counters()["forward_lost"] == 0
+            taken.append(msgpack.unpackb(header)["id"])
+        assert len(taken) >= 2
+        assert taken == list(range(len(taken)))
+        assert refused == list(range(len(taken), n))
+        counters = r.plane.counters()
+        assert (counters["refused_busy"], counters["forward_lost"]) == (len(refused), 0)
     finally:
         r.close()
 
@@ -498,6 +511,46 @@ def test_malformed_messages_past_a_clients_rate_are_answered_by_the_plane() -> N
         assert r.plane.forwarded.recv_multipart()[-1] == b"\xc1"
         assert not r.plane.forwarded.poll(100)  # nothing else reached the control plane
         assert r.plane.counters()["refused_over_rate"] == 4
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("flood", ["junk", "infers over the cap"])
+def test_a_connection_flooding_past_its_refusals_is_dropped_then_cut(flood: str) -> None:
+    """Past a client's cheap-message rate its junk (or its INFERs refused over its cap) is
+    answered OVERLOADED 64 times, then dropped unanswered; 64 drops later its connection is shut
+    down, so that a flood costs the plane a lookup a message and cannot queue unread in libzmq
+    (docs/reliability.md, "A flood that vanishes"). Another client is served throughout."""
+    # a token in 1000 s: 64 refusals (the least there are), then 64 drops, then the cut
+    r = Rig([PlaneDevice("dla0", 300_000.0)], cheap_requests_per_s=0.001,
+            max_in_flight_per_client=1)  # fmt: skip
+    try:
+        flooder = r.dealer()
+        closed = flooder.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        r.dealers.append(closed)  # closed with the rig's sockets
+        n = 64 + 64 + 40
+        if flood == "junk":
+            for _ in range(n):
+                flooder.send(b"\xc1")
+        else:
+            r.infer(0, flooder)  # admitted: the core takes 300 s
+            for rid in range(1, n + 1):
+                r.infer(rid, flooder)
+        assert closed.poll(WAIT_MS)  # the plane cut it
+        counters = r.plane.counters()
+        assert (counters["refused_over_rate" if flood == "junk" else "replied"], counters["cut"]) \
+            == (64, 1)  # fmt: skip
+        assert counters["dropped_over_rate"] >= 64
+        replies = []
+        while flooder.poll(100):
+            replies.append(protocol.decode_reply(flooder.recv_multipart()))
+        assert len(replies) == 64
+        assert {x.status for x in replies} == {Status.OVERLOADED}
+        assert not r.plane.forwarded.poll(0)  # none of it reached the control plane
+        r.client.send_multipart(protocol.encode(protocol.StatusRequest(8)))  # its own bucket
+        assert r.client.poll(WAIT_MS)
+        reply = protocol.decode_reply(r.client.recv_multipart())
+        assert (reply.id, reply.status) == (8, Status.OVERLOADED)
     finally:
         r.close()
 
