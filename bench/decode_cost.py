@@ -89,7 +89,7 @@ def main() -> None:
             inline, LIMITS
         ),
     }
-    ref = protocol.ShmRef("dlad-bench-decode", 0, 2 << 20)
+    ref = protocol.ShmRef("dlad-bench-decode", 64, 2 << 20, bytes(16))
     in_shm = protocol.encode(protocol.InferRequest(7, "demo", image, format="RGB", shm=ref))
     cases["decode_request, INFER, frame in shared memory"] = lambda: protocol.decode_request(
         in_shm, LIMITS, _shm_resolver

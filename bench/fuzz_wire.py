@@ -8,7 +8,10 @@ Builds ``tests/dlad/wire_fuzz.cpp`` with the decoder, both sanitizers on and eve
 ``dlad_bench.fuzz.messages`` (valid INFER, CANCEL, STATUS and INFER_BATCH requests mutated in
 their msgpack structure, fields, image and frames; about one in eight left valid), three in ten
 well-formed INFERs with random settings (half of them with one byte of the header changed or
-the header cut short), one in ten raw random bytes; each header in a buffer of exactly its
+the header cut short; three in ten naming a shared-memory segment, its own or another's, with
+a forged token, and half of those with a token of the wrong length or type, none, or an offset
+inside the segment's header), one in fifty a junk flood's one-byte message, the rest raw
+random bytes; each header in a buffer of exactly its
 size, with its frames, and shared memory on or off at random. The driver checks that what the
 decoder takes keeps the protocol's promises, that each refusal names its field, and writes each
 INFER's reply or its refusal's. Prints the
@@ -31,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "clients"))
 
+import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dlad import protocol  # noqa: E402
@@ -69,8 +73,25 @@ def _infer(rng: random.Random) -> list[bytes]:
         iou=rng.choice([None, 1.0, 1.0 - rng.random() * 0.999]),
         max_det=rng.choice([None, 1, rng.randrange(1, protocol.MAX_DET + 1)]),
     )  # fmt: skip
-    if rng.random() < 0.3:
-        request = request.in_shared_memory(protocol.ShmRef("seg", 0, 1 << 20))
+    if rng.random() < 0.3:  # a segment of its own or another's: the token, true or forged
+        ref = protocol.ShmRef(rng.choice(["seg", name[:200].lstrip(".") or "s"]),
+                              rng.randrange(64, 4096), 1 << 20, rng.randbytes(16))  # fmt: skip
+        request = request.in_shared_memory(ref)
+        frames = [bytes(f) for f in protocol.encode(request)]
+        if rng.random() < 0.5:  # the hostile shapes of an shm map
+            header = msgpack.unpackb(frames[0])
+            shm = header["shm"]
+            match rng.randrange(4):
+                case 0:
+                    shm["token"] = rng.randbytes(rng.choice([0, 1, 15, 17, 64]))
+                case 1:
+                    shm["token"] = rng.choice(["x" * 16, 16, None])
+                case 2:
+                    del shm["token"]
+                case _:
+                    shm["offset"] = rng.randrange(0, 80)
+            frames[0] = msgpack.packb(header)
+        return frames
     return [bytes(f) for f in protocol.encode(request)]
 
 
@@ -81,7 +102,10 @@ def records(n: int, seed: int) -> bytes:
     out = bytearray()
     for _ in range(n):
         pick = rng.random()
-        if pick < 0.1:
+        if pick < 0.02:  # a junk flood's one-byte messages
+            header = bytes([rng.choice([0xC1, 0x00, 0x80, 0x90, 0xFF])])
+            frames, payload = 1, 0
+        elif pick < 0.1:
             header = rng.randbytes(rng.randrange(0, 96))
             frames, payload = rng.choice([1, 2, 3]), rng.randrange(0, 1 << 12)
         elif pick < 0.4:

@@ -551,7 +551,9 @@ class Frontend:
         if key not in self._registered:
             host = self.shm.address_of(owner, ref.name)
             device = self.shm_device(host)
-            if self.plane.add_segment(owner, ref.name, ref.size, host, device):
+            if self.plane.add_segment(
+                owner, ref.name, ref.size, ref.token, host=host, device=device
+            ):
                 self._registered.add(key)
                 self.shm.hold(owner, ref.name)
         return view

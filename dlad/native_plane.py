@@ -590,13 +590,16 @@ class NativePlane:
             for kind, device, reason, seconds, client, request_id, to in self._plane.take_events()
         ]
 
-    def add_segment(self, owner: str, name: str, size: int, host: int = 0, device: int = 0) -> bool:
-        """Register ``owner``'s shared-memory segment ``name`` of ``size`` bytes (mapped and
-        checked by the caller, at ``host``; ``device``: its address for the GPU, 0 where it is
-        not registered there): the plane takes INFERs whose frame lies inside it. False where
-        it is registered at another size while frames of it are in flight. The mapping must
-        stay until :meth:`idle_segments` (or :meth:`drop_segment`) has let it go."""
-        return self._plane.add_segment(owner, name, size, host, device)
+    def add_segment(
+        self, owner: str, name: str, size: int, token: bytes, *, host: int = 0, device: int = 0
+    ) -> bool:
+        """Register ``owner``'s shared-memory segment ``name`` of ``size`` bytes whose header
+        holds ``token`` (mapped and checked by the caller, at ``host``; ``device``: its address
+        for the GPU, 0 where it is not registered there): the plane takes INFERs with that token
+        whose frame lies inside it. False where it is registered at another size while frames
+        of it are in flight. The mapping must stay until :meth:`idle_segments` (or
+        :meth:`drop_segment`) has let it go."""
+        return self._plane.add_segment(owner, name, size, token, host, device)
 
     def drop_segment(self, owner: str, name: str) -> bool:
         """Unregister a segment; False while frames of it are in flight (it stays)."""

@@ -375,6 +375,12 @@ def _set(obj: object, name: str, value: object) -> None:
 
 MAX_SHM_BYTES: Final = 1 << 40
 """The largest shared-memory segment an INFER may name (1 TiB: a bound, not a budget)."""
+SHM_MAGIC: Final = b"DLADSHM1"
+SHM_TOKEN_BYTES: Final = 16
+SHM_HEADER_BYTES: Final = 64
+"""A segment's header (docs/protocol.md, Shared-memory frames): ``SHM_MAGIC``, then the
+segment's token, then zeros; frames lie after it. Who names a segment proves it is theirs
+with the token, which only those who can read the segment know."""
 _SHM_NAME: Final = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 
@@ -382,20 +388,34 @@ _SHM_NAME: Final = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 class ShmRef:
     """Where a same-host client put an INFER's image (docs/protocol.md, Shared-memory frames):
     the POSIX shared-memory segment ``name`` (as in ``/dev/shm/<name>``: letters, digits,
-    ``_ - .``, not starting with a dot; at most 200), ``offset`` bytes into it, and the
-    segment's ``size`` as the client created it. Raises ProtocolError on a bad field."""
+    ``_ - .``, not starting with a dot; at most 200), ``offset`` bytes into it (past its
+    ``SHM_HEADER_BYTES`` header), the segment's ``size`` as the client created it, and the
+    ``token`` its header holds (``SHM_TOKEN_BYTES``; :func:`shm_header`). Raises ProtocolError on
+    a bad field."""
 
     name: str
     offset: int
     size: int
+    token: bytes
 
     def __post_init__(self) -> None:
         name: object = self.name
         if not (isinstance(name, str) and _SHM_NAME.fullmatch(name)):
             _fail("shm.name", f"must be a segment name ([A-Za-z0-9._-], 1 to 200, no leading "
                               f"dot), got {_show(self.name)}")  # fmt: skip
-        _set(self, "size", _int(self.size, "shm.size", 1, MAX_SHM_BYTES))
-        _set(self, "offset", _int(self.offset, "shm.offset", 0, self.size - 1))
+        _set(self, "size", _int(self.size, "shm.size", SHM_HEADER_BYTES + 1, MAX_SHM_BYTES))
+        _set(self, "offset", _int(self.offset, "shm.offset", SHM_HEADER_BYTES, self.size - 1))
+        token: object = self.token
+        if not (isinstance(token, bytes) and len(token) == SHM_TOKEN_BYTES):
+            _fail("shm.token", f"must be {SHM_TOKEN_BYTES} bytes, got {_show(self.token)}")
+
+
+def shm_header(token: bytes) -> bytes:
+    """The ``SHM_HEADER_BYTES`` a segment starts with, holding ``token`` (a client's secret:
+    ``secrets.token_bytes(SHM_TOKEN_BYTES)``, one per segment)."""
+    if len(token) != SHM_TOKEN_BYTES:
+        raise ValueError(f"a segment's token is {SHM_TOKEN_BYTES} bytes, got {len(token)}")
+    return SHM_MAGIC + token + bytes(SHM_HEADER_BYTES - len(SHM_MAGIC) - SHM_TOKEN_BYTES)
 
 
 ShmResolver = Callable[[ShmRef, int], memoryview]
@@ -997,7 +1017,7 @@ def _image_map(message: InferRequest) -> dict[str, Any]:
 
 
 def _shm_map(ref: ShmRef) -> dict[str, Any]:
-    return {"name": ref.name, "offset": ref.offset, "size": ref.size}
+    return {"name": ref.name, "offset": ref.offset, "size": ref.size, "token": ref.token}
 
 
 BatchResult: TypeAlias = (
@@ -1174,7 +1194,7 @@ _ENVELOPE: Final = ("v", "kind", "id")
 _REPLY_ENVELOPE: Final = (*_ENVELOPE, "status", "message")
 IMAGE_FIELDS: Final = ("height", "width", "format", "dtype")
 """An INFER's ``image`` map: all of these, no other."""
-SHM_FIELDS: Final = ("name", "offset", "size")
+SHM_FIELDS: Final = ("name", "offset", "size", "token")
 """An INFER's ``shm`` map: all of these, no other."""
 _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     # kind: (required fields, optional fields); every other field is refused.
@@ -1252,12 +1272,13 @@ def decode_request(
     return batch
 
 
-def _checked_ref(name: str, offset: int, size: int) -> ShmRef:
+def _checked_ref(name: str, offset: int, size: int, token: bytes) -> ShmRef:
     """A ShmRef the decoder has checked (not checked again)."""
     ref = object.__new__(ShmRef)
     _set(ref, "name", name)
     _set(ref, "offset", offset)
     _set(ref, "size", size)
+    _set(ref, "token", token)
     return ref
 
 

@@ -11,9 +11,13 @@ What keeps it safe and bounded:
 
 - a slot belongs to the daemon from the notification until its reply (the client's side of the
   rule: ``dlad_client`` frees a slot only when the daemon has answered that request);
+- a segment is used only by who can read it: its header holds a token the client names it with
+  (protocol.shm_header), which the daemon compares before anything else of it is believed or
+  said; until the token matches, every refusal has the same words, so that naming another's
+  segment tells nothing of it (whether it exists, its size);
 - segments are mapped per client identity (two clients naming the same segment get separate
   mappings, each checked), read-only, opened with ``O_NOFOLLOW`` from ``/dev/shm`` only; the
-  name, offset and size are checked against the segment before any byte is read;
+  name, offset and size are checked against the segment before any frame byte is read;
 - a client that shrinks a segment the daemon has mapped (``ftruncate``) cannot kill it: reading
   a page the file no longer has raises SIGBUS, which the C++ guard (``dlad/native/shm_guard.hpp``)
   absorbs, mapping zero pages over the segment; the frames of it in flight are refused
@@ -26,7 +30,7 @@ What keeps it safe and bounded:
 
 from __future__ import annotations
 
-import errno
+import hmac
 import mmap
 import os
 import stat
@@ -40,7 +44,7 @@ import structlog
 from dlad import _native
 from dlad.config import ShmConfig
 from dlad.errors import BadRequest, Overloaded
-from dlad.protocol import ShmRef
+from dlad.protocol import SHM_HEADER_BYTES, SHM_MAGIC, ShmRef, shm_header
 
 __all__ = ["SHM_DIR", "SharedFrames"]
 
@@ -56,6 +60,7 @@ _LOOPBACK = ("127.", "::1", "localhost")  # tcp loopback peers; "localhost:..." 
 class _Segment:
     name: str
     size: int
+    token: bytes
     map: mmap.mmap
     users: int = 0  # frames admitted and not yet answered
     last_used: float = 0.0
@@ -108,6 +113,8 @@ class SharedFrames:
             )
         key = (owner, ref.name)
         seg = self._segments.get(key)
+        if seg is not None and not hmac.compare_digest(seg.token, ref.token):
+            raise _not_yours(ref)
         if seg is not None and self.broken(owner, ref.name):  # the client shrank it
             if seg.users:
                 raise BadRequest(
@@ -216,13 +223,16 @@ class SharedFrames:
             # O_NONBLOCK: opening a FIFO (or a device) a client put there must not block the
             # event loop; its type is refused below, before anything reads it.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            why = "no such segment" if exc.errno == errno.ENOENT else exc.strerror
-            raise BadRequest(f"shm: cannot open segment {ref.name!r}: {why}") from None
+        except OSError:
+            raise _not_yours(ref) from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BadRequest(f"shm: {ref.name!r} is not a shared-memory segment")
+            # a read, not the map: a file shrunk meanwhile reads short instead of faulting
+            if not (stat.S_ISREG(st.st_mode) and st.st_size > SHM_HEADER_BYTES) or not (
+                hmac.compare_digest(os.pread(fd, SHM_HEADER_BYTES, 0), shm_header(ref.token))
+            ):
+                raise _not_yours(ref)
+            # from here the client has shown the segment is theirs: its size may be told
             if st.st_size != ref.size:
                 raise BadRequest(
                     f"shm: segment {ref.name!r} is {st.st_size} bytes, the request says {ref.size}"
@@ -233,7 +243,7 @@ class SharedFrames:
         if not _native.shm_watch(_address(m), ref.size):
             m.close()
             raise Overloaded("shm: the guard watches as many segments as it can; try later")
-        seg = _Segment(ref.name, ref.size, m)
+        seg = _Segment(ref.name, ref.size, ref.token, m)
         self._segments[key] = seg
         if self.on_map is not None:
             self.on_map(_address(m), ref.size)
@@ -250,6 +260,15 @@ class SharedFrames:
         """Close the maps of unmapped segments whose last frame view has gone (a view still
         alive, e.g. a frame a worker thread holds, keeps its map until the next pass)."""
         self._closing = [m for m in self._closing if not _closed(m)]
+
+
+def _not_yours(ref: ShmRef) -> BadRequest:
+    """The one refusal of a segment whose header does not hold the request's token, for
+    whatever reason (none by that name, not a file, too small, unreadable, another token)."""
+    return BadRequest(
+        f"shm: segment {ref.name!r} is not this client's: no segment of that name starts with "
+        f"the header ({SHM_MAGIC!r}) holding this token (docs/protocol.md, Shared-memory frames)"
+    )
 
 
 def _closed(m: mmap.mmap) -> bool:

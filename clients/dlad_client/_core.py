@@ -38,6 +38,8 @@ from dlad.protocol import (
     CHANNELS,
     DEFAULT_LIMITS,
     MAX_BATCH_IMAGES,
+    SHM_HEADER_BYTES,
+    SHM_TOKEN_BYTES,
     CancelReply,
     DaemonStatus,
     ErrorReply,
@@ -56,6 +58,7 @@ from dlad.protocol import (
     decode_reply,
     encode,
     endpoint_error,
+    shm_header,
 )
 
 __all__ = ["ClientClosed", "ClientTimeout", "CurveKeys", "Result"]
@@ -326,9 +329,10 @@ def _local(endpoint: str) -> bool:
 class ShmSlots:
     """Shared-memory slots for a client's frames (docs/protocol.md, Shared-memory frames).
 
-    One POSIX segment of ``slots x slot_bytes`` bytes, created by the client (mode 0600, a
-    random name) and unlinked on :meth:`close`; Python's resource tracker unlinks it if the
-    process dies first. A slot is the daemon's from the INFER that names it until the daemon
+    One POSIX segment of a header (``SHM_HEADER_BYTES``, holding a random token that proves the
+    segment is this client's) and ``slots x slot_bytes`` bytes, created by the client (mode
+    0600, a random name) and unlinked on :meth:`close`; Python's resource tracker unlinks it if
+    the process dies first. A slot is the daemon's from the INFER that names it until the daemon
     answers that request: a late reply frees it too, a reply that never comes keeps it (frames
     then go inline once every slot is taken).
     """
@@ -339,12 +343,16 @@ class ShmSlots:
 
         self.slot_bytes = slot_bytes
         self._segment = shared_memory.SharedMemory(
-            name=f"dlad-{os.getpid()}-{secrets.token_hex(6)}", create=True, size=slots * slot_bytes
+            name=f"dlad-{os.getpid()}-{secrets.token_hex(6)}",
+            create=True,
+            size=SHM_HEADER_BYTES + slots * slot_bytes,
         )
         self.size = self._segment.size  # as the OS reports it (a page multiple on some)
         buf = self._segment.buf
         assert buf is not None  # an open segment
-        self._buffer = np.frombuffer(buf, np.uint8)
+        self._token = secrets.token_bytes(SHM_TOKEN_BYTES)
+        buf[:SHM_HEADER_BYTES] = shm_header(self._token)
+        self._buffer = np.frombuffer(buf, np.uint8)[SHM_HEADER_BYTES:]
         self._free = list(range(slots - 1, -1, -1))
         self._reserved: set[int] = set()  # handed out by frame(), not yet submitted
         self._busy: dict[int, list[int]] = {}  # request id -> its slots (a batch has several)
@@ -383,7 +391,7 @@ class ShmSlots:
         else:
             self._reserved.discard(slot)
         self._busy.setdefault(request_id, []).append(slot)
-        return ShmRef(self.name, slot * self.slot_bytes, self.size)
+        return ShmRef(self.name, SHM_HEADER_BYTES + slot * self.slot_bytes, self.size, self._token)
 
     def unplace(self, request_id: int) -> None:
         """``request_id`` was never sent: its slot is free again."""

@@ -49,7 +49,7 @@ dlad::wire::Limits limits_of(const std::tuple<uint64_t, uint64_t, int64_t, int64
 
 // wire::decode_request for protocol.decode_request: (False, field, message, id, kind) for a
 // refusal, else (True, kind, id, model, priority, deadline_ms, conf, iou, max_det, load,
-// images), each image (format, height, width, channels, stream, shm (name, offset, size) or
+// images), each image (format, height, width, channels, stream, shm (name, offset, size, token) or
 // None, its payload's frame or 0)
 py::tuple decode_request(const py::buffer& header, const std::vector<uint64_t>& payloads,
                          const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
@@ -69,7 +69,10 @@ py::tuple decode_request(const py::buffer& header, const std::vector<uint64_t>& 
     py::list images;
     for (const auto& img : r.images) {
         py::object ref = py::none();
-        if (img.shm) ref = py::make_tuple(img.shm->name, img.shm->offset, img.shm->size);
+        if (img.shm) {
+            ref = py::make_tuple(img.shm->name, img.shm->offset, img.shm->size,
+                                 py::bytes(img.shm->token));
+        }
         images.append(py::make_tuple(img.format, img.height, img.width, img.channels, img.stream,
                                      ref, img.frame));
     }
@@ -303,6 +306,8 @@ PYBIND11_MODULE(_native, m) {
         d["max_name_chars"] = w::kMaxNameChars;
         d["max_shm_bytes"] = w::kMaxShmBytes;
         d["max_shm_name"] = w::kMaxShmName;
+        d["shm_header_bytes"] = w::kShmHeaderBytes;
+        d["shm_token_bytes"] = w::kShmTokenBytes;
         d["limits"] = py::make_tuple(limits.max_message_bytes, limits.max_header_bytes,
                                      limits.max_width, limits.max_height, limits.max_image_pixels);
         py::dict kinds;
@@ -439,10 +444,11 @@ PYBIND11_MODULE(_native, m) {
         .def(
             "add_segment",
             [](dlad::plane::Plane& p, const std::string& owner, const std::string& name,
-               uint64_t size, uintptr_t host, uint64_t device) {
-                return p.add_segment(owner, name, size, ptr<const uint8_t>(host), device);
+               uint64_t size, const py::bytes& token, uintptr_t host, uint64_t device) {
+                return p.add_segment(owner, name, size, std::string(token),
+                                     ptr<const uint8_t>(host), device);
             },
-            py::arg("owner"), py::arg("name"), py::arg("size"), py::arg("host"),
+            py::arg("owner"), py::arg("name"), py::arg("size"), py::arg("token"), py::arg("host"),
             py::arg("device"), py::call_guard<py::gil_scoped_release>())
         .def("drop_segment", &dlad::plane::Plane::drop_segment, py::arg("owner"),
              py::arg("name"), py::call_guard<py::gil_scoped_release>())

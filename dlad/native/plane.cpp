@@ -416,7 +416,7 @@ State Plane::state() {
 }
 
 bool Plane::add_segment(const std::string& owner, const std::string& name, uint64_t size,
-                        const uint8_t* host, uint64_t device) {
+                        const std::string& token, const uint8_t* host, uint64_t device) {
     bool ok = true;
     call([&] {
         Segment& seg = segments_[segment_key(owner, name)];
@@ -425,6 +425,7 @@ bool Plane::add_segment(const std::string& owner, const std::string& name, uint6
             return;
         }
         seg.size = size;
+        seg.token = token;
         seg.last_used_ns = now_ns();
         if (seg.users == 0) {  // else the same mapping, named again
             seg.host = host;
@@ -697,6 +698,14 @@ Plane::Rate Plane::over_rate(std::vector<Part>& parts) {
 
 namespace {
 
+// Whether two segment tokens are equal, in a time that does not tell where they differ.
+bool same_token(const std::string& a, const std::string& b) {
+    if (a.size() != b.size()) return false;
+    unsigned char diff = 0;
+    for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+    return diff == 0;
+}
+
 uint64_t socket_cookie(int fd) {
     uint64_t cookie = 0;
     socklen_t size = sizeof cookie;
@@ -853,6 +862,7 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
         std::string seg = segment_key(job.owner, img.shm->name);
         const auto it = segments_.find(seg);
         if (it == segments_.end() || it->second.size != img.shm->size ||
+            !same_token(it->second.token, img.shm->token) ||
             shm_guard::broken(reinterpret_cast<uintptr_t>(it->second.host))) {
             // (a segment that shrank: the control plane refuses and drops it)
             forward(parts, {"", "", req.id, wire::kInfer});

@@ -286,11 +286,13 @@ class Plane {
     // registers them here; an INFER naming one that is not registered, or not at that size,
     // or whose frame would not fit, is forwarded). A segment is held while frames of it are
     // admitted and not yet answered.
-    // Register ``owner``'s segment ``name`` of ``size`` bytes, mapped at ``host`` here (and at
-    // ``device`` for the GPU, 0: not registered there): false where it is registered at
-    // another size with frames in flight (a client must not resize a segment in use).
+    // Register ``owner``'s segment ``name`` of ``size`` bytes whose header holds ``token``,
+    // mapped at ``host`` here (and at ``device`` for the GPU, 0: not registered there): false
+    // where it is registered at another size with frames in flight (a client must not resize
+    // a segment in use). An INFER naming it with another token is forwarded.
     bool add_segment(const std::string& owner, const std::string& name, uint64_t size,
-                     const uint8_t* host = nullptr, uint64_t device = 0);
+                     const std::string& token, const uint8_t* host = nullptr,
+                     uint64_t device = 0);
     // Unregister it: false while frames of it are in flight (it stays).
     bool drop_segment(const std::string& owner, const std::string& name);
     // Unregister the segments no frame holds that have not been used for ``idle_ms``; returns
@@ -496,6 +498,7 @@ class Plane {
     std::map<std::string, std::string> first_model_;  // device -> a model it serves (probes)
     struct Segment {
         uint64_t size = 0;
+        std::string token;  // what its header holds (protocol.shm_header)
         int64_t users = 0;  // its frames admitted and not yet answered
         int64_t last_used_ns = 0;
         const uint8_t* host = nullptr;  // where it is mapped here

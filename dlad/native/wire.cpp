@@ -476,7 +476,7 @@ const char* type_name(Type t) {  // Python's name of what msgpack-python gives
 struct Refused {};  // thrown by Decoder::fail, caught in decode_request: the refusal is set
 
 constexpr std::array<std::string_view, 4> kImageKeys = {"height", "width", "format", "dtype"};
-constexpr std::array<std::string_view, 3> kShmKeys = {"name", "offset", "size"};
+constexpr std::array<std::string_view, 4> kShmKeys = {"name", "offset", "size", "token"};
 constexpr std::array<std::string_view, 2> kBatchImageKeys = {"stream", "shm"};
 
 struct KindKeys {
@@ -700,8 +700,16 @@ Image image(Decoder& dec, uint32_t img, uint32_t raw_shm, const uint64_t* payloa
         }
         ShmRef ref;
         ref.name = std::string(d[name].s);
-        ref.size = dec.integer(dec.get(raw_shm, "size"), Path{path, "shm.size"}, 1, kMaxShmBytes);
-        ref.offset = dec.integer(dec.get(raw_shm, "offset"), Path{path, "shm.offset"}, 0, ref.size - 1);
+        ref.size = dec.integer(dec.get(raw_shm, "size"), Path{path, "shm.size"}, kShmHeaderBytes + 1,
+                               kMaxShmBytes);
+        ref.offset = dec.integer(dec.get(raw_shm, "offset"), Path{path, "shm.offset"},
+                                 kShmHeaderBytes, ref.size - 1);
+        const uint32_t token = dec.get(raw_shm, "token");
+        if (!(d[token].type == Type::bin && d[token].s.size() == kShmTokenBytes)) {
+            dec.fail(Path{path, "shm.token"}, "must be " + std::to_string(kShmTokenBytes) +
+                                                  " bytes, got " + show(d, token));
+        }
+        ref.token = std::string(d[token].s);
         if (out.bytes() > ref.size - ref.offset) {
             dec.fail(Path{path, "shm"}, "a " + std::to_string(out.bytes()) + "-byte frame at offset " +
                                        std::to_string(ref.offset) + " ends past the segment's " +

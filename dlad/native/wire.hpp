@@ -39,6 +39,8 @@ constexpr size_t kMaxBatchImages = 16;     // protocol.MAX_BATCH_IMAGES
 constexpr int kMaxRequestDepth = 4;        // protocol.MAX_REQUEST_DEPTH
 constexpr uint64_t kMaxShmBytes = uint64_t{1} << 40;  // protocol.MAX_SHM_BYTES
 constexpr size_t kMaxShmName = 200;
+constexpr uint64_t kShmHeaderBytes = 64;  // protocol.SHM_HEADER_BYTES
+constexpr size_t kShmTokenBytes = 16;     // protocol.SHM_TOKEN_BYTES
 
 // protocol.Limits: the daemon's bounds on a message (from [frontend] in its config).
 struct Limits {
@@ -53,6 +55,7 @@ struct ShmRef {  // protocol.ShmRef
     std::string name;
     uint64_t offset = 0;
     uint64_t size = 0;
+    std::string token;  // protocol.SHM_TOKEN_BYTES bytes
 };
 
 // A decoded request: its kind's fields (protocol.InferRequest, InferBatchRequest,

@@ -348,18 +348,27 @@ def test_a_cudla_core_that_cannot_open_is_refused_at_start(
 
 
 SLOT = 1 << 20
+TOKEN = bytes(range(16))  # the test segments' token
 
 
-def _shm_header(rid: int, name: str, size: int, offset: int = 0) -> bytes:
+def _new_segment(size: int, name: str | None = None) -> shared_memory.SharedMemory:
+    """A segment of ``size`` bytes whose header holds TOKEN."""
+    seg = shared_memory.SharedMemory(name=name, create=True, size=size)
+    assert seg.buf is not None
+    seg.buf[: protocol.SHM_HEADER_BYTES] = protocol.shm_header(TOKEN)
+    return seg
+
+
+def _shm_header(rid: int, name: str, size: int, offset: int = protocol.SHM_HEADER_BYTES) -> bytes:
     header = {"v": 1, "kind": 1, "id": rid, "model": "demo",
-              "shm": {"name": name, "offset": offset, "size": size},
+              "shm": {"name": name, "offset": offset, "size": size, "token": TOKEN},
               "image": {"height": 8, "width": 8, "format": "RGB", "dtype": "uint8"}}  # fmt: skip
     return msgpack.packb(header)
 
 
 @pytest.fixture
 def segment() -> Iterator[shared_memory.SharedMemory]:
-    seg = shared_memory.SharedMemory(create=True, size=SLOT)
+    seg = _new_segment(SLOT)
     yield seg
     seg.close()
     with contextlib.suppress(FileNotFoundError):  # a test may have replaced it
@@ -389,7 +398,7 @@ def test_bad_notifications_are_bad_requests_before_and_after_the_segment_is_know
 ) -> None:
     with native(tmp_path) as (daemon, ep), dealer(ep) as sock:
         cases = [
-            (_shm_header(1, "dlad-no-such-segment", SLOT), "no such segment"),
+            (_shm_header(1, "dlad-no-such-segment", SLOT), "is not this client's"),
             (_shm_header(2, segment.name, SLOT // 2), "the request says"),
             (_shm_header(3, segment.name, SLOT, offset=SLOT - 10), "ends past"),
         ]
@@ -432,7 +441,7 @@ def _mapped(shm: SharedFrames) -> int:
 
 
 def test_a_segment_made_again_at_another_size_is_mapped_again(tmp_path: Path) -> None:
-    first = shared_memory.SharedMemory(create=True, size=SLOT)
+    first = _new_segment(SLOT)
     name = first.name
     try:
         with native(tmp_path) as (daemon, ep), dealer(ep) as sock:
@@ -440,7 +449,7 @@ def test_a_segment_made_again_at_another_size_is_mapped_again(tmp_path: Path) ->
             assert recv(sock).status is Status.OK
             first.close()
             first.unlink()
-            first = shared_memory.SharedMemory(name=name, create=True, size=2 * SLOT)
+            first = _new_segment(2 * SLOT, name)
             sock.send_multipart([_shm_header(2, name, 2 * SLOT)])
             again = recv(sock)
             assert again.status is Status.OK, again.message

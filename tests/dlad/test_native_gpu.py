@@ -491,9 +491,9 @@ def test_shared_memory_frames_are_read_in_place_where_the_gpu_has_the_segment(
     offset = 1000
     segment[offset : offset + image.nbytes] = image.reshape(-1)
     base = _address(segment)
-    assert rig.plane.add_segment("63616d", "seg", segment.nbytes, host=base,
+    assert rig.plane.add_segment("63616d", "seg", segment.nbytes, bytes(16), host=base,
                                  device=base if registered else 0)  # fmt: skip
-    ref = ShmRef("seg", offset, segment.nbytes)
+    ref = ShmRef("seg", offset, segment.nbytes, bytes(16))
     rig.infer(1, image, shm=ref)
     r = rig.reply()
     assert r.status is Status.OK, r.message
@@ -615,6 +615,8 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
     daemon = FakeService.daemon = Daemon(plan, endpoints=["tcp://127.0.0.1:0"])
     image = np.arange(6 * 10 * 3, dtype=np.uint8).reshape(6, 10, 3)
     segment = shared_memory.SharedMemory(create=True, size=4096)
+    assert segment.buf is not None
+    segment.buf[: protocol.SHM_HEADER_BYTES] = protocol.shm_header(bytes(16))
     try:
         with capture_logs() as logs, serve_in_thread(daemon) as endpoint, dealer(endpoint) as sock:
             (service,) = FakeService.made
@@ -639,7 +641,7 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
             buf = segment.buf
             assert buf is not None
             np.frombuffer(buf, np.uint8)[offset : offset + image.nbytes] = image.reshape(-1)
-            ref = ShmRef(segment.name, offset, segment.size)
+            ref = ShmRef(segment.name, offset, segment.size, bytes(16))
             for rid in (3, 4):  # the first through the event loop, the second the plane's own
                 sock.send_multipart(protocol.encode(InferRequest(rid, "demo", image, shm=ref)))
                 s = recv(sock)

@@ -97,6 +97,8 @@ def test_the_decoders_constants_are_the_protocols() -> None:
         "max_name_chars": protocol.MAX_NAME_CHARS,
         "max_shm_bytes": protocol.MAX_SHM_BYTES,
         "max_shm_name": shm_name_chars,
+        "shm_header_bytes": protocol.SHM_HEADER_BYTES,
+        "shm_token_bytes": protocol.SHM_TOKEN_BYTES,
         "max_batch_images": protocol.MAX_BATCH_IMAGES,
         "max_request_depth": protocol.MAX_REQUEST_DEPTH,
         "limits": protocol._native_limits(protocol.DEFAULT_LIMITS),
@@ -174,7 +176,7 @@ def test_every_well_formed_infer_is_taken_as_it_was_built(
     request: InferRequest, in_shm: bool
 ) -> None:
     if in_shm:
-        request = request.in_shared_memory(ShmRef("seg", 0, 1 << 10))
+        request = request.in_shared_memory(ShmRef("seg", 64, 1 << 10, bytes(16)))
     got = decode(protocol.encode(request))
     assert got == {name: getattr(request, name) for name in _FIELDS} | {
         "shape": request.image.shape
@@ -226,6 +228,14 @@ def _pack_any_width(value: object, draw: st.DrawFn) -> bytes:
         if n < 2**16:
             options.append(b"\xda" + struct.pack(">H", n) + raw)
         return draw(st.sampled_from(options))
+    if isinstance(value, bytes):
+        n = len(value)
+        options = [b"\xc6" + struct.pack(">I", n) + value]
+        if n < 2**8:
+            options.append(b"\xc4" + struct.pack(">B", n) + value)
+        if n < 2**16:
+            options.append(b"\xc5" + struct.pack(">H", n) + value)
+        return draw(st.sampled_from(options))
     assert isinstance(value, dict)
     n = len(value)
     heads = [b"\xdf" + struct.pack(">I", n), b"\xde" + struct.pack(">H", n)]
@@ -247,7 +257,7 @@ def test_every_encoding_of_a_value_reads_the_same(
     data: st.DataObject, request: InferRequest, in_shm: bool
 ) -> None:
     if in_shm:
-        request = request.in_shared_memory(ShmRef("seg", 0, 1 << 10))
+        request = request.in_shared_memory(ShmRef("seg", 64, 1 << 10, bytes(16)))
     frames = protocol.encode(request)
     header = msgpack.unpackb(frames[0])
     if data.draw(st.booleans()):  # conf and iou as ints and floats of their value
@@ -326,7 +336,7 @@ def _edited(edit: dict[str, Any], shm: dict[str, Any] | None = None) -> list[Any
     return [msgpack.packb(header), bytes(3 * 4 * 3)]
 
 
-_SEG = {"name": "seg", "offset": 0, "size": 1 << 10}
+_SEG = {"name": "seg", "offset": 64, "size": 1 << 10, "token": bytes(16)}
 
 
 @pytest.mark.parametrize(("edit", "shm", "taken"), [
@@ -345,8 +355,11 @@ _SEG = {"name": "seg", "offset": 0, "size": 1 << 10}
     ({}, _SEG | {"name": "se/g"}, False), ({}, _SEG | {"offset": 988}, True),
     ({}, _SEG | {"offset": 989}, False),
     ({}, _SEG | {"offset": 1 << 10}, False), ({}, _SEG | {"size": 0, "offset": 0}, False),
+    ({}, _SEG | {"offset": 63}, False), ({}, _SEG | {"size": 64}, False),
+    ({}, _SEG | {"token": bytes(15)}, False), ({}, _SEG | {"token": "x" * 16}, False),
+    ({}, {k: v for k, v in _SEG.items() if k != "token"}, False),
     ({}, _SEG | {"size": (1 << 40) + 1}, False), ({}, _SEG | {"extra": 1}, False),
-    ({}, {"name": "seg", "offset": 0}, False), ({"id": 2**64 - 1}, None, True),
+    ({}, {"name": "seg", "offset": 64}, False), ({"id": 2**64 - 1}, None, True),
     ({"deadline_ms": 3_600_000}, None, True), ({"deadline_ms": 3_600_001}, None, False),
     ({"deadline_ms": 0}, None, False), ({"max_det": 1000}, None, True),
     ({"max_det": 1001}, None, False), ({"v": 2}, None, False), ({"kind": 2}, None, False),

@@ -715,7 +715,7 @@ def _items(rid: int, n: int, **fields: Any) -> tuple[InferRequest, ...]:
 
 
 def test_a_batch_round_trips_with_each_images_stream_and_shared_memory_slot() -> None:
-    ref = protocol.ShmRef("seg", 64, 4096)
+    ref = protocol.ShmRef("seg", 64, 4096, bytes(16))
     first, second, third = _items(9, 3, deadline_ms=50, conf=0.5)
     second = InferRequest(9, "demo", second.image, stream="cam1", deadline_ms=50, conf=0.5,
                           shm=ref)  # fmt: skip
@@ -723,7 +723,12 @@ def test_a_batch_round_trips_with_each_images_stream_and_shared_memory_slot() ->
     frames = encode(protocol.InferBatchRequest(9, "demo", items))
     assert len(frames) == 3  # the header and the two images not in shared memory
     header = msgpack.unpackb(frames[0])
-    assert header["images"][1]["shm"] == {"name": "seg", "offset": 64, "size": 4096}
+    assert header["images"][1]["shm"] == {
+        "name": "seg",
+        "offset": 64,
+        "size": 4096,
+        "token": bytes(16),
+    }
     assert (header["deadline_ms"], header["conf"]) == (50, 0.5)
     seen = []
 
@@ -800,7 +805,7 @@ def test_a_batch_reply_with_a_bad_result_names_it() -> None:
 
 
 def test_moving_a_checked_request_into_shared_memory_keeps_everything_else() -> None:
-    ref = protocol.ShmRef("seg", 0, 4096)
+    ref = protocol.ShmRef("seg", 64, 4096, bytes(16))
     items = _items(3, 2, conf=0.4, max_det=7)
     moved = items[0].in_shared_memory(ref)
     assert moved.shm == ref
@@ -868,7 +873,8 @@ def infer_messages(draw: st.DrawFn) -> list[bytes]:
     in_shm = draw(st.booleans())
     if in_shm:
         header["shm"] = {"name": draw(st.sampled_from(["seg", "gone", "odd"])),
-                         "offset": draw(st.integers(0, 8)), "size": 1 << 10}  # fmt: skip
+                         "offset": draw(st.integers(60, 68)), "size": 1 << 10,
+                         "token": draw(st.sampled_from([bytes(16), bytes(15)]))}  # fmt: skip
     for _ in range(draw(st.integers(0, 2))):
         where = draw(st.sampled_from(["header", "image", "shm"]))
         m = header.get(where) if where != "header" else header

@@ -33,6 +33,8 @@ from tests.dlad.test_metrics import wait_for
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason=f"needs {SHM_DIR} (Linux)")
 
 SLOT = 4 << 20  # fits the 640 x 480 x 3 demo image (921,600 B)
+H = protocol.SHM_HEADER_BYTES  # a segment's header: frames lie after it
+TOKEN = bytes(range(16))  # the test segments' token (protocol.shm_header)
 
 
 def _infer_header(rid: int, shm: dict[str, object], image: np.ndarray = IMAGE) -> bytes:
@@ -98,14 +100,15 @@ def test_a_frame_too_big_for_a_slot_or_with_every_slot_taken_goes_inline() -> No
         a, b = slots.place(2, small), slots.place(3, small)
         assert a is not None
         assert b is not None
-        assert (a.offset, b.offset) == (0, 4096)
+        assert (a.offset, b.offset) == (H, H + 4096)
         assert slots.place(4, small) is None  # both slots are the daemon's
         assert slots.inline == 2
         slots.answered(2)
         c = slots.place(5, small)
         assert c is not None
-        assert c.offset == 0  # the answered slot is reused
+        assert c.offset == H  # the answered slot is reused
         with open(os.path.join(SHM_DIR, slots.name), "rb") as f:  # what the daemon maps
+            assert f.read(H) == protocol.shm_header(c.token)
             written = np.frombuffer(f.read(small.nbytes), np.uint8)
         np.testing.assert_array_equal(written, small.reshape(-1))
     finally:
@@ -129,7 +132,8 @@ def test_a_client_for_another_host_cannot_ask_for_shared_memory() -> None:
 def segment() -> Iterator[shared_memory.SharedMemory]:
     seg = shared_memory.SharedMemory(create=True, size=2 * SLOT)
     assert seg.buf is not None
-    np.frombuffer(seg.buf, np.uint8)[: IMAGE.nbytes] = IMAGE.reshape(-1)
+    seg.buf[:H] = protocol.shm_header(TOKEN)
+    np.frombuffer(seg.buf, np.uint8)[H : H + IMAGE.nbytes] = IMAGE.reshape(-1)
     yield seg
     seg.close()
     seg.unlink()
@@ -138,16 +142,31 @@ def segment() -> Iterator[shared_memory.SharedMemory]:
 @pytest.mark.parametrize(
     ("shm", "frames", "field"),
     [
-        ({"name": "dlad-no-such-segment", "offset": 0, "size": 2 * SLOT}, 1, "no such segment"),
-        ({"name": "{seg}", "offset": 2 * SLOT - 1000, "size": 2 * SLOT}, 1, "ends past"),
-        ({"name": "{seg}", "offset": 0, "size": SLOT}, 1, "the request says"),
-        ({"name": "{seg}", "offset": 2 * SLOT, "size": 2 * SLOT}, 1, "shm.offset"),
-        ({"name": "../etc/passwd", "offset": 0, "size": 4096}, 1, "shm.name"),
-        ({"name": ".hidden", "offset": 0, "size": 4096}, 1, "shm.name"),
-        ({"name": "{seg}", "offset": 0}, 1, "shm"),
-        ({"name": "{seg}", "offset": -1, "size": 2 * SLOT}, 1, "shm.offset"),
-        ({"name": "{seg}", "offset": 0, "size": 2 * SLOT}, 2, "frames"),
-        ({"name": "{seg}", "offset": 0, "size": 2 * SLOT, "extra": 1}, 1, "shm"),
+        (
+            {"name": "dlad-no-such-segment", "offset": H, "size": 2 * SLOT, "token": TOKEN},
+            1,
+            "is not this client's",
+        ),
+        (
+            {"name": "{seg}", "offset": H, "size": 2 * SLOT, "token": bytes(16)},
+            1,
+            "is not this client's",
+        ),
+        (
+            {"name": "{seg}", "offset": 2 * SLOT - 1000, "size": 2 * SLOT, "token": TOKEN},
+            1,
+            "ends past",
+        ),
+        ({"name": "{seg}", "offset": H, "size": SLOT, "token": TOKEN}, 1, "the request says"),
+        ({"name": "{seg}", "offset": 2 * SLOT, "size": 2 * SLOT, "token": TOKEN}, 1, "shm.offset"),
+        ({"name": "{seg}", "offset": 0, "size": 2 * SLOT, "token": TOKEN}, 1, "shm.offset"),
+        ({"name": "../etc/passwd", "offset": H, "size": 4096, "token": TOKEN}, 1, "shm.name"),
+        ({"name": ".hidden", "offset": H, "size": 4096, "token": TOKEN}, 1, "shm.name"),
+        ({"name": "{seg}", "offset": H, "size": 2 * SLOT}, 1, "shm"),
+        ({"name": "{seg}", "offset": H, "size": 2 * SLOT, "token": TOKEN[:8]}, 1, "shm.token"),
+        ({"name": "{seg}", "offset": -1, "size": 2 * SLOT, "token": TOKEN}, 1, "shm.offset"),
+        ({"name": "{seg}", "offset": H, "size": 2 * SLOT, "token": TOKEN}, 2, "frames"),
+        ({"name": "{seg}", "offset": H, "size": 2 * SLOT, "token": TOKEN, "extra": 1}, 1, "shm"),
     ],
 )
 def test_a_bad_notification_is_a_bad_request_and_the_daemon_goes_on(
@@ -163,10 +182,41 @@ def test_a_bad_notification_is_a_bad_request_and_the_daemon_goes_on(
         assert isinstance(reply, protocol.InferReply)  # an INFER's refusal, whoever found it
         assert field in reply.message, reply.message
         # and a good notification on the same connection is served
-        good = {"name": segment.name, "offset": 0, "size": 2 * SLOT}
+        good = {"name": segment.name, "offset": H, "size": 2 * SLOT, "token": TOKEN}
         sock.send_multipart([_infer_header(42, good)])
         ok = recv(sock)
         assert (ok.id, ok.status) == (42, Status.OK), ok.message
+        assert daemon.frontend.pending == 0
+
+
+def test_a_segment_serves_only_who_holds_its_token(
+    tmp_path: Path, segment: shared_memory.SharedMemory
+) -> None:
+    """A client naming another's segment without its token is refused in the same words as for
+    a name no segment has, whatever size it claims: nothing of the segment is read or told
+    (before, it got OK and the owner's detections, and refusals named the file's size)."""
+    other = f"dlad-test-none-{os.getpid()}"
+    with running(tmp_path) as (daemon, ep), dealer(ep) as owner, dealer(ep) as stranger:
+        mine = {"name": segment.name, "offset": H, "size": 2 * SLOT, "token": TOKEN}
+        owner.send_multipart([_infer_header(1, mine)])
+        assert recv(owner).status == Status.OK  # mapped and registered for its owner
+        words = []
+        for rid, shm in enumerate([
+            mine | {"token": bytes(16)},
+            mine | {"token": bytes(16), "size": 4 * SLOT},
+            mine | {"name": other, "token": bytes(16)},
+            mine | {"name": other},
+        ], start=2):  # fmt: skip
+            stranger.send_multipart([_infer_header(rid, shm)])
+            reply = recv(stranger)
+            assert (reply.id, reply.status) == (rid, Status.BAD_REQUEST)
+            words.append(reply.message.replace(other, segment.name))
+        assert len(set(words)) == 1, words
+        assert str(2 * SLOT) not in words[0]
+        stranger.send_multipart([_infer_header(6, mine)])  # who can read it knows its token
+        assert recv(stranger).status == Status.OK
+        owner.send_multipart([_infer_header(7, mine | {"token": bytes(16)})])
+        assert recv(owner).status == Status.BAD_REQUEST  # its own, registered: the token counts
         assert daemon.frontend.pending == 0
 
 
@@ -179,7 +229,7 @@ def test_a_daemon_with_shm_off_refuses_shared_memory_frames(
     cfg.write_text("[shm]\nenabled = false\n" + CONFIG.format(**fields))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
     with serve_in_thread(daemon) as ep, dealer(ep) as sock:
-        good = {"name": segment.name, "offset": 0, "size": 2 * SLOT}
+        good = {"name": segment.name, "offset": H, "size": 2 * SLOT, "token": TOKEN}
         sock.send_multipart([_infer_header(5, good)])
         reply = recv(sock)
     assert (reply.id, reply.status) == (5, Status.BAD_REQUEST)
@@ -191,7 +241,7 @@ def test_segments_stay_mapped_while_used_and_are_reclaimed_when_idle(
 ) -> None:
     now = [100.0]
     frames = SharedFrames(ShmConfig(idle_s=10.0, max_segments=1), clock=lambda: now[0])
-    ref = protocol.ShmRef(segment.name, 0, 2 * SLOT)
+    ref = protocol.ShmRef(segment.name, H, 2 * SLOT, TOKEN)
     view = frames.resolve("client-a", ref, IMAGE.nbytes)
     np.testing.assert_array_equal(np.frombuffer(view, np.uint8), IMAGE.reshape(-1))
     assert view.readonly
@@ -211,13 +261,15 @@ def test_segments_stay_mapped_while_used_and_are_reclaimed_when_idle(
     frames.resolve("client-b", ref, IMAGE.nbytes)  # room again
     frames.close()
     with pytest.raises(BadRequest, match="ends past"):
-        frames.resolve("client-b", protocol.ShmRef(segment.name, 2 * SLOT - 10, 2 * SLOT), 11)
+        frames.resolve(
+            "client-b", protocol.ShmRef(segment.name, 2 * SLOT - 10, 2 * SLOT, TOKEN), 11
+        )
 
 
 def test_the_byte_budget_bounds_what_is_mapped(segment: shared_memory.SharedMemory) -> None:
     frames = SharedFrames(ShmConfig(max_bytes=1 << 20))
     with pytest.raises(Overloaded, match="budget"):
-        frames.resolve("c", protocol.ShmRef(segment.name, 0, 2 * SLOT), 100)
+        frames.resolve("c", protocol.ShmRef(segment.name, H, 2 * SLOT, TOKEN), 100)
     assert frames.segments == 0
 
 
@@ -286,14 +338,15 @@ def test_a_fifo_named_as_a_segment_is_refused_without_blocking_the_daemon(tmp_pa
     try:
         with running(tmp_path) as (daemon, ep), dealer(ep) as sock:
             try:
-                sock.send_multipart([_infer_header(7, {"name": name, "offset": 0, "size": SLOT})])
+                shm = {"name": name, "offset": H, "size": SLOT, "token": TOKEN}
+                sock.send_multipart([_infer_header(7, shm)])
                 reply = recv(sock)
             finally:  # were the daemon stuck in open(), a writer would free it: the test ends
                 with contextlib.suppress(OSError):
                     os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             assert (reply.id, reply.status) == (7, Status.BAD_REQUEST)
             assert isinstance(reply, protocol.InferReply)
-            assert "not a shared-memory segment" in reply.message
+            assert "is not this client's" in reply.message
             sock.send_multipart(protocol.encode(protocol.StatusRequest(8)))
             assert recv(sock).id == 8
             assert daemon.frontend.pending == 0
@@ -309,13 +362,15 @@ TRUNCATING_CLIENT = textwrap.dedent(
     endpoint, name, slot = sys.argv[1], sys.argv[2], int(sys.argv[3])
     image = np.load(sys.argv[4])
     seg = shared_memory.SharedMemory(name=name, create=True, size=slot)
-    np.frombuffer(seg.buf, np.uint8)[: image.nbytes] = image.reshape(-1)
+    token = os.urandom(16)
+    seg.buf[:64] = b"DLADSHM1" + token + bytes(40)  # protocol.shm_header(token)
+    np.frombuffer(seg.buf, np.uint8)[64 : 64 + image.nbytes] = image.reshape(-1)
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(endpoint)
     h, w, _ = image.shape
     def infer(rid):
         header = {"v": 1, "kind": 1, "id": rid, "model": "demo",
-                  "shm": {"name": name, "offset": 0, "size": slot},
+                  "shm": {"name": name, "offset": 64, "size": slot, "token": token},
                   "image": {"height": h, "width": w, "format": "RGB", "dtype": "uint8"}}
         sock.send_multipart([msgpack.packb(header)])
     def replies(n):
@@ -343,9 +398,10 @@ def test_a_segment_truncated_under_the_daemon_is_refused_and_the_daemon_lives(
     tmp_path: Path,
 ) -> None:
     """A client maps a segment, gets a frame of it served, shrinks the file to 0 bytes and
-    sends eight more frames of it: each is answered BAD_REQUEST naming the size (none is served
-    from pages the file no longer has), the daemon reads no page past the file's end (before,
-    SIGBUS killed it with every frame in it), and it goes on serving."""
+    sends eight more frames of it: each is answered BAD_REQUEST (none is served from pages the
+    file no longer has), the daemon reads no page past the file's end (before, SIGBUS killed it
+    with every frame in it), and it goes on serving. Named again, the segment no longer has the
+    header that holds its token: refused as any segment not the client's."""
     image = tmp_path / "image.npy"
     np.save(image, IMAGE)
     name = f"dlad-test-trunc-{os.getpid()}"
@@ -361,9 +417,9 @@ def test_a_segment_truncated_under_the_daemon_is_refused_and_the_daemon_lives(
             (rid, int(Status.BAD_REQUEST)) for rid in range(2, 10)
         ]
         for _, _, message in refused:
-            assert "truncated" in message or "is 0 bytes" in message, message
+            assert "truncated" in message or "is not this client's" in message, message
         assert again[0][:2] == [10, int(Status.BAD_REQUEST)]
-        assert "is 0 bytes, the request says" in again[0][2]
+        assert "is not this client's" in again[0][2]
         sock.send_multipart(protocol.encode(protocol.StatusRequest(11)))
         assert recv(sock).id == 11  # alive
         assert daemon.frontend.pending == 0
@@ -373,11 +429,12 @@ def test_the_guard_reads_zeros_where_a_mapped_segment_shrank() -> None:
     seg = shared_memory.SharedMemory(create=True, size=1 << 20)
     try:
         assert seg.buf is not None
-        seg.buf[:8] = b"\x01" * 8
+        seg.buf[:H] = protocol.shm_header(TOKEN)
+        seg.buf[H : H + 8] = b"\x01" * 8
         frames = SharedFrames(ShmConfig())
-        ref = protocol.ShmRef(seg.name, 0, 1 << 20)
+        ref = protocol.ShmRef(seg.name, H, 1 << 20, TOKEN)
         faults = _native.shm_faults()
-        view = frames.resolve("c", ref, 1 << 20)
+        view = frames.resolve("c", ref, (1 << 20) - H)
         assert bytes(view[:8]) == b"\x01" * 8
         assert not frames.broken("c", seg.name)
         os.ftruncate(seg._fd, 0)  # type: ignore[attr-defined]  # the client's fd
@@ -385,8 +442,8 @@ def test_the_guard_reads_zeros_where_a_mapped_segment_shrank() -> None:
         assert frames.broken("c", seg.name)
         assert _native.shm_faults() == faults + 1  # one fault: the whole range was replaced
         del view
-        with pytest.raises(BadRequest, match="is 0 bytes, the request says 1048576"):
-            frames.resolve("c", ref, 4096)  # dropped and opened again: refused with its size
+        with pytest.raises(BadRequest, match="is not this client's"):
+            frames.resolve("c", ref, 4096)  # dropped and opened again: its header is gone
         assert frames.segments == 0
         frames.close()
     finally:

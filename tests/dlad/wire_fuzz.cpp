@@ -53,6 +53,8 @@ void check(const dlad::wire::Request& in, size_t frames, uint64_t payload, bool 
         require(frames == 1 && shm && img.shm, "shm frame");
         require(!img.shm->name.empty() && img.shm->name.size() <= w::kMaxShmName, "shm name");
         require(img.shm->size <= w::kMaxShmBytes, "shm size");
+        require(img.shm->offset >= w::kShmHeaderBytes &&
+                    img.shm->token.size() == w::kShmTokenBytes, "shm header and token");
         require(img.shm->offset < img.shm->size &&
                     img.bytes() <= img.shm->size - img.shm->offset, "shm frame inside");
     }

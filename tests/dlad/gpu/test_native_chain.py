@@ -52,6 +52,8 @@ def _detections(tmp_path: Path, plane: str) -> list[npt.NDArray[np.float32]]:
     rng = np.random.default_rng(11)
     out = []
     segment = shared_memory.SharedMemory(create=True, size=8 << 20)
+    assert segment.buf is not None
+    segment.buf[: protocol.SHM_HEADER_BYTES] = protocol.shm_header(bytes(16))
     try:
         with serve_in_thread(daemon) as endpoint, dealer(endpoint) as sock:
             for rid, (shape, fmt, conf, iou, max_det) in enumerate(FRAMES):
@@ -62,7 +64,7 @@ def _detections(tmp_path: Path, plane: str) -> list[npt.NDArray[np.float32]]:
                         buf = segment.buf
                         assert buf is not None
                         np.frombuffer(buf, np.uint8)[4096 : 4096 + image.nbytes] = image.ravel()
-                        ref = ShmRef(segment.name, 4096, segment.size)
+                        ref = ShmRef(segment.name, 4096, segment.size, bytes(16))
                     request = InferRequest(rid, "demo", image, format=fmt, conf=conf, iou=iou,
                                            max_det=max_det, shm=ref)  # fmt: skip
                     sock.send_multipart(protocol.encode(request))
