@@ -37,7 +37,6 @@ default_deadline_ms = 1000.0
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 1000
-rcvhwm = 1000
 [metrics]
 enabled = true
 port = {metrics_port}

@@ -83,7 +83,6 @@ default_deadline_ms = 60000.0
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 1000
-rcvhwm = 1000
 [pre_post]
 enabled = {pre_post}
 backend = "{backend}"

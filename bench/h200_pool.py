@@ -55,7 +55,6 @@ default_deadline_ms = 2000.0
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 4000
-rcvhwm = 4000
 [pre_post]
 threads = 8
 [scheduler]

@@ -63,7 +63,6 @@ event_loop = "{loop}"
 [frontend]
 endpoints = ["tcp://127.0.0.1:{port}", "ipc://{ipc}"]
 sndhwm = 1000
-rcvhwm = 1000
 [metrics]
 enabled = false
 [pre_post]

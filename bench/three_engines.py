@@ -53,7 +53,6 @@ default_deadline_ms = 1000.0
 [frontend]
 endpoints = ["{endpoint}"]
 sndhwm = 2000
-rcvhwm = 2000
 [pre_post]
 enabled = false
 [scheduler]

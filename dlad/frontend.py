@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import os
 import time
@@ -92,6 +93,7 @@ class _Batch:
     results: list[protocol.BatchResult | None]
     waiting: int  # images not answered yet
     tag: int = -1  # the native plane's tag for its images' outcomes (-1: none)
+    conn: bytes = b""  # the connection it came on (its reply is for that connection only)
 
 
 # The hot path's flags as plain ints: pyzmq's are enum flags, and combining those per call
@@ -102,6 +104,8 @@ _NOBLOCK: Final = int(zmq.NOBLOCK)
 _MORE: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _STATUS_NAMES: Final = {s: s.name for s in Status}  # an enum's ``name`` is a Python property
 _STATUSES: Final = {int(s): s for s in Status}
+_CONNECTION: contextvars.ContextVar[bytes] = contextvars.ContextVar("connection", default=b"")
+"""The connection (NativePlane.send's ``conn``) of the forwarded message being handled."""
 
 
 def _not_on_gpu(address: int) -> int:
@@ -453,9 +457,9 @@ class Frontend:
         return self._handle if sock is self._socket else self._handle_forwarded
 
     async def _handle_forwarded(self, frames: list[Any]) -> None:
-        """A message of the native plane's pair: [routing id, peer address, user id, *parts],
-        an image's answer ([b"", tag, index, header]), or news of its health keeping
-        ([b"", b"health"])."""
+        """A message of the native plane's pair: [routing id, peer address, user id,
+        connection, *parts], an image's answer ([b"", tag, index, header]), or news of its
+        health keeping ([b"", b"health"])."""
         if not frames[0].bytes:
             if len(frames) == 2 and frames[1].bytes == b"health":
                 self.on_plane_health()
@@ -463,7 +467,11 @@ class Frontend:
                 self._plane_outcome(frames[1:])
             return
         peer, user = (f.bytes.decode(errors="replace") for f in frames[1:3])
-        await self._handle([frames[0], *frames[3:]], peer, user)
+        replying = _CONNECTION.set(frames[3].bytes)  # its replies go to this connection only
+        try:
+            await self._handle([frames[0], *frames[4:]], peer, user)
+        finally:
+            _CONNECTION.reset(replying)
 
     async def _handle(
         self, frames: list[Any], peer: str | None = None, user: str | None = None
@@ -606,7 +614,8 @@ class Frontend:
         """Admit each image of an INFER_BATCH as an INFER of its own; one that is refused (full
         queues, a model no device serves) gets its status in the reply, the others run."""
         images = req.images
-        batch = _Batch(client, req.id, [None] * len(images), len(images), tag=self._next_tag)
+        batch = _Batch(client, req.id, [None] * len(images), len(images), tag=self._next_tag,
+                       conn=_CONNECTION.get())  # fmt: skip
         self._next_tag += 1
         self._submit(client, owner, req.id, images, batch.tag)  # raises: nothing to undo
         self._tags[batch.tag] = batch
@@ -634,7 +643,7 @@ class Frontend:
         if (client, request_id) in self._batches:  # the plane knows INFERs, not batches
             raise BadRequest(f"request id {request_id} is already in flight on this connection")
         items = [self._item(i) for i in images]
-        refused = self.plane.submit(client, owner, request_id, items, tag)
+        refused = self.plane.submit(client, owner, request_id, items, tag, conn=_CONNECTION.get())
         if refused is not None:
             raise error_for(*refused)
 
@@ -742,18 +751,22 @@ class Frontend:
         self._tags.pop(batch.tag, None)
         results = cast("list[protocol.BatchResult]", batch.results)
         self._send_frames(batch.client, Status.OK,
-                          protocol.encode_batch_reply(batch.request_id, results))  # fmt: skip
+                          protocol.encode_batch_reply(batch.request_id, results),
+                          conn=batch.conn)  # fmt: skip
 
     async def _send(self, client: bytes, message: Any) -> None:
         self._send_frames(client, getattr(message, "status", Status.OK), protocol.encode(message))
 
-    def _send_frames(self, client: bytes, status: Status, frames: list[Any]) -> None:
-        """Queue one reply without blocking; one ZeroMQ cannot queue is counted and logged."""
+    def _send_frames(
+        self, client: bytes, status: Status, frames: list[Any], conn: bytes | None = None
+    ) -> None:
+        """Queue one reply without blocking; one ZeroMQ cannot queue is counted and logged.
+        ``conn``: the connection it is for (default: the one of the message being handled)."""
         self.counters.replied += 1
         by_status, name = self.counters.by_status, _STATUS_NAMES[status]
         by_status[name] = by_status.get(name, 0) + 1
         if self.plane is not None:  # its thread sends (the plane counts what it cannot)
-            self.plane.send(client, frames)
+            self.plane.send(client, frames, _CONNECTION.get() if conn is None else conn)
             self._recheck()
             return
         sock = self._socket  # the plane has closed: the daemon's last words

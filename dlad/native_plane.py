@@ -520,10 +520,12 @@ class NativePlane:
         self._plane.start()
         self._started = True
 
-    def send(self, client: bytes, frames: Sequence[bytes]) -> None:
+    def send(self, client: bytes, frames: Sequence[bytes], conn: bytes = b"") -> None:
         """Send a reply (its frames, without the routing id) to ``client`` from the plane's
-        thread: the answer to a message of :attr:`forwarded`."""
-        self._plane.send(client, [bytes(f) for f in frames])
+        thread: the answer to a message of :attr:`forwarded`, whose connection frame ``conn``
+        is (b"": any connection of that routing id). Where that connection has closed since,
+        the reply is dropped (counted as orphaned): a newcomer on the routing id gets none."""
+        self._plane.send(client, [bytes(f) for f in frames], conn)
 
     def drain(self, timeout_s: float) -> None:
         """Stop taking INFERs (they are answered SHUTTING_DOWN), answer what is queued and
@@ -539,17 +541,19 @@ class NativePlane:
 
     def submit(
         self, client: bytes, owner: str, request_id: int, items: Sequence[Item],
-        tag: int | None = None,
+        tag: int | None = None, *, conn: bytes = b"",
     ) -> tuple[int, str] | None:  # fmt: skip
         """Admit ``items`` as ``client``'s request ``request_id`` (``owner``: who it is for the
         in-flight cap). Its room is checked as a whole first: a refusal admits none and is
         returned as (status, message). Else each image is admitted and answered as the plane's
         INFERs are: to the client without a ``tag``, else as an :class:`Outcome` on
-        :attr:`forwarded` (a message whose routing id is empty)."""
+        :attr:`forwarded` (a message whose routing id is empty). ``conn``: the connection the
+        request came on (as :meth:`send`'s); its images are cancelled when it closes."""
         return self._plane.submit(
             client, owner, request_id, tag,
             [(i.model, i.stream, i.priority, i.deadline_ms, i.size, i.shm, i.shm_offset,
               dataclasses.astuple(i.frame), i.pixels) for i in items],
+            conn,
         )  # fmt: skip
 
     @staticmethod

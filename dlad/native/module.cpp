@@ -382,8 +382,9 @@ PYBIND11_MODULE(_native, m) {
         .def("drain", &dlad::plane::Plane::drain, py::arg("timeout_ms"),
              py::call_guard<py::gil_scoped_release>())
         .def("send",
-             [](dlad::plane::Plane& p, std::string client, std::vector<std::string> frames) {
-                 p.send(std::move(client), std::move(frames));
+             [](dlad::plane::Plane& p, std::string client, std::vector<std::string> frames,
+                const py::bytes& conn) {
+                 p.send(std::move(client), std::move(frames), std::string(conn));
              })
         .def(
             "cancel",
@@ -395,7 +396,8 @@ PYBIND11_MODULE(_native, m) {
             "submit",
             [](dlad::plane::Plane& p, const std::string& client, const std::string& owner,
                uint64_t request_id, std::optional<int64_t> tag,
-               const std::vector<PlaneItem>& items) {
+               const std::vector<PlaneItem>& items, const py::bytes& conn) {
+                const auto connection = static_cast<std::string>(conn);
                 std::vector<dlad::plane::Item> out;
                 out.reserve(items.size());
                 for (const auto& [model, stream, priority, deadline_ms, size, shm, offset, image,
@@ -409,10 +411,10 @@ PYBIND11_MODULE(_native, m) {
                                                        std::move(bytes))});
                 }
                 py::gil_scoped_release release;
-                return p.submit(client, owner, request_id, tag, std::move(out));
+                return p.submit(client, owner, request_id, tag, std::move(out), connection);
             },
             py::arg("client"), py::arg("owner"), py::arg("request_id"), py::arg("tag"),
-            py::arg("items"))
+            py::arg("items"), py::arg("conn"))
         .def("state",
              [](dlad::plane::Plane& p) {
                  dlad::plane::State s;

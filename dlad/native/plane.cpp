@@ -261,7 +261,38 @@ void Plane::drain(double timeout_ms) {
     if (thread_.joinable()) thread_.join();
 }
 
-void Plane::send(std::string client, std::vector<std::string> frames) {
+namespace {
+
+// A connection's 8 bytes (Plane::connection_of): (fd, generation), fd -1 where there are none.
+std::pair<int, uint32_t> parse_connection(const std::string& conn) {
+    if (conn.size() != 8) return {-1, 0};
+    int32_t fd = 0;
+    uint32_t generation = 0;
+    std::memcpy(&fd, conn.data(), 4);
+    std::memcpy(&generation, conn.data() + 4, 4);
+    return {fd, generation};
+}
+
+}  // namespace
+
+std::string Plane::connection_of(int fd) const {
+    std::string out(8, '\0');
+    const int32_t f = fd;
+    const uint32_t generation =
+        fd >= 0 && fd < kMaxFds ? generation_[fd].load(std::memory_order_acquire) : 0;
+    std::memcpy(out.data(), &f, 4);
+    std::memcpy(out.data() + 4, &generation, 4);
+    return out;
+}
+
+void Plane::send(std::string client, std::vector<std::string> frames, const std::string& conn) {
+    const auto [fd, generation] = parse_connection(conn);
+    if (fd >= 0 && fd < kMaxFds &&
+        generation_[fd].load(std::memory_order_acquire) != generation) {
+        std::lock_guard<std::mutex> lock(mu_);  // its connection closed: not for a newcomer
+        ++counters_.orphaned;
+        return;
+    }
     {
         std::lock_guard<std::mutex> lock(mu_);
         if (running_thread_) {
@@ -363,8 +394,10 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
                                                              const std::string& owner,
                                                              uint64_t request_id,
                                                              std::optional<int64_t> tag,
-                                                             std::vector<Item> items) {
+                                                             std::vector<Item> items,
+                                                             const std::string& conn) {
     std::optional<std::pair<int64_t, std::string>> out;
+    const auto [fd, generation] = parse_connection(conn);
     call([&] {
         const int64_t now = now_ns();
         uint64_t size = 0;
@@ -378,6 +411,10 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
             job.request_id = request_id;
             job.tag = tag;
             job.index = static_cast<int64_t>(i);
+            if (fd >= 0 && fd < kMaxFds) {  // cancelled when its connection closes
+                job.fd = fd;
+                job.generation = generation;
+            }
             job.owner = owner;
             job.model = items[i].model;
             job.received_ns = now;
@@ -785,17 +822,20 @@ void Plane::forward(std::vector<Part>& parts, const wire::Refusal& address) {
 bool Plane::send_forward(Pending& m, int flags) {
     bool ok = true;
     if (!m.parts.empty()) {
-        // [routing id, the peer's address, its CURVE key, the message's parts...]: a message's
-        // metadata does not cross the pair, and the control plane needs the peer (shared
-        // memory is for this host's) and the key (who the client is)
+        // [routing id, the peer's address, its CURVE key, its connection, the message's
+        // parts...]: a message's metadata does not cross the pair, and the control plane needs
+        // the peer (shared memory is for this host's), the key (who the client is) and the
+        // connection (its replies are for that connection only)
         std::vector<Part>& parts = m.parts;
         const std::string address = property(parts, "Peer-Address");
         const std::string user = property(parts, "User-Id");
+        const std::string conn = connection_of(api_.msg_get(parts[0].get(), kSrcFd));
         // a message's first part is taken whole or not at all (the rest then always is)
         if (api_.msg_send(parts[0].get(), forward_, flags | kSndMore) < 0) return false;
         const int more = parts.size() > 1 ? kSndMore : 0;
         ok = api_.send(forward_, address.data(), address.size(), flags | kSndMore) >= 0 &&
-             api_.send(forward_, user.data(), user.size(), flags | more) >= 0;
+             api_.send(forward_, user.data(), user.size(), flags | kSndMore) >= 0 &&
+             api_.send(forward_, conn.data(), conn.size(), flags | more) >= 0;
         for (size_t i = 1; ok && i < parts.size(); ++i) {
             ok = api_.msg_send(parts[i].get(), forward_,
                                flags | (i + 1 < parts.size() ? kSndMore : 0)) >= 0;
@@ -1075,9 +1115,10 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
             seg->second.last_used_ns = now;
         }
     }
-    if (answered.fd >= 0 &&
+    if (!answered.tag && answered.fd >= 0 &&
         generation_[answered.fd].load(std::memory_order_acquire) != answered.generation) {
-        // its connection closed: a new one on its routing id must not get its reply
+        // its connection closed: a new one on its routing id must not get its reply (a
+        // batch's image goes to the control plane all the same, which drops the batch's)
         std::lock_guard<std::mutex> lock(mu_);
         ++counters_.orphaned;
         return;

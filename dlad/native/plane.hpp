@@ -257,7 +257,13 @@ class Plane {
     void drain(double timeout_ms);
     // A reply of the control plane's (to a forwarded message): sent from the plane's thread
     // (from the caller's once that thread has ended).
-    void send(std::string client, std::vector<std::string> frames);
+    // ``conn``: the connection the answered message came on (Plane::connection_of, from its
+    // forwarded message), or "": a reply for a connection that has closed since is dropped,
+    // counted as orphaned (a newcomer on the same routing id gets none).
+    void send(std::string client, std::vector<std::string> frames, const std::string& conn = "");
+    // The 8 bytes naming a connection as forwarded messages carry it: its fd and that fd's
+    // generation (little-endian int32, uint32).
+    std::string connection_of(int fd) const;
     // drain(0), then stop the engines and wait for the GPU chains still running (their host
     // functions): after this, nothing of the plane runs and the GPU's resources may be freed.
     // Idempotent; the destructor's.
@@ -275,12 +281,14 @@ class Plane {
     // (status, message). Else each image is admitted as the plane's INFERs are; its answer
     // (the INFER_REPLY header, a refusal's included) goes to the client when ``tag`` is unset,
     // else to the forward socket as ["", tag, index, header] (8-byte little-endian integers),
-    // for the control plane to gather (an INFER_BATCH's reply).
+    // for the control plane to gather (an INFER_BATCH's reply). ``conn``: the connection the
+    // request came on (as send()'s): its images are cancelled when it closes.
     std::optional<std::pair<int64_t, std::string>> submit(const std::string& client,
                                                           const std::string& owner,
                                                           uint64_t request_id,
                                                           std::optional<int64_t> tag,
-                                                          std::vector<Item> items);
+                                                          std::vector<Item> items,
+                                                          const std::string& conn = "");
     State state();
     // Shared-memory segments (the control plane maps them, checks them and the peer, and
     // registers them here; an INFER naming one that is not registered, or not at that size,

@@ -136,11 +136,12 @@ def test_the_daemon_holds_at_most_its_byte_budget_of_frames(tmp_path: Path) -> N
 def test_a_connection_that_takes_a_closed_ones_routing_id_inherits_nothing(
     tmp_path: Path,
 ) -> None:
-    """A client as routing id ``cam1`` sends five INFERs to a core that takes 1 s a frame and
-    exits; another connects as ``cam1``. Before, the second got the first one's replies, with
-    their detections, and could cancel its queued requests by id. Now the closed connection's
-    queued INFERs are cancelled when it closes and its replies are dropped (both counted): the
-    newcomer gets only the replies to what it sent."""
+    """A client as routing id ``cam1`` sends three INFERs and an INFER_BATCH of two to a core
+    that takes 1 s a frame and exits; another connects as ``cam1``. Before, the second got the
+    first one's replies, with their detections, and could cancel its queued requests by id. Now
+    the closed connection's queued images are cancelled when it closes and its replies (the
+    batch's, which the control plane sends, too) are dropped, both counted: the newcomer gets
+    only the replies to what it sent."""
     cfg = tmp_path / "dlad.toml"
     cfg.write_text(SLOW_CORE.format(cap=256, cheap=100000.0))
     daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
@@ -152,8 +153,12 @@ def test_a_connection_that_takes_a_closed_ones_routing_id_inherits_nothing(
         first.setsockopt(zmq.ROUTING_ID, b"cam1")
         first.linger = 0
         first.connect(ep)
-        for rid in range(5):  # the core's slots run some, the rest wait in the queue
+        for rid in range(3):  # the core's slots run some, the rest wait in the queue
             first.send_multipart(protocol.encode(protocol.InferRequest(rid, "demo", IMAGE)))
+        batch = protocol.InferBatchRequest(
+            10, "demo", tuple(protocol.InferRequest(10, "demo", IMAGE) for _ in range(2))
+        )
+        first.send_multipart(protocol.encode(batch))
         wait_for(lambda: plane.pending == 5)
         first.close(0)
         wait_for(lambda: plane.counters()["cancelled_on_close"] > 0)
@@ -166,8 +171,9 @@ def test_a_connection_that_takes_a_closed_ones_routing_id_inherits_nothing(
             reply = recv(second)
             assert (type(reply).__name__, reply.id) == ("StatusReply", 99)
             # the running ones end on the core: their replies go nowhere either
-            wait_for(lambda: plane.counters()["orphaned"] == 5 and plane.pending == 0)
-            assert plane.counters()["cancelled_on_close"] >= 3  # the queued ones
+            # (three INFERs' and the batch's one)
+            wait_for(lambda: plane.counters()["orphaned"] == 4 and plane.pending == 0)
+            assert plane.counters()["cancelled_on_close"] == 3  # the queued ones
             second.send_multipart(protocol.encode(protocol.StatusRequest(100)))
             assert recv(second).id == 100  # its own, and nothing of the first one's before it
         finally:

@@ -190,9 +190,10 @@ def test_other_messages_reach_the_control_plane_whole(rig: Rig) -> None:
         rig.client.send_multipart([bytes(f) for f in frames])
     for frames in sent:
         assert rig.plane.forwarded.poll(WAIT_MS)
-        client, peer, user, *parts = rig.plane.forwarded.recv_multipart()
+        client, peer, user, conn, *parts = rig.plane.forwarded.recv_multipart()
         assert peer == b"127.0.0.1"  # the sender's Peer-Address, which the pair does not carry
         assert user == b""  # and its CURVE key: none here
+        assert len(conn) == 8  # and its connection: (fd, generation)
         assert parts == [bytes(f) for f in frames]
         rig.plane.send(client, [msgpack.packb({"echo": len(parts)}), b"tail"])
         assert rig.client.poll(WAIT_MS)
@@ -418,7 +419,7 @@ def test_a_control_plane_that_falls_behind_is_spared_and_the_socket_still_read(
         assert (infer.id, infer.status) == (1000, Status.OK)
         taken = []
         while r.plane.forwarded.poll(200):
-            _, _, _, header = r.plane.forwarded.recv_multipart()
+            *_, header = r.plane.forwarded.recv_multipart()
             taken.append(msgpack.unpackb(header)["id"])
         assert len(taken) >= 2
         assert taken == list(range(len(taken)))
