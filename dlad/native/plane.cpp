@@ -767,11 +767,14 @@ void Plane::saw(int fd, Part& id) {
         reading_ = &p;
         // the fd's generation moved (the control plane heard of an accept or a close on it):
         // still this connection while the fd holds the same socket; else a closed
-        // connection's last messages, or a new one that took its routing id on the same fd,
-        // and which of them holds the fd is not known: never cut
+        // connection's last messages (libzmq takes no new connection on a routing id whose
+        // messages are still unread), never cut again; those of a cut one are still dropped
+        // unparsed, for a second: then a new connection may have taken the routing id
         if (p.generation != generation && p.cookie != 0 && socket_cookie(fd) != p.cookie) {
             p.cookie = 0;
+            p.stale_ns = now_ns();
         }
+        if (p.cut && p.cookie == 0 && now_ns() - p.stale_ns > 1'000'000'000) p.cut = false;
         p.generation = generation;
         return;
     }
@@ -783,7 +786,7 @@ void Plane::saw(int fd, Part& id) {
         if (peers_.size() >= kMaxPeers) peers_.clear();
     }
     Peer& p = peers_[h];  // new, or its routing id on another fd
-    p = {fd, generation, socket_cookie(fd), 0, false};
+    p = {fd, generation, socket_cookie(fd), 0, false, 0};
     reading_ = &p;
 }
 

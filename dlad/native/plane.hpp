@@ -556,6 +556,7 @@ class Plane {
         uint64_t cookie = 0;
         uint32_t dropped = 0;
         bool cut = false;  // what it had sent is dropped as it is read, unparsed
+        int64_t stale_ns = 0;  // when its fd was seen holding another socket (cookie 0)
     };
     std::unordered_map<uint64_t, Peer> peers_;
     Peer* reading_ = nullptr;  // the connection of the message handle() is at (null: unknown)
