@@ -27,28 +27,8 @@ from orin_config import running_daemon  # bench/, beside this script
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 from dlad import protocol  # noqa: E402
+from tests.dlad.test_flood_and_vanish import CONFIG, rss_mib  # noqa: E402
 from tests.dlad.zmtp_peer import flood_and_vanish  # noqa: E402
-
-CONFIG = """
-[frontend]
-endpoints = ["tcp://127.0.0.1:*"]
-heartbeat_s = {heartbeat}
-[metrics]
-enabled = false
-[devices.dla0]
-kind = "dla"
-core = 0
-mode = "timing"
-[models.demo]
-devices = ["dla0"]
-[models.demo.loadables]
-core0 = "bundled:demo/fp16_heads.dla0.emu"
-"""
-
-
-def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
 
 def flood(port: int, seconds: float) -> None:
@@ -57,7 +37,7 @@ def flood(port: int, seconds: float) -> None:
 
 
 def one(tree: Path | None, args: argparse.Namespace, log: Path) -> str:
-    config = CONFIG.format(heartbeat=args.heartbeat_s)
+    config = CONFIG.replace("heartbeat_s = 0.05", f"heartbeat_s = {args.heartbeat_s}")
     with running_daemon(config, log, tree=tree) as (proc, _):
         port = int(re.findall(r"tcp://127\.0\.0\.1:(\d+)", log.read_text())[-1])
         start, lived = rss_mib(proc.pid), 0

@@ -38,7 +38,7 @@ core0 = "bundled:demo/fp16_heads.dla0.emu"
 """
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
@@ -57,7 +57,7 @@ def test_twenty_floods_that_vanish_leave_the_daemon_serving(tmp_path: Path) -> N
         found = re.search(r"tcp://127\.0\.0\.1:(\d+)", log.read_text().split("listening")[1])
         assert found, log.read_text()[-2000:]
         port = int(found.group(1))
-        before = _rss_mb(proc.pid)
+        before = rss_mib(proc.pid)
         for _ in range(20):
             floods = [threading.Thread(target=flood_and_vanish, args=("127.0.0.1", port, 0.3))
                       for _ in range(4)]  # fmt: skip
@@ -78,7 +78,7 @@ def test_twenty_floods_that_vanish_leave_the_daemon_serving(tmp_path: Path) -> N
             sock.close(0)
             ctx.term()
         assert proc.poll() is None
-        assert _rss_mb(proc.pid) - before < 256  # unbounded, the floods took 300-700 MB
+        assert rss_mib(proc.pid) - before < 256  # unbounded, the floods took 300-700 MB
         wait_for(lambda: "connections_cut=" in log.read_text())
         cuts = sum(int(n) for n in re.findall(r"connections_cut=(\d+)", log.read_text()))
         assert cuts >= 1
