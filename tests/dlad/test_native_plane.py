@@ -26,6 +26,7 @@ from dlad.devices.dram import SharedDram
 from dlad.errors import Status
 from dlad.native_plane import CancelResult, Item, NativePlane, PlaneDevice, loaded_libzmq
 from dlad.protocol import InferReply, InferRequest
+from tests.dlad.test_metrics import wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -529,24 +530,29 @@ def test_a_connection_flooding_past_its_refusals_is_dropped_then_cut(flood: str)
         flooder = r.dealer()
         closed = flooder.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         r.dealers.append(closed)  # closed with the rig's sockets
-        n = 64 + 64 + 40
-        if flood == "junk":
-            for _ in range(n):
-                flooder.send(b"\xc1")
-        else:
+
+        def send(count: int, first: int) -> None:
+            for rid in range(first, first + count):
+                if flood == "junk":
+                    flooder.send(b"\xc1")
+                else:
+                    r.infer(rid, flooder)
+
+        if flood != "junk":
             r.infer(0, flooder)  # admitted: the core takes 300 s
-            for rid in range(1, n + 1):
-                r.infer(rid, flooder)
+        send(64, 1)
+        replies = []  # read before the cut, which loses what the connection has not sent yet
+        for _ in range(64):
+            assert flooder.poll(WAIT_MS)
+            replies.append(protocol.decode_reply(flooder.recv_multipart()))
+        assert {x.status for x in replies} == {Status.OVERLOADED}
+        send(64 + 40, 65)
         assert closed.poll(WAIT_MS)  # the plane cut it
+        wait_for(lambda: r.plane.counters()["cut"] == 1)  # counted just after the cut
         counters = r.plane.counters()
         assert (counters["refused_over_rate" if flood == "junk" else "replied"], counters["cut"]) \
             == (64, 1)  # fmt: skip
         assert counters["dropped_over_rate"] >= 64
-        replies = []
-        while flooder.poll(100):
-            replies.append(protocol.decode_reply(flooder.recv_multipart()))
-        assert len(replies) == 64
-        assert {x.status for x in replies} == {Status.OVERLOADED}
         assert not r.plane.forwarded.poll(0)  # none of it reached the control plane
         r.client.send_multipart(protocol.encode(protocol.StatusRequest(8)))  # its own bucket
         assert r.client.poll(WAIT_MS)
