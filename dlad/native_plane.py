@@ -6,10 +6,11 @@ ROUTER once :meth:`NativePlane.start` hands it over, reads each INFER with the C
 scheduler's C++ core, runs it on an engine of its own and sends the reply. Every other message
 (STATUS, CANCEL, INFER_BATCH, an INFER the fast path leaves, a malformed message) reaches
 :attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, peer address, user id,
-*parts]`` (the sender's ``Peer-Address`` and ``User-Id``, its CURVE key or "": a message's
-metadata does not cross the pair); whoever reads it
-answers through :meth:`NativePlane.send`, which the plane's thread sends (the ROUTER is never
-touched from two threads).
+connection, *parts]`` (the sender's ``Peer-Address`` and ``User-Id``, its CURVE key or "": a
+message's metadata does not cross the pair; its connection: 8 bytes naming the fd and its
+generation); whoever reads it answers through :meth:`NativePlane.send` with that connection,
+which the plane's thread sends (the ROUTER is never touched from two threads) unless the
+connection has closed since.
 
 The control plane reaches the plane's state through calls its thread runs between two turns of
 its loop (the caller waits that long at most): :meth:`NativePlane.cancel`,
