@@ -45,6 +45,7 @@ from dlad.executors.dla import DlaExecutor
 from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.executors.gpu import GpuExecutor
 from dlad.frontend import Counters, Frontend
+from dlad.imaging.decoders import decoder_for
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.native_plane import (
     CudaFunctions,
@@ -92,6 +93,9 @@ def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tupl
     its executor's per-frame code (a numeric or faulty core, any core whose pre/post-processing
     runs on the CPU, the other GPU batches). The last three are built as executors."""
     d = plan.config.device(p.device)
+    # a model family without CUDA post-processing is pre/post-processed on the CPU, as the
+    # executors do (imaging/decoders.py): the plane's GPU chain is the yolov5 kernels'
+    gpu = gpu and decoder_for(p.loadable.decoder).cuda
     where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
              else "pre/post on the CPU")  # fmt: skip
     if d.kind != "dla":

@@ -19,6 +19,7 @@ from dlad.cli import main
 from dlad.config import load_config
 from dlad.daemon import plane_engine
 from dlad.errors import Status
+from dlad.imaging import decoders
 
 
 def test_version_and_help_import_nothing_heavy() -> None:
@@ -263,6 +264,27 @@ def test_without_the_cpp_core_the_daemon_says_so_in_one_line_and_exits_2(
     assert err.count("\n") == 1
     assert err.startswith("dlad: dlad was installed without its C++ core, which serves every")
     assert "No module named 'dlad._native'" in err
+
+
+def test_a_family_without_cuda_kernels_is_pre_post_processed_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plane's GPU chain runs the yolov5 kernels: a model whose family has no CUDA post
+    program is served by a Python engine with pre/post on the CPU, as the executors serve it
+    (before, the plane ran yolov5's kernels on its heads)."""
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text('[devices.dla0]\nkind = "dla"\ncore = 0\nmode = "timing"\n'
+                   '[models.demo]\ndevices = ["dla0"]\n[models.demo.loadables]\n'
+                   'core0 = "bundled:demo/fp16_heads.dla0.emu"\n')  # fmt: skip
+    plan = load_config(cfg).plan()
+    dla = plan.placements[0]
+    assert plane_engine(plan, dla, pre_post=True, gpu=True)[0] == "timing"
+    cpu_only = dataclasses.replace(decoders.DECODERS["yolov5"], cuda=False)
+    monkeypatch.setitem(decoders.DECODERS, "yolov5", cpu_only)
+    assert plane_engine(plan, dla, pre_post=True, gpu=True) == (
+        "python",
+        "Python: emulated DLA core 0 (timing), pre/post on the CPU",
+    )
 
 
 @pytest.mark.parametrize(
