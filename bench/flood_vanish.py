@@ -22,12 +22,12 @@ import threading
 from pathlib import Path
 
 import zmq
-from orin_config import running_daemon  # bench/, beside this script
+from orin_config import rss_mib, running_daemon  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 from dlad import protocol  # noqa: E402
-from tests.dlad.test_flood_and_vanish import CONFIG, rss_mib  # noqa: E402
+from tests.dlad.test_flood_and_vanish import CONFIG  # noqa: E402
 from tests.dlad.zmtp_peer import flood_and_vanish  # noqa: E402
 
 

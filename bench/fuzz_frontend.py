@@ -34,7 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from orin_config import demo_model, emulated_dlas, running_daemon  # bench/, beside this script
+from orin_config import (  # bench/, beside this script
+    demo_model,
+    emulated_dlas,
+    rss_mib,
+    running_daemon,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
@@ -56,11 +61,6 @@ kind = "gpu"
 mode = "timing"
 latency_us = 1820.0
 {model}"""
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 def sanitizer_env() -> dict[str, str]:
@@ -113,7 +113,7 @@ def campaign_against(
     daemon: subprocess.Popen[bytes], endpoint: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     """The campaign of ``main``'s docstring against a started daemon; its summary."""
-    rss = [rss_kib(daemon.pid)]
+    rss = [rss_mib(daemon.pid)]
     done = threading.Event()
     polite: dict[str, int] = {"sent": 0, "ok": 0, "refused": 0, "unanswered": 0}
     errors: list[str] = []
@@ -122,7 +122,7 @@ def campaign_against(
     def sample() -> None:
         while not done.wait(0.5):
             if daemon.poll() is None:
-                rss.append(rss_kib(daemon.pid))
+                rss.append(rss_mib(daemon.pid))
 
     def well_behaved() -> None:
         image = np.random.default_rng(0).integers(0, 256, (480, 640, 3), np.uint8)
@@ -176,9 +176,9 @@ def campaign_against(
         "messages": sent, "replies": replies, "unanswered": sent - replies,
         "undecodable": undecodable, "statuses": statuses, "wall_s": round(wall, 1),
         "messages_per_s": round(sent / wall), "daemon_alive": alive, "rss_mib": {
-            "start": round(rss[0] / 1024, 1), "peak": round(max(rss) / 1024, 1),
-            "end": round(rss[-1] / 1024, 1),
-            "after_first_10pct": round(rss[max(1, len(rss) // 10)] / 1024, 1) if len(rss) > 1
+            "start": round(rss[0], 1), "peak": round(max(rss), 1),
+            "end": round(rss[-1], 1),
+            "after_first_10pct": round(rss[max(1, len(rss) // 10)], 1) if len(rss) > 1
             else None,
         },
         "well_behaved": {**polite, "errors": sorted(set(errors))[:5],

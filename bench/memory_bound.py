@@ -24,7 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from orin_config import DEMO_LOADABLES, emulated_dlas, running_daemon  # bench/, beside this script
+from orin_config import (  # bench/, beside this script
+    DEMO_LOADABLES,
+    emulated_dlas,
+    rss_mib,
+    running_daemon,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
@@ -43,11 +48,6 @@ enabled = false
     + '[models.demo]\ndevices = ["dla0", "dla1"]\n'
     + DEMO_LOADABLES
 )
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 LIMITS_1080 = "max_image_width = 1920\nmax_image_height = 1080\nmax_message_bytes = 8388608\n"

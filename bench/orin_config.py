@@ -1,7 +1,8 @@
 """What the benchmarks' daemons share: TOML pieces (the emulated Orin's two DLA cores in timing
-mode, the demo model served by a list of devices) and :func:`running_daemon`, a dlad process
-for the length of a ``with`` (``bench/three_engines.py``, ``bench/h200_pool.py``,
-``bench/fuzz_frontend.py``, ``bench/health_failover.py``)."""
+mode, the demo model served by a list of devices), :func:`running_daemon`, a dlad process for the
+length of a ``with`` (``bench/three_engines.py``, ``bench/h200_pool.py``,
+``bench/fuzz_frontend.py``, ``bench/health_failover.py``), and :func:`rss_mib`, a process's
+resident memory."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def rss_mib(pid: int) -> float:
+    """Process ``pid``'s resident memory (``VmRSS``), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
 
 DEMO_LOADABLES = """[models.demo.loadables]
 core0 = "bundled:demo/fp16_heads.dla0.emu"
