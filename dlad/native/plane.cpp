@@ -343,8 +343,10 @@ void Plane::run_calls() {
 }
 
 void Plane::connection_opened(int fd) {
+    // The generation moves at closes only: the monitor tells of an accept after the new
+    // connection's first messages may have been read (and their replies then taken for a
+    // closed connection's).
     if (fd < 0 || fd >= kMaxFds) return;
-    generation_[fd].fetch_add(1, std::memory_order_acq_rel);
     spoke_[fd].store(0, std::memory_order_relaxed);
 }
 

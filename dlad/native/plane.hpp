@@ -328,7 +328,8 @@ class Plane {
     // plane of each accepted and each closed one, and each message carries its descriptor,
     // ZMQ_SRCFD). A connection's replies and queued work are its own, not its routing id's: a
     // new connection that takes a closed one's routing id inherits nothing.
-    // A connection was accepted on ``fd``: a new generation, which has not spoken yet.
+    // A connection was accepted on ``fd``: it has not spoken yet (the fd's generation moves
+    // when a connection on it closes).
     void connection_opened(int fd);
     // The connection on ``fd`` closed: its generation ends (its replies are dropped from now
     // on, counted), and its queued work is cancelled (counted); returns how many were.
