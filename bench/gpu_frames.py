@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dlad.families.yolov5 import ANCHORS, program
 from dlad.gpu.driver import GpuContext, _check, _driver
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
-from dlad.imaging.post import YOLOV5_ANCHORS
 from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,7 +150,7 @@ def main() -> None:
     results["frames_per_trial"] = args.frames
     pitch = hwc4_layout(3, SIZE, SIZE, 1)[0]
     dst = ctx.alloc(SIZE * pitch * 4)
-    pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], program(ANCHORS[:1], 18))
     for label, shape in SHAPES.items():
         enqueues, free = ways(ctx, pipe, shape, dst.ptr)
         trials: dict[str, list[dict[str, float]]] = {name: [] for name in enqueues}

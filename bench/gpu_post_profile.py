@@ -12,9 +12,9 @@ import sys
 import numpy as np
 from gpu_prepost import CONF, IOU, SIZE, yolov5s_heads  # bench/ is sys.path[0]
 
+from dlad.families.yolov5 import ANCHORS, program
 from dlad.gpu.driver import GpuContext, _check, _driver
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
-from dlad.imaging.post import YOLOV5_ANCHORS
 from dlad.imaging.pre import letterbox_geometry
 
 
@@ -23,7 +23,7 @@ def main() -> None:
     ctx = GpuContext(0)
     _, packed = yolov5s_heads(np.random.default_rng(1))
     specs = [HeadSpec(255, SIZE // s, SIZE // s, s) for s in (8, 16, 32)]
-    pipe = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS)
+    pipe = GpuPipeline(ctx, (SIZE, SIZE), specs, program(ANCHORS, specs[0].c))
     drv = _driver()
     ptrs = []
     for p in packed:

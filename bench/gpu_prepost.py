@@ -7,6 +7,10 @@ Pre: 1920x1080 BGR → 672x672 int8 DLA_HWC4 (letterbox, bilinear, pad 114, quan
 Post: YOLOv5s at 672 (3 fp16 CHW16 heads, 27,783 anchors, 80 classes; conf 0.25, IoU 0.45):
   dlad kernels at batch 1 (end to end: launches + sync) and batched (per frame),
   vs torchvision's batched_nms pipeline on the same GPU and vs the numpy reference.
+Post, DFL families: YOLO11n-shaped heads at 640 (4 x 16 box bins + 80 classes a cell, 8,400
+  cells; YOLOv8 and YOLO11 share them) and YOLO26n's (4 distances + 80): dlad's family kernel and
+  the shared NMS at batch 1 and 8 vs Ultralytics' decode (DFL, dist2bbox) + torchvision's
+  batched_nms on the same GPU, the detections compared.
 Bytes: each kernel's fewest bytes against a device-to-device copy's bandwidth, same run.
 
     python bench/gpu_prepost.py [--json out.json]
@@ -24,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from dlad.families import yolov8
+from dlad.families.yolov5 import ANCHORS, postprocess, program
 from dlad.gpu.driver import GpuContext, _check, _driver, probe
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
-from dlad.imaging.post import YOLOV5_ANCHORS, pack_chw16, postprocess, unpack_head
+from dlad.imaging.post import pack_chw16, unpack_head
 from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 
 SIZE = 672
@@ -107,7 +113,7 @@ def bench_pre(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     image = rng.integers(0, 256, size=(1080, 1920, 3), dtype=np.uint8)
     geometry = letterbox_geometry(1920, 1080, SIZE)
     pitch = hwc4_layout(3, SIZE, SIZE, 1)[0]
-    pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], program(ANCHORS[:1], 18))
     drv = _driver()
     dst = ctx.alloc(SIZE * pitch * 4)
     src = pipe.upload(image)
@@ -208,8 +214,8 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     geometry = letterbox_geometry(1920, 1080, SIZE)
     specs = [HeadSpec(255, SIZE // s, SIZE // s, s) for s in (8, 16, 32)]
     batch = 8
-    pipe1 = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS)
-    pipe8 = GpuPipeline(ctx, (SIZE, SIZE), specs, YOLOV5_ANCHORS, batch=batch)
+    pipe1 = GpuPipeline(ctx, (SIZE, SIZE), specs, program(ANCHORS, specs[0].c))
+    pipe8 = GpuPipeline(ctx, (SIZE, SIZE), specs, program(ANCHORS, specs[0].c), batch=batch)
     bufs = []
     drv = _driver()
     for p in packed:
@@ -238,7 +244,7 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
         post8()
         return pipe8.synchronize()
 
-    expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, conf_threshold=CONF,
+    expected = postprocess(raws, ANCHORS, (8, 16, 32), geometry, conf_threshold=CONF,
                            iou_threshold=IOU)  # fmt: skip
     got = post1_sync()[0]
     assert got.detections.shape == expected.shape, (got.detections.shape, expected.shape)
@@ -248,12 +254,12 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     stages = stage_times(ctx, pipe1, ptrs)
     wall8 = wall(post8_sync, 200, warm=10) / batch
     gpu8 = Events(ctx, pipe8.stream).time_us(post8, 300) / batch
-    ref_us = wall(lambda: postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry,
+    ref_us = wall(lambda: postprocess(raws, ANCHORS, (8, 16, 32), geometry,
                                       conf_threshold=CONF, iou_threshold=IOU), 30)  # fmt: skip
 
     dev = torch.device("cuda")
     theads = [torch.from_numpy(r).to(dev).half() for r in raws]
-    anchors = torch.from_numpy(YOLOV5_ANCHORS).to(dev)
+    anchors = torch.from_numpy(ANCHORS).to(dev)
     grids = []
     for r in raws:
         g = r.shape[1]
@@ -311,6 +317,128 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
         b.free()
 
 
+def dfl_heads(
+    rng: np.random.Generator, size: int, bins: int, nc: int = 80
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Realistic raw DFL heads: class logits far below threshold but for ~40 objects lit on a
+    few neighbouring cells (so NMS has work), random box logits."""
+    raws, packed = [], []
+    for stride in (8, 16, 32):
+        g = size // stride
+        raw = rng.normal(0.0, 1.0, size=(4 * bins + nc, g, g)).astype(np.float32)
+        if bins == 1:
+            raw[:4] = rng.uniform(0.5, 4.0, size=(4, g, g))
+        raw[4 * bins :] = rng.normal(-9.0, 1.5, size=(nc, g, g))
+        for _ in range(40 // 3):
+            cx, cy, cls = rng.integers(1, g - 1), rng.integers(1, g - 1), rng.integers(0, nc)
+            raw[4 * bins + cls, cy - 1 : cy + 2, cx - 1 : cx + 2] = rng.normal(2.0, 1.0, (3, 3))
+        packed.append(pack_chw16(raw))
+        raws.append(unpack_head(packed[-1], raw.shape[0], g, g, None))
+    return raws, packed
+
+
+def bench_post_dfl(ctx: GpuContext, results: dict[str, Any], name: str, bins: int) -> None:
+    import torch
+    import torchvision
+
+    size, nc, batch = 640, 80, 8
+    rng = np.random.default_rng(2)
+    raws, packed = dfl_heads(rng, size, bins, nc)
+    geometry = letterbox_geometry(1920, 1080, size)
+    specs = [HeadSpec(4 * bins + nc, size // s, size // s, s) for s in (8, 16, 32)]
+    program_ = yolov8.program(specs[0].c, nc)
+    pipe1 = GpuPipeline(ctx, (size, size), specs, program_)
+    pipe8 = GpuPipeline(ctx, (size, size), specs, program_, batch=batch)
+    bufs = []
+    drv = _driver()
+    for p in packed:
+        many = np.ascontiguousarray(np.stack([p] * batch))
+        b = ctx.alloc(many.nbytes, zero=False)
+        _check(drv.cuMemcpyHtoD(b.ptr, many.ctypes.data, many.nbytes), "h2d")
+        bufs.append(b)
+    ptrs = [b.ptr for b in bufs]
+    kw = {"conf_threshold": CONF, "iou_threshold": IOU, "max_det": 300}
+
+    def post1_sync() -> list[Any]:
+        pipe1.post(ptrs, [geometry], **kw)  # type: ignore[arg-type]
+        return pipe1.synchronize()
+
+    def post8_sync() -> list[Any]:
+        pipe8.post(ptrs, [geometry] * batch, **kw)  # type: ignore[arg-type]
+        return pipe8.synchronize()
+
+    expected = yolov8.postprocess(raws, (8, 16, 32), nc, geometry, conf_threshold=CONF,
+                                  iou_threshold=IOU)  # fmt: skip
+    got = post1_sync()[0]
+    assert got.detections.shape == expected.shape, (got.detections.shape, expected.shape)
+    wall1 = wall(post1_sync, 500, warm=20)
+    wall8 = wall(post8_sync, 200, warm=10) / batch
+    ref_us = wall(lambda: yolov8.postprocess(raws, (8, 16, 32), nc, geometry), 30)
+
+    dev = torch.device("cuda")
+    theads = [torch.from_numpy(r).to(dev).half() for r in raws]
+    points, strides = [], []
+    for r, s in zip(raws, (8, 16, 32), strict=True):  # Ultralytics' make_anchors, offset 0.5
+        g = r.shape[1]
+        sy, sx = torch.meshgrid(torch.arange(g, device=dev) + 0.5,
+                                torch.arange(g, device=dev) + 0.5, indexing="ij")  # fmt: skip
+        points.append(torch.stack((sx, sy), -1).view(-1, 2))
+        strides.append(torch.full((g * g, 1), float(s), device=dev))
+    anchor_points, stride_t = torch.cat(points), torch.cat(strides)
+    proj = torch.arange(bins, device=dev, dtype=torch.float32)
+
+    def tv_pipeline(images: int = 1) -> list[torch.Tensor]:
+        # Ultralytics' Detect decode (DFL softmax expectation, dist2bbox xywh x stride) and
+        # non_max_suppression (single label), torchvision's batched_nms, per image.
+        x = torch.cat([h.float().view(1, 4 * bins + nc, -1) for h in theads], 2)
+        x = x.expand(images, -1, -1).transpose(1, 2)  # [B, A, C]
+        box, cls = x[..., : 4 * bins], x[..., 4 * bins :]
+        if bins > 1:
+            box = (box.view(images, -1, 4, bins).softmax(3) * proj).sum(3)
+        lt, rb = box.chunk(2, 2)
+        x1y1, x2y2 = anchor_points - lt, anchor_points + rb
+        xy, wh = (x1y1 + x2y2) / 2 * stride_t, (x2y2 - x1y1) * stride_t
+        boxes = torch.cat((xy - wh / 2, xy + wh / 2), 2)
+        scores, labels = cls.sigmoid().max(2)
+        outs = []
+        for i in range(images):
+            keep = scores[i] > CONF
+            b, sc, lb = boxes[i][keep], scores[i][keep], labels[i][keep]
+            idx = torchvision.ops.batched_nms(b, sc, lb, IOU)[:300]
+            out = torch.cat((b[idx], sc[idx, None], lb[idx, None].float()), 1)
+            out[:, [0, 2]] = ((out[:, [0, 2]] - geometry.pad_x) / geometry.scale).clamp(0, 1920)
+            out[:, [1, 3]] = ((out[:, [1, 3]] - geometry.pad_y) / geometry.scale).clamp(0, 1080)
+            outs.append(out.cpu())
+        return outs
+
+    tv_out = tv_pipeline()[0].numpy()
+    same = tv_out.shape == got.detections.shape and bool(
+        np.array_equal(tv_out[:, 5], got.detections[:, 5])
+        and np.allclose(tv_out[:, :5], got.detections[:, :5], rtol=1e-4, atol=1e-2)
+    )
+    tv_wall = wall(tv_pipeline, 300, warm=20)
+    tv_wall8 = wall(lambda: tv_pipeline(batch), 100, warm=10) / batch
+    results[f"post_{name}"] = {
+        "bins": bins,
+        "cells": sum((size // s) ** 2 for s in (8, 16, 32)),
+        "candidates": int(got.found),
+        "detections": len(got.detections),
+        "torchvision_detections": int(tv_out.shape[0]),
+        "detections_identical_to_torchvision": same,
+        "dlad_batch1_wall_us": wall1,
+        f"dlad_batch{batch}_wall_per_frame_us": wall8,
+        "torchvision_batch1_wall_us": tv_wall,
+        f"torchvision_batch{batch}_wall_per_frame_us": tv_wall8,
+        "numpy_reference_us": ref_us,
+        "ratio_torchvision_over_dlad_batch1": tv_wall / wall1,
+        f"ratio_torchvision_over_dlad_batch{batch}": tv_wall8 / wall8,
+    }
+    pipe1.close()
+    pipe8.close()
+    for b in bufs:
+        b.free()
+
+
 def stage_times(ctx: GpuContext, pipe: GpuPipeline, ptrs: list[int]) -> dict[str, float]:
     """Where the batch-1 frame's GPU time goes, warm: the frame's graph (settings already on
     the device) cut after each kernel, timed back to back; each stage is the difference from
@@ -357,7 +485,7 @@ def bench_fence(ctx: GpuContext, results: dict[str, Any]) -> None:
     results["fence_gpu_to_host_us"] = {"p50": float(np.percentile(lat, 50)),
                                        "p99": float(np.percentile(lat, 99))}  # fmt: skip
     # The daemon's path: the word write plus a blocking-sync event the fence's waiter sleeps on.
-    pipe = GpuPipeline(ctx, (64, 64), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    pipe = GpuPipeline(ctx, (64, 64), [HeadSpec(18, 2, 2, 8)], program(ANCHORS[:1], 18))
     lat = []
     for _ in range(300):
         v = fence.next_value()
@@ -396,6 +524,8 @@ def main() -> None:
     results["d2d_copy_GBps"] = bw / 1e9
     bench_pre(ctx, results, bw)
     bench_post(ctx, results, bw)
+    bench_post_dfl(ctx, results, "yolo11", yolov8.BINS)
+    bench_post_dfl(ctx, results, "yolo26", 1)
     bench_fence(ctx, results)
     text = json.dumps(results, indent=2)
     print(text)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
 
-from dlad.imaging.decoders import UnknownDecoderError, decoder_for
+from dlad.families import UnknownFamilyError, family_for
 from dlad.loadable import Loadable, LoadableError, read_loadable
 from dlad.models import MODELS_DIR
 from dlad.protocol import MAX_NAME_CHARS
@@ -839,8 +839,8 @@ def _read(path: Path, core: int | None) -> Loadable:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
-        decoder_for(loadable.decoder)
-    except UnknownDecoderError as exc:
+        family_for(loadable.family)
+    except UnknownFamilyError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return loadable
 
@@ -856,7 +856,7 @@ _SAME_NETWORK: Final = (
     "anchors_px",
     "strides",
     "image_size",
-    "decoder",
+    "family",
 )
 """What the loadables of one model must agree on, whichever core they are built for."""
 

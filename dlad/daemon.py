@@ -44,8 +44,8 @@ from dlad.executors.base import UNHEALTHY_AFTER, Executor, failing_words
 from dlad.executors.dla import DlaExecutor
 from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.executors.gpu import GpuExecutor
+from dlad.families import family_for
 from dlad.frontend import Counters, Frontend
-from dlad.imaging.decoders import decoder_for
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.native_plane import (
     CudaFunctions,
@@ -93,9 +93,9 @@ def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tupl
     its executor's per-frame code (a numeric or faulty core, any core whose pre/post-processing
     runs on the CPU, the other GPU batches). The last three are built as executors."""
     d = plan.config.device(p.device)
-    # a model family without CUDA post-processing is pre/post-processed on the CPU, as the
-    # executors do (imaging/decoders.py): the plane's GPU chain is the yolov5 kernels'
-    gpu = gpu and decoder_for(p.loadable.decoder).cuda
+    # a model family without a CUDA decode is pre/post-processed on the CPU, as the executors
+    # do (dlad/families): the plane's GPU chain runs the family's post program
+    gpu = gpu and family_for(p.loadable.family).cuda
     where = ("pre/post off" if not pre_post else "pre/post on the GPU" if gpu
              else "pre/post on the CPU")  # fmt: skip
     if d.kind != "dla":
@@ -712,6 +712,8 @@ class Daemon:
                     "input_height": lo.image_size[0],
                     "input_width": lo.image_size[1],
                     "classes": lo.num_classes,
+                    "family": lo.family,
+                    "class_names": list(lo.class_names),
                 }
             )
         fe = self.config.frontend

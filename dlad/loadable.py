@@ -42,7 +42,7 @@ from typing import Any, Final, Literal, TypeAlias, TypeVar
 import numpy as np
 
 __all__ = [
-    "DEFAULT_DECODER", "FORMAT_VERSION", "MAGIC", "READABLE_VERSIONS", "DataCategory",
+    "DEFAULT_FAMILY", "FORMAT_VERSION", "MAGIC", "READABLE_VERSIONS", "DataCategory",
     "DataFormat", "DataType",
     "Loadable", "LoadableCoreError", "LoadableCorruptError", "LoadableError",
     "LoadableVersionError", "PixelFormat", "PixelMapping", "TensorDescriptor", "TensorFormat",
@@ -50,18 +50,21 @@ __all__ = [
     "loadable_bytes", "read_loadable", "write_loadable",
 ]  # fmt: skip
 
-FORMAT_VERSION: Final = 2
-"""The container version this module writes (2 added the header's ``decoder``)."""
-READABLE_VERSIONS: Final = (1, 2)
-"""The container versions :func:`read_loadable` accepts (a version 1 file decodes as ``yolov5``)."""
-DEFAULT_DECODER: Final = "yolov5"
-"""The decoder of version 1 files, which do not name one."""
+FORMAT_VERSION: Final = 3
+"""The container version this module writes (2 added the model family, as ``decoder``;
+3 calls it ``family`` and lets a family without anchors leave ``anchors_px`` empty)."""
+READABLE_VERSIONS: Final = (1, 2, 3)
+"""The container versions :func:`read_loadable` accepts (a version 1 file is a ``yolov5``)."""
+DEFAULT_FAMILY: Final = "yolov5"
+"""The model family of version 1 files, which do not name one."""
 MAGIC: Final = b"DLADEMU\0"
 FORMAT_NAME: Final = "dlad-emulated-loadable"
 SECTION_ALIGN: Final = 64
 """Sections start on 64-byte boundaries of the data area, so they can be viewed in place."""
 NAME_MAX_BYTES: Final = 80
 """``CUDLA_RUNTIME_TENSOR_DESC_NAME_MAX_LEN``: a tensor name is at most 80 UTF-8 bytes."""
+CLASS_NAME_MAX_BYTES: Final = 128
+"""A class name is at most 128 UTF-8 bytes (the STATUS report's name bound)."""
 NUM_STRIDES: Final = 8
 MAX_DIM: Final = 8192
 """DLA limit on C, H and W of an I/O tensor (docs/reference/cudla.md §3.4); batch is limited to
@@ -441,7 +444,7 @@ JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, J
 Heads: TypeAlias = Literal["int8", "fp16"]
 _HEADS: Final[dict[str, Heads]] = {"int8": "int8", "fp16": "fp16"}
 _SECTION_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
-_DECODER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def _json_object(value: object, what: str) -> Mapping[str, JSONValue]:
@@ -457,17 +460,17 @@ def _json_object(value: object, what: str) -> Mapping[str, JSONValue]:
 
 
 def _anchors(value: object) -> tuple[tuple[tuple[float, float], ...], ...]:
-    def seq(x: object, length: int | None = None) -> Sequence[object]:
-        if isinstance(x, np.ndarray):  # e.g. dlad.imaging.post.YOLOV5_ANCHORS
+    def seq(x: object, length: int | None = None, *, empty: bool = False) -> Sequence[object]:
+        if isinstance(x, np.ndarray):  # e.g. dlad.families.yolov5.ANCHORS
             x = x.tolist()
-        if isinstance(x, (str, bytes)) or not isinstance(x, Sequence) or len(x) == 0:
-            raise ValueError("anchors_px must be a non-empty [levels][anchors][2] (w, h)")
+        if isinstance(x, (str, bytes)) or not isinstance(x, Sequence) or (not x and not empty):
+            raise ValueError("anchors_px must be [levels][anchors][2] (w, h), or empty")
         if length is not None and len(x) != length:
-            raise ValueError("anchors_px must be a non-empty [levels][anchors][2] (w, h)")
+            raise ValueError("anchors_px must be [levels][anchors][2] (w, h), or empty")
         return x
 
-    levels = [[seq(a, 2) for a in seq(lvl)] for lvl in seq(value)]
-    if len({len(lvl) for lvl in levels}) != 1:
+    levels = [[seq(a, 2) for a in seq(lvl)] for lvl in seq(value, empty=True)]
+    if len({len(lvl) for lvl in levels}) > 1:
         raise ValueError("anchors_px needs the same number of anchors on every level")
     return tuple(tuple((_number(a[0], "anchor"), _number(a[1], "anchor")) for a in lvl)
                  for lvl in levels)  # fmt: skip
@@ -486,8 +489,10 @@ class Loadable:
     every INT8 tensor has a scale, every INT8 input's is ``input_scale``; ``output_scales`` holds
     exactly the INT8 outputs' scales; ``heads`` is ``"int8"`` iff every output is INT8, ``"fp16"``
     iff every output is HALF; output ``i`` is the stride-``strides[i]`` head of an
-    ``image_size`` input with ``len(anchors_px[i]) * (5 + num_classes)`` channels; ``sections``
-    has a non-empty ``graph``. Sequences are stored as tuples, mappings as read-only copies.
+    ``image_size`` input, with the channels (and ``anchors_px``, empty where it has none) its
+    model ``family`` has (``dlad.families``; a family this dlad does not have is not checked
+    here, and refused where the model is configured); ``sections`` has a non-empty ``graph``.
+    Sequences are stored as tuples, mappings as read-only copies.
     ``dataclasses.replace(loadable, dla_core=1)`` gives the other core's loadable.
     """
 
@@ -506,7 +511,7 @@ class Loadable:
     latency_us: float
     sections: Mapping[str, bytes]
     fp16_nodes: tuple[str, ...] = ()
-    decoder: str = DEFAULT_DECODER
+    family: str = DEFAULT_FAMILY
     latency_layers: Mapping[str, JSONValue] = field(default_factory=dict)
     provenance: Mapping[str, JSONValue] = field(default_factory=dict)
     created: str = field(default_factory=_utc_now)
@@ -525,10 +530,11 @@ class Loadable:
         put("input_scale", _number(self.input_scale, "input_scale"))
         put("latency_us", _number(self.latency_us, "latency_us", allow_zero=True))
         put("fp16_nodes", tuple(_text(s, "fp16 node") for s in self.fp16_nodes))
-        decoder: object = self.decoder
-        if not isinstance(decoder, str) or not _DECODER_NAME.fullmatch(decoder):
-            raise ValueError(f"decoder must match {_DECODER_NAME.pattern}, got {decoder!r:.80}")
-        put("class_names", tuple(_text(s, "class name") for s in self.class_names))
+        family: object = self.family
+        if not isinstance(family, str) or not _FAMILY_NAME.fullmatch(family):
+            raise ValueError(f"family must match {_FAMILY_NAME.pattern}, got {family!r:.80}")
+        put("class_names", tuple(_text(s, "class name", max_bytes=CLASS_NAME_MAX_BYTES)
+                                 for s in self.class_names))  # fmt: skip
         put("latency_layers", _json_object(self.latency_layers, "latency_layers"))
         put("provenance", _json_object(self.provenance, "provenance"))
         put("anchors_px", _anchors(self.anchors_px))
@@ -592,18 +598,21 @@ class Loadable:
             raise ValueError(f"num_classes must be a positive int, got {self.num_classes!r}")
         if len(self.class_names) != self.num_classes:
             raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
-        size, na = self.image_size, len(self.anchors_px[0])
-        if not len(self.strides) == len(self.anchors_px) == len(self.outputs):
-            raise ValueError(f"{len(self.outputs)} outputs, {len(self.anchors_px)} anchor levels "
-                             f"and {len(self.strides)} strides must agree")  # fmt: skip
+        size = self.image_size
+        if len(self.strides) != len(self.outputs):
+            raise ValueError(f"{len(self.outputs)} outputs and {len(self.strides)} strides "
+                             "must agree")  # fmt: skip
         for d in self.inputs:
             if (d.h, d.w) != size:
                 raise ValueError(f"input {d.name!r} is {d.h}x{d.w}, image_size is {size}")
         for d, s in zip(self.outputs, self.strides, strict=True):
-            if (d.h * s, d.w * s) != size or d.c != na * (5 + self.num_classes):
+            if (d.h * s, d.w * s) != size:
                 raise ValueError(f"output {d.name!r} ({d.c}x{d.h}x{d.w}) is not the stride-{s} "
-                                 f"head of a {size} input with {na} x (5 + {self.num_classes}) "
-                                 "channels")  # fmt: skip
+                                 f"head of a {size} input")  # fmt: skip
+        from dlad import families  # noqa: PLC0415  # the families import this module
+
+        if (family := families.FAMILIES.get(self.family)) is not None:
+            family.check_heads(self)
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -669,7 +678,10 @@ def write_loadable(path: str | os.PathLike[str], loadable: Loadable) -> Path:
 _HEADER_KEYS: Final = frozenset(
     {f.name for f in fields(Loadable)} | {"format", "version", "data_size"}
 )
-_HEADER_KEYS_BY_VERSION: Final = {1: _HEADER_KEYS - {"decoder"}, 2: _HEADER_KEYS}
+_HEADER_KEYS_BY_VERSION: Final = {
+    1: _HEADER_KEYS - {"family"}, 2: _HEADER_KEYS - {"family"} | {"decoder"}, 3: _HEADER_KEYS
+}  # fmt: skip
+_FAMILY_KEY: Final = {1: None, 2: "decoder", 3: "family"}
 
 
 def _get(h: dict[str, Any], key: str, kind: type[_T]) -> _T:
@@ -769,7 +781,7 @@ def _decode(data: bytes, src: str) -> Loadable:
         latency_us=_number(h["latency_us"], "latency_us", allow_zero=True),
         sections=_sections(h, data, _round_up(header_end, SECTION_ALIGN)),
         fp16_nodes=tuple(_get(h, "fp16_nodes", list)),
-        decoder=_get(h, "decoder", str) if version >= 2 else DEFAULT_DECODER,
+        family=_get(h, key, str) if (key := _FAMILY_KEY[version]) else DEFAULT_FAMILY,
         latency_layers=_get(h, "latency_layers", dict),
         provenance=_get(h, "provenance", dict),
         created=_get(h, "created", str),

@@ -780,7 +780,15 @@ class DeviceStatus(_DeviceAdded):
     # it ran since start (len == max_batch)
 
 
-class ModelStatus(TypedDict):
+class _ModelAdded(TypedDict, total=False):
+    """A model's fields added with model families: absent from the reports of older daemons."""
+
+    family: _Name  # its model family ("yolov5", ...): how its heads are decoded
+    class_names: Annotated[list[Annotated[str, Meta(max_length=MAX_NAME_CHARS)]],
+                           Meta(max_length=65_535)]  # fmt: skip  # [i]: the name of class i
+
+
+class ModelStatus(_ModelAdded):
     """One servable model and the devices holding it."""
 
     name: _Name

@@ -102,7 +102,7 @@ def expected_detections(workdir: Path, out: Path, variant: str, files: list[str]
     import numpy as np
     from PIL import Image
 
-    from dlad.imaging.post import postprocess
+    from dlad.families.yolov5 import postprocess
     from dlad.imaging.pre import letterbox
     from dlad.loadable import read_loadable
     from dlad.models.digest import heads_sha256

@@ -126,7 +126,7 @@ def build_loadable(
         latency_us=float(latency.total_us),
         sections={"graph": graph.to_bytes()},
         fp16_nodes=tuple(fp16),
-        decoder="yolov5",  # dlad.imaging.decoders: the model family's post-processing
+        family="yolov5",  # dlad.families: the model family's heads and post-processing
         latency_layers={"by_op_us": by_op, "layers": len(latency.layers)},
         provenance=provenance or {},
     )

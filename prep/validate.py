@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlad.imaging.post import postprocess, unpack_head
+from dlad.families.yolov5 import postprocess
+from dlad.imaging.post import unpack_head
 from dlad.loadable import Loadable
 from prep.data.coco import LetterboxedArrays
 from prep.evaluate import EvalResult, detections_to_coco, evaluate_detections

@@ -26,6 +26,8 @@ from dlad.protocol import (
     CancelReply,
     CancelRequest,
     DaemonStatus,
+    InferBatchRequest,
+    InferRequest,
     Kind,
     PixelFormat,
     Request,
@@ -47,6 +49,7 @@ from dlad_client._core import (
     _Calls,
     _check_settings,
     _check_timeout,
+    _class_names,
     _configure,
     _encode,
     _endpoints,
@@ -170,6 +173,7 @@ class AsyncClient:
         self._batch_turn: anyio.Lock | None = None  # one batch at a time takes several slots
         self._calls: _Calls[_AsyncCall] = _Calls(self._shm_answered)
         self._ids = itertools.count(1)
+        self._names: dict[str, tuple[str, ...]] = {}  # class names by model, from STATUS
         self._state: Literal["new", "open", "closed"] = "new"
         self._receive_scope: anyio.CancelScope | None = None
 
@@ -385,7 +389,20 @@ class AsyncClient:
         request = StatusRequest(next(self._ids), load=load)
         call = await self._start(request, Kind.STATUS_REPLY, timeout)
         await self._wait(call, withdraw_on_cancel=False)
-        return _report(call)
+        return _report(call, self._names)
+
+    async def class_names(self, model: str, *, timeout_s: float | None = None) -> tuple[str, ...]:
+        """``model``'s class names (``[i]`` names class ``i``), from a STATUS the first time
+        (then remembered; every later result of the model carries them, ``Result.labels``).
+
+        Raises:
+            NotFound: the daemon does not serve ``model``.
+            InternalError: the daemon does not report class names (older than model families).
+            DladError, ClientTimeout, ClientClosed, RuntimeError: as :meth:`status`.
+        """
+        if model not in self._names:
+            return _class_names(await self.status(timeout_s=timeout_s), model)
+        return self._names[model]
 
     # -------------------------------------------------------------------------- internals
 
@@ -430,6 +447,8 @@ class AsyncClient:
         if self._shm is not None:
             message = _in_shm(self._shm, message)  # a slot is free once in-flight room is
         call = _AsyncCall(message.id, kind, until, timeout_s, release=release, images=images)
+        if isinstance(message, (InferRequest, InferBatchRequest)):
+            call.names = self._names.get(message.model, ())
         # Registered before sending: the reply may be taken in before the send returns.
         self._calls.add(call)
         if self._receive_scope is not None and until < self._receive_scope.deadline:

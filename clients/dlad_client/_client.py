@@ -23,6 +23,8 @@ from dlad.protocol import (
     CancelReply,
     CancelRequest,
     DaemonStatus,
+    InferBatchRequest,
+    InferRequest,
     Kind,
     PixelFormat,
     Request,
@@ -44,6 +46,7 @@ from dlad_client._core import (
     _Calls,
     _check_settings,
     _check_timeout,
+    _class_names,
     _configure,
     _encode,
     _endpoints,
@@ -238,6 +241,7 @@ class Client:
             raise
         self._calls: _Calls[_Call] = _Calls(None if self._shm is None else self._shm.answered)
         self._ids = itertools.count(1)
+        self._names: dict[str, tuple[str, ...]] = {}  # class names by model, from STATUS
         self._closed = False
 
     def __repr__(self) -> str:
@@ -487,7 +491,20 @@ class Client:
         request = StatusRequest(next(self._ids), load=load)
         call = self._start(request, Kind.STATUS_REPLY, timeout)
         self._await(call)
-        return _report(call)
+        return _report(call, self._names)
+
+    def class_names(self, model: str, *, timeout_s: float | None = None) -> tuple[str, ...]:
+        """``model``'s class names (``[i]`` names class ``i``), from a STATUS the first time
+        (then remembered; every later result of the model carries them, ``Result.labels``).
+
+        Raises:
+            NotFound: the daemon does not serve ``model``.
+            InternalError: the daemon does not report class names (older than model families).
+            DladError, ClientTimeout, ClientClosed, RuntimeError: as :meth:`status`.
+        """
+        if model not in self._names:
+            return _class_names(self.status(timeout_s=timeout_s), model)
+        return self._names[model]
 
     # -------------------------------------------------------------------------- internals
 
@@ -539,6 +556,8 @@ class Client:
                 if self._socket.poll(_ms(remaining), zmq.POLLIN | zmq.POLLOUT) & zmq.POLLIN:
                     self._receive_ready()
         call = _Call(message.id, kind, until, timeout_s, images=images)
+        if isinstance(message, (InferRequest, InferBatchRequest)):
+            call.names = self._names.get(message.model, ())
         self._calls.add(call)
         return call
 

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from dlad.errors import DladError, InternalError, ProtocolError, Status, error_for
+from dlad.errors import DladError, InternalError, NotFound, ProtocolError, Status, error_for
 from dlad.protocol import (
     CHANNELS,
     DEFAULT_LIMITS,
@@ -97,12 +97,16 @@ class Result:
     ``detections`` is ``N x 6`` float32 ``x1 y1 x2 y2 score class``, sorted by score, and a
     read-only view over the received frame (copy it to write into it). ``device`` is the device
     that ran it (``"dla0"``, ``"dla1"``, ``"gpu"``); ``timing`` is the daemon's breakdown in µs.
+    ``class_names`` are the model's, as the client knew them when it sent the request (it
+    learns them from its first ``class_names(model)`` or ``status()`` call; empty before, or
+    from a daemon that does not report them).
     """
 
     request_id: int
     detections: npt.NDArray[np.float32]
     device: str | None
     timing: Timing
+    class_names: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         """The number of detections (so a result without any is falsy)."""
@@ -122,6 +126,12 @@ class Result:
     def classes(self) -> npt.NDArray[np.int64]:
         """``N`` class indices as integers (a copy)."""
         return self.detections[:, 5].astype(np.int64)
+
+    @property
+    def labels(self) -> list[str]:
+        """``N`` class names; a class the names do not cover (none known) is its index as text."""
+        names = self.class_names
+        return [names[c] if 0 <= c < len(names) else str(c) for c in self.classes.tolist()]
 
 
 # ------------------------------------------------------------------------------ settings
@@ -481,6 +491,7 @@ class _Call:
     timeout: float  # seconds from sending to ``deadline``, for messages
     outcome: Outcome | None = None
     images: int = 1  # an INFER_BATCH's: how many of the client's in-flight images it holds
+    names: tuple[str, ...] = ()  # an INFER's: its model's class names, as the client knows them
 
     def settled(self) -> None:
         """Called once, right after ``outcome`` is set."""
@@ -632,7 +643,7 @@ def _reply(call: _Call, cls: type[R]) -> R:
 
 def _result(call: _Call) -> Result:
     reply = _reply(call, InferReply)
-    return Result(reply.id, reply.detections, reply.device, reply.timing)
+    return Result(reply.id, reply.detections, reply.device, reply.timing, call.names)
 
 
 def _batch_results(call: _Call) -> list[Result | DladError]:
@@ -641,17 +652,33 @@ def _batch_results(call: _Call) -> list[Result | DladError]:
     raises, as :func:`_reply` does."""
     reply = _reply(call, InferBatchReply)
     return [
-        Result(r.id, r.detections, r.device, r.timing) if r.status == Status.OK
+        Result(r.id, r.detections, r.device, r.timing, call.names) if r.status == Status.OK
         else error_for(r.status, r.message, request_id=r.id)
         for r in reply.results
     ]  # fmt: skip
 
 
-def _report(call: _Call) -> DaemonStatus:
+def _report(call: _Call, names: dict[str, tuple[str, ...]]) -> DaemonStatus:
+    """The STATUS report of a settled call; the class names of its models are put in
+    ``names`` (a client's, by model)."""
     report = _reply(call, StatusReply).report
     if report is None:  # StatusReply guarantees a report with OK
         raise InternalError("STATUS reply without a report", request_id=call.id)
+    for model in report["models"]:
+        if "class_names" in model:
+            names[model["name"]] = tuple(model["class_names"])
     return report
+
+
+def _class_names(report: DaemonStatus, model: str) -> tuple[str, ...]:
+    """``model``'s class names in ``report``. Raises NotFound where it is not served there,
+    InternalError where the daemon does not report names (older than model families)."""
+    for m in report["models"]:
+        if m["name"] == model:
+            if "class_names" not in m:
+                raise InternalError(f"daemon {report['name']!r} does not report class names")
+            return tuple(m["class_names"])
+    raise NotFound(f"daemon {report['name']!r} serves no model {model!r}")
 
 
 def _timed_out(call: _Call) -> ClientTimeout:

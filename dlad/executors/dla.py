@@ -12,7 +12,7 @@ a DLA does. :meth:`DlaExecutor.run_frame`, per frame, on the calling thread:
    input buffer;
 2. submit the task with a signal fence and sleep until the core reaches it (a failed task still
    signals its fence; a fence never reached is a hang);
-3. post-process with the decoder the loadable names (``dlad.imaging.decoders``; YOLOv5: unpack
+3. post-process as the model family the loadable names does (``dlad.families``: unpack
    ``CHW16``/``CHW32`` heads → decode → NMS → boxes in the original image's pixels);
 4. read the task's status (a failed one's sticky error is read and cleared: DEVICE_FAILED).
 
@@ -41,7 +41,7 @@ from dlad.devices.emulated import FaultConfig
 from dlad.devices.factory import open_core
 from dlad.errors import DeviceFailed
 from dlad.executors.base import Executor, Outcome, Request
-from dlad.imaging.decoders import decoder_for
+from dlad.families import family_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
 from dlad.loadable import DataType, Loadable
@@ -123,8 +123,8 @@ class DlaExecutor(Executor):
         )
         self.loadable = loadable
         self.pre_post = pre_post
-        self.decoder = decoder_for(loadable.decoder)  # the config checked the name
-        self.gpu = gpu if pre_post and self.decoder.cuda else None  # no kernels: numpy
+        self.family = family_for(loadable.family)  # the config checked the name
+        self.gpu = gpu if pre_post and self.family.cuda else None  # no CUDA decode: numpy
         self.dla, self.module = open_core(
             backend,
             core,
@@ -331,6 +331,6 @@ class DlaExecutor(Executor):
             unpack_head(buf.array, d.c, d.h, d.w, d.scale if d.data_type == DataType.INT8 else None)
             for d, buf in zip(self.module.outputs, outputs, strict=True)
         ]
-        return self.decoder.postprocess(
+        return self.family.postprocess(
             heads, self.loadable, geometry, conf=work.conf, iou=work.iou, max_det=work.max_det
         )

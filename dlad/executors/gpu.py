@@ -10,8 +10,8 @@ time. Per batch, on the calling thread:
 1. pre-process every frame: letterbox → quantise to ``DLA_HWC4`` int8;
 2. run the batch on the engine (the emulated Orin GPU, ``dlad/devices/emulated_gpu.py``; torch
    or TensorRT on a real GPU): one head set per frame, and the batch's time;
-3. post-process every frame with the decoder its loadable names; one outcome per job, keyed by
-   job id, all with the batch's device time.
+3. post-process every frame as the model family its loadable names does; one outcome per job,
+   keyed by job id, all with the batch's device time.
 
 **On the GPU** (the daemon has a ``GpuService``: ``[pre_post] backend`` cuda, or auto with CUDA
 present, and the engine offers device-side I/O: ``TorchGpu`` on CUDA), a batch never leaves the
@@ -58,9 +58,9 @@ import structlog
 from dlad.devices.emulated_gpu import GpuBatchTiming
 from dlad.errors import DeviceFailed
 from dlad.executors.base import Executor, Outcome, Request
+from dlad.families import family_for, post_program
 from dlad.gpu.driver import CudaError, DeviceBuffer, _check, _driver
 from dlad.gpu.prepost import GpuPipeline, HeadSpec, PostResult, engine_heads
-from dlad.imaging.decoders import decoder_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import (
     Letterbox,
@@ -201,7 +201,7 @@ class CudaBatches:
 
     Args:
         engine: an engine with device-side I/O on the service's device.
-        loadable: the model's loadable (input size and scale, heads, anchors, decoder).
+        loadable: the model's loadable (input size and scale, heads, model family).
         service: the daemon's GPU service (context and kernels).
         max_batch: the largest batch (<= the engine's).
         slots: independent slots (one batch each at a time).
@@ -231,7 +231,7 @@ class CudaBatches:
         self.ctx = service.ctx
         self.max_image_bytes = service.max_image_bytes
         self.max_batch = max_batch
-        self.decoder = decoder_for(loadable.decoder)
+        self.family = family_for(loadable.family)
         self._lock = threading.Lock()  # one batch at a time writes the engine's input
         self._slots: list[_CudaSlot] = []
         try:
@@ -247,7 +247,7 @@ class CudaBatches:
             ctx,
             self.loadable.image_size,
             specs,
-            self.loadable.anchors_px,
+            post_program(self.loadable),
             batch=self.max_batch,
             max_det=MAX_DET,
             cand_capacity=cand_capacity,
@@ -345,7 +345,7 @@ class CudaBatches:
     def finish(self, q: QueuedBatch) -> CudaBatchResult:
         """Wait for a batch :meth:`enqueue` queued (the worker thread sleeps on an event),
         posting its frames one by one when their settings differ, and return its results.
-        Raises CudaError (a failed stream poisons the context) and the decoder's errors."""
+        Raises CudaError (a failed stream poisons the context) and the model family's errors."""
         s = q.slot
         try:
             self.ctx.make_current()
@@ -395,7 +395,7 @@ class CudaBatches:
             unpack_head(h, d.c, d.h, d.w, None)
             for d, h in zip(self.loadable.outputs, self._host_heads(s, b), strict=True)
         ]
-        return self.decoder.postprocess(
+        return self.family.postprocess(
             heads, self.loadable, g, conf=r.conf, iou=r.iou, max_det=r.max_det
         )
 
@@ -424,7 +424,7 @@ class GpuExecutor(Executor):
     Args:
         name: the device's name (``gpu``).
         model: the model it serves.
-        loadable: the model's loadable (input size and scale, head geometry, decoder).
+        loadable: the model's loadable (input size and scale, head geometry, model family).
         engine: what runs the batches; its ``curve_us`` seeds the plane's estimates.
         capacity: its queue bound in the plane.
         max_batch: the largest batch it takes (<= the engine's).
@@ -467,7 +467,7 @@ class GpuExecutor(Executor):
         self.loadable = loadable
         self.engine = engine
         self.pre_post = pre_post
-        self.decoder = decoder_for(loadable.decoder)
+        self.family = family_for(loadable.family)
         self._slots = slots
         inp = loadable.inputs[0]
         self._blank = quantize_hwc4(
@@ -489,8 +489,8 @@ class GpuExecutor(Executor):
             return None  # no GPU pre/post in this daemon: nothing to say
         if io is None:
             reason = "the engine has no device-side I/O"
-        elif not self.decoder.cuda:
-            reason = f"no CUDA kernels for decoder {self.decoder.name!r}"
+        elif not self.family.cuda:
+            reason = f"no CUDA decode for model family {self.family.name!r}"
         elif io.device != f"cuda:{int(gpu.ctx.device)}":
             reason = f"the engine runs on {io.device}, the pre/post kernels on GPU {gpu.ctx.device}"
         else:
@@ -604,7 +604,7 @@ class GpuExecutor(Executor):
         self, item: tuple[Request, Sequence[npt.NDArray[np.float32]], Any]
     ) -> npt.NDArray[np.float32]:
         work, frame_heads, geometry = item
-        return self.decoder.postprocess(
+        return self.family.postprocess(
             frame_heads,
             self.loadable,
             geometry,

@@ -25,6 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from dlad.families import cuda_kernels, cuda_sources
+
 __all__ = [
     "CudaError",
     "DeviceBuffer",
@@ -44,7 +46,14 @@ if TYPE_CHECKING:
 log = structlog.get_logger("dlad.gpu")
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
-"""The CUDA C source of every dlad kernel."""
+"""The CUDA C source of dlad's kernels but the model families' decodes."""
+
+
+def kernel_source() -> str:
+    """The one CUDA program of every dlad kernel: ``kernels.cu``, then each model family's."""
+    files = [KERNEL_SOURCE, *cuda_sources()]
+    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+
 
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17", "--fmad=false", "-default-device")
 """``--fmad=false``: the float steps must round one by one, as the numpy reference does."""
@@ -285,14 +294,14 @@ class GpuContext:
         self.max_smem_optin = int(
             self._attr(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         )
-        source = KERNEL_SOURCE.read_text(encoding="utf-8")
+        source = kernel_source()
         cubin, cached = compile_cubin(source, self.arch, cache_dir)
         self.module = _check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
         self.kernels: dict[str, Kernel] = {}
         for name in (
             "pre_hwc4_i8",
             "pre_chw16_f16",
-            "post_decode",
+            *cuda_kernels(),
             "post_select_sort",
             "post_mask",
             "post_scan",

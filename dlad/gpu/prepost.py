@@ -9,8 +9,9 @@ Per frame, everything is queued at once and the CPU waits only at the very end::
 
 :meth:`GpuPipeline.synchronize` waits for the event (on a worker thread, never on the loop) and
 returns the detections of each image, ``[N, 6]`` float32 ``x1, y1, x2, y2, score, class`` in
-source-image pixels, as :func:`dlad.imaging.post.postprocess` does with ``max_candidates =
-min(max_candidates, SORT_CAPACITY)``.
+source-image pixels, as the model family's numpy ``postprocess`` does (``dlad.families``) with
+``max_candidates = min(max_candidates, SORT_CAPACITY)``. The decode is the family's kernel
+(its :class:`~dlad.families.PostProgram`); the rest is the same for every family.
 
 Limits (stated, checked): at most ``cand_capacity`` candidates per image are stored after the
 confidence test; a frame that finds more is reported as ``overflow`` and the caller runs the
@@ -20,7 +21,6 @@ numpy reference for it. At most :data:`SORT_CAPACITY` candidates enter NMS (the 
 from __future__ import annotations
 
 import ctypes
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dlad.devices.cudla import cuda_interop
+from dlad.families import PostProgram
 from dlad.gpu.driver import (
     DeviceBuffer,
     GpuContext,
@@ -39,6 +40,7 @@ from dlad.gpu.driver import (
     _driver,
     launch,
 )
+from dlad.imaging.post import logit_cut
 from dlad.imaging.pre import Letterbox, hwc4_layout
 
 if TYPE_CHECKING:
@@ -126,6 +128,7 @@ class PostParams(ctypes.Structure):
         ("na", ctypes.c_int),
         ("nc", ctypes.c_int),
         ("cand_capacity", ctypes.c_int),
+        ("bins", ctypes.c_int),
     ]
 
 
@@ -197,13 +200,6 @@ class PostResult:
     entered_nms: int
 
 
-def _logit_cut(conf: float) -> np.float32:
-    # dlad.imaging.post.decode's row pre-filter, compared in float32 there as here.
-    if conf == 0:
-        return np.float32(-math.inf)
-    return np.float32(math.log(conf / (1 - conf)) - 1e-3)
-
-
 class GpuPipeline:
     """Pre/post-processing of one model on one CUDA stream (not thread-safe: one frame at a
     time, one owner). Buffers are sized for ``batch`` images.
@@ -212,7 +208,8 @@ class GpuPipeline:
         ctx: the GPU context.
         canvas: the model input ``(height, width)``.
         heads: the model's heads, in output order.
-        anchors: ``(levels, anchors, 2)`` in input pixels.
+        program: the model family's decode kernel and its parameters
+            (``dlad.families.family_for(loadable.family).cuda_program(loadable)``).
         batch: images per :meth:`post` call at most.
         max_det: largest ``max_det`` a frame may ask for.
         cand_capacity: candidates stored per image after the confidence test.
@@ -226,7 +223,7 @@ class GpuPipeline:
             ``max_image_bytes`` are allocated there instead of in device memory.
 
     Raises ValueError for shapes the kernels do not take (more than 4 levels or anchors per
-    level, heads whose channels are not ``na * (5 + nc)``), CudaError when allocation fails.
+    level, anchors for other levels than the heads'), CudaError when allocation fails.
     """
 
     def __init__(
@@ -234,7 +231,7 @@ class GpuPipeline:
         ctx: GpuContext,
         canvas: tuple[int, int],
         heads: Sequence[HeadSpec],
-        anchors: npt.ArrayLike,
+        program: PostProgram,
         *,
         batch: int = 1,
         max_det: int = 300,
@@ -242,22 +239,20 @@ class GpuPipeline:
         max_image_bytes: int = 0,
         staging: bool = False,
     ) -> None:
-        anc = np.asarray(anchors, dtype=np.float32)
-        if anc.ndim != 3 or anc.shape[2] != 2 or not 1 <= anc.shape[0] <= MAX_LEVELS:
-            raise ValueError(f"anchors must be (1..{MAX_LEVELS}, na, 2), got {anc.shape}")
-        nl, na = anc.shape[0], anc.shape[1]
-        if not 1 <= na <= MAX_ANCHORS or len(heads) != nl:
-            raise ValueError(f"{len(heads)} heads for {nl} levels of {na} anchors (max 4)")
-        channels = {h.c for h in heads}
-        if len(channels) != 1 or (c := channels.pop()) % na or c // na < 6:
-            raise ValueError("every head needs the same na * (5 + nc) channels, nc >= 1")
+        if not 1 <= len(heads) <= MAX_LEVELS or not 1 <= program.per_cell <= MAX_ANCHORS:
+            raise ValueError(f"{len(heads)} heads of {program.per_cell} anchors: the kernels "
+                             f"take 1..{MAX_LEVELS} of 1..{MAX_ANCHORS}")  # fmt: skip
+        anc = program.anchors
+        if anc is not None and anc.shape != (len(heads), program.per_cell, 2):
+            raise ValueError(f"anchors {anc.shape} for {len(heads)} heads of {program.per_cell}")
+        if program.kernel not in ctx.kernels:
+            raise ValueError(f"no decode kernel {program.kernel!r} in the GPU program")
         if batch < 1 or max_det < 0 or cand_capacity < 1:
             raise ValueError("batch, cand_capacity must be >= 1 and max_det >= 0")
         self.ctx = ctx
         self.canvas = canvas
         self.heads = tuple(heads)
-        self.anchors = anc
-        self.nc = c // na - 5
+        self.program = program
         self.batch = batch
         self.max_det = max_det
         self.cand_capacity = cand_capacity
@@ -313,7 +308,7 @@ class GpuPipeline:
 
     def _fill_static(self, p: PostParams) -> None:
         """The fields that never change between frames (set once: ctypes writes cost µs)."""
-        na = self.anchors.shape[1]
+        na, anchors = self.program.per_cell, self.program.anchors
         cells = 0
         for i, head in enumerate(self.heads):
             p.head_scale[i] = head.int8_scale or 0.0
@@ -321,7 +316,8 @@ class GpuPipeline:
             p.level_cells[i] = cells
             cells += na * head.h * head.w
             for a in range(na):
-                p.anchors[i][a][0], p.anchors[i][a][1] = self.anchors[i, a]
+                if anchors is not None:
+                    p.anchors[i][a][0], p.anchors[i][a][1] = anchors[i, a]
         p.level_cells[len(self.heads)] = cells
         self._cells = cells
         p.cands, p.keys, p.counts = self._cands.ptr, self._keys.ptr, self._counts.ptr
@@ -329,8 +325,8 @@ class GpuPipeline:
         p.out = self._out_host.device_ptr
         p.frame = self._frame_dev.ptr
         p.geoms = self._frame_dev.ptr + ctypes.sizeof(FrameParams)
-        p.nl, p.na, p.nc = len(self.heads), na, self.nc
-        p.cand_capacity = self.cand_capacity
+        p.nl, p.na, p.nc = len(self.heads), na, self.program.nc
+        p.cand_capacity, p.bins = self.cand_capacity, self.program.bins
 
     def _dev(self, nbytes: int) -> DeviceBuffer:
         buf = self.ctx.alloc(nbytes)
@@ -544,7 +540,7 @@ class GpuPipeline:
                 )  # fmt: skip
             f = self._frame
             f.conf = float(np.float32(conf_threshold))
-            f.obj_cut = float(_logit_cut(conf_threshold))
+            f.obj_cut = float(np.float32(logit_cut(conf_threshold)))
             f.iou = float(iou_threshold)
             f.max_det, f.multi_label = max_det, int(multi_label)
             f.max_candidates, f.nms_rounds = max_candidates, nms_rounds
@@ -591,9 +587,9 @@ class GpuPipeline:
                     ),
                     "cuMemcpyHtoDAsync",
                 )  # fmt: skip
-            k, s = self.ctx.kernels, self.stream
+            k, s, decode = self.ctx.kernels, self.stream, self.program.kernel
             stages: list[Callable[[], None]] = [
-                lambda: launch(k["post_decode"], (-(-self._cells // 256), n, 1), (256, 1, 1), p, s),
+                lambda: launch(k[decode], (-(-self._cells // 256), n, 1), (256, 1, 1), p, s),
                 lambda: launch(k["post_select_sort"], (n, 1, 1), (_SORT_THREADS, 1, 1), p, s,
                                _SORT_SMEM),
                 lambda: launch(k["post_mask"], (2 * self.ctx.sm_count, n, 1), (256, 1, 1), p, s),

@@ -21,6 +21,7 @@ import structlog
 
 from dlad.devices.base import Buffer, DlaCore, Module, Task, TaskHandle
 from dlad.devices.cudla import cuda_interop
+from dlad.families import post_program
 from dlad.gpu.driver import (
     CudaError,
     GpuContext,
@@ -309,7 +310,7 @@ class GpuService:
         for _ in range(slots):
             for b in range(max_batch):
                 pipeline = GpuPipeline(
-                    self.ctx, (h, w), heads, loadable.anchors_px, max_det=MAX_DET,
+                    self.ctx, (h, w), heads, post_program(loadable), max_det=MAX_DET,
                     max_image_bytes=self.max_image_bytes, staging=self.stage_frames,
                 )  # fmt: skip
                 with self._lock:
@@ -446,7 +447,7 @@ class GpuService:
         ]
         h, w = loadable.image_size
         return GpuPipeline(
-            self.ctx, (h, w), heads, loadable.anchors_px, max_det=max_det,
+            self.ctx, (h, w), heads, post_program(loadable), max_det=max_det,
             max_image_bytes=self.max_image_bytes, staging=self.stage_frames,
         )  # fmt: skip
 

@@ -1,12 +1,12 @@
-"""Post-processing reference: DLA output reformat, YOLOv5 decode, class-aware NMS.
+"""Post-processing reference, the parts every model family shares: DLA output reformat,
+class-aware NMS and back-projection.
 
-A *head* is one detection level as the model emits it (no Detect-layer decode inside the model):
-a ``[na * (5 + nc), H, W]`` array of raw logits where channel ``a * (5 + nc) + k`` holds, for
-anchor ``a``, ``k = 0..3``: ``tx, ty, tw, th``; ``k = 4``: objectness; ``k >= 5``: class logits.
-
-The DLA writes heads as ``CHW16`` fp16 or ``CHW32`` int8 (``docs/reference/cudla.md`` §3.3);
-:func:`unpack_chw16` / :func:`unpack_chw32_int8` turn those into heads. :func:`postprocess` runs
-decode → NMS → back-projection and is what the daemon's CPU path calls.
+A *head* is one detection level as the model emits it (the family's decode is not inside the
+model): a ``[C, H, W]`` array of raw values, whose channels the family defines
+(``dlad.families``). The DLA writes heads as ``CHW16`` fp16 or ``CHW32`` int8
+(``docs/reference/cudla.md`` §3.3); :func:`unpack_chw16` / :func:`unpack_chw32_int8` turn those
+into heads. A family decodes them into :class:`Candidates`; :func:`detections` runs NMS →
+back-projection.
 
 Unlike NVIDIA's sample (docs/reference/cudla.md §5.3), NMS is always applied, results are capped
 at ``max_det``, and candidate order, tie-breaking and thresholds (``>`` for confidence, ``>=``
@@ -27,14 +27,16 @@ import numpy.typing as npt
 from dlad.imaging.pre import Letterbox, round_half_away_from_zero
 
 __all__ = [
-    "YOLOV5_ANCHORS",
-    "YOLOV5_STRIDES",
+    "DEFAULT_MAX_CANDIDATES",
     "Candidates",
-    "decode",
+    "check_conf_threshold",
+    "check_head_arrays",
+    "detections",
+    "logit_cut",
     "nms",
     "pack_chw16",
     "pack_chw32",
-    "postprocess",
+    "sigmoid",
     "unpack_chw16",
     "unpack_chw32_int8",
     "unpack_head",
@@ -42,20 +44,6 @@ __all__ = [
 
 _F32 = npt.NDArray[np.float32]
 _Idx = npt.NDArray[np.intp]
-
-YOLOV5_ANCHORS: npt.NDArray[np.float32] = np.array(
-    [
-        [(10, 13), (16, 30), (33, 23)],
-        [(30, 61), (62, 45), (59, 119)],
-        [(116, 90), (156, 198), (373, 326)],
-    ],
-    dtype=np.float32,
-)
-"""YOLOv5 P3/P4/P5 anchors ``(w, h)`` in input pixels, shape ``(3, 3, 2)``."""
-YOLOV5_ANCHORS.flags.writeable = False
-
-YOLOV5_STRIDES: tuple[int, ...] = (8, 16, 32)
-"""Strides of the P3/P4/P5 heads, in input pixels."""
 
 DEFAULT_MAX_CANDIDATES = 30000
 """Boxes entering NMS at most (YOLOv5's ``max_nms``); the lowest-scoring are dropped first."""
@@ -159,119 +147,54 @@ class Candidates:
     def __len__(self) -> int:
         return int(self.scores.shape[0])
 
+    @classmethod
+    def join(
+        cls, boxes: Sequence[_F32], scores: Sequence[_F32], classes: Sequence[_Idx]
+    ) -> Candidates:
+        """One set of the parts' candidates, in order (none: an empty set)."""
+        if not scores:
+            return cls(np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.intp))
+        return cls(
+            np.concatenate(boxes).astype(np.float32, copy=False),
+            np.concatenate(scores).astype(np.float32, copy=False),
+            np.concatenate(classes).astype(np.intp, copy=False),
+        )
 
-def _sigmoid(x: _F32) -> _F32:
+
+def sigmoid(x: _F32) -> _F32:
+    """``1 / (1 + exp(-x))`` in float32 (the kernels' ``sigmoidf``)."""
     # exp overflows to inf for very negative logits; 1/(1+inf) = 0 is the right answer.
     with np.errstate(over="ignore"):
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
-def _check_thresholds(conf_threshold: object) -> None:
+def check_conf_threshold(conf_threshold: object) -> None:
+    """Raises ValueError unless ``conf_threshold`` is a number in ``[0, 1)``."""
     if not (isinstance(conf_threshold, (int, float, np.floating)) and 0 <= conf_threshold < 1):
         raise ValueError(f"conf_threshold must be in [0, 1), got {conf_threshold!r}")
 
 
-def _check_heads(
-    heads: Sequence[npt.NDArray[np.floating]],
-    anchors: npt.NDArray[np.floating],
-    strides: Sequence[int],
-) -> tuple[int, int]:
-    anchors = np.asarray(anchors)
-    if anchors.ndim != 3 or anchors.shape[2] != 2 or anchors.shape[1] < 1:
-        raise ValueError(f"anchors must be (levels, anchors, 2), got {anchors.shape}")
-    nl, na = anchors.shape[0], anchors.shape[1]
-    if len(heads) != nl or len(strides) != nl:
-        raise ValueError(f"{len(heads)} heads, {len(strides)} strides, {nl} anchor levels differ")
+def check_head_arrays(heads: Sequence[npt.NDArray[np.floating]], strides: Sequence[int]) -> int:
+    """The channels of ``heads``, one per stride. Raises ValueError unless every head is a 3-D
+    ``[C, H, W]`` array with the same ``C`` and every stride a positive int."""
+    if len(heads) != len(strides) or not heads:
+        raise ValueError(f"{len(heads)} heads for {len(strides)} strides")
     channels = {h.shape[0] if getattr(h, "ndim", 0) == 3 else -1 for h in heads}
-    if len(channels) != 1:
+    if len(channels) != 1 or -1 in channels:
         raise ValueError("every head must be a 3-D [C, H, W] array with the same C")
-    (c,) = channels
-    if c < na * 6 or c % na:
-        raise ValueError(f"head channels {c} are not {na} * (5 + nc) with nc >= 1")
     if any(not _is_int(s) or s < 1 for s in strides):
         raise ValueError(f"strides must be positive ints, got {list(strides)}")
-    return na, c // na - 5
+    return channels.pop()
 
 
-def decode(
-    heads: Sequence[npt.NDArray[np.floating]],
-    anchors: npt.NDArray[np.floating],
-    strides: Sequence[int],
-    conf_threshold: float,
-    multi_label: bool,
-) -> Candidates:
-    """Decode raw YOLOv5 heads into candidate boxes (canvas pixels).
-
-    For each level, anchor ``a`` with ``(aw, ah) = anchors[level, a]`` (pixels) and cell
-    ``(ix, iy)``, with ``S(x) = 1 / (1 + exp(-x))``, in float32::
-
-        cx = (S(tx) * 2 - 0.5 + ix) * stride      cy = (S(ty) * 2 - 0.5 + iy) * stride
-        w  = (S(tw) * 2) ** 2 * aw                h  = (S(th) * 2) ** 2 * ah
-
-    Single label: one candidate with the best class (``argmax`` of the class logits, lowest
-    index on ties) and ``score = S(obj) * S(max logit)``. Multi-label (for mAP): one candidate
-    per class with ``S(obj) * S(cls) > conf_threshold``. Either way a candidate is kept only if
-    its score is ``> conf_threshold`` (so NaN scores never pass) and its box is finite; rows
-    whose objectness alone cannot pass are skipped first.
-
-    Candidates come in order level, anchor, row, column, class. Raises ValueError when heads,
-    anchors ``(levels, anchors, 2)`` and strides disagree, a head is not ``[na*(5+nc), H, W]``
-    with the same ``nc`` everywhere, or ``conf_threshold`` is not in ``[0, 1)``.
-    """
-    _check_thresholds(conf_threshold)
-    na, nc = _check_heads(heads, anchors, strides)
-    anchors32 = np.asarray(anchors, dtype=np.float32)
-    # S(obj) > thr  <=>  obj > logit(thr). The margin keeps float rounding near the boundary
-    # from dropping a row the exact score test below would keep; that test is authoritative.
-    obj_cut = -math.inf if conf_threshold == 0 else math.log(conf_threshold / (1 - conf_threshold))
-    obj_cut -= 1e-3
-    thr = np.float32(conf_threshold)
-    boxes_out: list[_F32] = []
-    scores_out: list[_F32] = []
-    classes_out: list[_Idx] = []
-    for level, head in enumerate(heads):
-        h, w = head.shape[1], head.shape[2]
-        p = head.reshape(na, 5 + nc, h * w)
-        a_idx, cell = np.nonzero(p[:, 4, :] > obj_cut)
-        if a_idx.size == 0:
-            continue
-        rows = p[a_idx, :, cell]  # (M, 5 + nc), in anchor, cell order
-        s = _sigmoid(rows[:, :5].astype(np.float32))
-        stride = np.float32(strides[level])
-        anc = anchors32[level, a_idx]
-        cx = (s[:, 0] * np.float32(2.0) - np.float32(0.5) + (cell % w).astype(np.float32)) * stride
-        cy = (s[:, 1] * np.float32(2.0) - np.float32(0.5) + (cell // w).astype(np.float32)) * stride
-        bw = np.square(s[:, 2] * np.float32(2.0)) * anc[:, 0]
-        bh = np.square(s[:, 3] * np.float32(2.0)) * anc[:, 1]
-        half_w, half_h = bw * np.float32(0.5), bh * np.float32(0.5)
-        xyxy = np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], axis=1)
-        # A NaN logit (e.g. fp16 overflow upstream) must cost one box, not the whole frame.
-        finite = np.isfinite(xyxy).all(axis=1)
-        obj = s[:, 4]
-        cls_logits = rows[:, 5:]
-        if multi_label:
-            conf = obj[:, None] * _sigmoid(cls_logits.astype(np.float32))
-            r, k = np.nonzero((conf > thr) & finite[:, None])
-            boxes_out.append(xyxy[r])
-            scores_out.append(conf[r, k])
-            classes_out.append(k.astype(np.intp))
-        else:
-            best = np.argmax(cls_logits, axis=1)
-            best_logit = np.take_along_axis(cls_logits, best[:, None], axis=1)[:, 0]
-            conf = obj * _sigmoid(best_logit.astype(np.float32))
-            ok = (conf > thr) & finite
-            boxes_out.append(xyxy[ok])
-            scores_out.append(conf[ok])
-            classes_out.append(best[ok].astype(np.intp))
-    if not scores_out:
-        return Candidates(
-            np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.intp)
-        )
-    return Candidates(
-        np.concatenate(boxes_out).astype(np.float32, copy=False),
-        np.concatenate(scores_out).astype(np.float32, copy=False),
-        np.concatenate(classes_out),
-    )
+def logit_cut(conf_threshold: float) -> float:
+    """The logit below which no sigmoid passes ``conf_threshold``, less a margin: ``S(x) > thr``
+    ⇔ ``x > logit(thr)``, and the margin keeps float rounding near the boundary from dropping a
+    row the exact score test would keep (that test is authoritative). A decode skips the rows
+    whose gating logit is not above it (the kernels take it as ``FrameParams.obj_cut``)."""
+    if conf_threshold == 0:
+        return -math.inf
+    return math.log(conf_threshold / (1 - conf_threshold)) - 1e-3
 
 
 # ------------------------------------------------------------------------------- NMS
@@ -441,25 +364,18 @@ def _score_order(scores: npt.NDArray[np.float64], limit: int | None) -> _Idx:
 # ------------------------------------------------------------------------------- pipeline
 
 
-def postprocess(
-    heads: Sequence[npt.NDArray[np.floating]],
-    anchors: npt.NDArray[np.floating],
-    strides: Sequence[int],
+def detections(
+    cand: Candidates,
     letterbox: Letterbox,
     *,
-    conf_threshold: float = 0.25,
     iou_threshold: float = 0.45,
     max_det: int = 300,
-    multi_label: bool = False,
     max_candidates: int | None = DEFAULT_MAX_CANDIDATES,
 ) -> _F32:
-    """Heads → final detections ``[N, 6]`` float32 ``x1, y1, x2, y2, score, class``.
-
-    :func:`decode`, then :func:`nms` in canvas coordinates (as YOLOv5 does), then
+    """Decoded candidates → final detections ``[N, 6]`` float32 ``x1, y1, x2, y2, score, class``:
+    :func:`nms` in canvas coordinates (as YOLOv5 and Ultralytics do), then
     :meth:`Letterbox.to_original` (undo letterbox, clip to the source image). Rows are sorted by
-    score, descending; ``N <= max_det``. Raises ValueError as :func:`decode` and :func:`nms` do.
-    """
-    cand = decode(heads, anchors, strides, conf_threshold, multi_label)
+    score, descending; ``N <= max_det``. Raises ValueError as :func:`nms` does."""
     keep = nms(
         cand.boxes, cand.scores, cand.classes, iou_threshold, max_det, max_candidates=max_candidates
     )

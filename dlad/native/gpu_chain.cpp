@@ -21,7 +21,7 @@ int scaled_extent(int src, double scale, int dst) {
     return std::min(dst, std::max(1, static_cast<int>(std::floor(src * scale + 0.5))));
 }
 
-// prepost._logit_cut, rounded to float32 as np.float32 does
+// dlad.imaging.post.logit_cut, rounded to float32 as np.float32 does
 float logit_cut(double conf) {
     if (conf == 0) return -std::numeric_limits<float>::infinity();
     return static_cast<float>(std::log(conf / (1 - conf)) - 1e-3);

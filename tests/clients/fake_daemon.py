@@ -75,6 +75,10 @@ def ok_reply(request: InferRequest, device: str = "dla0") -> InferReply:
     return InferReply(request.id, Status.OK, "", device, TIMING, detections_for(request))
 
 
+CLASS_NAMES = tuple(f"class-{i}" for i in range(80))
+"""The fake's model's class names."""
+
+
 def report(name: str = "fake") -> DaemonStatus:
     """A valid STATUS report of a daemon with two DLA cores and one model."""
 
@@ -89,7 +93,8 @@ def report(name: str = "fake") -> DaemonStatus:
         "name": name, "state": "RUNNING", "live": True, "ready": True, "version": "0.1.0",
         "protocol": 1, "devices": [core(0), core(1)],
         "models": [{"name": "demo", "devices": ["dla0", "dla1"], "input_height": 256,
-                    "input_width": 256, "classes": 80}],
+                    "input_width": 256, "classes": 80, "family": "yolov5",
+                    "class_names": list(CLASS_NAMES)}],
         "queues": {"depth": 0, "capacity": 64, "streams": 0},
     }  # fmt: skip
 

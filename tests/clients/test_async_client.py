@@ -29,10 +29,12 @@ from dlad_client import (
     Cancelled,
     ClientClosed,
     ClientTimeout,
+    NotFound,
     Result,
     ShuttingDown,
 )
 from tests.clients.fake_daemon import (
+    CLASS_NAMES,
     FakeDaemon,
     Holding,
     Image,
@@ -84,6 +86,26 @@ def test_async_50_concurrent_detects_matched_out_of_order(
     for i, image in enumerate(batch):
         check_result(results[i], image)
     assert len({r.request_id for r in results.values()}) == 50
+
+
+def test_async_results_carry_the_class_names_the_client_learned(
+    async_context: zmq.asyncio.Context, make_daemon: Callable[..., FakeDaemon]
+) -> None:
+    daemon = make_daemon()
+    image = images(1, seed=5)[0]
+
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, context=async_context) as client:
+            assert (await client.detect(image, model="demo")).class_names == ()
+            await client.status()  # a report teaches the names too
+            assert await client.class_names("demo") == CLASS_NAMES
+            result = await client.detect(image, model="demo")
+            assert result.labels == [CLASS_NAMES[result.classes[0]]]
+            with pytest.raises(NotFound):
+                await client.class_names("other")
+
+    anyio.run(main, backend="asyncio")
+    assert sum(isinstance(r, StatusRequest) for r in daemon.requests) == 2
 
 
 def test_async_cancelling_one_detect_does_not_disturb_the_others(

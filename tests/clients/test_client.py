@@ -49,6 +49,7 @@ from dlad_client import (
 )
 from dlad_client._core import _Call, _Calls, _infer_request
 from tests.clients.fake_daemon import (
+    CLASS_NAMES,
     TIMING,
     FakeDaemon,
     Holding,
@@ -298,6 +299,26 @@ def test_status_returns_the_report(
     daemon = make_daemon()
     with Client(daemon.endpoint, context=context) as client:
         assert client.status() == report()
+
+
+def test_results_carry_the_class_names_the_client_learned(
+    context: zmq.Context[Any], make_daemon: Callable[..., FakeDaemon]
+) -> None:
+    """The names come from one STATUS (``class_names``, or ``status``) and every later result
+    of the model carries them; before, a label is the class index."""
+    daemon = make_daemon()
+    image = images(1, seed=4)[0]
+    with Client(daemon.endpoint, context=context) as client:
+        before = client.detect(image, model="demo")
+        assert before.class_names == ()
+        assert before.labels == [str(before.classes[0])]
+        assert client.class_names("demo") == CLASS_NAMES
+        assert client.class_names("demo") == CLASS_NAMES  # remembered: no second STATUS
+        after = client.detect(image, model="demo")
+        assert after.labels == [CLASS_NAMES[after.classes[0]]]
+        assert sum(isinstance(r, StatusRequest) for r in daemon.requests) == 1
+        with pytest.raises(sdk.NotFound, match="serves no model 'other'"):
+            client.class_names("other")
 
 
 def test_max_in_flight_bounds_what_is_sent(

@@ -13,7 +13,8 @@ from PIL import Image
 
 from dlad.devices.int8_engine import engine_for_loadable
 from dlad.devices.int8_layout import OperandsChoice, u8s8_is_exact
-from dlad.imaging.post import postprocess, unpack_head
+from dlad.families.yolov5 import postprocess
+from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import letterbox, quantize_hwc4
 from dlad.loadable import DataType, Loadable, read_loadable
 from dlad.models import DEMO

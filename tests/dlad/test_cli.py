@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dlad import protocol
+from dlad import families, protocol
 from dlad.cli import main
 from dlad.config import load_config
 from dlad.daemon import plane_engine
 from dlad.errors import Status
-from dlad.imaging import decoders
 
 
 def test_version_and_help_import_nothing_heavy() -> None:
@@ -279,8 +278,8 @@ def test_a_family_without_cuda_kernels_is_pre_post_processed_on_the_cpu(
     plan = load_config(cfg).plan()
     dla = plan.placements[0]
     assert plane_engine(plan, dla, pre_post=True, gpu=True)[0] == "timing"
-    cpu_only = dataclasses.replace(decoders.DECODERS["yolov5"], cuda=False)
-    monkeypatch.setitem(decoders.DECODERS, "yolov5", cpu_only)
+    cpu_only = dataclasses.replace(families.FAMILIES["yolov5"], cuda_program=None)
+    monkeypatch.setitem(families.FAMILIES, "yolov5", cpu_only)
     assert plane_engine(plan, dla, pre_post=True, gpu=True) == (
         "python",
         "Python: emulated DLA core 0 (timing), pre/post on the CPU",

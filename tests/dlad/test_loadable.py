@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlad.imaging.post import YOLOV5_ANCHORS, pack_chw16, pack_chw32
+from dlad.families.yolov5 import ANCHORS
+from dlad.imaging.post import pack_chw16, pack_chw32
 from dlad.imaging.pre import hwc4_layout
 from dlad.loadable import (
     FORMAT_VERSION,
@@ -287,7 +288,7 @@ def _small(**changes: Any) -> Loadable:
         "heads": "fp16",
         "num_classes": 2,
         "class_names": ("cat", "dog"),
-        "anchors_px": YOLOV5_ANCHORS,  # a numpy array is accepted
+        "anchors_px": ANCHORS,  # a numpy array is accepted
         "strides": (8, 16, 32),
         "image_size": (64, 64),
         "latency_us": 123.5,
@@ -321,10 +322,10 @@ def test_small_file_layout_matches_the_documentation() -> None:
     blob = loadable_bytes(_small())
     header, data = _split(blob)
     assert blob[:8] == b"DLADEMU\0"
-    assert struct.unpack_from("<I", blob, 8)[0] == 2
+    assert struct.unpack_from("<I", blob, 8)[0] == 3
     assert header["format"] == "dlad-emulated-loadable"
-    assert header["version"] == 2
-    assert header["decoder"] == "yolov5"
+    assert header["version"] == 3
+    assert header["family"] == "yolov5"
     assert _frame(json.dumps(header, sort_keys=True, separators=(",", ":")).encode(), data) == blob
     graph, latency = header["sections"]
     assert (graph["name"], graph["offset"], graph["size"]) == ("graph", 0, 200)
@@ -446,38 +447,62 @@ def test_bad_magic(tmp_path: Path) -> None:
         read_loadable(path)
 
 
-@pytest.mark.parametrize("version", [0, 3, 2**32 - 1])
+@pytest.mark.parametrize("version", [0, 4, 2**32 - 1])
 def test_other_versions(tmp_path: Path, version: int) -> None:
     header, data = _split(loadable_bytes(_small()))
     header["version"] = version
     path = tmp_path / "future.loadable"
     path.write_bytes(_frame(header, data, version=version))
     with pytest.raises(
-        LoadableVersionError, match=rf"{path}.*version {version}.*reads version 1, 2"
+        LoadableVersionError, match=rf"{path}.*version {version}.*reads version 1, 2, 3"
     ):
         read_loadable(path)
 
 
 def test_version_1_files_decode_as_yolov5(tmp_path: Path) -> None:
-    """Version 1 had no ``decoder`` (every loadable was YOLOv5); it must not carry one."""
+    """Version 1 had no model family (every loadable was YOLOv5); it must not carry one."""
     header, data = _split(loadable_bytes(_small()))
     header["version"] = 1
-    del header["decoder"]
+    del header["family"]
     v1 = read_loadable(_frame(header, data, version=1))
-    assert v1.decoder == "yolov5"
+    assert v1.family == "yolov5"
     assert dataclasses.replace(v1, created=_small().created) == _small()
-    header["decoder"] = "yolov5"
-    with pytest.raises(LoadableCorruptError, match=r"unknown \['decoder'\]"):
+    header["family"] = "yolov5"
+    with pytest.raises(LoadableCorruptError, match=r"unknown \['family'\]"):
         read_loadable(_frame(header, data, version=1))
     # the bundled demo model is a version 1 file
-    assert read_loadable(DEMO / "fp16_heads.dla0.emu").decoder == "yolov5"
+    assert read_loadable(DEMO / "fp16_heads.dla0.emu").family == "yolov5"
 
 
-def test_decoder_names_are_checked() -> None:
-    assert _small(decoder="yolov8").decoder == "yolov8"
+def test_version_2_files_name_the_family_decoder(tmp_path: Path) -> None:
+    """Version 2 called the family ``decoder``; version 3 calls it ``family``, and each refuses
+    the other's key."""
+    header, data = _split(loadable_bytes(_small()))
+    assert (header["version"], header["family"]) == (3, "yolov5")
+    header["version"] = 2
+    header["decoder"] = header.pop("family")
+    assert read_loadable(_frame(header, data, version=2)).family == "yolov5"
+    header["family"] = "yolov5"
+    with pytest.raises(LoadableCorruptError, match=r"unknown \['family'\]"):
+        read_loadable(_frame(header, data, version=2))
+
+
+def test_family_names_are_checked() -> None:
+    assert _small(family="yolov9").family == "yolov9"  # a family this dlad lacks: not checked
     for bad in ("", "YOLO", "9x", "a" * 40, 5):
-        with pytest.raises(ValueError, match="decoder"):
-            _small(decoder=bad)
+        with pytest.raises(ValueError, match="family"):
+            _small(family=bad)
+
+
+def test_the_family_checks_the_heads() -> None:
+    """A known family's rules: a yolov5 loadable needs its anchors, one row per output, and
+    ``na * (5 + nc)`` channels."""
+    with pytest.raises(ValueError, match="needs anchors_px"):
+        _small(anchors_px=())
+    with pytest.raises(ValueError, match="3 outputs for 2 anchor levels"):
+        _small(anchors_px=ANCHORS[:2])
+    with pytest.raises(ValueError, match=r"has 21 channels, a yolov5 head of 3 classes"):
+        _small(num_classes=3, class_names=("cat", "dog", "owl"))
 
 
 def test_core_mismatch(tmp_path: Path) -> None:
@@ -561,7 +586,7 @@ def test_section_bytes_and_padding_are_checked_under_a_valid_crc() -> None:
     with pytest.raises(LoadableCorruptError, match="padding before section 'latency'"):
         read_loadable(_frame(header, data[:210] + b"\x01" + data[211:]))
     text = json.dumps(header).encode()
-    head = MAGIC + struct.pack("<II", 2, len(text)) + text
+    head = MAGIC + struct.pack("<II", FORMAT_VERSION, len(text)) + text
     body = head + b"\x01" * (-len(head) % 64) + data
     with pytest.raises(LoadableCorruptError, match="padding after the header"):
         read_loadable(body + struct.pack("<I", zlib.crc32(body)))
@@ -604,7 +629,10 @@ def test_any_header_value_is_accepted_or_corrupt(data: st.DataObject) -> None:
         ({"input_scale": 0.5}, "input_scale"),
         ({"image_size": (96, 64)}, "image_size"),
         ({"strides": (8, 16)}, "strides must agree"),
-        ({"num_classes": 3, "class_names": ("a", "b", "c")}, "stride-8 head"),
+        (
+            {"outputs": (chw_vectorized("s8", 21, 4, 4, vec=16), *_small().outputs[1:])},
+            "stride-8 head",
+        ),
         ({"class_names": ("cat",)}, "class names"),
         ({"anchors_px": [[(1.0, 2.0)], [(1.0, 2.0), (3.0, 4.0)], [(1.0, 2.0)]]}, "same number"),
         ({"latency_us": float("inf")}, "latency_us"),

@@ -28,6 +28,7 @@ from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import DladError, Overloaded, StartupError, Status
 from dlad.gpu.driver import GpuProbe
+from dlad.loadable import read_loadable
 from dlad.models import DEMO
 from dlad.shm import SharedFrames
 from dlad_client import Client, CurveKeys
@@ -125,6 +126,9 @@ def test_infers_are_served_by_the_plane_and_counted_everywhere(tmp_path: Path) -
     assert {d["state"] for d in report["devices"]} == {"serving"}
     assert report["queues"] == {"depth": 0, "capacity": 8, "streams": 0}
     assert report["models"][0]["devices"] == ["dla0", "dla1"]
+    demo = read_loadable(DEMO / "fp16_heads.dla0.emu")
+    assert report["models"][0]["family"] == "yolov5"
+    assert report["models"][0]["class_names"] == list(demo.class_names)
     metrics = generate_latest(daemon.metrics.registry).decode()
     ok = [line for line in metrics.splitlines()
           if line.startswith("dlad_requests_total{") and 'status="OK"' in line]  # fmt: skip

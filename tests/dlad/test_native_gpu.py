@@ -35,7 +35,8 @@ from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import Status
 from dlad.gpu.driver import GpuProbe
-from dlad.gpu.prepost import SORT_CAPACITY, FrameParams, Geometry, _logit_cut
+from dlad.gpu.prepost import SORT_CAPACITY, FrameParams, Geometry
+from dlad.imaging.post import logit_cut
 from dlad.imaging.pre import hwc4_layout, letterbox_geometry
 from dlad.native_plane import (
     CudaFunctions,
@@ -346,7 +347,7 @@ def _expected_settings(shape: tuple[int, ...], conf: float, iou: float, max_det:
     h, w = shape[0], shape[1]
     g = letterbox_geometry(w, h, CANVAS)
     f = FrameParams(
-        conf=float(np.float32(conf)), obj_cut=float(_logit_cut(conf)), iou=float(iou),
+        conf=float(np.float32(conf)), obj_cut=float(np.float32(logit_cut(conf))), iou=float(iou),
         max_det=max_det, multi_label=0, max_candidates=SORT_CAPACITY, nms_rounds=24,
     )  # fmt: skip
     geo = Geometry(scale=g.scale, pad_x=g.pad_x, pad_y=g.pad_y, src_w=g.src_w, src_h=g.src_h)

@@ -12,16 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlad.families.yolov5 import ANCHORS, STRIDES, decode, postprocess
 from dlad.imaging import post
 from dlad.imaging.post import (
-    YOLOV5_ANCHORS,
-    YOLOV5_STRIDES,
     Candidates,
-    decode,
     nms,
     pack_chw16,
     pack_chw32,
-    postprocess,
     unpack_chw16,
     unpack_chw32_int8,
 )
@@ -192,40 +189,40 @@ def test_decode_hand_computed_cell() -> None:
     heads[1][base : base + 4, 0, 1] = 0.0  # S(0) = 0.5 -> offsets 0.5, size factor 1
     heads[1][base + 4, 0, 1] = math.log(0.9 / 0.1)  # objectness 0.9
     heads[1][base + 5 + 2, 0, 1] = math.log(0.8 / 0.2)  # class 2 at 0.8
-    c = decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.25, multi_label=False)
+    c = decode(heads, ANCHORS, STRIDES, 0.25, multi_label=False)
     assert len(c) == 1
     cx, cy = (0.5 + 1) * 16, (0.5 + 0) * 16
     np.testing.assert_allclose(c.boxes[0], [cx - 29.5, cy - 59.5, cx + 29.5, cy + 59.5], rtol=1e-6)
     np.testing.assert_allclose(c.scores, [0.72], rtol=1e-6)
     assert c.classes.tolist() == [2]
     # Multi-label adds nothing here (other classes are at S(-20)); a 0.75 threshold drops it.
-    assert len(decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.25, multi_label=True)) == 1
-    assert len(decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.75, multi_label=False)) == 0
+    assert len(decode(heads, ANCHORS, STRIDES, 0.25, multi_label=True)) == 1
+    assert len(decode(heads, ANCHORS, STRIDES, 0.75, multi_label=False)) == 0
 
 
 def test_decode_accepts_fp16_and_rejects_bad_heads() -> None:
     rng = np.random.default_rng(3)
     heads = _random_heads(rng, [(4, 4), (2, 2), (1, 1)], 3, 2)
-    c32 = decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.3, False)
-    c16 = decode([h.astype(np.float16) for h in heads], YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.3, False)
+    c32 = decode(heads, ANCHORS, STRIDES, 0.3, False)
+    c16 = decode([h.astype(np.float16) for h in heads], ANCHORS, STRIDES, 0.3, False)
     assert abs(len(c16) - len(c32)) <= 2
     bad = [h.copy() for h in heads]
     bad[0][:, 1, 1] = np.nan  # every channel of one cell, three anchors
     bad[1][0, 0, 0] = np.nan  # tx of one box
-    nan_free = decode(bad, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.0, True)
+    nan_free = decode(bad, ANCHORS, STRIDES, 0.0, True)
     assert np.isfinite(nan_free.boxes).all()
     assert np.isfinite(nan_free.scores).all()
-    assert len(nan_free) < len(decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.0, True))
+    assert len(nan_free) < len(decode(heads, ANCHORS, STRIDES, 0.0, True))
     with pytest.raises(ValueError, match="heads"):
-        decode(heads[:2], YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.3, False)
+        decode(heads[:2], ANCHORS, STRIDES, 0.3, False)
     with pytest.raises(ValueError, match="same C"):
-        decode([heads[0], heads[1][:-3], heads[2]], YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.3, False)
+        decode([heads[0], heads[1][:-3], heads[2]], ANCHORS, STRIDES, 0.3, False)
     with pytest.raises(ValueError, match="not 3"):
-        decode([h[:16] for h in heads], YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.3, False)
+        decode([h[:16] for h in heads], ANCHORS, STRIDES, 0.3, False)
     with pytest.raises(ValueError, match="conf_threshold"):
-        decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 1.0, False)
+        decode(heads, ANCHORS, STRIDES, 1.0, False)
     with pytest.raises(ValueError, match="anchors"):
-        decode(heads, YOLOV5_ANCHORS[:, :, :1], YOLOV5_STRIDES, 0.3, False)
+        decode(heads, ANCHORS[:, :, :1], STRIDES, 0.3, False)
 
 
 # ----------------------------------------------------------------------------- NMS
@@ -399,7 +396,7 @@ def test_postprocess_planted_objects() -> None:
     _plant(heads[0], nc, 2, 7, 5, 0.95, 2, 0.9)  # (33, 23) anchor at cell (5, 7)
     _plant(heads[0], nc, 2, 7, 6, 0.90, 2, 0.9)  # same class, 8 px right: IoU 25/41
     _plant(heads[0], nc, 1, 8, 5, 0.90, 3, 0.9)  # other class, overlapping: kept
-    out = postprocess(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, lb, conf_threshold=0.25)
+    out = postprocess(heads, ANCHORS, STRIDES, lb, conf_threshold=0.25)
     assert out.shape == (2, 6)
     assert out.dtype == np.float32
     cx, cy = (5 + 0.5) * 8, (7 + 0.5) * 8
@@ -408,8 +405,8 @@ def test_postprocess_planted_objects() -> None:
     np.testing.assert_allclose(out[0, :4], want, rtol=1e-5)
     np.testing.assert_allclose(out[:, 4], [0.95 * 0.9, 0.90 * 0.9], rtol=1e-5)
     assert out[:, 5].tolist() == [2.0, 3.0]
-    assert len(postprocess(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, lb, max_det=1)) == 1
-    none = postprocess(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, lb, conf_threshold=0.9)
+    assert len(postprocess(heads, ANCHORS, STRIDES, lb, max_det=1)) == 1
+    none = postprocess(heads, ANCHORS, STRIDES, lb, conf_threshold=0.9)
     assert none.shape == (0, 6)
 
 
@@ -420,15 +417,15 @@ def test_postprocess_is_decode_nms_and_back_projection(multi_label: bool) -> Non
     lb = Letterbox(scale=0.25, pad_x=6, pad_y=0, src_w=360, src_h=384, dst_w=96, dst_h=96)
     out = postprocess(
         heads,
-        YOLOV5_ANCHORS,
-        YOLOV5_STRIDES,
+        ANCHORS,
+        STRIDES,
         lb,
         conf_threshold=0.3,
         iou_threshold=0.5,
         max_det=50,
         multi_label=multi_label,
     )
-    c: Candidates = decode(heads, YOLOV5_ANCHORS, YOLOV5_STRIDES, 0.3, multi_label)
+    c: Candidates = decode(heads, ANCHORS, STRIDES, 0.3, multi_label)
     keep = _ref_nms(c.boxes, c.scores, c.classes, 0.5, 50, None)
     assert 0 < len(out) <= 50
     assert (np.diff(out[:, 4]) <= 0).all()

@@ -125,7 +125,8 @@ reports = st.fixed_dictionaries({
     "models": st.lists(st.fixed_dictionaries({
         "name": names, "devices": st.lists(st.sampled_from(["dla0", "dla1", "gpu"]), max_size=3),
         "input_height": st.integers(1, 4096), "input_width": st.integers(1, 4096),
-        "classes": st.integers(1, 1000)}), max_size=3),
+        "classes": st.integers(1, 1000)}, optional={"family": names,
+        "class_names": st.lists(names, max_size=5)}), max_size=3),
     "queues": st.fixed_dictionaries({"depth": counts, "capacity": counts, "streams": counts}),
 })  # fmt: skip
 

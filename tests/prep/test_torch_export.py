@@ -21,7 +21,7 @@ from PIL import Image
 
 from dlad.devices.int8_engine import engine_for_loadable
 from dlad.devices.torch_gpu import METADATA_FILE, frame_shape
-from dlad.imaging.decoders import decoder_for
+from dlad.families import family_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox, letterbox, quantize_hwc4
 from dlad.loadable import (
@@ -171,15 +171,15 @@ def test_the_program_detects_what_the_dla_detects(
     int8_heads: list[list[np.ndarray]],
 ) -> None:
     module = torch.export.load(program).module()
-    decoder = decoder_for(loadable.decoder)
+    family = family_for(loadable.family)
     batch = torch.from_numpy(np.stack([f for f, _ in frames]))
     with torch.inference_mode():
         heads = [h.numpy() for h in module(batch)]
     ious = []
     for i, ((_, geometry), want) in enumerate(zip(frames, int8_heads, strict=True)):
-        ref = decoder.postprocess(want, loadable, geometry, conf=0.2, iou=0.45, max_det=100)
+        ref = family.postprocess(want, loadable, geometry, conf=0.2, iou=0.45, max_det=100)
         # A lower threshold on the other side: a box at 0.2 on one side may be 0.19 on the other.
-        got = decoder.postprocess(
+        got = family.postprocess(
             [h[i] for h in heads], loadable, geometry, conf=0.1, iou=0.45, max_det=100
         )
         for det in ref:

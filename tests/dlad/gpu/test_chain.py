@@ -16,10 +16,12 @@ from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.devices.base import CudlaStatus, DlaError, Task
 from dlad.devices.emulated import EmulatedDlaCore
+from dlad.families import post_program
+from dlad.families.yolov5 import ANCHORS, postprocess, program
 from dlad.gpu.fences import FencePoller, MappedFence, word_reached
 from dlad.gpu.prepost import GpuPipeline, HeadSpec
 from dlad.gpu.service import GpuService
-from dlad.imaging.post import YOLOV5_ANCHORS, postprocess, unpack_head
+from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import letterbox, quantize_hwc4
 from dlad.loadable import DataType, read_loadable
 from dlad.models import DEMO
@@ -115,7 +117,7 @@ def test_poller_advances_fence_written_by_gpu(service: GpuService) -> None:
 def test_gpu_signal_wakes_fence_through_its_event(service: GpuService) -> None:
     # The daemon's GPU -> DLA path: word write + blocking-sync event, no polling.
     fence = MappedFence(service.ctx, service.poller, "event-path")
-    pipe = GpuPipeline(service.ctx, (64, 64), [HeadSpec(18, 2, 2, 8)], YOLOV5_ANCHORS[:1])
+    pipe = GpuPipeline(service.ctx, (64, 64), [HeadSpec(18, 2, 2, 8)], program(ANCHORS[:1], 18))
     try:
         reached = threading.Event()
         fence.on_reached(1, reached.set)
@@ -197,7 +199,7 @@ def test_a_bounded_pipeline_never_grows_its_upload_buffer(service: GpuService) -
                                                          strict=True)]  # fmt: skip
     for staging in (False, True):  # device memory filled by DMA; pinned memory read in place
         pipe = GpuPipeline(
-            service.ctx, loadable.image_size, heads, loadable.anchors_px,
+            service.ctx, loadable.image_size, heads, post_program(loadable),
             max_image_bytes=48 * 64 * 3, staging=staging,
         )  # fmt: skip
         bring = pipe.stage if staging else pipe.upload

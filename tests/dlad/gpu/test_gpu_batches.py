@@ -30,9 +30,9 @@ from dlad.daemon import Daemon  # noqa: E402
 from dlad.devices.torch_gpu import TorchGpu, frame_shape  # noqa: E402
 from dlad.executors.base import Request  # noqa: E402
 from dlad.executors.gpu import CudaBatches, CudaBatchResult, GpuEngine, GpuExecutor  # noqa: E402
+from dlad.families import family_for  # noqa: E402
 from dlad.gpu.prepost import HeadSpec  # noqa: E402
 from dlad.gpu.service import GpuService  # noqa: E402
-from dlad.imaging.decoders import decoder_for  # noqa: E402
 from dlad.imaging.post import pack_chw16  # noqa: E402
 from dlad.imaging.pre import letterbox, quantize_hwc4, to_rgb  # noqa: E402
 from dlad.loadable import Loadable, read_loadable  # noqa: E402
@@ -125,9 +125,9 @@ def _cpu_path(
     heads = []
     for at in range(0, len(frames), engine.max_batch):  # in batches the engine takes
         heads += engine.run(frames[at : at + engine.max_batch])[0]
-    decoder = decoder_for(demo.decoder)
+    family = family_for(demo.family)
     dets = [
-        decoder.postprocess(h, demo, g, conf=r.conf, iou=r.iou, max_det=r.max_det)
+        family.postprocess(h, demo, g, conf=r.conf, iou=r.iou, max_det=r.max_det)
         for h, g, r in zip(heads, geometries, requests, strict=True)
     ]
     return frames, heads, dets

@@ -13,15 +13,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from dlad.families import yolov8
+from dlad.families.yolov5 import ANCHORS, postprocess, program
 from dlad.gpu.driver import GpuContext
 from dlad.gpu.prepost import SORT_CAPACITY, GpuPipeline, HeadSpec
-from dlad.imaging.post import (
-    YOLOV5_ANCHORS,
-    pack_chw16,
-    pack_chw32,
-    postprocess,
-    unpack_head,
-)
+from dlad.imaging.post import pack_chw16, pack_chw32, unpack_head
 from dlad.imaging.pre import (
     Letterbox,
     hwc4_layout,
@@ -57,7 +53,9 @@ def _gpu_pre(
     scale: float | None,
 ) -> np.ndarray:
     heads = [HeadSpec(18, 2, 2, 8)]
-    pipe = GpuPipeline(ctx, (geometry.dst_h, geometry.dst_w), heads, YOLOV5_ANCHORS[:1])
+    pipe = GpuPipeline(
+        ctx, (geometry.dst_h, geometry.dst_w), heads, program(ANCHORS[:1], heads[0].c)
+    )
     try:
         h, w = geometry.dst_h, geometry.dst_w
         if scale is None:
@@ -126,7 +124,7 @@ def test_one_pipeline_pre_processes_frames_that_change(ctx: GpuContext, dev: Dev
               ((120, 200, 3), "RGB", 0.0078125)]  # fmt: skip
     canvas = (96, 160)
     heads = [HeadSpec(18, canvas[0] // 8, canvas[1] // 8, 8)]
-    pipe = GpuPipeline(ctx, canvas, heads, YOLOV5_ANCHORS[:1])
+    pipe = GpuPipeline(ctx, canvas, heads, program(ANCHORS[:1], heads[0].c))
     try:
         h, w = canvas
         shape = (h, hwc4_layout(3, h, w, 1)[0], 4)
@@ -215,7 +213,9 @@ def _run_post(
     batch = len(geometries)
     canvas = (geometries[0].dst_h, geometries[0].dst_w)
     cap = int(kw.pop("cand_capacity", 1 << 17))  # type: ignore[call-overload]
-    pipe = GpuPipeline(ctx, canvas, specs, YOLOV5_ANCHORS, batch=batch, cand_capacity=cap)
+    pipe = GpuPipeline(
+        ctx, canvas, specs, program(ANCHORS, specs[0].c), batch=batch, cand_capacity=cap
+    )
     try:
         ptrs = [dev.put(np.stack([p[i] for p in packed])) for i in range(len(specs))]
         pipe.post(ptrs, geometries, **kw)  # type: ignore[arg-type]
@@ -259,7 +259,7 @@ def test_post_matches_reference(
     kw = {"conf_threshold": conf, "iou_threshold": iou, "max_det": max_det}
     expected = postprocess(
         raws,
-        YOLOV5_ANCHORS,
+        ANCHORS,
         (8, 16, 32),
         geometry,
         multi_label=multi_label,
@@ -279,7 +279,7 @@ def test_nms_walk_and_fixed_point_agree(ctx: GpuContext, dev: Device, rounds: in
     rng = np.random.default_rng(15)
     raws, specs, packed = _heads(rng, 320, 3, -3.0, False)
     _, geometry = letterbox(np.zeros((480, 640, 3), np.uint8), 320)
-    expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, iou_threshold=0.3)
+    expected = postprocess(raws, ANCHORS, (8, 16, 32), geometry, iou_threshold=0.3)
     (result,) = _run_post(
         ctx, dev, specs, [packed], [geometry], iou_threshold=0.3, nms_rounds=rounds
     )
@@ -295,7 +295,7 @@ def test_post_selects_top_candidates_when_saturated(ctx: GpuContext, dev: Device
     _, geometry = letterbox(np.zeros((1080, 1920, 3), np.uint8), 672)
     kw = {"conf_threshold": 0.3, "iou_threshold": 0.5, "max_det": 300}
     expected = postprocess(
-        raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, multi_label=True,
+        raws, ANCHORS, (8, 16, 32), geometry, multi_label=True,
         max_candidates=SORT_CAPACITY, **kw,  # type: ignore[arg-type]
     )  # fmt: skip
     (result,) = _run_post(
@@ -324,7 +324,7 @@ def test_post_empty_and_batched(ctx: GpuContext, dev: Device) -> None:
     results = _run_post(ctx, dev, frames[0][1], [f[2] for f in frames], geometries)
     assert len(results) == 4
     for (raws, _, _), g, r in zip(frames, geometries, results, strict=True):
-        expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), g, max_candidates=SORT_CAPACITY)
+        expected = postprocess(raws, ANCHORS, (8, 16, 32), g, max_candidates=SORT_CAPACITY)
         _compare(r.detections, expected)  # type: ignore[attr-defined]
     assert results[0].detections.shape == (0, 6)  # type: ignore[attr-defined]
 
@@ -334,8 +334,8 @@ def test_frames_reuse_the_pipeline(ctx: GpuContext, dev: Device) -> None:
     rng = np.random.default_rng(14)
     raws, specs, packed = _heads(rng, 256, 3, -2.0, False)
     _, geometry = letterbox(np.zeros((256, 256, 3), np.uint8), 256)
-    expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry)
-    pipe = GpuPipeline(ctx, (256, 256), specs, YOLOV5_ANCHORS)
+    expected = postprocess(raws, ANCHORS, (8, 16, 32), geometry)
+    pipe = GpuPipeline(ctx, (256, 256), specs, program(ANCHORS, specs[0].c))
     try:
         ptrs = [dev.put(p[None]) for p in packed]
         for _ in range(3):
@@ -355,7 +355,7 @@ def test_changed_settings_reach_the_gpu_and_repeated_ones_are_not_copied(
     raws, specs, packed = _heads(rng, 256, 3, -2.0, False)
     _, wide = letterbox(np.zeros((200, 400, 3), np.uint8), 256)
     _, tall = letterbox(np.zeros((400, 200, 3), np.uint8), 256)
-    pipe = GpuPipeline(ctx, (256, 256), specs, YOLOV5_ANCHORS)
+    pipe = GpuPipeline(ctx, (256, 256), specs, program(ANCHORS, specs[0].c))
     try:
         ptrs = [dev.put(p[None]) for p in packed]
         frames = [(wide, 0.25, 0.45), (wide, 0.25, 0.45), (wide, 0.5, 0.45), (wide, 0.5, 0.3),
@@ -364,9 +364,96 @@ def test_changed_settings_reach_the_gpu_and_repeated_ones_are_not_copied(
             kw = {"conf_threshold": conf, "iou_threshold": iou, "max_det": 300}
             pipe.post(ptrs, [geometry], **kw)  # type: ignore[arg-type]
             (r,) = pipe.synchronize()
-            expected = postprocess(raws, YOLOV5_ANCHORS, (8, 16, 32), geometry, **kw)  # type: ignore[arg-type]
+            expected = postprocess(raws, ANCHORS, (8, 16, 32), geometry, **kw)  # type: ignore[arg-type]
             _compare(r.detections, expected)
         copies = sorted(bool(key[-1]) for key in pipe._graphs)
         assert copies == [False, True], "one graph with the settings copy, one without"
     finally:
         pipe.close()
+
+
+# ------------------------------------------------------------------------------- DFL families
+
+
+def _dfl_heads(
+    rng: np.random.Generator, canvas: int, nc: int, bins: int, cls_mean: float, int8: bool
+) -> tuple[list[np.ndarray], list[HeadSpec], list[np.ndarray]]:
+    """Random raw DFL heads (``4 * bins`` box logits, then ``nc`` class logits per cell),
+    their packed DLA buffers and specs."""
+    c = 4 * bins + nc
+    raws: list[np.ndarray] = []
+    specs: list[HeadSpec] = []
+    packed: list[np.ndarray] = []
+    for s in (8, 16, 32):
+        g = canvas // s
+        raw = rng.normal(0.0, 2.0, size=(c, g, g)).astype(np.float32)
+        if bins == 1:  # YOLO26: the distances themselves, in grid units
+            raw[:4] = rng.uniform(0.0, 6.0, size=(4, g, g))
+        raw[4 * bins :] = rng.normal(cls_mean, 2.0, size=(nc, g, g))
+        if int8:
+            scale = 0.06
+            q = pack_chw32(raw, scale)
+            raws.append(unpack_head(q, c, g, g, scale))
+            specs.append(HeadSpec(c, g, g, s, scale))
+            packed.append(q)
+        else:
+            f = pack_chw16(raw)
+            raws.append(unpack_head(f, c, g, g, None))
+            specs.append(HeadSpec(c, g, g, s, None))
+            packed.append(f)
+    return raws, specs, packed
+
+
+@GPU_SETTINGS
+@given(
+    seed=st.integers(0, 2**31),
+    canvas=st.sampled_from([128, 320]),
+    nc=st.sampled_from([1, 3, 80]),
+    bins=st.sampled_from([1, 16]),
+    cls_mean=st.sampled_from([-9.0, -4.0, 0.0]),
+    conf=st.sampled_from([0.001, 0.25, 0.6]),
+    multi_label=st.booleans(),
+    int8=st.booleans(),
+    batch=st.sampled_from([1, 3]),
+)
+def test_dfl_post_matches_reference(
+    ctx: GpuContext,
+    dev: Device,
+    seed: int,
+    canvas: int,
+    nc: int,
+    bins: int,
+    cls_mean: float,
+    conf: float,
+    multi_label: bool,
+    int8: bool,
+    batch: int,
+) -> None:
+    """YOLOv8 / YOLO11 (16 bins) and YOLO26 (1 bin): the family's kernel, then the shared
+    selection, NMS and back-projection, against ``dlad.families.yolov8.postprocess``."""
+    rng = np.random.default_rng(seed)
+    frames = [_dfl_heads(rng, canvas, nc, bins, cls_mean, int8) for _ in range(batch)]
+    specs = frames[0][1]
+    geometries = [
+        letterbox(np.zeros((int(rng.integers(50, 900)), int(rng.integers(50, 900)), 3),
+                           np.uint8), canvas)[1]
+        for _ in range(batch)
+    ]  # fmt: skip
+    kw = {"conf_threshold": conf, "iou_threshold": 0.5, "max_det": 300}
+    pipe = GpuPipeline(
+        ctx, (canvas, canvas), specs, yolov8.program(specs[0].c, nc), batch=batch,
+        cand_capacity=1 << 22,
+    )  # fmt: skip
+    try:
+        ptrs = [dev.put(np.stack([f[2][i] for f in frames])) for i in range(len(specs))]
+        pipe.post(ptrs, geometries, multi_label=multi_label, **kw)  # type: ignore[arg-type]
+        results = pipe.synchronize()
+    finally:
+        pipe.close()
+    for (raws, _, _), g, result in zip(frames, geometries, results, strict=True):
+        expected = yolov8.postprocess(
+            raws, (8, 16, 32), nc, g, multi_label=multi_label, max_candidates=SORT_CAPACITY,
+            **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert not result.overflow
+        _compare(result.detections, expected)

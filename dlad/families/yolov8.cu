@@ -1,0 +1,68 @@
+// The DFL families' decode kernel (YOLOv8, YOLO11, YOLO26; dlad/families/yolov8.py is its
+// specification), compiled after dlad/gpu/kernels.cu, whose PostParams, FrameParams and head
+// readers it uses; the selection, NMS and back-projection kernels there follow it.
+
+// The distance of one box side (grid units): sum_k k * softmax(x)_k over the side's p.bins
+// channels from c0, the sums in bin order; with one bin, the value itself.
+__device__ __forceinline__ float dfl_side(const PostParams& p, int level, const void* base, int c0,
+                                          int iy, int ix) {
+    if (p.bins == 1) return head_value(p, level, base, c0, iy, ix);
+    float m = head_value(p, level, base, c0, iy, ix);
+    for (int k = 1; k < p.bins; ++k) m = fmaxf(m, head_value(p, level, base, c0 + k, iy, ix));
+    float total = 0.0f;
+    for (int k = 0; k < p.bins; ++k) {
+        float e = expf(__fsub_rn(head_value(p, level, base, c0 + k, iy, ix), m));
+        total = k == 0 ? e : __fadd_rn(total, e);
+    }
+    float d = 0.0f;
+    for (int k = 1; k < p.bins; ++k) {
+        float e = expf(__fsub_rn(head_value(p, level, base, c0 + k, iy, ix), m));
+        d = __fadd_rn(d, __fmul_rn(__fdiv_rn(e, total), (float)k));
+    }
+    return d;
+}
+
+// dlad.families.yolov8.decode: one thread per (level, cell); grid.y = image.
+extern "C" __global__ void post_decode_dfl(const PostParams p) {
+    const FrameParams f = *p.frame;
+    int b = blockIdx.y;
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= p.level_cells[p.nl]) return;
+    int level = 0;
+    while (t >= p.level_cells[level + 1]) ++level;
+    int cell = t - p.level_cells[level];
+    int iy = cell / p.head_w[level], ix = cell - iy * p.head_w[level];
+    const void* base = reinterpret_cast<const char*>(p.heads[level]) + b * p.head_image_bytes[level];
+    const int c_cls = 4 * p.bins;
+    int best = 0;
+    float best_logit = 0.0f;  // set by class 0
+    for_each_class(p, level, base, c_cls, iy, ix, [&](int k, float v) {
+        if (k == 0 || v > best_logit) { best_logit = v; best = k; }  // first maximum wins
+    });
+    if (!(best_logit > f.obj_cut)) return;  // no class can pass
+    float l = dfl_side(p, level, base, 0, iy, ix);
+    float tp = dfl_side(p, level, base, p.bins, iy, ix);
+    float r = dfl_side(p, level, base, 2 * p.bins, iy, ix);
+    float bt = dfl_side(p, level, base, 3 * p.bins, iy, ix);
+    float stride = (float)p.head_stride[level];
+    float ax = __fadd_rn((float)ix, 0.5f), ay = __fadd_rn((float)iy, 0.5f);
+    float x1 = __fsub_rn(ax, l), y1 = __fsub_rn(ay, tp);
+    float x2 = __fadd_rn(ax, r), y2 = __fadd_rn(ay, bt);
+    float cx = __fmul_rn(__fdiv_rn(__fadd_rn(x1, x2), 2.0f), stride);
+    float cy = __fmul_rn(__fdiv_rn(__fadd_rn(y1, y2), 2.0f), stride);
+    float hw = __fdiv_rn(__fmul_rn(__fsub_rn(x2, x1), stride), 2.0f);
+    float hh = __fdiv_rn(__fmul_rn(__fsub_rn(y2, y1), stride), 2.0f);
+    float bx1 = __fsub_rn(cx, hw), by1 = __fsub_rn(cy, hh);
+    float bx2 = __fadd_rn(cx, hw), by2 = __fadd_rn(cy, hh);
+    if (!(isfinite(bx1) && isfinite(by1) && isfinite(bx2) && isfinite(by2))) return;
+    if (f.multi_label) {
+        u32 order0 = (u32)(t) * (u32)p.nc;
+        for_each_class(p, level, base, c_cls, iy, ix, [&](int k, float v) {
+            float conf = sigmoidf(v);
+            if (conf > f.conf) emit(p, b, bx1, by1, bx2, by2, conf, k, order0 + k);
+        });
+    } else {
+        float conf = sigmoidf(best_logit);
+        if (conf > f.conf) emit(p, b, bx1, by1, bx2, by2, conf, best, (u32)t);
+    }
+}
