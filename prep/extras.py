@@ -14,6 +14,7 @@ PREP_PACKAGES: dict[str, str] = {
     "onnx_graphsurgeon": "onnx-graphsurgeon",
     "onnxscript": "onnxscript",
     "faster_coco_eval": "faster-coco-eval",
+    "ultralytics": "ultralytics",
 }
 """Import name -> distribution name of the extra's packages that ``prep`` imports."""
 

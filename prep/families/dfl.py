@@ -1,0 +1,86 @@
+"""The DFL families' models (YOLOv8, YOLO11, YOLO26) from Ultralytics' own definitions.
+
+The network is ``ultralytics.nn.tasks.DetectionModel`` built from the YAML the installed
+``ultralytics`` package ships (``yolo11.yaml`` and its ``n``/``s``/... scales; nothing is
+downloaded). :class:`RawHeads` runs its layers as ``DetectionModel`` does and ends each level at
+the last convs of ``Detect``'s box and class branches, concatenated (``cv2[i]``, then ``cv3[i]``):
+the DFL, ``dist2bbox``, the sigmoids and NMS are the post program's (``dlad.families.yolov8``),
+because the DLA cannot run them as Ultralytics writes them (Reshape, Split and Softmax over a
+non-channel axis, dynamic TopK). The module tree keeps Ultralytics' names (``model.0.conv``,
+``model.23.cv2.0.2``), so its state dict is theirs key for key.
+
+Ultralytics writes a settings file and checks the network when imported: this module points its
+configuration at dlad's cache directory and turns both off first (``YOLO_OFFLINE``,
+``YOLO_VERBOSE``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _quiet_ultralytics() -> None:
+    cache = Path(os.environ.get("DLAD_CACHE_DIR", Path.home() / ".cache" / "dlad"))
+    os.environ.setdefault("YOLO_CONFIG_DIR", str(cache / "ultralytics"))
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    os.environ.setdefault("YOLO_VERBOSE", "0")
+
+
+_quiet_ultralytics()
+from ultralytics.nn.tasks import DetectionModel, yaml_model_load  # noqa: E402  # env first
+
+__all__ = ["RawHeads", "build_model"]
+
+
+class RawHeads(nn.Module):
+    """An Ultralytics detector whose ``forward`` returns the raw heads ``[N, 4 * bins + nc, H,
+    W]``, one per stride. ``model`` is the detector's layer list (its own ``model``), so every
+    parameter keeps its Ultralytics name."""
+
+    def __init__(self, detector: Any) -> None:
+        super().__init__()
+        self.model: nn.Sequential = detector.model
+        self.save: list[int] = list(detector.save)
+        self.yaml: dict[str, Any] = dict(detector.yaml)
+        self.names: dict[int, str] = dict(getattr(detector, "names", {}))
+        self.register_buffer("stride", detector.stride.clone().float())
+        self.stride: torch.Tensor
+        detect = self.model[-1]
+        self.nc, self.bins = int(detect.nc), int(detect.reg_max)
+
+    @property
+    def detect(self) -> Any:
+        """The ``Detect`` layer (its box and class branches are what the heads end with)."""
+        return self.model[-1]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs: list[Any] = []
+        y: Any = x
+        layers: list[Any] = list(self.model)
+        for m in layers[:-1]:
+            if m.f != -1:
+                y = outputs[m.f] if isinstance(m.f, int) else [
+                    y if j == -1 else outputs[j] for j in m.f
+                ]  # fmt: skip
+            y = m(y)
+            outputs.append(y if m.i in self.save else None)
+        detect = self.detect
+        feats = [y if j == -1 else outputs[j] for j in detect.f]
+        return tuple(
+            torch.cat((detect.cv2[i](f), detect.cv3[i](f)), 1) for i, f in enumerate(feats)
+        )
+
+
+def build_model(family: str, variant: str, num_classes: int) -> RawHeads:
+    """A new ``family`` detector of size ``variant`` (random weights, FP32) with raw heads.
+    Raises ValueError for a size the family's YAML does not have."""
+    sizes = yaml_model_load(f"{family}.yaml").get("scales", {})
+    if variant not in sizes:
+        raise ValueError(f"{family} has no size {variant!r} (it has: {', '.join(sizes)})")
+    detector: Any = DetectionModel(f"{family}{variant}.yaml", nc=num_classes, verbose=False)
+    return RawHeads(detector.float())

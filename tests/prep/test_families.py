@@ -1,0 +1,59 @@
+"""prep's model families: the raw heads of the Ultralytics families (YOLOv8, YOLO11, YOLO26)
+are what Ultralytics' own ``DetectionModel`` computes before its decode, bit for bit in FP32, and
+dlad's decode of them is Ultralytics' decoded output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dlad.families import FAMILIES, yolov8
+from prep.families import PREP_FAMILIES, prep_family
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_every_prep_family_is_a_dlad_family() -> None:
+    assert set(PREP_FAMILIES) <= set(FAMILIES)
+    with pytest.raises(ValueError, match="no model family 'yolov9'"):
+        prep_family("yolov9")
+
+
+@pytest.mark.parametrize("family", ["yolov8", "yolo11", "yolo26"])
+def test_raw_heads_are_ultralytics_own_before_its_decode(family: str) -> None:
+    from prep.families.dfl import RawHeads, build_model
+
+    torch.manual_seed(0)
+    model = build_model(family, "n", 3).eval()
+    assert isinstance(model, RawHeads)
+    x = torch.rand(2, 3, 128, 128)
+    with torch.no_grad():
+        heads = model(x)
+        # the same modules run by Ultralytics' own forward: decoded output and raw branches
+        from ultralytics.nn.tasks import DetectionModel
+
+        detector = DetectionModel(f"{family}n.yaml", nc=3, verbose=False).eval()
+        detector.load_state_dict(model.state_dict(), strict=False)
+        decoded, raw = detector(x)
+    raw = raw.get("one2many", raw)
+    bins = model.bins
+    assert bins == (1 if family == "yolo26" else 16)
+    assert [tuple(h.shape) for h in heads] == [(2, 4 * bins + 3, 128 // s, 128 // s)
+                                               for s in (8, 16, 32)]  # fmt: skip
+    flat = torch.cat([h.flatten(2) for h in heads], 2)
+    assert torch.equal(flat[:, : 4 * bins], raw["boxes"])
+    assert torch.equal(flat[:, 4 * bins :], raw["scores"])
+    for b in range(2):
+        cand = yolov8.decode([h[b].numpy() for h in heads], (8, 16, 32), 3, 0.0, False)
+        xywh = decoded[b, :4].T.numpy()
+        xyxy = np.concatenate([xywh[:, :2] - xywh[:, 2:] / 2, xywh[:, :2] + xywh[:, 2:] / 2], 1)
+        np.testing.assert_allclose(cand.boxes, xyxy, rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(cand.scores, decoded[b, 4:].max(0).values.numpy(), rtol=1e-6)
+
+
+def test_a_size_the_family_lacks_is_refused() -> None:
+    from prep.families.dfl import build_model
+
+    with pytest.raises(ValueError, match="no size 'q'"):
+        build_model("yolo11", "q", 3)
