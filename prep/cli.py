@@ -25,7 +25,7 @@ from typing import Any
 
 import tomllib
 
-from prep import profile_cmd
+from prep import check_dla, profile_cmd
 from prep.extras import missing_extra_message
 
 STAGES = ("data", "cache", "train", "qat", "export", "translate", "build", "validate")
@@ -107,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
             )  # fmt: skip
             sp.add_argument("--out", type=Path, help="loadable or engine path for --onnx")
     profile_cmd.add_parser(sub)
+    check_dla.add_parser(sub)
     bp = sub.add_parser(
         "bundle",
         parents=[common],
@@ -193,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "profile":
         return profile_cmd.run(args)
+    if args.command == "check-dla":
+        return check_dla.run(args)
     if args.command == "torch-export":
         return _torch_export(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -483,10 +483,14 @@ def _reference_state(
     )
 
 
-def _conform(
-    raw: Mapping[str, Any], reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+def conform_state(
+    raw: Mapping[str, Any],
+    reference: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    what: str = "YOLOv5 v7.0",
 ) -> dict[str, torch.Tensor]:
-    """Fresh float32 (int64 for counters) copies of ``raw``, checked key by key against ours."""
+    """Fresh float32 (int64 for counters) copies of ``raw``, checked key by key against ours
+    (``reference``: key → shape and dtype of the ``what`` model). Raises CheckpointError naming
+    missing or unexpected keys, a shape or dtype mismatch, or non-finite weights."""
     import torch
 
     got = set(raw)
@@ -502,7 +506,7 @@ def _conform(
             parts.append(
                 "convolution biases without BatchNorm: the model was fused; save it unfused"
             )
-        raise CheckpointError("state dict does not match YOLOv5 v7.0: " + "; ".join(parts))
+        raise CheckpointError(f"state dict does not match {what}: " + "; ".join(parts))
     out: dict[str, torch.Tensor] = {}
     for key, (shape, dtype) in reference.items():
         if key not in raw:  # a num_batches_tracked the checkpoint did not keep
@@ -527,7 +531,7 @@ def _conform(
     return out
 
 
-def _names(module: Any, num_classes: int) -> list[str] | None:
+def checkpoint_names(module: Any, num_classes: int) -> list[str] | None:
     """DetectionModel.names (a list, or an {index: name} dict since v7.0) as a list, or None."""
     if module is None:
         return None
@@ -548,6 +552,14 @@ def _names(module: Any, num_classes: int) -> list[str] | None:
 
 
 # --------------------------------------------------------------------------------------- public API
+
+
+def read_checkpoint(path_or_file: PathOrFile) -> tuple[dict[str, Any], str, Any]:
+    """The raw state dict of a checkpoint (names as ``state_dict`` gives them, tensors as
+    stored), which entry it came from (``ema``, ``model`` or ``state_dict``) and the recovered
+    module record (its pickled attributes, read-only; None for a bare state dict). Read as the
+    module docstring says: nothing in the file runs. Raises CheckpointError."""
+    return _select(_torch_load(path_or_file))
 
 
 def load_ultralytics_state_dict(
@@ -583,8 +595,8 @@ def load_ultralytics_state_dict(
     stride = None if module is None else vars(module).get("stride")
     if isinstance(stride, torch.Tensor) and stride.tolist() != list(_STRIDES):
         raise CheckpointError(f"model strides are {stride.tolist()}, ours are {list(_STRIDES)}")
-    names = _names(module, nc)
-    state = _conform(raw, _reference_state(variant, nc, int(anchors_px.shape[1])))
+    names = checkpoint_names(module, nc)
+    state = conform_state(raw, _reference_state(variant, nc, int(anchors_px.shape[1])))
     return ImportedCheckpoint(
         state_dict=state,
         num_classes=nc,
