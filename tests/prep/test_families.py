@@ -57,3 +57,35 @@ def test_a_size_the_family_lacks_is_refused() -> None:
 
     with pytest.raises(ValueError, match="no size 'q'"):
         build_model("yolo11", "q", 3)
+
+
+@pytest.mark.parametrize("family", ["yolo11", "yolo26"])
+def test_the_dla_attention_is_ultralytics_attention(family: str) -> None:
+    """The rewrite computes the same heads to float rounding (its sums run in another order),
+    and leaves the model it was given as it was."""
+    from prep.families.dfl import build_model
+    from prep.families.dla_attention import DlaAttention, dla_legal
+
+    torch.manual_seed(1)
+    model = build_model(family, "n", 5).eval()
+    for m in model.modules():  # BN statistics away from the identity, so every part counts
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    legal = dla_legal(model).eval()
+    assert any(isinstance(m, DlaAttention) for m in legal.modules())
+    assert not any(isinstance(m, DlaAttention) for m in model.modules())
+    x = torch.rand(1, 3, 320, 320)
+    with torch.no_grad():
+        for want, got in zip(model(x), legal(x), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_resizes_are_chained_in_dla_sized_factors() -> None:
+    from prep.families.dla_attention import factors
+
+    assert factors(400) == [25, 16]
+    assert factors(1600) == [32, 25, 2]
+    assert factors(1) == []
+    with pytest.raises(ValueError, match="prime factor above 32"):
+        factors(37 * 2)
