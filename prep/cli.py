@@ -25,7 +25,7 @@ from typing import Any
 
 import tomllib
 
-from prep import check_dla, profile_cmd
+from prep import check_dla, import_cmd, profile_cmd
 from prep.extras import missing_extra_message
 
 STAGES = ("data", "cache", "train", "qat", "export", "translate", "build", "validate")
@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--out", type=Path, help="loadable or engine path for --onnx")
     profile_cmd.add_parser(sub)
     check_dla.add_parser(sub)
+    import_cmd.add_parser(sub)
     bp = sub.add_parser(
         "bundle",
         parents=[common],
@@ -196,6 +197,8 @@ def _run(args: argparse.Namespace) -> int:
         return profile_cmd.run(args)
     if args.command == "check-dla":
         return check_dla.run(args)
+    if args.command == "import":
+        return import_cmd.run(args)
     if args.command == "torch-export":
         return _torch_export(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

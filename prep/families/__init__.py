@@ -14,6 +14,7 @@ yolo26    Ultralytics' ``yolo26.yaml`` (one-to-many head)        4 distances + `
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["PREP_FAMILIES", "PrepFamily", "prep_family"]
+__all__ = ["PREP_FAMILIES", "Imported", "PrepFamily", "import_checkpoint", "prep_family"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,37 @@ def prep_family(name: str) -> PrepFamily:
     except KeyError:
         known = ", ".join(PREP_FAMILIES)
         raise ValueError(f"prep has no model family {name!r} (it has: {known})") from None
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A user's Ultralytics checkpoint as prep's model of its family (FP32, eval mode)."""
+
+    model: nn.Module
+    family: str
+    variant: str
+    class_names: tuple[str, ...]
+
+
+def import_checkpoint(path: str | os.PathLike[str]) -> Imported:
+    """Import an Ultralytics checkpoint of any family prep has: YOLOv8, YOLO11 and YOLO26 by
+    the definition it carries (``prep.families.dfl.import_checkpoint``), YOLOv5 v7.0 (and bare
+    YOLOv5 state dicts) by its layers (``prep.ultralytics``). Nothing in the file runs. Raises
+    ``prep.ultralytics.CheckpointError`` naming what does not fit."""
+    from prep.ultralytics import (  # torch is imported on use
+        load_into_model,
+        load_ultralytics_state_dict,
+        read_checkpoint,
+    )  # fmt: skip
+
+    _, _, module = read_checkpoint(path)
+    cfg = None if module is None else vars(module).get("yaml")
+    definition = str(cfg.get("yaml_file", "")) if isinstance(cfg, dict) else ""
+    if os.path.basename(definition).startswith(("yolov8", "yolo11", "yolo26")):
+        from prep.families import dfl  # needs ultralytics
+
+        d = dfl.import_checkpoint(path)
+        return Imported(d.model, d.family, d.variant, d.class_names)
+    ckpt = load_ultralytics_state_dict(path)
+    names = ckpt.names or [str(i) for i in range(ckpt.num_classes)]
+    return Imported(load_into_model(ckpt), "yolov5", ckpt.variant, tuple(names))

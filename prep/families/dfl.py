@@ -17,6 +17,8 @@ configuration at dlad's cache directory and turns both off first (``YOLO_OFFLINE
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,9 @@ def _quiet_ultralytics() -> None:
 _quiet_ultralytics()
 from ultralytics.nn.tasks import DetectionModel, yaml_model_load  # noqa: E402  # env first
 
-__all__ = ["RawHeads", "build_model"]
+__all__ = ["ImportedDetector", "RawHeads", "build_model", "import_checkpoint"]
+
+_DEFINITION = re.compile(r"(yolov8|yolo11|yolo26)([nslmx]?)\.yaml")
 
 
 class RawHeads(nn.Module):
@@ -48,7 +52,7 @@ class RawHeads(nn.Module):
         self.save: list[int] = list(detector.save)
         self.yaml: dict[str, Any] = dict(detector.yaml)
         self.names: dict[int, str] = dict(getattr(detector, "names", {}))
-        self.register_buffer("stride", detector.stride.clone().float())
+        self.register_buffer("stride", detector.stride.clone().float(), persistent=False)
         self.stride: torch.Tensor
         detect = self.model[-1]
         self.nc, self.bins = int(detect.nc), int(detect.reg_max)
@@ -84,3 +88,56 @@ def build_model(family: str, variant: str, num_classes: int) -> RawHeads:
         raise ValueError(f"{family} has no size {variant!r} (it has: {', '.join(sizes)})")
     detector: Any = DetectionModel(f"{family}{variant}.yaml", nc=num_classes, verbose=False)
     return RawHeads(detector.float())
+
+
+@dataclass(frozen=True)
+class ImportedDetector:
+    """A user's Ultralytics checkpoint as prep's model: ``model`` (FP32, eval mode, raw heads),
+    its ``family`` and size ``variant``, its ``class_names`` (the checkpoint's, else the class
+    indices as text) and which entry it came from (``source``: ``ema`` or ``model``)."""
+
+    model: RawHeads
+    family: str
+    variant: str
+    class_names: tuple[str, ...]
+    source: str
+
+
+def import_checkpoint(path: str | os.PathLike[str]) -> ImportedDetector:
+    """Import an Ultralytics YOLOv8 / YOLO11 / YOLO26 detector checkpoint exactly: the weights
+    load, key for key and shape for shape, into the model of the package's own definition, and
+    nothing in the file runs (``prep.ultralytics.read_checkpoint``).
+
+    Raises CheckpointError: unreadable; a bare state dict (it does not say which model it is);
+    not a P3-P5 detector of these families; an architecture other than the package's YAML; keys
+    or shapes that differ (listed)."""
+    from prep.ultralytics import CheckpointError, checkpoint_names, conform_state, read_checkpoint
+
+    raw, source, module = read_checkpoint(path)
+    cfg = None if module is None else vars(module).get("yaml")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(
+            f"{path}: no model definition in the checkpoint (a bare state dict does not say "
+            "which model it is): give the .pt Ultralytics writes (training, or YOLO(...).save())"
+        )
+    found = _DEFINITION.fullmatch(Path(str(cfg.get("yaml_file", ""))).name)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: a model of {cfg.get('yaml_file')!r}, not a YOLOv8, YOLO11 or YOLO26 "
+            "detector (P3-P5)"
+        )
+    family, variant = found[1], str(cfg.get("scale") or found[2])
+    nc = cfg.get("nc")
+    if not isinstance(nc, int) or isinstance(nc, bool) or nc < 1:
+        raise CheckpointError(f"{path}: the definition's class count is {nc!r}")
+    package = yaml_model_load(f"{family}.yaml")
+    if cfg.get("backbone") != package["backbone"] or cfg.get("head") != package["head"]:
+        raise CheckpointError(
+            f"{path}: its layers differ from ultralytics' {family}.yaml (a modified "
+            "architecture is not imported)"
+        )
+    model = build_model(family, variant, nc)
+    reference = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    model.load_state_dict(conform_state(raw, reference, f"{family}{variant}"), strict=True)
+    names = checkpoint_names(module, nc) or [str(i) for i in range(nc)]
+    return ImportedDetector(model.eval(), family, variant, tuple(names), source)

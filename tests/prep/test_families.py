@@ -4,6 +4,8 @@ dlad's decode of them is Ultralytics' decoded output."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -89,3 +91,80 @@ def test_resizes_are_chained_in_dla_sized_factors() -> None:
     assert factors(1) == []
     with pytest.raises(ValueError, match="prime factor above 32"):
         factors(37 * 2)
+
+
+def _ultralytics_checkpoint(path: Any, family: str, nc: int, seed: int) -> Any:
+    """A checkpoint as Ultralytics writes one (``model``: the pickled ``DetectionModel`` in
+    half precision, ``ema`` None), with random weights and BN statistics; the model returned
+    is Ultralytics' own, in FP32, as its loader gives it back."""
+    import copy
+
+    from ultralytics.nn.tasks import DetectionModel
+
+    torch.manual_seed(seed)
+    detector = DetectionModel(f"{family}n.yaml", nc=nc, verbose=False).eval()
+    for m in detector.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    detector.names = {i: f"thing-{i}" for i in range(nc)}
+    torch.save({"model": copy.deepcopy(detector).half(), "ema": None, "date": "2026-12-07"}, path)
+    return torch.load(path, weights_only=False)["model"].float().eval()  # the test's own file
+
+
+@pytest.mark.parametrize("family", ["yolo11", "yolo26"])
+def test_a_users_checkpoint_imports_exactly(tmp_path: Any, family: str) -> None:
+    from prep.families import import_checkpoint
+
+    path = tmp_path / f"{family}.pt"
+    theirs = _ultralytics_checkpoint(path, family, 4, seed=3)
+    imported = import_checkpoint(path)
+    assert (imported.family, imported.variant) == (family, "n")
+    assert imported.class_names == ("thing-0", "thing-1", "thing-2", "thing-3")
+    x = torch.rand(1, 3, 128, 128)
+    with torch.no_grad():
+        heads = imported.model(x)
+        raw = theirs(x)[1]
+    raw = raw.get("one2many", raw)
+    flat = torch.cat([h.flatten(2) for h in heads], 2)
+    bins = 1 if family == "yolo26" else 16
+    assert torch.equal(flat[:, : 4 * bins], raw["boxes"])
+    assert torch.equal(flat[:, 4 * bins :], raw["scores"])
+
+
+def test_what_cannot_be_imported_says_why(tmp_path: Any) -> None:
+    from prep.families.dfl import import_checkpoint
+    from prep.ultralytics import CheckpointError
+
+    path = tmp_path / "y.pt"
+    _ultralytics_checkpoint(path, "yolo11", 2, seed=4)
+    data = torch.load(path, weights_only=False)
+    data["model"].yaml["head"][-1] = [[16, 19, 22], 1, "Detect", ["nc"], "changed"]
+    torch.save(data, tmp_path / "changed.pt")
+    with pytest.raises(CheckpointError, match=r"differ from ultralytics' yolo11\.yaml"):
+        import_checkpoint(tmp_path / "changed.pt")
+    torch.save(data["model"].state_dict(), tmp_path / "bare.pt")
+    with pytest.raises(CheckpointError, match="bare state dict"):
+        import_checkpoint(tmp_path / "bare.pt")
+    data["model"].yaml["yaml_file"] = "yolov9c.yaml"
+    torch.save(data, tmp_path / "v9.pt")
+    with pytest.raises(CheckpointError, match="not a YOLOv8, YOLO11 or YOLO26"):
+        import_checkpoint(tmp_path / "v9.pt")
+
+
+def test_prep_import_writes_the_dla_graph_and_the_model_card(tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    from prep.cli import main
+
+    path = tmp_path / "y.pt"
+    _ultralytics_checkpoint(path, "yolo26", 3, seed=5)
+    out = tmp_path / "imported"
+    assert (
+        main(["import", "--checkpoint", str(path), "--out", str(out), "--image-size", "128"]) == 0
+    )
+    card = json.loads((out / "model.json").read_text())
+    assert card["family"] == "yolo26"
+    assert card["class_names"] == ["thing-0", "thing-1", "thing-2"]
+    assert "every layer runs on the DLA" in capsys.readouterr().out
+    assert main(["import", "--checkpoint", str(tmp_path / "none.pt"), "--out", str(out)]) == 2
