@@ -47,6 +47,8 @@ class PostProgram:
         per_cell: decode threads per head cell (anchors per cell; 1 for anchor-free heads).
         anchors: ``(levels, per_cell, 2)`` anchor sizes in input pixels, or None.
         bins: distribution bins per box side (DFL), 0 where the family has none.
+        end2end: a one-to-one head (YOLO26's NMS-free one): every class of every cell is a
+            candidate and the best ``max_det`` are the detections, without NMS.
     """
 
     kernel: str
@@ -54,6 +56,7 @@ class PostProgram:
     per_cell: int = 1
     anchors: npt.NDArray[np.float32] | None = None
     bins: int = 0
+    end2end: bool = False
 
 
 @dataclass(frozen=True)

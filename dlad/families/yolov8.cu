@@ -48,14 +48,20 @@ extern "C" __global__ void post_decode_dfl(const PostParams p) {
     float ax = __fadd_rn((float)ix, 0.5f), ay = __fadd_rn((float)iy, 0.5f);
     float x1 = __fsub_rn(ax, l), y1 = __fsub_rn(ay, tp);
     float x2 = __fadd_rn(ax, r), y2 = __fadd_rn(ay, bt);
-    float cx = __fmul_rn(__fdiv_rn(__fadd_rn(x1, x2), 2.0f), stride);
-    float cy = __fmul_rn(__fdiv_rn(__fadd_rn(y1, y2), 2.0f), stride);
-    float hw = __fdiv_rn(__fmul_rn(__fsub_rn(x2, x1), stride), 2.0f);
-    float hh = __fdiv_rn(__fmul_rn(__fsub_rn(y2, y1), stride), 2.0f);
-    float bx1 = __fsub_rn(cx, hw), by1 = __fsub_rn(cy, hh);
-    float bx2 = __fadd_rn(cx, hw), by2 = __fadd_rn(cy, hh);
+    float bx1, by1, bx2, by2;
+    if (p.end2end) {  // corners times the stride, as the one-to-one head's dist2bbox(xyxy)
+        bx1 = __fmul_rn(x1, stride); by1 = __fmul_rn(y1, stride);
+        bx2 = __fmul_rn(x2, stride); by2 = __fmul_rn(y2, stride);
+    } else {  // centre and size times the stride, then corners, as dist2bbox(xywh)
+        float cx = __fmul_rn(__fdiv_rn(__fadd_rn(x1, x2), 2.0f), stride);
+        float cy = __fmul_rn(__fdiv_rn(__fadd_rn(y1, y2), 2.0f), stride);
+        float hw = __fdiv_rn(__fmul_rn(__fsub_rn(x2, x1), stride), 2.0f);
+        float hh = __fdiv_rn(__fmul_rn(__fsub_rn(y2, y1), stride), 2.0f);
+        bx1 = __fsub_rn(cx, hw); by1 = __fsub_rn(cy, hh);
+        bx2 = __fadd_rn(cx, hw); by2 = __fadd_rn(cy, hh);
+    }
     if (!(isfinite(bx1) && isfinite(by1) && isfinite(bx2) && isfinite(by2))) return;
-    if (f.multi_label) {
+    if (f.multi_label || p.end2end) {
         u32 order0 = (u32)(t) * (u32)p.nc;
         for_each_class(p, level, base, c_cls, iy, ix, [&](int k, float v) {
             float conf = sigmoidf(v);

@@ -12,6 +12,11 @@ as ``xywh``, times the stride, then corners), class sigmoids, and NMS.
 YOLOv8 and YOLO11 differ in their backbones and in the class branch's depthwise convs; their heads'
 outputs are the same, so both are this decode. The loadable carries no anchors (``anchors_px`` is
 empty) and ``bins`` follows from the channels: ``(C - nc) / 4``.
+
+``yolo26_one2one`` is YOLO26's NMS-free head (its one-to-one branch, ``one2one_cv2/cv3``): the
+boxes are ``dist2bbox`` as corners, every class of every cell is a candidate, and the best
+``max_det`` above the confidence threshold are the detections, as Ultralytics'
+``Detect.postprocess`` takes its top-k; there is no NMS.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ def decode(
     nc: int,
     conf_threshold: float,
     multi_label: bool,
+    *,
+    end2end: bool = False,
 ) -> Candidates:
     """Decode raw heads of ``nc`` classes into candidate boxes (canvas pixels).
 
@@ -90,6 +97,9 @@ def decode(
         x1' = ix + 0.5 - l    y1' = iy + 0.5 - t    x2' = ix + 0.5 + r    y2' = iy + 0.5 + b
         cx = (x1' + x2') / 2 * stride    w = (x2' - x1') * stride    (cy, h likewise)
         x1 = cx - w / 2    x2 = cx + w / 2    (y1, y2 likewise)
+
+    With ``end2end`` (a one-to-one head) the box is the corners times the stride, ``x1 =
+    (ix + 0.5 - l) * stride`` ..., and every class is a candidate (as multi-label).
 
     Single label: one candidate with the best class (``argmax`` of the logits, lowest index on
     ties), ``score = S(max logit)``; multi-label (for mAP): one per class with ``S(logit) >
@@ -121,13 +131,16 @@ def decode(
         ay = (cell // w).astype(np.float32) + half
         x1, y1 = ax - d[:, 0], ay - d[:, 1]
         x2, y2 = ax + d[:, 2], ay + d[:, 3]
-        cx, cy = (x1 + x2) / np.float32(2) * stride, (y1 + y2) / np.float32(2) * stride
-        bw, bh = (x2 - x1) * stride, (y2 - y1) * stride
-        half_w, half_h = bw / np.float32(2), bh / np.float32(2)
-        xyxy = np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], axis=1)
+        if end2end:
+            xyxy = np.stack([x1 * stride, y1 * stride, x2 * stride, y2 * stride], axis=1)
+        else:
+            cx, cy = (x1 + x2) / np.float32(2) * stride, (y1 + y2) / np.float32(2) * stride
+            bw, bh = (x2 - x1) * stride, (y2 - y1) * stride
+            half_w, half_h = bw / np.float32(2), bh / np.float32(2)
+            xyxy = np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], axis=1)
         finite = np.isfinite(xyxy).all(axis=1)
         cls_logits = rows[:, 4 * bins :]
-        if multi_label:
+        if multi_label or end2end:
             conf = sigmoid(cls_logits)
             r, k = np.nonzero((conf > thr) & finite[:, None])
             boxes_out.append(xyxy[r])
@@ -154,19 +167,22 @@ def postprocess(
     max_det: int = 300,
     multi_label: bool = False,
     max_candidates: int | None = DEFAULT_MAX_CANDIDATES,
+    end2end: bool = False,
 ) -> _F32:
     """Heads → final detections ``[N, 6]`` float32 ``x1, y1, x2, y2, score, class``:
-    :func:`decode`, then :func:`~dlad.imaging.post.detections` (NMS, back-projection)."""
-    cand = decode(heads, strides, nc, conf_threshold, multi_label)
+    :func:`decode`, then :func:`~dlad.imaging.post.detections` (NMS, back-projection); with
+    ``end2end``, the ``max_det`` best candidates by score (ties: decode order) without NMS."""
+    cand = decode(heads, strides, nc, conf_threshold, multi_label, end2end=end2end)
     return detections(
-        cand, letterbox, iou_threshold=iou_threshold, max_det=max_det, max_candidates=max_candidates
-    )
+        cand, letterbox, iou_threshold=iou_threshold, max_det=max_det,
+        max_candidates=max_candidates, suppress=not end2end,
+    )  # fmt: skip
 
 
-def program(channels: int, nc: int) -> PostProgram:
-    """The GPU post program of heads of ``channels`` scoring ``nc`` classes. Raises ValueError
-    where the channels are not ``4 * bins + nc``."""
-    return PostProgram(KERNEL, nc, bins=bins_of(channels, nc))
+def program(channels: int, nc: int, *, end2end: bool = False) -> PostProgram:
+    """The GPU post program of heads of ``channels`` scoring ``nc`` classes (``end2end``: a
+    one-to-one head). Raises ValueError where the channels are not ``4 * bins + nc``."""
+    return PostProgram(KERNEL, nc, bins=bins_of(channels, nc), end2end=end2end)
 
 
 def _check_heads(loadable: Loadable) -> None:
@@ -176,24 +192,26 @@ def _check_heads(loadable: Loadable) -> None:
         bins_of(d.c, loadable.num_classes)
 
 
-def _postprocess(
-    heads: Heads, loadable: Loadable, letterbox: Letterbox, *, conf: float, iou: float,
-    max_det: int,
-) -> _F32:  # fmt: skip
-    return postprocess(
-        heads, loadable.strides, loadable.num_classes, letterbox, conf_threshold=conf,
-        iou_threshold=iou, max_det=max_det,
-    )  # fmt: skip
+def _family(name: str, *, end2end: bool = False) -> Family:
+    def post(
+        heads: Heads, loadable: Loadable, letterbox: Letterbox, *, conf: float, iou: float,
+        max_det: int,
+    ) -> _F32:  # fmt: skip
+        return postprocess(
+            heads, loadable.strides, loadable.num_classes, letterbox, conf_threshold=conf,
+            iou_threshold=iou, max_det=max_det, end2end=end2end,
+        )  # fmt: skip
 
+    def post_program(loadable: Loadable) -> PostProgram:
+        return program(loadable.outputs[0].c, loadable.num_classes, end2end=end2end)
 
-def _program(loadable: Loadable) -> PostProgram:
-    return program(loadable.outputs[0].c, loadable.num_classes)
-
-
-def _family(name: str) -> Family:
     source = Path(__file__).with_suffix(".cu")
-    return Family(name, _check_heads, _postprocess, _program, source, (KERNEL,))
+    return Family(name, _check_heads, post, post_program, source, (KERNEL,))
 
 
-FAMILIES: Final = (_family("yolov8"), _family("yolo11"), _family("yolo26"))
-"""The DFL families: YOLOv8, YOLO11 (16 bins) and YOLO26's one-to-many heads (1 bin)."""
+FAMILIES: Final = (
+    _family("yolov8"), _family("yolo11"), _family("yolo26"),
+    _family("yolo26_one2one", end2end=True),
+)  # fmt: skip
+"""The DFL families: YOLOv8, YOLO11 (16 bins), YOLO26's one-to-many heads (1 bin, NMS) and its
+one-to-one heads (1 bin, top-k without NMS)."""

@@ -227,6 +227,7 @@ struct PostParams {
     int nl, na, nc;        // levels, decode threads per cell (anchors), classes
     int cand_capacity;
     int bins;              // distribution bins per box side (DFL families), else 0
+    int end2end;           // a one-to-one head: every class a candidate, no NMS (top max_det)
 };
 
 __device__ __forceinline__ float sigmoidf(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
@@ -445,7 +446,7 @@ extern "C" __global__ void post_mask(const PostParams p) {
     u32 m = p.kept_m[b];
     const Candidate* s = p.sorted + (long long)b * DLAD_SORT_CAPACITY;
     u64* mask = p.mask + (long long)b * DLAD_SORT_CAPACITY * DLAD_MASK_WORDS;
-    double thr = (double)f.iou;
+    double thr = p.end2end ? 2.0 : (double)f.iou;  // no IoU reaches 2: nothing is suppressed
     if (m <= DLAD_SHARED_ROWS) {
         // Column mask for post_scan: word v of column j holds bit i - 32 v for every i < j
         // (same class) that suppresses j. Only words v <= j / 32 are written and read.

@@ -129,6 +129,7 @@ class PostParams(ctypes.Structure):
         ("nc", ctypes.c_int),
         ("cand_capacity", ctypes.c_int),
         ("bins", ctypes.c_int),
+        ("end2end", ctypes.c_int),
     ]
 
 
@@ -327,6 +328,7 @@ class GpuPipeline:
         p.geoms = self._frame_dev.ptr + ctypes.sizeof(FrameParams)
         p.nl, p.na, p.nc = len(self.heads), na, self.program.nc
         p.cand_capacity, p.bins = self.cand_capacity, self.program.bins
+        p.end2end = int(self.program.end2end)
 
     def _dev(self, nbytes: int) -> DeviceBuffer:
         buf = self.ctx.alloc(nbytes)

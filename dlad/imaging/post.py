@@ -371,14 +371,20 @@ def detections(
     iou_threshold: float = 0.45,
     max_det: int = 300,
     max_candidates: int | None = DEFAULT_MAX_CANDIDATES,
+    suppress: bool = True,
 ) -> _F32:
     """Decoded candidates → final detections ``[N, 6]`` float32 ``x1, y1, x2, y2, score, class``:
-    :func:`nms` in canvas coordinates (as YOLOv5 and Ultralytics do), then
+    :func:`nms` in canvas coordinates (as YOLOv5 and Ultralytics do; without ``suppress``, the
+    ``max_det`` best by score, ties in candidate order, for an NMS-free head), then
     :meth:`Letterbox.to_original` (undo letterbox, clip to the source image). Rows are sorted by
     score, descending; ``N <= max_det``. Raises ValueError as :func:`nms` does."""
-    keep = nms(
-        cand.boxes, cand.scores, cand.classes, iou_threshold, max_det, max_candidates=max_candidates
-    )
+    if suppress:
+        keep = nms(
+            cand.boxes, cand.scores, cand.classes, iou_threshold, max_det,
+            max_candidates=max_candidates,
+        )  # fmt: skip
+    else:
+        keep = np.argsort(-cand.scores, kind="stable")[:max_det]
     out = np.empty((keep.size, 6), dtype=np.float32)
     out[:, :4] = letterbox.to_original(cand.boxes[keep])
     out[:, 4] = cand.scores[keep]

@@ -9,6 +9,8 @@ yolov5    ``prep.model.YOLOv5`` (v7.0 layout, written here)      ``na * (5 + nc)
 yolov8    Ultralytics' ``yolov8.yaml`` (``prep.families.dfl``)   ``4 * 16`` box bins + ``nc``
 yolo11    Ultralytics' ``yolo11.yaml``                           ``4 * 16`` box bins + ``nc``
 yolo26    Ultralytics' ``yolo26.yaml`` (one-to-many head)        4 distances + ``nc``
+yolo26_   the same model, its one-to-one (NMS-free) head         4 distances + ``nc``
+one2one
 ========  =====================================================  ================================
 """
 
@@ -64,6 +66,7 @@ PREP_FAMILIES: Final[dict[str, PrepFamily]] = {
         PrepFamily("yolov8", _SIZES, _dfl("yolov8")),
         PrepFamily("yolo11", _SIZES, _dfl("yolo11")),
         PrepFamily("yolo26", _SIZES, _dfl("yolo26")),
+        PrepFamily("yolo26_one2one", _SIZES, _dfl("yolo26_one2one")),
     )
 }
 """Every family prep builds, by name (the same names as ``dlad.families.FAMILIES``)."""

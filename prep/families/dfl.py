@@ -43,11 +43,16 @@ _DEFINITION = re.compile(r"(yolov8|yolo11|yolo26)([nslmx]?)\.yaml")
 
 class RawHeads(nn.Module):
     """An Ultralytics detector whose ``forward`` returns the raw heads ``[N, 4 * bins + nc, H,
-    W]``, one per stride. ``model`` is the detector's layer list (its own ``model``), so every
-    parameter keeps its Ultralytics name."""
+    W]``, one per stride: of its one-to-many branches (``cv2``, ``cv3``), or with ``one2one`` of
+    YOLO26's one-to-one branches (``one2one_cv2``, ``one2one_cv3``: the NMS-free head). ``model``
+    is the detector's layer list (its own ``model``), so every parameter keeps its Ultralytics
+    name."""
 
-    def __init__(self, detector: Any) -> None:
+    def __init__(self, detector: Any, *, one2one: bool = False) -> None:
         super().__init__()
+        if one2one and getattr(detector.model[-1], "one2one_cv2", None) is None:
+            raise ValueError("the detector has no one-to-one head")
+        self.one2one = one2one
         self.model: nn.Sequential = detector.model
         self.save: list[int] = list(detector.save)
         self.yaml: dict[str, Any] = dict(detector.yaml)
@@ -75,19 +80,22 @@ class RawHeads(nn.Module):
             outputs.append(y if m.i in self.save else None)
         detect = self.detect
         feats = [y if j == -1 else outputs[j] for j in detect.f]
-        return tuple(
-            torch.cat((detect.cv2[i](f), detect.cv3[i](f)), 1) for i, f in enumerate(feats)
+        box, cls = (
+            (detect.one2one_cv2, detect.one2one_cv3) if self.one2one else (detect.cv2, detect.cv3)
         )
+        return tuple(torch.cat((box[i](f), cls[i](f)), 1) for i, f in enumerate(feats))
 
 
 def build_model(family: str, variant: str, num_classes: int) -> RawHeads:
-    """A new ``family`` detector of size ``variant`` (random weights, FP32) with raw heads.
-    Raises ValueError for a size the family's YAML does not have."""
+    """A new ``family`` detector of size ``variant`` (random weights, FP32) with raw heads
+    (``yolo26_one2one``: YOLO26's, of its one-to-one head). Raises ValueError for a size the
+    family's YAML does not have."""
+    family, one2one = family.removesuffix("_one2one"), family.endswith("_one2one")
     sizes = yaml_model_load(f"{family}.yaml").get("scales", {})
     if variant not in sizes:
         raise ValueError(f"{family} has no size {variant!r} (it has: {', '.join(sizes)})")
     detector: Any = DetectionModel(f"{family}{variant}.yaml", nc=num_classes, verbose=False)
-    return RawHeads(detector.float())
+    return RawHeads(detector.float(), one2one=one2one)
 
 
 @dataclass(frozen=True)

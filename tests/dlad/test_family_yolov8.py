@@ -128,3 +128,26 @@ def test_the_family_owns_its_loadables_rules_and_post_program() -> None:
         _loadable(anchors_px=(((1.0, 2.0),),) * 3)
     with pytest.raises(ValueError, match="not 4 \\* bins \\+ 3 classes"):
         _loadable(num_classes=3, class_names=("a", "b", "c"))
+
+
+def test_the_one_to_one_head_keeps_the_best_without_nms() -> None:
+    """``yolo26_one2one``: corners times the stride, every class a candidate, the best
+    ``max_det`` kept even where they overlap (the head was trained not to duplicate)."""
+    heads = [np.full((4 + 2, 128 // s, 128 // s), -20.0, np.float32) for s in STRIDES]
+    for h in heads:
+        h[:4] = 1.0  # a 2 x 2-cell box around every cell centre
+    heads[0][4:, 3, 5] = [2.0, 1.0]  # both classes of one cell
+    heads[0][4, 3, 6] = 1.5  # the next cell: the same class, the box overlapping
+    _, identity = letterbox(np.zeros((128, 128, 3), np.uint8), 128)
+    out = yolov8.postprocess(heads, STRIDES, 2, identity, conf_threshold=0.25, end2end=True)
+    np.testing.assert_array_equal(out[:, 5], [0, 0, 1])
+    np.testing.assert_array_equal(
+        out[:, :4], [[36, 20, 52, 36], [44, 20, 60, 36], [36, 20, 52, 36]]
+    )
+    assert len(yolov8.postprocess(heads, STRIDES, 2, identity, conf_threshold=0.25, end2end=True,
+                                  max_det=2)) == 2  # fmt: skip
+    with_nms = yolov8.postprocess(heads, STRIDES, 2, identity, conf_threshold=0.25)
+    assert len(with_nms) == 2  # the one-to-many decode: the best class of each cell
+    program = post_program(_loadable(family="yolo26_one2one", outputs=tuple(
+        chw_vectorized(f"s{s}", 6, 64 // s, 64 // s, vec=16) for s in STRIDES)))  # fmt: skip
+    assert (program.bins, program.end2end) == (1, True)

@@ -168,3 +168,38 @@ def test_prep_import_writes_the_dla_graph_and_the_model_card(tmp_path: Any, caps
     assert card["class_names"] == ["thing-0", "thing-1", "thing-2"]
     assert "every layer runs on the DLA" in capsys.readouterr().out
     assert main(["import", "--checkpoint", str(tmp_path / "none.pt"), "--out", str(out)]) == 2
+
+
+def test_yolo26s_nms_free_head_is_ultralytics_end_to_end_output() -> None:
+    """Raw one-to-one heads decoded as ``yolo26_one2one`` (corners, every class, the 300 best,
+    no NMS) are what Ultralytics' end-to-end ``Detect`` makes of them; and the family's model
+    ends at that head's convs."""
+    from ultralytics.nn.tasks import DetectionModel
+
+    from dlad.imaging.pre import letterbox
+    from prep.families.dfl import build_model
+
+    model = build_model("yolo26_one2one", "n", 7)
+    assert model.one2one
+    detect = DetectionModel("yolo26n.yaml", nc=7, verbose=False).eval().model[-1]
+    detect.end2end = True
+    rng = np.random.default_rng(6)
+    heads = []
+    for s in (8, 16, 32):
+        h = rng.normal(0.0, 2.0, size=(11, 160 // s, 160 // s)).astype(np.float32)
+        h[:4] = rng.uniform(0.0, 4.0, size=(4, 160 // s, 160 // s))
+        heads.append(h)
+    flat = torch.cat([torch.from_numpy(h).flatten(1) for h in heads], 1)[None]
+    feats = [torch.zeros(1, 1, 160 // s, 160 // s) for s in (8, 16, 32)]
+    with torch.no_grad():
+        decoded = detect._inference({"boxes": flat[:, :4], "scores": flat[:, 4:], "feats": feats})
+        theirs = detect.postprocess(decoded.permute(0, 2, 1))[0].numpy()  # [300, 6]
+    _, identity = letterbox(np.zeros((160, 160, 3), np.uint8), 160)
+    ours = yolov8.postprocess(heads, (8, 16, 32), 7, identity, conf_threshold=0.0, max_det=300,
+                              end2end=True)  # fmt: skip
+    assert ours.shape == theirs.shape == (300, 6)
+    assert len(np.unique(theirs[:, 4])) == 300  # no ties: the order is the scores' alone
+    np.testing.assert_array_equal(ours[:, 5], theirs[:, 5])
+    np.testing.assert_allclose(ours[:, 4], theirs[:, 4], rtol=1e-6)
+    unclipped = (theirs[:, :4] >= 0).all(1) & (theirs[:, :4] <= 160).all(1)
+    np.testing.assert_allclose(ours[unclipped, :4], theirs[unclipped, :4], rtol=1e-5, atol=1e-3)

@@ -415,6 +415,7 @@ def _dfl_heads(
     multi_label=st.booleans(),
     int8=st.booleans(),
     batch=st.sampled_from([1, 3]),
+    end2end=st.booleans(),
 )
 def test_dfl_post_matches_reference(
     ctx: GpuContext,
@@ -428,9 +429,11 @@ def test_dfl_post_matches_reference(
     multi_label: bool,
     int8: bool,
     batch: int,
+    end2end: bool,
 ) -> None:
-    """YOLOv8 / YOLO11 (16 bins) and YOLO26 (1 bin): the family's kernel, then the shared
-    selection, NMS and back-projection, against ``dlad.families.yolov8.postprocess``."""
+    """YOLOv8 / YOLO11 (16 bins) and YOLO26 (1 bin; ``end2end``: its one-to-one head, top-k
+    without NMS): the family's kernel, then the shared selection, NMS and back-projection,
+    against ``dlad.families.yolov8.postprocess``."""
     rng = np.random.default_rng(seed)
     frames = [_dfl_heads(rng, canvas, nc, bins, cls_mean, int8) for _ in range(batch)]
     specs = frames[0][1]
@@ -441,7 +444,7 @@ def test_dfl_post_matches_reference(
     ]  # fmt: skip
     kw = {"conf_threshold": conf, "iou_threshold": 0.5, "max_det": 300}
     pipe = GpuPipeline(
-        ctx, (canvas, canvas), specs, yolov8.program(specs[0].c, nc), batch=batch,
+        ctx, (canvas, canvas), specs, yolov8.program(specs[0].c, nc, end2end=end2end), batch=batch,
         cand_capacity=1 << 22,
     )  # fmt: skip
     try:
@@ -453,7 +456,7 @@ def test_dfl_post_matches_reference(
     for (raws, _, _), g, result in zip(frames, geometries, results, strict=True):
         expected = yolov8.postprocess(
             raws, (8, 16, 32), nc, g, multi_label=multi_label, max_candidates=SORT_CAPACITY,
-            **kw,  # type: ignore[arg-type]
+            end2end=end2end, **kw,  # type: ignore[arg-type]
         )  # fmt: skip
         assert not result.overflow
         _compare(result.detections, expected)
