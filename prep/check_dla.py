@@ -2,15 +2,14 @@
 
     prep check-dla MODEL.onnx [--json out.json] [--all]
 
-The graph is first made static as TensorRT's builder makes it: shapes inferred, constant
-subgraphs folded (``onnx-graphsurgeon``; ``Shape → Gather → Div → Slice`` chains of Ultralytics'
-``chunk`` become constants), ``Identity`` an alias, Q/DQ pairs transparent (they set a tensor's
-precision, not a layer). Each remaining node is one layer, checked against the documented DLA
-rules of TensorRT 10.x on Orin (DLA 3.x): the "DLA Supported Layers and Restrictions" page, the
-per-layer DLA notes of ``NvInfer.h`` at v10.3.0, and the builder's own messages where the page is
-silent (``docs/check-dla.md`` lists every rule with its source). Where TensorRT versions disagree
-(``Div``, ``Pow``, unary ops other than ``Abs``) the Orin JetPack 6 answer (TensorRT 10.3) is
-taken: the layer falls back.
+The graph is first made static as TensorRT's builder makes it (``prep.onnx_static``: shapes
+inferred, constant subgraphs folded), ``Identity`` an alias, Q/DQ pairs transparent (they set a
+tensor's precision, not a layer). Each remaining node is one layer, checked against the
+documented DLA rules of TensorRT 10.x on Orin (DLA 3.x): the "DLA Supported Layers and
+Restrictions" page, the per-layer DLA notes of ``NvInfer.h`` at v10.3.0, and the builder's own
+messages where the page is silent (``docs/check-dla.md`` lists every rule with its source).
+Where TensorRT versions disagree (``Div``, ``Pow``, unary ops other than ``Abs``) the Orin
+JetPack 6 answer (TensorRT 10.3) is taken: the layer falls back.
 
 Printed: one row per layer (name, op, output shape, GFLOP, where it runs and the rule that
 decides), then the share of layers and of FLOPs on the DLA and the number of DLA subgraphs (a
@@ -142,8 +141,9 @@ class _Graph:
 def _load(path: Path) -> _Graph:
     import numpy as np
     import onnx
-    import onnx_graphsurgeon as gs
     from onnx import numpy_helper, shape_inference
+
+    from prep.onnx_static import static_model
 
     try:
         model = onnx.load(str(path))
@@ -151,14 +151,8 @@ def _load(path: Path) -> _Graph:
         raise CheckError(f"cannot read {path}: {e}") from e
     except Exception as e:  # protobuf's DecodeError: not an ONNX file
         raise CheckError(f"{path} is not an ONNX model: {e}") from e
-    try:  # fold until nothing changes: each fold can make more shapes, and so more folds, known
-        count = -1
-        while count != len(model.graph.node):
-            count = len(model.graph.node)
-            graph = gs.import_onnx(shape_inference.infer_shapes(model))
-            graph.fold_constants().cleanup().toposort()
-            model = gs.export_onnx(graph)
-        model = shape_inference.infer_shapes(model, strict_mode=True)
+    try:
+        model = shape_inference.infer_shapes(static_model(model), strict_mode=True)
     except Exception as e:  # graphsurgeon and shape inference raise their own classes
         raise CheckError(f"{path}: shapes cannot be inferred: {e}") from e
     shapes: dict[str, tuple[int, ...]] = {}
