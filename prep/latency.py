@@ -260,7 +260,7 @@ def _cost(step: Step, plan: LatencyPlan, p: DlaParams, on_chip: Mapping[str, boo
         )
         cycles = max(mac_cycles, out_elems / p.sdp_elems_per_cycle)
     elif step.engine == "sdp":
-        cycles = max(in_elems, out_elems) / p.sdp_elems_per_cycle
+        cycles = step.passes * max(in_elems, out_elems) / p.sdp_elems_per_cycle
     elif step.engine == "pdp":
         cycles = max(in_elems, out_elems) / p.pdp_elems_per_cycle
     elif step.engine == "resize":

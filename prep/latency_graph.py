@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from prep.onnx_static import static_model
+
 if TYPE_CHECKING:
     import onnx
 
@@ -34,8 +36,11 @@ SUPPORTED_OPS = frozenset(
     {
         "Conv", "Sigmoid", "Mul", "Add", "Sub", "Relu", "LeakyRelu", "Clip", "Tanh",
         "Concat", "MaxPool", "AveragePool", "Resize", "Identity",
+        "Split", "Slice", "Softmax", "Transpose", "Reshape",
     }
 )  # fmt: skip
+_MOVES = frozenset({"Transpose", "Reshape"})  # data movement, priced as a resize pass
+_SOFTMAX_PASSES = 3  # max, exp and sum, divide: three SDP passes over the tensor
 _ACTIVATIONS = frozenset({"Sigmoid", "Relu", "LeakyRelu", "Clip", "Tanh"})
 _ELEMENTWISE = frozenset({"Mul", "Add", "Sub"})
 ELT_BYTES: dict[str, int] = {"int8": 1, "fp16": 2}
@@ -98,6 +103,7 @@ class Step:
     geometry: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 1, 0)
     weight_bytes: int = 0
     copies: list[str] = field(default_factory=list)  # Concat inputs copied into the output
+    passes: int = 1  # SDP passes over the tensor (a Softmax makes three)
 
 
 @dataclass
@@ -166,8 +172,15 @@ def plan_graph(
             model = onnx.load(str(model), load_external_data=False)
         except (OSError, DecodeError, ValueError) as e:
             raise LatencyModelError(f"cannot read ONNX model {model}: {e}") from e
-    # Not strict: ops it cannot type are reported below as unsupported, shapes it cannot infer
-    # as "needs a static shape".
+    # A graph that computes shapes (Ultralytics' chunk: Shape -> Gather -> Div -> Slice) is
+    # folded as the builder folds it; any other keeps its node order, which the SRAM placement
+    # follows. Ops that cannot be typed are reported below as unsupported, shapes that cannot
+    # be inferred as "needs a static shape".
+    if any(node.op_type == "Shape" for node in model.graph.node):
+        try:
+            model = static_model(model)
+        except Exception as e:  # onnx-graphsurgeon and onnx raise their own classes
+            raise LatencyModelError(f"the graph cannot be folded to static shapes: {e}") from e
     model = onnx.shape_inference.infer_shapes(model)
     g = model.graph
     dims: dict[str, list[int]] = {}
@@ -349,12 +362,32 @@ def plan_graph(
                     step.copies.append(t2)
             if step.copies:
                 step.reads, step.write = list(step.copies), out
+        elif op in ("Split", "Slice"):
+            # A copy of each part: it reads its share of the input and writes the part.
+            x = operand(data_ins[0], p)
+            parts = [res(o) for o in node.output if o]
+            for k, part in enumerate(parts):
+                if part not in tensors:
+                    add_tensor(part, p)
+                share = f"{x}[{part}]"
+                tensors[share] = TensorInfo(tensors[part].c, tensors[part].h, tensors[part].w,
+                                            tensors[x].precision)  # fmt: skip
+                buffer_of[share] = x
+                piece = Step(node.name if k == 0 else f"{node.name}:{k}", op, p, "copy",
+                             reads=[share], write=part)  # fmt: skip
+                if k == 0:
+                    step = piece
+                else:
+                    rows.append(Row(piece.name, op, p, piece))
         else:
             ins = [operand(t, p) for t in data_ins]
             engine: Literal["sdp", "pdp", "resize"] = (
-                "pdp" if op in ("MaxPool", "AveragePool") else "resize" if op == "Resize" else "sdp"
-            )
+                "pdp" if op in ("MaxPool", "AveragePool")
+                else "resize" if op == "Resize" or op in _MOVES else "sdp"
+            )  # fmt: skip
             step = Step(node.name, op, p, engine, reads=ins, write=out)
+            if op == "Softmax":
+                step.passes = _SOFTMAX_PASSES
         if step.write is None:
             rows.append(Row(node.name, op, p, None, in_place=True))
         else:

@@ -297,12 +297,34 @@ def test_unsupported_op_is_reported_not_zero() -> None:
     w = np.ones((4, 4, 1, 1), np.float32)
     nodes = [
         helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
-        helper.make_node("Softmax", ["c"], ["y"], name="the_softmax", axis=1),
+        helper.make_node("Exp", ["c"], ["y"], name="the_exp"),
     ]
     model = make_graph(nodes, {"w": w}, (1, 4, 8, 8))
-    with pytest.raises(UnsupportedOpError, match=r"the_softmax \(Softmax\)") as info:
+    with pytest.raises(UnsupportedOpError, match=r"the_exp \(Exp\)") as info:
         estimate(model)
-    assert info.value.nodes == (("the_softmax", "Softmax"),)
+    assert info.value.nodes == (("the_exp", "Exp"),)
+
+
+def test_the_ops_of_the_dfl_families_are_priced() -> None:
+    """Split and Slice copy each part (its share of the input read, the part written); Softmax
+    is three SDP passes; Transpose and Reshape move the tensor at the resize rate."""
+    w = np.ones((64, 64, 1, 1), np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Split", ["c"], ["a", "b"], name="split", axis=1),
+        helper.make_node("Softmax", ["a"], ["s"], name="softmax", axis=3),
+        helper.make_node("Transpose", ["s"], ["t"], name="transpose", perm=[0, 1, 3, 2]),
+        helper.make_node("Add", ["t", "b"], ["y"], name="add"),
+    ]
+    est = estimate(make_graph(nodes, {"w": w}, (1, 64, 32, 32)))
+    by = {layer.name: layer for layer in est.layers}
+    assert by["split"].bytes_in == by["split"].bytes_out == 32 * 32 * 32  # int8 CHW32: one atom
+    assert by["split:1"].bytes_out == 32 * 32 * 32
+    p = ORIN_DLA
+    sdp_us = 32 * 32 * 32 / p.sdp_elems_per_cycle / p.clock_hz * 1e6
+    assert by["softmax"].compute_us == pytest.approx(3 * sdp_us)
+    assert by["transpose"].compute_us == pytest.approx(sdp_us * p.sdp_elems_per_cycle
+                                                       / p.resize_elems_per_cycle)  # fmt: skip
 
 
 def test_bad_arguments() -> None:
@@ -409,8 +431,8 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     garbage = tmp_path / "g.onnx"
     garbage.write_bytes(b"not an onnx file")
     assert run_cli(["--onnx", str(garbage)])[0] == 2
-    soft = tmp_path / "soft.onnx"
-    nodes = [helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=1)]
+    soft = tmp_path / "exp.onnx"
+    nodes = [helper.make_node("Exp", ["x"], ["y"], name="exp")]
     onnx.save(make_graph(nodes, {}, (1, 4, 8, 8)), str(soft))
     assert run_cli(["--onnx", str(soft)])[0] == 1
     with pytest.raises(SystemExit) as info:
