@@ -11,7 +11,8 @@ non-channel axis, dynamic TopK). The module tree keeps Ultralytics' names (``mod
 
 Ultralytics writes a settings file and checks the network when imported: this module points its
 configuration at dlad's cache directory and turns both off first (``YOLO_OFFLINE``,
-``YOLO_VERBOSE``).
+``YOLO_VERBOSE``). Its import also replaces PIL's ``Image.open`` process-wide (with one that tries
+to install a HEIF plugin when an image cannot be read); this module puts PIL's own back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import nn
 
 
@@ -34,7 +36,10 @@ def _quiet_ultralytics() -> None:
 
 
 _quiet_ultralytics()
+_pil_open = Image.open
 from ultralytics.nn.tasks import DetectionModel, yaml_model_load  # noqa: E402  # env first
+
+Image.open = _pil_open  # Ultralytics' patch undone
 
 __all__ = ["ImportedDetector", "RawHeads", "build_model", "import_checkpoint"]
 

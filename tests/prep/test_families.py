@@ -203,3 +203,13 @@ def test_yolo26s_nms_free_head_is_ultralytics_end_to_end_output() -> None:
     np.testing.assert_allclose(ours[:, 4], theirs[:, 4], rtol=1e-6)
     unclipped = (theirs[:, :4] >= 0).all(1) & (theirs[:, :4] <= 160).all(1)
     np.testing.assert_allclose(ours[unclipped, :4], theirs[unclipped, :4], rtol=1e-5, atol=1e-3)
+
+
+def test_importing_ultralytics_leaves_pil_as_it_was() -> None:
+    """Ultralytics replaces ``PIL.Image.open`` when imported (with one that tries to install a
+    HEIF plugin for an unreadable image); prep's import of it puts PIL's own back."""
+    from PIL import Image
+
+    import prep.families.dfl  # noqa: F401
+
+    assert Image.open.__module__ == "PIL.Image"
