@@ -205,6 +205,18 @@ def bench_pre(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     pinned.free()
 
 
+def device_heads(ctx: GpuContext, packed: list[np.ndarray], batch: int) -> list[Any]:
+    """Each head's buffer repeated ``batch`` times in device memory (the caller frees them)."""
+    bufs = []
+    drv = _driver()
+    for p in packed:
+        many = np.ascontiguousarray(np.stack([p] * batch))
+        b = ctx.alloc(many.nbytes, zero=False)
+        _check(drv.cuMemcpyHtoD(b.ptr, many.ctypes.data, many.nbytes), "h2d")
+        bufs.append(b)
+    return bufs
+
+
 def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     import torch
     import torchvision
@@ -216,13 +228,7 @@ def bench_post(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     batch = 8
     pipe1 = GpuPipeline(ctx, (SIZE, SIZE), specs, program(ANCHORS, specs[0].c))
     pipe8 = GpuPipeline(ctx, (SIZE, SIZE), specs, program(ANCHORS, specs[0].c), batch=batch)
-    bufs = []
-    drv = _driver()
-    for p in packed:
-        many = np.ascontiguousarray(np.stack([p] * batch))
-        b = ctx.alloc(many.nbytes, zero=False)
-        _check(drv.cuMemcpyHtoD(b.ptr, many.ctypes.data, many.nbytes), "h2d")
-        bufs.append(b)
+    bufs = device_heads(ctx, packed, batch)
     ptrs = [b.ptr for b in bufs]
     kw = {"conf_threshold": CONF, "iou_threshold": IOU, "max_det": 300}
 
@@ -349,13 +355,7 @@ def bench_post_dfl(ctx: GpuContext, results: dict[str, Any], name: str, bins: in
     program_ = yolov8.program(specs[0].c, nc)
     pipe1 = GpuPipeline(ctx, (size, size), specs, program_)
     pipe8 = GpuPipeline(ctx, (size, size), specs, program_, batch=batch)
-    bufs = []
-    drv = _driver()
-    for p in packed:
-        many = np.ascontiguousarray(np.stack([p] * batch))
-        b = ctx.alloc(many.nbytes, zero=False)
-        _check(drv.cuMemcpyHtoD(b.ptr, many.ctypes.data, many.nbytes), "h2d")
-        bufs.append(b)
+    bufs = device_heads(ctx, packed, batch)
     ptrs = [b.ptr for b in bufs]
     kw = {"conf_threshold": CONF, "iou_threshold": IOU, "max_det": 300}
 

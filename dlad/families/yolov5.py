@@ -22,6 +22,7 @@ from dlad.imaging.post import (
     Candidates,
     check_conf_threshold,
     check_head_arrays,
+    class_candidates,
     detections,
     logit_cut,
     sigmoid,
@@ -97,9 +98,7 @@ def decode(
     anchors32 = np.asarray(anchors, dtype=np.float32)
     obj_cut = logit_cut(conf_threshold)
     thr = np.float32(conf_threshold)
-    boxes_out: list[_F32] = []
-    scores_out: list[_F32] = []
-    classes_out: list[_Idx] = []
+    parts: list[tuple[_F32, _F32, _Idx]] = []
     for level, head in enumerate(heads):
         h, w = head.shape[1], head.shape[2]
         p = head.reshape(na, 5 + nc, h * w)
@@ -116,25 +115,8 @@ def decode(
         bh = np.square(s[:, 3] * np.float32(2.0)) * anc[:, 1]
         half_w, half_h = bw * np.float32(0.5), bh * np.float32(0.5)
         xyxy = np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], axis=1)
-        # A NaN logit (e.g. fp16 overflow upstream) must cost one box, not the whole frame.
-        finite = np.isfinite(xyxy).all(axis=1)
-        obj = s[:, 4]
-        cls_logits = rows[:, 5:]
-        if multi_label:
-            conf = obj[:, None] * sigmoid(cls_logits.astype(np.float32))
-            r, k = np.nonzero((conf > thr) & finite[:, None])
-            boxes_out.append(xyxy[r])
-            scores_out.append(conf[r, k])
-            classes_out.append(k.astype(np.intp))
-        else:
-            best = np.argmax(cls_logits, axis=1)
-            best_logit = np.take_along_axis(cls_logits, best[:, None], axis=1)[:, 0]
-            conf = obj * sigmoid(best_logit.astype(np.float32))
-            ok = (conf > thr) & finite
-            boxes_out.append(xyxy[ok])
-            scores_out.append(conf[ok])
-            classes_out.append(best[ok].astype(np.intp))
-    return Candidates.join(boxes_out, scores_out, classes_out)
+        parts.append(class_candidates(xyxy, rows[:, 5:], thr, multi_label, s[:, 4]))
+    return Candidates.join(parts)
 
 
 def postprocess(

@@ -25,27 +25,18 @@ __device__ __forceinline__ float dfl_side(const PostParams& p, int level, const 
 // dlad.families.yolov8.decode: one thread per (level, cell); grid.y = image.
 extern "C" __global__ void post_decode_dfl(const PostParams p) {
     const FrameParams f = *p.frame;
-    int b = blockIdx.y;
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= p.level_cells[p.nl]) return;
-    int level = 0;
-    while (t >= p.level_cells[level + 1]) ++level;
-    int cell = t - p.level_cells[level];
-    int iy = cell / p.head_w[level], ix = cell - iy * p.head_w[level];
-    const void* base = reinterpret_cast<const char*>(p.heads[level]) + b * p.head_image_bytes[level];
+    DecodeSlot s;
+    if (!decode_slot(p, s)) return;
     const int c_cls = 4 * p.bins;
-    int best = 0;
-    float best_logit = 0.0f;  // set by class 0
-    for_each_class(p, level, base, c_cls, iy, ix, [&](int k, float v) {
-        if (k == 0 || v > best_logit) { best_logit = v; best = k; }  // first maximum wins
-    });
+    int best;
+    float best_logit = best_class(p, s, c_cls, best);
     if (!(best_logit > f.obj_cut)) return;  // no class can pass
-    float l = dfl_side(p, level, base, 0, iy, ix);
-    float tp = dfl_side(p, level, base, p.bins, iy, ix);
-    float r = dfl_side(p, level, base, 2 * p.bins, iy, ix);
-    float bt = dfl_side(p, level, base, 3 * p.bins, iy, ix);
-    float stride = (float)p.head_stride[level];
-    float ax = __fadd_rn((float)ix, 0.5f), ay = __fadd_rn((float)iy, 0.5f);
+    float l = dfl_side(p, s.level, s.base, 0, s.iy, s.ix);
+    float tp = dfl_side(p, s.level, s.base, p.bins, s.iy, s.ix);
+    float r = dfl_side(p, s.level, s.base, 2 * p.bins, s.iy, s.ix);
+    float bt = dfl_side(p, s.level, s.base, 3 * p.bins, s.iy, s.ix);
+    float stride = (float)p.head_stride[s.level];
+    float ax = __fadd_rn((float)s.ix, 0.5f), ay = __fadd_rn((float)s.iy, 0.5f);
     float x1 = __fsub_rn(ax, l), y1 = __fsub_rn(ay, tp);
     float x2 = __fadd_rn(ax, r), y2 = __fadd_rn(ay, bt);
     float bx1, by1, bx2, by2;
@@ -61,14 +52,6 @@ extern "C" __global__ void post_decode_dfl(const PostParams p) {
         bx2 = __fadd_rn(cx, hw); by2 = __fadd_rn(cy, hh);
     }
     if (!(isfinite(bx1) && isfinite(by1) && isfinite(bx2) && isfinite(by2))) return;
-    if (f.multi_label || p.end2end) {
-        u32 order0 = (u32)(t) * (u32)p.nc;
-        for_each_class(p, level, base, c_cls, iy, ix, [&](int k, float v) {
-            float conf = sigmoidf(v);
-            if (conf > f.conf) emit(p, b, bx1, by1, bx2, by2, conf, k, order0 + k);
-        });
-    } else {
-        float conf = sigmoidf(best_logit);
-        if (conf > f.conf) emit(p, b, bx1, by1, bx2, by2, conf, best, (u32)t);
-    }
+    emit_classes(p, f, s, c_cls, bx1, by1, bx2, by2, 1.0f, f.multi_label || p.end2end, best,
+                 best_logit);
 }

@@ -34,9 +34,9 @@ from dlad.imaging.post import (
     Candidates,
     check_conf_threshold,
     check_head_arrays,
+    class_candidates,
     detections,
     logit_cut,
-    sigmoid,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -114,9 +114,7 @@ def decode(
     cut = logit_cut(conf_threshold)
     thr = np.float32(conf_threshold)
     half = np.float32(0.5)
-    boxes_out: list[_F32] = []
-    scores_out: list[_F32] = []
-    classes_out: list[_Idx] = []
+    parts: list[tuple[_F32, _F32, _Idx]] = []
     for level, head in enumerate(heads):
         h, w = head.shape[1], head.shape[2]
         p = head.reshape(4 * bins + nc, h * w)
@@ -138,22 +136,8 @@ def decode(
             bw, bh = (x2 - x1) * stride, (y2 - y1) * stride
             half_w, half_h = bw / np.float32(2), bh / np.float32(2)
             xyxy = np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], axis=1)
-        finite = np.isfinite(xyxy).all(axis=1)
-        cls_logits = rows[:, 4 * bins :]
-        if multi_label or end2end:
-            conf = sigmoid(cls_logits)
-            r, k = np.nonzero((conf > thr) & finite[:, None])
-            boxes_out.append(xyxy[r])
-            scores_out.append(conf[r, k])
-            classes_out.append(k.astype(np.intp))
-        else:
-            best = np.argmax(cls_logits, axis=1)
-            conf = sigmoid(np.take_along_axis(cls_logits, best[:, None], axis=1)[:, 0])
-            ok = (conf > thr) & finite
-            boxes_out.append(xyxy[ok])
-            scores_out.append(conf[ok])
-            classes_out.append(best[ok].astype(np.intp))
-    return Candidates.join(boxes_out, scores_out, classes_out)
+        parts.append(class_candidates(xyxy, rows[:, 4 * bins :], thr, multi_label or end2end))
+    return Candidates.join(parts)
 
 
 def postprocess(

@@ -315,6 +315,62 @@ __device__ __forceinline__ void for_each_class(const PostParams& p, int level, c
     else classes_by_group<16>(p, level, base, c0, iy, ix, fn);
 }
 
+// What the families' decode kernels share (dlad/families/*.cu): one thread per slot, a slot
+// being (level, anchor, cell) over all levels (level_cells); grid.y = image.
+struct DecodeSlot {
+    int t;             // over all levels: the candidates' reference order
+    int level;
+    int r;             // within the level: anchor * H * W + cell
+    int iy, ix;        // the cell
+    const void* base;  // the level's head of this image
+};
+
+// This thread's slot; false past the last one.
+__device__ __forceinline__ bool decode_slot(const PostParams& p, DecodeSlot& s) {
+    s.t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s.t >= p.level_cells[p.nl]) return false;
+    s.level = 0;
+    while (s.t >= p.level_cells[s.level + 1]) ++s.level;
+    s.r = s.t - p.level_cells[s.level];
+    int cell = s.r % (p.head_h[s.level] * p.head_w[s.level]);
+    s.iy = cell / p.head_w[s.level];
+    s.ix = cell - s.iy * p.head_w[s.level];
+    s.base = reinterpret_cast<const char*>(p.heads[s.level]) + blockIdx.y * p.head_image_bytes[s.level];
+    return true;
+}
+
+// The best class logit of the slot's class channels from c0 (the first maximum) and its class.
+__device__ __forceinline__ float best_class(const PostParams& p, const DecodeSlot& s, int c0,
+                                            int& best) {
+    float best_logit = 0.0f;  // set by class 0
+    best = 0;
+    for_each_class(p, s.level, s.base, c0, s.iy, s.ix, [&](int k, float v) {
+        if (k == 0 || v > best_logit) { best_logit = v; best = k; }  // first maximum wins
+    });
+    return best_logit;
+}
+
+// The candidates of one box (canvas corners) whose class logits start at channel c0, scored
+// obj * S(logit) (obj 1 for a family without objectness: x * 1 is exact): every class that
+// passes (all), or the best class alone (best >= 0: already found, with its logit).
+__device__ __forceinline__ void emit_classes(const PostParams& p, const FrameParams& f,
+                                             const DecodeSlot& s, int c0, float x1, float y1,
+                                             float x2, float y2, float obj, bool all, int best,
+                                             float best_logit) {
+    int b = blockIdx.y;
+    if (all) {
+        u32 order0 = (u32)s.t * (u32)p.nc;
+        for_each_class(p, s.level, s.base, c0, s.iy, s.ix, [&](int k, float v) {
+            float conf = __fmul_rn(obj, sigmoidf(v));
+            if (conf > f.conf) emit(p, b, x1, y1, x2, y2, conf, k, order0 + k);
+        });
+        return;
+    }
+    if (best < 0) best_logit = best_class(p, s, c0, best);
+    float conf = __fmul_rn(obj, sigmoidf(best_logit));
+    if (conf > f.conf) emit(p, b, x1, y1, x2, y2, conf, best, (u32)s.t);
+}
+
 // The `max_candidates` best candidates (score descending, reference order on ties), sorted,
 // into `sorted`; the candidate counter is reset for the next frame. One block of 1024 threads
 // per image (grid.x = image); dynamic shared memory: DLAD_SORT_CAPACITY * 12 bytes.

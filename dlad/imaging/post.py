@@ -31,6 +31,7 @@ __all__ = [
     "Candidates",
     "check_conf_threshold",
     "check_head_arrays",
+    "class_candidates",
     "detections",
     "logit_cut",
     "nms",
@@ -148,12 +149,12 @@ class Candidates:
         return int(self.scores.shape[0])
 
     @classmethod
-    def join(
-        cls, boxes: Sequence[_F32], scores: Sequence[_F32], classes: Sequence[_Idx]
-    ) -> Candidates:
-        """One set of the parts' candidates, in order (none: an empty set)."""
-        if not scores:
+    def join(cls, parts: Sequence[tuple[_F32, _F32, _Idx]]) -> Candidates:
+        """One set of the parts' candidates (boxes, scores, classes each), in order (none: an
+        empty set)."""
+        if not parts:
             return cls(np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.intp))
+        boxes, scores, classes = zip(*parts, strict=True)
         return cls(
             np.concatenate(boxes).astype(np.float32, copy=False),
             np.concatenate(scores).astype(np.float32, copy=False),
@@ -166,6 +167,33 @@ def sigmoid(x: _F32) -> _F32:
     # exp overflows to inf for very negative logits; 1/(1+inf) = 0 is the right answer.
     with np.errstate(over="ignore"):
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def class_candidates(
+    xyxy: _F32,
+    cls_logits: npt.NDArray[np.floating],
+    threshold: np.float32,
+    all_classes: bool,
+    obj: _F32 | None = None,
+) -> tuple[_F32, _F32, _Idx]:
+    """The candidates of boxes ``xyxy`` ``[M, 4]`` with class logits ``[M, nc]``, scored
+    ``obj * S(logit)`` (``S(logit)`` without ``obj``): every class scoring above ``threshold``
+    (``all_classes``), or the best class alone (``argmax``, lowest index on ties). A box that is
+    not finite gives none (a NaN logit upstream costs one box, not the frame). Returns boxes,
+    scores and classes, in box order then class order (the kernels' ``emit_classes``)."""
+    finite = np.isfinite(xyxy).all(axis=1).reshape(-1)
+    if all_classes:
+        conf = sigmoid(cls_logits.astype(np.float32))
+        if obj is not None:
+            conf = obj[:, None] * conf
+        r, k = np.nonzero((conf > threshold) & finite[:, None])
+        return xyxy[r], conf[r, k], k.astype(np.intp)
+    best = np.argmax(cls_logits, axis=1)
+    conf = sigmoid(np.take_along_axis(cls_logits, best[:, None], axis=1)[:, 0].astype(np.float32))
+    if obj is not None:
+        conf = obj * conf
+    ok = (conf > threshold) & finite
+    return xyxy[ok], conf[ok], best[ok].astype(np.intp)
 
 
 def check_conf_threshold(conf_threshold: object) -> None:

@@ -1,4 +1,5 @@
-"""The ctypes mirrors of the kernels' parameter structs have the C layout (gcc, no GPU)."""
+"""The ctypes mirrors of the kernels' parameter structs have the C layout (gcc, no GPU), and the
+GPU program compiles (nvcc, where the CUDA toolkit is installed; no GPU needed)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dlad.gpu.driver import KERNEL_SOURCE
+from dlad.families import cuda_kernels
+from dlad.gpu.driver import KERNEL_SOURCE, NVRTC_OPTIONS, kernel_source
 from dlad.gpu.layout import LayoutParams
 from dlad.gpu.prepost import FrameParams, Geometry, PostParams, PreParams
 
@@ -51,3 +53,20 @@ def test_struct_layouts_match_kernels_cu(tmp_path: Path) -> None:
         expected.append(f"{name} size {ctypes.sizeof(mirror)}")
         expected += [f"{name} {f} {getattr(mirror, f).offset}" for f, *_ in mirror._fields_]
     assert out[:-1] == expected
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.timeout(300)
+def test_the_gpu_program_compiles_for_orin(tmp_path: Path) -> None:
+    """The one CUDA program (kernels.cu and every model family's decode) compiles for Orin's
+    GPU (sm_87) with NVRTC's options, and holds every kernel the driver looks up: a machine
+    without a GPU but with the toolkit catches what would otherwise fail at daemon start."""
+    source = tmp_path / "program.cu"
+    source.write_text(kernel_source(), encoding="utf-8")
+    cubin = tmp_path / "program.cubin"
+    options = [o for o in NVRTC_OPTIONS if o != "-default-device"]  # NVRTC's own: nvcc's default
+    subprocess.run(["nvcc", *options, "-arch=sm_87", "-cubin", "-o", str(cubin), str(source)],
+                   check=True, capture_output=True)  # fmt: skip
+    symbols = cubin.read_bytes()
+    for kernel in ("post_select_sort", "post_mask", "post_scan", *cuda_kernels()):
+        assert kernel.encode() + b"\0" in symbols, kernel

@@ -162,18 +162,22 @@ def _heads(
         raw = rng.normal(0.0, 1.5, size=(c, g, g)).astype(np.float32)
         for a in range(3):
             raw[a * (5 + nc) + 4] = rng.normal(obj_mean, 2.0, size=(g, g))
-        if int8:
-            scale = 0.06
-            q = pack_chw32(raw, scale)
-            raws.append(unpack_head(q, c, g, g, scale))
-            specs.append(HeadSpec(c, g, g, s, scale))
-            packed.append(q)
-        else:
-            f = pack_chw16(raw)
-            raws.append(unpack_head(f, c, g, g, None))
-            specs.append(HeadSpec(c, g, g, s, None))
-            packed.append(f)
+        _as_the_dla_writes_it(raw, s, int8, raws, specs, packed)
     return raws, specs, packed
+
+
+def _as_the_dla_writes_it(
+    raw: np.ndarray, stride: int, int8: bool,
+    raws: list[np.ndarray], specs: list[HeadSpec], packed: list[np.ndarray],
+) -> None:  # fmt: skip
+    """Append one head as the DLA writes it (``CHW32`` int8 at scale 0.06, or ``CHW16`` fp16),
+    what the numpy reference reads back from that, and its spec."""
+    c, g = raw.shape[0], raw.shape[1]
+    scale = 0.06 if int8 else None
+    buf = pack_chw32(raw, 0.06) if int8 else pack_chw16(raw)
+    raws.append(unpack_head(buf, c, g, g, scale))
+    specs.append(HeadSpec(c, g, g, stride, scale))
+    packed.append(buf)
 
 
 def _near_ties(scores: np.ndarray) -> np.ndarray:
@@ -390,17 +394,7 @@ def _dfl_heads(
         if bins == 1:  # YOLO26: the distances themselves, in grid units
             raw[:4] = rng.uniform(0.0, 6.0, size=(4, g, g))
         raw[4 * bins :] = rng.normal(cls_mean, 2.0, size=(nc, g, g))
-        if int8:
-            scale = 0.06
-            q = pack_chw32(raw, scale)
-            raws.append(unpack_head(q, c, g, g, scale))
-            specs.append(HeadSpec(c, g, g, s, scale))
-            packed.append(q)
-        else:
-            f = pack_chw16(raw)
-            raws.append(unpack_head(f, c, g, g, None))
-            specs.append(HeadSpec(c, g, g, s, None))
-            packed.append(f)
+        _as_the_dla_writes_it(raw, s, int8, raws, specs, packed)
     return raws, specs, packed
 
 
