@@ -62,6 +62,8 @@ class YoloLoss(nn.Module):
         image_size: training image size (scales the objectness gain as YOLOv5 does).
     """
 
+    part_names = ("box", "obj", "cls")
+
     balance = (4.0, 1.0, 0.4)
 
     def __init__(

@@ -215,6 +215,8 @@ class YOLOv5(nn.Module):
         ValueError: unknown variant or a non-positive class count.
     """
 
+    family = "yolov5"  # its model family (prep.families, dlad.families)
+
     def __init__(
         self,
         variant: str = "n",

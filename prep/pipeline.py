@@ -63,8 +63,13 @@ class DataConfig:
     """Generator knobs (``[data.synth]`` in a preset); see docs/data.md."""
 
 
+Family = typing.Literal["yolov5", "yolov8", "yolo11", "yolo26", "yolo26_one2one"]
+"""``model.family``: the names of ``prep.families.PREP_FAMILIES`` (a test keeps them equal)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    family: Family = "yolov5"  # the model family (prep.families)
     variant: str = "n"
     image_size: int = 320
     weights: str | None = None  # an Ultralytics checkpoint or state dict to start from

@@ -16,6 +16,7 @@ import numpy as np
 from prep.manifest import StageRecord
 
 if TYPE_CHECKING:
+    from prep.model import YOLOv5
     from prep.pipeline import Chain
 
 log = logging.getLogger("prep")
@@ -116,10 +117,27 @@ def _classes(chain: Chain) -> dict[str, Any]:
     return data
 
 
+def _yolov5_checkpoint(chain: Chain, stage: str) -> tuple[Any, YOLOv5]:
+    """The trained checkpoint and its model, for the stages that take YOLOv5 only so far.
+    Raises ValueError naming the family of a model of another one."""
+    from prep.model import YOLOv5
+    from prep.train import load_checkpoint
+
+    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    if not isinstance(ckpt.model, YOLOv5):
+        raise ValueError(
+            f"prep {stage}: the model is a {ckpt.family}; this stage takes the yolov5 family "
+            "only so far (a DFL family trains, imports and is checked against the DLA's rules: "
+            "prep import, prep check-dla)"
+        )
+    return ckpt, ckpt.model
+
+
 # ------------------------------------------------------------------------------------ train
 def run_train(chain: Chain, record: StageRecord) -> Result:
     from prep.data.coco import LetterboxedArrays
-    from prep.model import YOLOv5, count_parameters
+    from prep.families import prep_family
+    from prep.model import count_parameters
     from prep.train import save_checkpoint, train
 
     _torch_threads()
@@ -128,16 +146,17 @@ def run_train(chain: Chain, record: StageRecord) -> Result:
     classes = _classes(chain)
     nc = len(classes["class_names"])
     if cfg.model.weights:
-        from prep.ultralytics import load_into_model, load_ultralytics_state_dict
+        from prep.families import import_checkpoint
 
-        ckpt = load_ultralytics_state_dict(cfg.model.weights)
-        if ckpt.num_classes != nc:
+        imported = import_checkpoint(cfg.model.weights)
+        if imported.family != cfg.model.family or len(imported.class_names) != nc:
             raise ValueError(
-                f"{cfg.model.weights} has {ckpt.num_classes} classes, the dataset {nc}"
+                f"{cfg.model.weights} is a {imported.family} of {len(imported.class_names)} "
+                f"classes; the settings say {cfg.model.family} and the dataset has {nc}"
             )
-        model = load_into_model(ckpt)
+        model = imported.model
     else:
-        model = YOLOv5(cfg.model.variant, nc)
+        model = prep_family(cfg.model.family).build(cfg.model.variant, nc)
     result = train(model, arrays.images, arrays.labels, cfg.train, chain._progress("train"))
     path = record.out_dir / "fp32.pt"
     save_checkpoint(
@@ -161,20 +180,20 @@ def run_qat(chain: Chain, record: StageRecord) -> Result:
 
     from prep import qat
     from prep.data.coco import LetterboxedArrays
-    from prep.train import load_checkpoint, resolve_device
+    from prep.train import resolve_device
 
     _torch_threads()
     cfg = chain.cfg.qat
-    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    ckpt, model = _yolov5_checkpoint(chain, "qat")
     arrays = LetterboxedArrays.load(chain.dir("cache") / "train.npz")
     device = resolve_device(cfg.device)
-    qmodel, groups = qat.quantize(ckpt.model, cfg)
+    qmodel, groups = qat.quantize(model, cfg)
     qmodel.to(device)
     draw = qat.batch_sampler(arrays.images, cfg.batch_size, cfg.seed, str(device))
     n_cal = qat.calibrate(qmodel, (draw() for _ in range(cfg.calib_batches)), cfg.calib_method)
     if cfg.quantize_heads and not cfg.train_head_quant:
         qat.set_head_output_quant(qmodel, False)
-    teacher = copy.deepcopy(ckpt.model).eval().fuse().to(device)
+    teacher = copy.deepcopy(model).eval().fuse().to(device)
     history = qat.finetune(qmodel, teacher, draw, cfg, progress=chain._progress("qat"))
     qat.refresh_weight_amax(qmodel)
     qmodel.cpu()
@@ -206,14 +225,13 @@ def run_export(chain: Chain, record: StageRecord) -> Result:
 
     from prep.export import count_ops, export_onnx
     from prep.qat import load_qat, set_head_output_quant
-    from prep.train import load_checkpoint
 
-    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    ckpt, model = _yolov5_checkpoint(chain, "export")
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
     # Head-output Q/DQ always goes into the export: it gives the translator the heads' scales.
     set_head_output_quant(qmodel, True)
     size = ckpt.image_size
-    fp32 = export_onnx(copy.deepcopy(ckpt.model).fuse(), record.out_dir / "fp32.onnx", size)
+    fp32 = export_onnx(copy.deepcopy(model).fuse(), record.out_dir / "fp32.onnx", size)
     qdq = export_onnx(qmodel, record.out_dir / "qat.onnx", size)
     return (
         {"fp32": record.out_dir / "fp32.onnx", "qat": record.out_dir / "qat.onnx"},
@@ -257,12 +275,11 @@ def run_translate(chain: Chain, record: StageRecord) -> Result:
 def _model_info(chain: Chain) -> Any:
     from prep.emulated_build import ModelInfo
     from prep.model import STRIDES
-    from prep.train import load_checkpoint
 
-    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
-    anchors = ckpt.model.anchors_px.tolist()
+    ckpt, model = _yolov5_checkpoint(chain, "build")
+    anchors = model.anchors_px.tolist()
     return ModelInfo(
-        num_classes=ckpt.model.num_classes,
+        num_classes=model.num_classes,
         class_names=tuple(ckpt.class_names),
         anchors_px=tuple(tuple((float(w), float(h)) for w, h in level) for level in anchors),
         strides=STRIDES,
@@ -381,7 +398,7 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     from prep.data.coco import LetterboxedArrays
     from prep.emulated_build import HEAD_VARIANTS
     from prep.qat import load_qat
-    from prep.train import load_checkpoint, resolve_device
+    from prep.train import resolve_device
     from prep.validate import HeadsFn, emulated_heads, evaluate, torch_heads
 
     _torch_threads()
@@ -389,12 +406,12 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     classes = _classes(chain)
     arrays = LetterboxedArrays.load(chain.dir("cache") / "val.npz")
     gt = json.loads(Path(classes["val_annotations"]).read_text())
-    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
+    _, model = _yolov5_checkpoint(chain, "validate")
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
-    anchors = ckpt.model.anchors_px.numpy().astype(np.float32)
+    anchors = model.anchors_px.numpy().astype(np.float32)
     device = str(resolve_device(chain.cfg.train.device))
     runs: list[tuple[str, HeadsFn, float | None]] = [
-        ("fp32", torch_heads(ckpt.model, device), None),
+        ("fp32", torch_heads(model, device), None),
         ("qat_fakequant", torch_heads(qmodel, device), None),
     ]
     core = chain.cfg.build.cores[0]

@@ -1,11 +1,12 @@
-"""FP32 training of a YOLOv5 detector on letterboxed arrays.
+"""FP32 training of a detector of any prep family (``prep.families``) on letterboxed arrays.
 
 The data arrive as one uint8 array ``[N, S, S, 3]`` (RGB, already letterboxed to the training
 size by ``prep.data.coco``) plus per-image labels ``[k, 5]`` rows ``(class, cx, cy, w, h)``
 normalised to the canvas. Augmentation runs on whole batches in torch (so it is as fast on a GPU
 as the model): horizontal flip, a random scale/translate affine with the letterbox's grey (114)
-fill, and brightness/contrast/saturation jitter. The model that comes out is the exponential
-moving average of the weights (YOLOv5's ModelEMA), which is what YOLOv5 evaluates and exports.
+fill, and brightness/contrast/saturation jitter. The loss is the model family's (YOLOv5's own for
+``yolov5``, Ultralytics' for the DFL families). The model that comes out is the exponential moving
+average of the weights (YOLOv5's ModelEMA), which is what YOLOv5 evaluates and exports.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from prep.loss import YoloLoss
+from prep.families import prep_family
 from prep.model import YOLOv5
 
 PAD_VALUE = 114 / 255.0
@@ -62,7 +63,7 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class TrainResult:
-    model: YOLOv5
+    model: nn.Module
     history: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
     epochs: int = 0  # epochs actually run (fewer than asked when ``max_seconds`` cut them)
@@ -187,13 +188,14 @@ ProgressFn = Callable[[int, int, dict[str, float]], None]
 
 
 def train(
-    model: YOLOv5,
+    model: nn.Module,
     images: np.ndarray,
     labels: Sequence[np.ndarray],
     cfg: TrainConfig,
     progress: ProgressFn | None = None,
 ) -> TrainResult:
-    """Train ``model`` in place; return the EMA model and the per-epoch history.
+    """Train ``model`` (its ``family`` names its loss) in place; return the EMA model and the
+    per-epoch history (the loss's three parts by their names, and the learning rate).
 
     Raises:
         ValueError: empty data, images that are not square uint8 ``[N, S, S, 3]``, or labels
@@ -214,7 +216,10 @@ def train(
     model.to(device).train()
     use_amp = cfg.amp and device.type == "cuda"
     size = images.shape[1]
-    criterion = YoloLoss(model.detect.anchors, model.num_classes, size).to(device)
+    criterion = prep_family(str(model.family)).loss(model, size)
+    if isinstance(criterion, nn.Module):
+        criterion.to(device)
+    names = criterion.part_names
 
     groups = _param_groups(model, cfg.weight_decay)
     opt: torch.optim.Optimizer
@@ -276,44 +281,40 @@ def train(
                         total_steps = steps_per_epoch * epochs
                         ema.tau = max(min(2000.0, total_steps / 5), 1.0)
             if progress is not None:
-                m = sums / (i + 1)
-                progress(
-                    step,
-                    total_steps,
-                    {
-                        "epoch": epoch + 1,
-                        "box": float(m[0]),
-                        "obj": float(m[1]),
-                        "cls": float(m[2]),
-                    },
-                )
-        m = sums / steps_per_epoch
-        history.append(
-            {
-                "epoch": epoch + 1,
-                "box": float(m[0]),
-                "obj": float(m[1]),
-                "cls": float(m[2]),
-                "lr": lr_at(step - 1),
-            }
-        )
+                means = dict(zip(names, (sums / (i + 1)).tolist(), strict=True))
+                progress(step, total_steps, {"epoch": epoch + 1, **means})
+        means = dict(zip(names, (sums / steps_per_epoch).tolist(), strict=True))
+        history.append({"epoch": epoch + 1, **means, "lr": lr_at(step - 1)})
         epoch += 1
     result_model = ema.ema
-    assert isinstance(result_model, YOLOv5)  # deepcopy preserves the class
+    assert isinstance(result_model, type(model))  # deepcopy preserves the class
     return TrainResult(result_model.cpu().eval(), history, time.perf_counter() - start, epochs)
 
 
 # ------------------------------------------------------------------------------------------ io
+CHECKPOINT_FORMAT = "dlad-prep-detector/1"
+"""What :func:`save_checkpoint` writes; :func:`load_checkpoint` also reads the YOLOv5-only
+``dlad-prep-yolov5/1`` of earlier runs."""
+
+
 def save_checkpoint(
-    path: Path, model: YOLOv5, *, image_size: int, class_names: Sequence[str], extra: dict[str, Any]
+    path: Path,
+    model: nn.Module,
+    *,
+    image_size: int,
+    class_names: Sequence[str],
+    extra: dict[str, Any],
 ) -> None:
-    """Save weights and the metadata needed to rebuild the model (loadable with weights_only)."""
+    """Save weights and the metadata needed to rebuild the model of any family (its family,
+    size, classes, and a YOLOv5's anchors), loadable with ``weights_only``."""
+    m: Any = model
     torch.save(
         {
-            "format": "dlad-prep-yolov5/1",
-            "variant": model.variant,
-            "num_classes": model.num_classes,
-            "anchors_px": model.anchors_px.tolist(),
+            "format": CHECKPOINT_FORMAT,
+            "family": m.family,
+            "variant": m.variant,
+            "num_classes": m.num_classes,
+            "anchors_px": m.anchors_px.tolist() if isinstance(m, YOLOv5) else None,
             "image_size": image_size,
             "class_names": list(class_names),
             "state_dict": model.state_dict(),
@@ -325,10 +326,14 @@ def save_checkpoint(
 
 @dataclass(frozen=True)
 class Checkpoint:
-    model: YOLOv5
+    model: nn.Module
     image_size: int
     class_names: list[str]
     extra: dict[str, Any]
+
+    @property
+    def family(self) -> str:
+        return str(getattr(self.model, "family", "yolov5"))
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -338,9 +343,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
         ValueError: the file is not a prep checkpoint.
     """
     data = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(data, dict) or data.get("format") != "dlad-prep-yolov5/1":
-        raise ValueError(f"{path} is not a prep YOLOv5 checkpoint")
-    model = YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"])
+    formats = (CHECKPOINT_FORMAT, "dlad-prep-yolov5/1")
+    if not isinstance(data, dict) or data.get("format") not in formats:
+        raise ValueError(f"{path} is not a prep checkpoint")
+    family = data.get("family", "yolov5")
+    model: nn.Module
+    if family == "yolov5":
+        model = YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"])
+    else:
+        model = prep_family(family).build(data["variant"], data["num_classes"])
     model.load_state_dict(data["state_dict"])
     return Checkpoint(
         model.eval(), int(data["image_size"]), list(data["class_names"]), dict(data["extra"])

@@ -17,14 +17,29 @@ one2one
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-__all__ = ["PREP_FAMILIES", "Imported", "PrepFamily", "import_checkpoint", "prep_family"]
+__all__ = [
+    "PREP_FAMILIES", "Criterion", "Imported", "PrepFamily", "import_checkpoint", "prep_family",
+]  # fmt: skip
+
+
+class Criterion(Protocol):
+    """A family's training loss: ``(raw heads, targets [T, 6] (image, class, cx, cy, w, h)
+    normalised)`` → the loss summed over the batch and its three parts (detached), named by
+    ``part_names``."""
+
+    part_names: tuple[str, str, str]
+
+    def __call__(
+        self, heads: Sequence[torch.Tensor], targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -35,18 +50,27 @@ class PrepFamily:
         name: the family, as ``dlad.families`` and the loadables name it.
         variants: the sizes it comes in (``n``, ``s``, ...).
         build: ``(variant, num_classes)`` → a new FP32 model (random weights) whose ``forward``
-            returns the raw heads, one tensor per stride.
+            returns the raw heads, one tensor per stride, and whose ``family`` is ``name``.
+        loss: ``(model, image_size)`` → its training :class:`Criterion`.
     """
 
     name: str
     variants: tuple[str, ...]
     build: Callable[[str, int], nn.Module]
+    loss: Callable[[nn.Module, int], Criterion]
 
 
 def _yolov5(variant: str, num_classes: int) -> nn.Module:
     from prep.model import YOLOv5  # torch is imported on use
 
     return YOLOv5(variant, num_classes)
+
+
+def _yolov5_loss(model: nn.Module, image_size: int) -> Criterion:
+    from prep.loss import YoloLoss
+
+    yolov5: Any = model
+    return YoloLoss(yolov5.detect.anchors, int(yolov5.num_classes), image_size)
 
 
 def _dfl(name: str) -> Callable[[str, int], nn.Module]:
@@ -58,15 +82,23 @@ def _dfl(name: str) -> Callable[[str, int], nn.Module]:
     return build
 
 
+def _dfl_loss(model: nn.Module, image_size: int) -> Criterion:
+    from prep.families.dfl import DflLoss, RawHeads
+
+    if not isinstance(model, RawHeads):
+        raise TypeError(f"a DFL family's loss takes its RawHeads, not a {type(model).__name__}")
+    return DflLoss(model)
+
+
 _SIZES: Final = ("n", "s", "m", "l", "x")
 PREP_FAMILIES: Final[dict[str, PrepFamily]] = {
     f.name: f
     for f in (
-        PrepFamily("yolov5", _SIZES, _yolov5),
-        PrepFamily("yolov8", _SIZES, _dfl("yolov8")),
-        PrepFamily("yolo11", _SIZES, _dfl("yolo11")),
-        PrepFamily("yolo26", _SIZES, _dfl("yolo26")),
-        PrepFamily("yolo26_one2one", _SIZES, _dfl("yolo26_one2one")),
+        PrepFamily("yolov5", _SIZES, _yolov5, _yolov5_loss),
+        PrepFamily("yolov8", _SIZES, _dfl("yolov8"), _dfl_loss),
+        PrepFamily("yolo11", _SIZES, _dfl("yolo11"), _dfl_loss),
+        PrepFamily("yolo26", _SIZES, _dfl("yolo26"), _dfl_loss),
+        PrepFamily("yolo26_one2one", _SIZES, _dfl("yolo26_one2one"), _dfl_loss),
     )
 }
 """Every family prep builds, by name (the same names as ``dlad.families.FAMILIES``)."""

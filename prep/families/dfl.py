@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ from ultralytics.nn.tasks import DetectionModel, yaml_model_load  # noqa: E402  
 
 Image.open = _pil_open  # Ultralytics' patch undone
 
-__all__ = ["ImportedDetector", "RawHeads", "build_model", "import_checkpoint"]
+__all__ = ["DflLoss", "ImportedDetector", "RawHeads", "build_model", "import_checkpoint"]
 
 _DEFINITION = re.compile(r"(yolov8|yolo11|yolo26)([nslmx]?)\.yaml")
 
@@ -66,6 +68,15 @@ class RawHeads(nn.Module):
         self.stride: torch.Tensor
         detect = self.model[-1]
         self.nc, self.bins = int(detect.nc), int(detect.reg_max)
+        self.num_classes, self.variant = self.nc, str(self.yaml.get("scale", ""))
+        self.family = f"{self.yaml_family()}{'_one2one' if one2one else ''}"
+        # Ultralytics' default loss gains (its cfg/default.yaml), read by its loss
+        self.args = SimpleNamespace(box=7.5, cls=0.5, dfl=1.5)
+
+    def yaml_family(self) -> str:
+        """The family of the definition this model was built from (``yolo11``, ...)."""
+        found = _DEFINITION.fullmatch(Path(str(self.yaml.get("yaml_file", ""))).name)
+        return found[1] if found else "unknown"
 
     @property
     def detect(self) -> Any:
@@ -154,3 +165,31 @@ def import_checkpoint(path: str | os.PathLike[str]) -> ImportedDetector:
     model.load_state_dict(conform_state(raw, reference, f"{family}{variant}"), strict=True)
     names = checkpoint_names(module, nc) or [str(i) for i in range(nc)]
     return ImportedDetector(model.eval(), family, variant, tuple(names), source)
+
+
+class DflLoss:
+    """Ultralytics' own detection loss (``v8DetectionLoss``: task-aligned assignment, CIoU and
+    DFL box loss, BCE classes, its default gains) on the raw heads of a :class:`RawHeads`, with
+    prep's targets ``[T, 6]`` (image, class, cx, cy, w, h normalised). A YOLO26 model trains
+    the head it serves (one-to-many, or one-to-one for ``yolo26_one2one``)."""
+
+    def __init__(self, model: RawHeads) -> None:
+        from ultralytics.utils.loss import v8DetectionLoss
+
+        self.bins, self.nc = model.bins, model.nc
+        # box (CIoU), classes (BCE), then DFL, or L1 on the distances without bins (YOLO26)
+        self.part_names = ("box", "cls", "dfl" if model.bins > 1 else "l1")
+        self._loss: Any = v8DetectionLoss(model)
+
+    def __call__(
+        self, heads: Sequence[torch.Tensor], targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, split = heads[0].shape[0], 4 * self.bins
+        preds: dict[str, Any] = {
+            "boxes": torch.cat([h[:, :split].reshape(n, split, -1) for h in heads], 2),
+            "scores": torch.cat([h[:, split:].reshape(n, self.nc, -1) for h in heads], 2),
+            "feats": list(heads),
+        }
+        batch = {"batch_idx": targets[:, 0], "cls": targets[:, 1:2], "bboxes": targets[:, 2:6]}
+        loss, parts = self._loss(preds, batch)  # parts: {name: value}, in box, cls, dfl order
+        return loss.sum(), torch.stack([torch.as_tensor(v).detach() for v in parts.values()])

@@ -213,3 +213,11 @@ def test_importing_ultralytics_leaves_pil_as_it_was() -> None:
     import prep.families.dfl  # noqa: F401
 
     assert Image.open.__module__ == "PIL.Image"
+
+
+def test_the_settings_name_every_family_prep_has() -> None:
+    import typing
+
+    from prep.pipeline import Family
+
+    assert set(typing.get_args(Family)) == set(PREP_FAMILIES)

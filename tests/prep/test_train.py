@@ -100,3 +100,46 @@ def test_time_budget_cuts_epochs() -> None:
     result = train(YOLOv5("n", 1), images, labels, cfg)
     assert 1 <= result.epochs < 1000
     assert len(result.history) == result.epochs
+
+
+def test_a_dfl_family_trains_with_its_own_loss_and_checkpoints(tmp_path: Path) -> None:
+    """YOLO11 trains with Ultralytics' loss (box, cls, dfl) through the same loop, and its
+    checkpoint rebuilds it from the family's definition; the stages that take YOLOv5 only so
+    far say so, naming the family."""
+    from types import SimpleNamespace
+
+    from prep.families import prep_family
+    from prep.stages import _yolov5_checkpoint
+
+    images, labels = _scene(64, 64, 2)
+    torch.manual_seed(0)
+    model = prep_family("yolo11").build("n", 1)
+    cfg = TrainConfig(epochs=5, batch_size=16, lr=3e-3, device="cpu", scale=0.1, translate=0.05)
+    result = train(model, images, labels, cfg)
+    first, last = result.history[0], result.history[-1]
+    assert set(first) == {"epoch", "box", "cls", "dfl", "lr"}
+    assert last["box"] < first["box"]
+    path = tmp_path / "train" / "fp32.pt"
+    path.parent.mkdir()
+    save_checkpoint(path, result.model, image_size=64, class_names=["box"], extra={})
+    ckpt = load_checkpoint(path)
+    assert ckpt.family == "yolo11"
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        for a, b in zip(result.model(x), ckpt.model(x), strict=True):
+            torch.testing.assert_close(a, b)
+    chain = SimpleNamespace(dir=lambda stage: tmp_path / stage)
+    with pytest.raises(ValueError, match="the model is a yolo11; this stage takes the yolov5"):
+        _yolov5_checkpoint(chain, "qat")  # type: ignore[arg-type]
+
+
+def test_checkpoints_of_earlier_runs_still_load(tmp_path: Path) -> None:
+    model = YOLOv5("n", 2)
+    legacy = {
+        "format": "dlad-prep-yolov5/1", "variant": "n", "num_classes": 2,
+        "anchors_px": model.anchors_px.tolist(), "image_size": 64, "class_names": ["a", "b"],
+        "state_dict": model.state_dict(), "extra": {},
+    }  # fmt: skip
+    torch.save(legacy, tmp_path / "old.pt")
+    ckpt = load_checkpoint(tmp_path / "old.pt")
+    assert (ckpt.family, ckpt.class_names) == ("yolov5", ["a", "b"])
