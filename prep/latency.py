@@ -325,7 +325,7 @@ def estimate_plan(
             )
         )
     total = math.fsum(layer.time_us for layer in layers)
-    return LatencyEstimate(total_us=total, layers=layers, batch=batch, params=params)
+    return LatencyEstimate(total_us=total, layers=layers, batch=n, params=params)
 
 
 def estimate(

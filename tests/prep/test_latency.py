@@ -438,3 +438,17 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
         run_cli(["--onnx", str(model), "--heads", "int4"])
     assert info.value.code == 2
+
+
+def test_a_graph_of_two_images_is_a_task_of_two(tmp_path: Path) -> None:
+    """The graph's own batch counts: ``--batch 3`` of a batch-2 graph is a task of 6 images."""
+    w = np.ones((8, 8, 1, 1), np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv")]
+    model = make_graph(nodes, {"w": w}, (2, 8, 16, 16))
+    assert estimate(model).batch == 2
+    assert estimate(model, batch=3).batch == 6
+    path = tmp_path / "two.onnx"
+    onnx.save(model, str(path))
+    code, out = run_cli(["--onnx", str(path), "--batch", "3"])
+    assert code == 0
+    assert "for batch 6 on one DLA" in out
