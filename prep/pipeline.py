@@ -33,6 +33,7 @@ from typing import Any
 import tomllib
 
 from prep.data.synth import SynthConfig
+from prep.families import PREP_FAMILIES
 from prep.manifest import StageRecord, read_metrics
 from prep.qat import QATConfig
 from prep.train import TrainConfig
@@ -63,13 +64,9 @@ class DataConfig:
     """Generator knobs (``[data.synth]`` in a preset); see docs/data.md."""
 
 
-Family = typing.Literal["yolov5", "yolov8", "yolo11", "yolo26", "yolo26_one2one"]
-"""``model.family``: the names of ``prep.families.PREP_FAMILIES`` (a test keeps them equal)."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    family: Family = "yolov5"  # the model family (prep.families)
+    family: str = "yolov5"  # the model family: a name of prep.families.PREP_FAMILIES
     variant: str = "n"
     image_size: int = 320
     weights: str | None = None  # an Ultralytics checkpoint or state dict to start from
@@ -174,7 +171,8 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     """Read a TOML preset (or the defaults) and apply ``{"section.key": value}`` overrides.
 
     Raises:
-        ConfigError: unknown key, wrong type, or a file that is not TOML.
+        ConfigError: unknown key, wrong type, an unknown model family, or a file that is not
+            TOML.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -187,7 +185,11 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         if not key:
             raise ConfigError(f"override {dotted!r} must be section.key")
         data.setdefault(section, {})[key] = value
-    return typing.cast("ChainConfig", _convert(ChainConfig, data, str(path or "defaults")))
+    cfg = typing.cast("ChainConfig", _convert(ChainConfig, data, str(path or "defaults")))
+    if cfg.model.family not in PREP_FAMILIES:
+        raise ConfigError(f"{path or 'defaults'}: model.family {cfg.model.family!r} is not one "
+                          f"of {list(PREP_FAMILIES)}")  # fmt: skip
+    return cfg
 
 
 def resolve_preset(name_or_path: str) -> Path:

@@ -215,9 +215,10 @@ def test_importing_ultralytics_leaves_pil_as_it_was() -> None:
     assert Image.open.__module__ == "PIL.Image"
 
 
-def test_the_settings_name_every_family_prep_has() -> None:
-    import typing
+def test_the_settings_take_every_family_prep_has_and_no_other() -> None:
+    from prep.pipeline import ConfigError, load_config
 
-    from prep.pipeline import Family
-
-    assert set(typing.get_args(Family)) == set(PREP_FAMILIES)
+    for name in PREP_FAMILIES:
+        assert load_config(None, {"model.family": name}).model.family == name
+    with pytest.raises(ConfigError, match=r"model\.family 'yolov9' is not one of"):
+        load_config(None, {"model.family": "yolov9"})
