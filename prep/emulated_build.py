@@ -41,13 +41,16 @@ LAST_C3_NODES = ("/model.23/cv3/conv/Conv", "/model.23/cv3/act/Sigmoid", "/model
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the detector is, beyond its graph (from the training checkpoint)."""
+    """What the detector is, beyond its graph (from the training checkpoint): ``family`` names
+    its heads and post-processing (``dlad.families``; ``anchors_px`` empty for an anchor-free
+    one)."""
 
     num_classes: int
     class_names: tuple[str, ...]
     anchors_px: tuple[tuple[tuple[float, float], ...], ...]
     strides: tuple[int, ...]
     image_size: int
+    family: str = "yolov5"
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def build_loadable(
         )
     by_op: dict[str, Any] = {op: round(row["time_us"], 3) for op, row in latency.by_op().items()}
     loadable = Loadable(
-        name=f"yolov5-{variant.name}",
+        name=f"{info.family}-{variant.name}",
         dla_core=core,
         inputs=inputs,
         outputs=tuple(outputs),
@@ -126,7 +129,7 @@ def build_loadable(
         latency_us=float(latency.total_us),
         sections={"graph": graph.to_bytes()},
         fp16_nodes=tuple(fp16),
-        family="yolov5",  # dlad.families: the model family's heads and post-processing
+        family=info.family,
         latency_layers={"by_op_us": by_op, "layers": len(latency.layers)},
         provenance=provenance or {},
     )

@@ -222,3 +222,78 @@ def test_the_settings_take_every_family_prep_has_and_no_other() -> None:
         assert load_config(None, {"model.family": name}).model.family == name
     with pytest.raises(ConfigError, match=r"model\.family 'yolov9' is not one of"):
         load_config(None, {"model.family": "yolov9"})
+
+
+def test_a_yolo11_loadable_is_built_and_served_by_the_emulated_dla(tmp_path: Any) -> None:
+    """The seam end to end: a YOLO11 graph (attention in DLA layers, every layer FP16) built
+    into an emulated loadable of the family, served by the daemon's emulated core, post-processed
+    as the family does; STATUS names its family and classes."""
+    import warnings
+
+    import onnx
+    import zmq
+
+    from dlad import protocol
+    from dlad.config import load_config
+    from dlad.daemon import Daemon
+    from dlad.devices.int8_engine import engine_for_loadable
+    from dlad.imaging.post import unpack_head
+    from dlad.imaging.pre import letterbox, quantize_hwc4
+    from dlad.loadable import write_loadable
+    from prep.emulated_build import ModelInfo, Variant, build_loadable
+    from prep.export import export_onnx
+    from prep.families.dla_attention import dla_legal
+    from prep.onnx_static import static_model
+    from tests.dlad.serving import serve_in_thread
+
+    torch.manual_seed(4)
+    raw = prep_family("yolo11").build("n", 2)
+    with torch.no_grad():  # scores that pass (an untrained head scores nothing above 0.01)
+        for branch in raw.detect.cv3:
+            branch[-1].weight.normal_(0.0, 0.05)
+            branch[-1].bias.fill_(-0.5)
+    model = dla_legal(raw).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_onnx(model, tmp_path / "y11.onnx", 64)
+    ptq = static_model(onnx.load(str(tmp_path / "y11.onnx")))
+    info = ModelInfo(2, ("cat", "dog"), (), (8, 16, 32), 64, family="yolo11")
+    every = [n.name for n in ptq.graph.node]
+    loadable, _ = build_loadable(ptq, {"images": 1 / 127}, every, info, core=0,
+                                 variant=Variant("fp16", "fp16"))  # fmt: skip
+    assert (loadable.family, loadable.anchors_px, loadable.latency_us > 0) == ("yolo11", (), True)
+    path = write_loadable(tmp_path / "y11.dla0.emu", loadable)
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(
+        '[frontend]\nendpoints = ["tcp://127.0.0.1:5555"]\n'
+        '[devices.dla0]\nkind = "dla"\ncore = 0\nmode = "numeric"\n'
+        f'[models.y11]\ndevices = ["dla0"]\n[models.y11.loadables]\ncore0 = "{path}"\n'
+    )
+    rgb = np.random.default_rng(0).integers(0, 256, (48, 80, 3), np.uint8)
+    canvas, geometry = letterbox(rgb, 64)
+    engine = engine_for_loadable(loadable)
+    buffers = engine.run(quantize_hwc4(canvas, loadable.input_scale))
+    heads = [unpack_head(b, s.channels, s.height, s.width, None)
+             for s, b in zip(engine.outputs, buffers, strict=True)]  # fmt: skip
+    expected = yolov8.postprocess(heads, (8, 16, 32), 2, geometry, conf_threshold=0.2,
+                                  iou_threshold=0.5, max_det=20)  # fmt: skip
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    ctx = zmq.Context()
+    with serve_in_thread(daemon) as endpoint, ctx.socket(zmq.DEALER) as sock:
+        sock.linger = 0
+        sock.connect(endpoint)
+        request = protocol.InferRequest(1, "y11", rgb, conf=0.2, iou=0.5, max_det=20)
+        sock.send_multipart(protocol.encode(request))
+        assert sock.poll(60_000)
+        reply = protocol.decode_reply(sock.recv_multipart())
+        sock.send_multipart(protocol.encode(protocol.StatusRequest(2)))
+        assert sock.poll(60_000)
+        status = protocol.decode_reply(sock.recv_multipart())
+    ctx.term()
+    assert isinstance(reply, protocol.InferReply)
+    assert len(expected) > 0
+    np.testing.assert_array_equal(reply.detections, expected)
+    assert isinstance(status, protocol.StatusReply)
+    assert status.report is not None
+    (m,) = status.report["models"]
+    assert (m["family"], m["class_names"]) == ("yolo11", ["cat", "dog"])
