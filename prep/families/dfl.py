@@ -171,7 +171,9 @@ class DflLoss:
     """Ultralytics' own detection loss (``v8DetectionLoss``: task-aligned assignment, CIoU and
     DFL box loss, BCE classes, its default gains) on the raw heads of a :class:`RawHeads`, with
     prep's targets ``[T, 6]`` (image, class, cx, cy, w, h normalised). A YOLO26 model trains
-    the head it serves (one-to-many, or one-to-one for ``yolo26_one2one``)."""
+    the head it serves: the one-to-many head with the top 10 anchors of a target, the one-to-one
+    head (``yolo26_one2one``) with one anchor a target (the top 7, then 1: ``E2ELoss``'s
+    assignment for it), which is what makes its detections NMS-free."""
 
     def __init__(self, model: RawHeads) -> None:
         from ultralytics.utils.loss import v8DetectionLoss
@@ -179,7 +181,8 @@ class DflLoss:
         self.bins, self.nc = model.bins, model.nc
         # box (CIoU), classes (BCE), then DFL, or L1 on the distances without bins (YOLO26)
         self.part_names = ("box", "cls", "dfl" if model.bins > 1 else "l1")
-        self._loss: Any = v8DetectionLoss(model)
+        topk = {"tal_topk": 7, "tal_topk2": 1} if model.one2one else {"tal_topk": 10}
+        self._loss: Any = v8DetectionLoss(model, **topk)
 
     def __call__(
         self, heads: Sequence[torch.Tensor], targets: torch.Tensor

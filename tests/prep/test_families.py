@@ -297,3 +297,12 @@ def test_a_yolo11_loadable_is_built_and_served_by_the_emulated_dla(tmp_path: Any
     assert status.report is not None
     (m,) = status.report["models"]
     assert (m["family"], m["class_names"]) == ("yolo11", ["cat", "dog"])
+
+
+def test_the_one_to_one_head_trains_with_one_anchor_a_target() -> None:
+    from prep.families.dfl import DflLoss, build_model
+
+    many = DflLoss(build_model("yolo26", "n", 2))
+    one = DflLoss(build_model("yolo26_one2one", "n", 2))
+    assert (many._loss.assigner.topk, one._loss.assigner.topk) == (10, 7)
+    assert one._loss.assigner.topk2 == 1
