@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dlad",
-        description="Serve YOLOv5 detection on a Jetson Orin's DLA cores and GPU "
-        "(or an emulated Orin) over ZeroMQ.",
+        description="Serve YOLO detection (YOLOv5, YOLOv8, YOLO11, YOLO26) on a Jetson Orin's "
+        "DLA cores and GPU (or an emulated Orin) over ZeroMQ.",
     )
     p.add_argument("--version", action="version", version=f"dlad {dlad.__version__}")
     p.add_argument("--config", default="etc/dlad.toml", help="configuration file (TOML)")
