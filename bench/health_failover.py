@@ -1,13 +1,13 @@
 """Engine health under injected faults (docs/reliability.md "Quarantine and failover"), in one run.
 
-    git worktree add /tmp/before <commit before issue 13>    # the baseline's code
+    git worktree add /tmp/before <a commit before [health]>    # the baseline's code
     python bench/health_failover.py --before /tmp/before [--out runs/health] [--rate-fraction 0.6]
 
 Two emulated DLA cores in timing mode (3.82 ms a frame, pre/post off), one model on both; dla0
 faulty, dla1 sound. For each fault, the same Poisson load (``--rate-fraction`` of the pair's
 capacity, deadline 100 ms) through ``dlad-bench`` against three daemons:
 
-- **before**: the code of ``--before`` (a checkout from before issue 13, without ``[health]``):
+- **before**: the code of ``--before`` (a checkout from before ``[health]``):
   placement that learns nothing from failures, and each failure is the answer;
 - **retry only**: this code, ``[health] quarantine_after = 0`` (failure-weighted placement and
   one retry on the other core, never a quarantine);

@@ -1,7 +1,7 @@
 """The daemon's memory under large frames from many connections (docs/reliability.md "Bounded
-memory"), against the code before issue 13 and this code, in one run.
+memory"), against the code before the frame budget and this code, in one run.
 
-    git worktree add /tmp/before <commit before issue 13>    # the baseline's code
+    git worktree add /tmp/before <a commit before the frame budget>    # the baseline's code
     python bench/memory_bound.py --before /tmp/before [--connections 40]
 
 The daemon: two emulated DLA cores in timing mode at 0.2 s a frame (what is admitted stays).

@@ -1,6 +1,6 @@
 """Requests lost while the daemon shuts down (docs/reliability.md "Shutdown"), in one run.
 
-    git worktree add /tmp/before <commit before issue 13>    # the baseline's code
+    git worktree add /tmp/before <a commit before the drain>    # the baseline's code
     python bench/shutdown_window.py --before /tmp/before [--rate 2000] [--runs 5]
 
 For the code of ``--before`` and this code, ``--runs`` times: a daemon (two emulated DLA cores in

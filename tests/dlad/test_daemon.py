@@ -174,8 +174,8 @@ def test_deadline_expiry_and_cancel(tmp_path: Path) -> None:
     assert len(expired) >= 4  # those queued behind 1 s tasks with a 20 ms budget
     assert by[("CancelReply", 102)].status == Status.OK
     assert by[("InferReply", 102)].status == Status.CANCELLED
-    # Expired while queued: it never ran, so no device is named (the issue 13 review found
-    # replies naming the device whose queue it waited in).
+    # Expired while queued: it never ran, so no device is named (replies once named the
+    # device whose queue it waited in).
     assert all(r.device is None for r in expired if r.timing.start_ns is None)
 
 
