@@ -1,10 +1,11 @@
 """``prep import``: a user's Ultralytics checkpoint as the FP32 raw-head ONNX the DLA would run.
 
-    prep import --checkpoint yolo11n.pt --out imported/ [--image-size 640]
+    prep import --checkpoint yolo11n.pt --out imported/ [--image-size 640] [--nms-free]
 
 Any family prep has: YOLOv5 v7.0, YOLOv8, YOLO11, YOLO26 (``prep.families.import_checkpoint``;
 nothing in the file runs). Writes ``fp32.onnx`` (input ``images`` ``[1, 3, S, S]``, the raw
-heads ``s8 s16 s32``; YOLO11's and YOLO26's attention in DLA layers,
+heads ``s8 s16 s32``: with ``--nms-free``, a YOLO26's one-to-one head, the family
+``yolo26_one2one``; YOLO11's and YOLO26's attention in DLA layers,
 ``prep.families.dla_attention``) and ``model.json`` (family, size, class names, image size), then
 says which of its layers the DLA runs (``prep check-dla``).
 
@@ -32,6 +33,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, required=True, help="the Ultralytics .pt file")
     p.add_argument("--out", type=Path, required=True, help="directory to write into")
     p.add_argument("--image-size", type=int, default=640, help="square input size (default 640)")
+    p.add_argument(
+        "--nms-free", action="store_true",
+        help="a YOLO26: its one-to-one head (top-k, no NMS) instead of the one-to-many one",
+    )  # fmt: skip
     return p
 
 
@@ -50,9 +55,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         if not args.checkpoint.is_file():
             raise CheckpointError(f"no such file: {args.checkpoint}")
-        imported = import_checkpoint(args.checkpoint)
+        imported = import_checkpoint(args.checkpoint, one2one=args.nms_free)
         model = imported.model
-        if imported.family in ("yolo11", "yolo26"):
+        if imported.family.startswith(("yolo11", "yolo26")):
             from prep.families.dla_attention import dla_legal
 
             model = dla_legal(model).eval()
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         "checkpoint": str(args.checkpoint),
     }
     (args.out / "model.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"{args.checkpoint}: {imported.family}{imported.variant}, "
+    print(f"{args.checkpoint}: {imported.family} ({imported.variant}), "
           f"{len(imported.class_names)} classes -> {onnx_path}", file=out)  # fmt: skip
     print_report(result, out)
     return 0 if result.all_on_dla else 1

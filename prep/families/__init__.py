@@ -123,12 +123,14 @@ class Imported:
     class_names: tuple[str, ...]
 
 
-def import_checkpoint(path: str | os.PathLike[str]) -> Imported:
+def import_checkpoint(path: str | os.PathLike[str], *, one2one: bool = False) -> Imported:
     """Import an Ultralytics checkpoint of any family prep has: YOLOv8, YOLO11 and YOLO26 by
     the definition it carries (``prep.families.dfl.import_checkpoint``), YOLOv5 v7.0 (and bare
-    YOLOv5 state dicts) by its layers (``prep.ultralytics``). Nothing in the file runs. Raises
-    ``prep.ultralytics.CheckpointError`` naming what does not fit."""
+    YOLOv5 state dicts) by its layers (``prep.ultralytics``). Nothing in the file runs.
+    ``one2one``: a YOLO26's NMS-free head. Raises ``prep.ultralytics.CheckpointError`` naming
+    what does not fit."""
     from prep.ultralytics import (  # torch is imported on use
+        CheckpointError,
         load_into_model,
         load_ultralytics_state_dict,
         read_checkpoint,
@@ -140,8 +142,10 @@ def import_checkpoint(path: str | os.PathLike[str]) -> Imported:
     if os.path.basename(definition).startswith(("yolov8", "yolo11", "yolo26")):
         from prep.families import dfl  # needs ultralytics
 
-        d = dfl.import_checkpoint(path)
+        d = dfl.import_checkpoint(path, one2one=one2one)
         return Imported(d.model, d.family, d.variant, d.class_names)
+    if one2one:
+        raise CheckpointError(f"{path}: a YOLOv5 has no one-to-one (NMS-free) head")
     ckpt = load_ultralytics_state_dict(path)
     names = ckpt.names or [str(i) for i in range(ckpt.num_classes)]
     return Imported(load_into_model(ckpt), "yolov5", ckpt.variant, tuple(names))

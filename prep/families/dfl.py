@@ -127,14 +127,15 @@ class ImportedDetector:
     source: str
 
 
-def import_checkpoint(path: str | os.PathLike[str]) -> ImportedDetector:
+def import_checkpoint(path: str | os.PathLike[str], *, one2one: bool = False) -> ImportedDetector:
     """Import an Ultralytics YOLOv8 / YOLO11 / YOLO26 detector checkpoint exactly: the weights
     load, key for key and shape for shape, into the model of the package's own definition, and
-    nothing in the file runs (``prep.ultralytics.read_checkpoint``).
+    nothing in the file runs (``prep.ultralytics.read_checkpoint``). ``one2one``: a YOLO26's
+    NMS-free head (family ``yolo26_one2one``) instead of its one-to-many head.
 
     Raises CheckpointError: unreadable; a bare state dict (it does not say which model it is);
-    not a P3-P5 detector of these families; an architecture other than the package's YAML; keys
-    or shapes that differ (listed)."""
+    not a P3-P5 detector of these families; ``one2one`` for a model without that head; an
+    architecture other than the package's YAML; keys or shapes that differ (listed)."""
     from prep.ultralytics import CheckpointError, checkpoint_names, conform_state, read_checkpoint
 
     raw, source, module = read_checkpoint(path)
@@ -160,6 +161,9 @@ def import_checkpoint(path: str | os.PathLike[str]) -> ImportedDetector:
             f"{path}: its layers differ from ultralytics' {family}.yaml (a modified "
             "architecture is not imported)"
         )
+    if one2one and family != "yolo26":
+        raise CheckpointError(f"{path}: a {family} has no one-to-one (NMS-free) head")
+    family = f"{family}_one2one" if one2one else family
     model = build_model(family, variant, nc)
     reference = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     model.load_state_dict(conform_state(raw, reference, f"{family}{variant}"), strict=True)

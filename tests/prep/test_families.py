@@ -306,3 +306,23 @@ def test_the_one_to_one_head_trains_with_one_anchor_a_target() -> None:
     one = DflLoss(build_model("yolo26_one2one", "n", 2))
     assert (many._loss.assigner.topk, one._loss.assigner.topk) == (10, 7)
     assert one._loss.assigner.topk2 == 1
+
+
+def test_a_yolo26_checkpoint_imports_with_its_nms_free_head(tmp_path: Any) -> None:
+    from prep.families import import_checkpoint
+    from prep.ultralytics import CheckpointError
+
+    path = tmp_path / "y26.pt"
+    theirs = _ultralytics_checkpoint(path, "yolo26", 3, seed=8)
+    imported = import_checkpoint(path, one2one=True)
+    assert imported.family == "yolo26_one2one"
+    x = torch.rand(1, 3, 96, 96)
+    with torch.no_grad():
+        heads = imported.model(x)
+        raw = theirs(x)[1]["one2one"]
+    flat = torch.cat([h.flatten(2) for h in heads], 2)
+    assert torch.equal(flat[:, :4], raw["boxes"])
+    assert torch.equal(flat[:, 4:], raw["scores"])
+    _ultralytics_checkpoint(tmp_path / "y11.pt", "yolo11", 3, seed=9)
+    with pytest.raises(CheckpointError, match="a yolo11 has no one-to-one"):
+        import_checkpoint(tmp_path / "y11.pt", one2one=True)
