@@ -54,6 +54,7 @@ __all__ = [
     "HeadSpec",
     "PostResult",
     "engine_heads",
+    "most_candidates",
 ]
 
 MAX_LEVELS = 4
@@ -199,6 +200,14 @@ class PostResult:
     found: int
     overflow: bool
     entered_nms: int
+
+
+def most_candidates(program: PostProgram, heads: Sequence[HeadSpec]) -> int:
+    """The most candidates a frame's decode can give with ``multi_label`` off (as the daemon
+    runs): one per anchor cell, or one per class of every cell for a one-to-one head
+    (``program.end2end``), which takes every class."""
+    cells = sum(program.per_cell * h.h * h.w for h in heads)
+    return cells * program.nc if program.end2end else cells
 
 
 class GpuPipeline:
@@ -639,10 +648,9 @@ class GpuPipeline:
 
     @property
     def candidate_capacity_holds(self) -> bool:
-        """Whether no frame can overflow the candidate store: every anchor cell gives one
-        candidate at most (``multi_label`` off, as the daemon runs), and there are no more cells
-        than :attr:`cand_capacity`."""
-        return self._cells <= self.cand_capacity
+        """Whether no frame can overflow the candidate store (:func:`most_candidates` of the
+        pipeline's program and heads fit :attr:`cand_capacity`)."""
+        return most_candidates(self.program, self.heads) <= self.cand_capacity
 
     def synchronize(self, spin_us: float = 0.0) -> list[PostResult]:
         """Block the calling thread until the queued frame is done; the results of each image.

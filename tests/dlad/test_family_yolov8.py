@@ -151,3 +151,14 @@ def test_the_one_to_one_head_keeps_the_best_without_nms() -> None:
     program = post_program(_loadable(family="yolo26_one2one", outputs=tuple(
         chw_vectorized(f"s{s}", 6, 64 // s, 64 // s, vec=16) for s in STRIDES)))  # fmt: skip
     assert (program.bins, program.end2end) == (1, True)
+
+
+def test_the_candidate_store_is_sized_for_a_one_to_one_head() -> None:
+    """The daemon serves a model on the plane only where no frame can overflow the GPU's
+    candidate store: a one-to-one head makes a candidate of every class of every cell."""
+    from dlad.gpu.prepost import HeadSpec, most_candidates
+
+    heads = [HeadSpec(84, 640 // s, 640 // s, s) for s in STRIDES]
+    cells = sum((640 // s) ** 2 for s in STRIDES)
+    assert most_candidates(yolov8.program(84, 80), heads) == cells
+    assert most_candidates(yolov8.program(84, 80, end2end=True), heads) == cells * 80
