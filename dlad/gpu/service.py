@@ -243,7 +243,7 @@ class GpuService:
                 slot = self.slot(loadable, inputs, outputs, max_det=MAX_DET)
             if not slot.pipeline.candidate_capacity_holds:
                 raise ValueError(
-                    f"the model has more anchor cells than the GPU's candidate store holds "
+                    f"a frame of the model can give more candidates than the GPU's store holds "
                     f"({slot.pipeline.cand_capacity}): pre/post-process it on the CPU "
                     f'([pre_post] backend = "cpu")'
                 )
@@ -317,7 +317,7 @@ class GpuService:
                     self._pipelines.append(pipeline)
                 if not pipeline.candidate_capacity_holds:
                     raise ValueError(
-                        f"the model has more anchor cells than the GPU's candidate store holds "
+                        f"a frame of the model can give more candidates than the GPU's store holds "
                         f"({pipeline.cand_capacity}): pre/post-process it on the CPU "
                         f'([pre_post] backend = "cpu")'
                     )
