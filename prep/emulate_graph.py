@@ -42,6 +42,17 @@ onnxruntime's uint8 x int8 kernels saturate on x86 CPUs without VNNI (``vpmaddub
 of products in int16), so the engine re-encodes them as uint8 at zero point 128 on such hosts,
 which is exact everywhere (``dlad/devices/int8_layout.py``; the integers are the same either way).
 
+**The same placement, written for TensorRT** (``target="tensorrt"``; ``prep.explicit_qdq``): the
+graph above is what a TensorRT >= 11 explicit-quantization build is given, with three changes of
+form and none of placement. INT8 tensors are int8 at zero point 0 (``activation_dtype="int8"``);
+an FP16 node's tensors are really FP16 (its activation inputs ``Cast`` to FLOAT16, its float
+constants stored as float16, its outputs float16, strongly typed), and an INT8 reader of an FP16
+tensor gets ``Cast`` to FLOAT before its ``QuantizeLinear``; an INT8 Conv's bias stays the float
+bias (TensorRT quantises it to int32 with ``s_in * s_w`` itself). ``input_dtype="float16"`` (the
+GPU engine) takes an FP16 input and quantises it with the input's scale first. Every rule of
+which tensor is INT8, which node is FP16 and which scale applies is the one above, in this
+module, for both targets.
+
 No onnxruntime is needed to build a graph; :func:`optimized_op_counts` uses it to show which
 kernels a graph actually runs on.
 """
@@ -73,6 +84,10 @@ __all__ = [
 
 HeadPrecision = Literal["int8", "fp16"]
 ActivationDType = Literal["uint8", "int8"]
+GraphTarget = Literal["emulated", "tensorrt"]
+InputDType = Literal["int8", "float16"]
+QuantizedWeights = Mapping[str, tuple[np.ndarray, np.ndarray]]
+"""Conv node name -> (int8 weights, per-output-channel float32 scales)."""
 
 MIN_OPSET = 13  # per-channel DequantizeLinear (axis) needs opset 13
 _WEIGHTED_OPS = frozenset({"ConvTranspose", "Gemm", "MatMul"})
@@ -148,6 +163,7 @@ class _Tensor:
     producer: str | None  # None: the graph input
     int8: bool  # stored as INT8 (else FP16)
     raw: str  # the producer's float output in the new graph
+    half: bool = False  # raw is typed FLOAT16 (an FP16 node's output, target "tensorrt")
     views: dict[str, str] = field(default_factory=dict)  # memoised "int8"/"fp16" readers
 
 
@@ -157,11 +173,13 @@ class _Builder:
         model: onnx.ModelProto,
         scales: Mapping[str, float],
         activation_dtype: ActivationDType,
+        target: GraphTarget = "emulated",
     ) -> None:
         from onnx import TensorProto
 
         self.model = model
         self.scales = scales
+        self.trt = target == "tensorrt"
         self.nodes: list[Any] = []
         self.initializers: list[Any] = []
         self.taken: set[str] = set()
@@ -220,27 +238,41 @@ class _Builder:
     def int8_read(self, t: _Tensor, reader: str) -> str:
         """A float tensor holding ``q * s``: what an INT8 node reads for ``t``."""
         if "int8" not in t.views:
-            if t.producer is None:
-                q = t.raw  # the graph input already holds the quantised bytes
-            elif t.int8:
-                q = self.quantize(t, t.raw, reader)
-            else:
-                q = self.quantize(t, self.fp16_read(t, reader), reader)
+            q = t.raw if t.producer is None else self.quantize(t, self.q_source(t, reader), reader)
             out = self.fresh(f"{t.name}/dq")
             self.add("DequantizeLinear", [q, self.scale(t, reader), self.zero_point], out)
             t.views["int8"] = out
             t.views["q"] = q
         return t.views["int8"]
 
+    def q_source(self, t: _Tensor, reader: str) -> str:
+        """The float32 tensor a ``QuantizeLinear`` of ``t`` reads (the graph input excepted)."""
+        from onnx import TensorProto
+
+        if t.int8:
+            return t.raw
+        if not t.half:
+            return self.fp16_read(t, reader)
+        if "fp32" not in t.views:  # an FP16 tensor read in INT8: Cast, then the fp32 scale
+            out = self.fresh(f"{t.name}/fp32")
+            t.views["fp32"] = self.add("Cast", [t.raw], out, to=TensorProto.FLOAT)
+        return t.views["fp32"]
+
     def fp16_read(self, t: _Tensor, reader: str) -> str:
-        """A float tensor holding fp16-representable values: what an FP16 node reads for ``t``."""
+        """What an FP16 node reads for ``t``: fp16-representable values, carried as float32
+        (target ``"emulated"``) or as a FLOAT16 tensor (``"tensorrt"``)."""
         from onnx import TensorProto
 
         if "fp16" not in t.views:
+            if t.half:
+                t.views["fp16"] = t.views["half"] = t.raw
+                return t.raw
             src = self.int8_read(t, reader) if t.int8 else t.raw
             half = self.add("Cast", [src], self.fresh(f"{t.name}/fp16"), to=TensorProto.FLOAT16)
-            t.views["fp16"] = self.add(
-                "Cast", [half], self.fresh(f"{t.name}/fp32"), to=TensorProto.FLOAT
+            t.views["fp16"] = (
+                half
+                if self.trt
+                else self.add("Cast", [half], self.fresh(f"{t.name}/fp32"), to=TensorProto.FLOAT)
             )
             t.views["half"] = half
         return t.views["fp16"]
@@ -254,9 +286,12 @@ def build_int8_graph(
     *,
     heads: HeadPrecision,
     head_nodes: Sequence[str] | None = None,
-    activation_dtype: ActivationDType = "uint8",
+    activation_dtype: ActivationDType | None = None,
+    target: GraphTarget = "emulated",
+    input_dtype: InputDType = "int8",
+    quantized_weights: QuantizedWeights | None = None,
 ) -> EngineGraph:
-    """Build the emulated core's graph (semantics in the module docstring).
+    """Build the emulated core's graph, or its TensorRT form (semantics in the module docstring).
 
     Args:
         ptq: the translator's Q/DQ-free model (``ModelProto``, left unmodified, or a path);
@@ -268,12 +303,20 @@ def build_int8_graph(
             nodes in FP16, float16 outputs (``CHW16``).
         head_nodes: the nodes producing the heads (default: the producers of the graph outputs);
             they run in FP16 when ``heads="fp16"``.
-        activation_dtype: ``"uint8"`` (zero point 128, the fast path) or ``"int8"`` (zero point
-            0, TensorRT's layout, slow on onnxruntime's CPU kernels; for comparison).
+        activation_dtype: ``"uint8"`` (zero point 128, the fast path; the default for
+            ``"emulated"``) or ``"int8"`` (zero point 0, TensorRT's layout, slow on onnxruntime's
+            CPU kernels; for comparison, and the only one ``"tensorrt"`` takes).
+        target: ``"emulated"`` (the emulated core's graph) or ``"tensorrt"`` (the strongly typed
+            explicit-quantization form of the same placement, ``prep.explicit_qdq``).
+        input_dtype: ``"int8"`` (the DLA's input bytes) or, for ``"tensorrt"`` only,
+            ``"float16"`` (the GPU engine's input, quantised with the input's scale first).
+        quantized_weights: INT8 Conv node name -> (int8 weights, per-output-channel scales), used
+            instead of deriving them from the float weights (an explicit Q/DQ ONNX carries them).
 
     Raises:
         EmulationGraphError: unknown names in ``fp16_nodes`` or ``head_nodes``; a non-finite or
-            non-positive scale; no scale for the input, for an INT8 Conv's input or output, for a
+            non-positive scale; a bad ``target``, ``input_dtype`` or ``quantized_weights``
+            entry; no scale for the input, for an INT8 Conv's input or output, for a
             tensor an INT8 node reads, or for a head when ``heads="int8"``; an INT8 Conv without
             constant weights; an INT8 ConvTranspose/Gemm/MatMul (unsupported: list it in
             ``fp16_nodes``); an input or output of the wrong shape; opset < 13; a model that
@@ -285,8 +328,19 @@ def build_int8_graph(
 
     if heads not in ("int8", "fp16"):
         raise EmulationGraphError(f"heads must be 'int8' or 'fp16', got {heads!r}")
+    if target not in ("emulated", "tensorrt"):
+        raise EmulationGraphError(f"target must be 'emulated' or 'tensorrt', got {target!r}")
+    trt = target == "tensorrt"
+    if activation_dtype is None:
+        activation_dtype = "int8" if trt else "uint8"
     if activation_dtype not in ("uint8", "int8"):
         raise EmulationGraphError(f"activation_dtype must be uint8 or int8: {activation_dtype!r}")
+    if trt and activation_dtype != "int8":
+        raise EmulationGraphError("TensorRT's Q/DQ are int8 at zero point 0: activation_dtype int8")
+    if input_dtype not in ("int8", "float16") or (input_dtype == "float16" and not trt):
+        raise EmulationGraphError(
+            f"input_dtype {input_dtype!r}: int8, or float16 for the tensorrt target only"
+        )
     fp16_list = [fp16_nodes] if isinstance(fp16_nodes, str) else list(fp16_nodes)
     bad = {k: v for k, v in scales.items() if not (math.isfinite(v) and v > 0)}
     if bad:
@@ -337,10 +391,14 @@ def build_int8_graph(
             raise EmulationGraphError(f"head_nodes names no node of the model: {unknown}")
     fp16_set = set(fp16_list) | (head_set if heads == "fp16" else set())
 
-    b = _Builder(model, scales, activation_dtype)
+    b = _Builder(model, scales, activation_dtype, target)
     for o in out_names:  # a head's producer writes a renamed raw tensor; the name is the output's
         b.taken.add(o)
-    b.tensors[in_vi.name] = _Tensor(in_vi.name, None, True, in_vi.name)
+    input_t = _Tensor(in_vi.name, None, True, in_vi.name)
+    b.tensors[in_vi.name] = input_t
+    if input_dtype == "float16":  # the GPU engine's FP16 input, quantised as the DLA's input is
+        as_float = b.add("Cast", [in_vi.name], b.fresh(f"{in_vi.name}/fp32"), to=TensorProto.FLOAT)
+        input_t.raw = b.quantize(input_t, as_float, "the input")
     static: set[str] = set()
     int8_names: list[str] = []
 
@@ -360,7 +418,18 @@ def build_int8_graph(
             raise EmulationGraphError(f"{where} has no INT8 emulation here; list it in fp16_nodes")
         new_inputs: list[str] = []
         for index, x in enumerate(node.input):
-            if not x or x in static:
+            geometry = index in _GEOMETRY_INPUTS.get(node.op_type, frozenset())
+            if (
+                x
+                and x in static
+                and trt
+                and fp16
+                and not geometry
+                and elem.get(x) == TensorProto.FLOAT
+            ):
+                # a float computed from constants, read by an FP16 node: typed FLOAT16 too
+                new_inputs.append(b.add("Cast", [x], b.fresh(f"{x}/fp16"), to=TensorProto.FLOAT16))
+            elif not x or x in static:
                 new_inputs.append(x)
             elif x in consts:
                 new_inputs.append(_constant_input(b, node, index, x, consts, fp16=fp16))
@@ -370,7 +439,9 @@ def build_int8_graph(
             else:
                 new_inputs.append(b.tensors[x].raw if x in b.tensors else x)
         if node.op_type == "Conv" and not fp16:
-            new_inputs = _int8_conv_inputs(b, node, new_inputs, consts, where)
+            new_inputs = _int8_conv_inputs(
+                b, node, new_inputs, consts, where, quantized_weights=quantized_weights
+            )
         new_outputs = []
         for o in node.output:
             raw = b.fresh(f"{o}/raw") if o in out_names else o
@@ -385,7 +456,7 @@ def build_int8_graph(
                     f"{where}: its output {o!r} has no INT8 scale; give it one or list the node "
                     "in fp16_nodes"
                 )
-            b.tensors[o] = _Tensor(o, node.name, int8, raw)
+            b.tensors[o] = _Tensor(o, node.name, int8, raw, half=trt and fp16)
         if not fp16:
             int8_names.append(node.name)
         new = helper.make_node(
@@ -395,8 +466,13 @@ def build_int8_graph(
         b.nodes.append(new)
 
     outputs = _emit_outputs(b, graph.output, heads, scales)
+    if quantized_weights is not None and (
+        unused := sorted(set(quantized_weights) - set(int8_names))
+    ):
+        raise EmulationGraphError(f"quantized_weights names no INT8 Conv: {unused}")
     c, h, w = in_dims[1:]
-    new_input = helper.make_tensor_value_info(in_vi.name, b.q_type, [1, c, h, w])
+    in_type = TensorProto.FLOAT16 if input_dtype == "float16" else b.q_type
+    new_input = helper.make_tensor_value_info(in_vi.name, in_type, [1, c, h, w])
     out_vis = [
         helper.make_tensor_value_info(
             s.name,
@@ -415,7 +491,9 @@ def build_int8_graph(
     new_model = helper.make_model(new_graph, opset_imports=list(model.opset_import))
     new_model.ir_version = model.ir_version
     new_model.doc_string = (
-        f"dlad emulated DLA INT8 graph: heads={heads}, activations={activation_dtype}"
+        f"dlad explicit-quantization graph for TensorRT: heads={heads}, input={input_dtype}"
+        if trt
+        else f"dlad emulated DLA INT8 graph: heads={heads}, activations={activation_dtype}"
     )
     try:
         onnx.checker.check_model(new_model)
@@ -440,29 +518,49 @@ def _constant_input(
     value = consts[name]
     geometry = index in _GEOMETRY_INPUTS.get(node.op_type, frozenset())
     if fp16 and value.dtype.kind == "f" and not geometry:
-        rounded = value.astype(np.float16).astype(value.dtype)
-        return b.const(f"{name}/fp16", rounded)
+        half = value.astype(np.float16)  # strongly typed (tensorrt): the FP16 tensor itself
+        return b.const(f"{name}/fp16", half if b.trt else half.astype(value.dtype))
     return name
 
 
 def _int8_conv_inputs(
-    b: _Builder, node: Any, inputs: list[str], consts: dict[str, np.ndarray], where: str
+    b: _Builder,
+    node: Any,
+    inputs: list[str],
+    consts: dict[str, np.ndarray],
+    where: str,
+    *,
+    quantized_weights: QuantizedWeights | None,
 ) -> list[str]:
-    """Replace an INT8 Conv's float weight and bias by INT8 / INT32 constants behind DQ nodes."""
+    """Replace an INT8 Conv's float weight by INT8 constants behind a per-channel DQ, and (target
+    ``"emulated"``) its bias by INT32 constants behind a DQ; ``"tensorrt"`` keeps the float bias."""
     x, w_name = node.input[0], node.input[1] if len(node.input) > 1 else ""
     if w_name not in consts:
         raise EmulationGraphError(f"{where}: INT8 Conv needs constant weights")
     w = consts[w_name].astype(np.float32)
-    s_w = _weight_scales(w)
-    w_q = np.clip(
-        round_half_away_from_zero(w / s_w.reshape((-1,) + (1,) * (w.ndim - 1))), -127, 127
-    )
+    given = (quantized_weights or {}).get(node.name)
+    if given is None:
+        s_w = _weight_scales(w)
+        w_q = np.clip(
+            round_half_away_from_zero(w / s_w.reshape((-1,) + (1,) * (w.ndim - 1))), -127, 127
+        )
+    else:
+        w_q, s_w = np.asarray(given[0]), np.asarray(given[1], dtype=np.float32)
+        if w_q.shape != w.shape or s_w.shape != (w.shape[0],) or np.abs(w_q).max() > 127:
+            raise EmulationGraphError(
+                f"{where}: quantized_weights must be int8 {w.shape} in -127..127 and"
+                f" {w.shape[0]} scales; got {w_q.shape} and {s_w.shape}"
+            )
+        if not (np.isfinite(s_w).all() and (s_w > 0).all()):
+            raise EmulationGraphError(f"{where}: weight scales must be finite and positive")
     out = list(inputs)
     out[1] = _dequantized_const(b, f"{node.name}/weight", w_q.astype(np.int8), s_w)
     bias_name = node.input[2] if len(node.input) > 2 else ""
     if bias_name:
         if bias_name not in consts:
             raise EmulationGraphError(f"{where}: INT8 Conv needs a constant bias")
+        if b.trt:
+            return out  # TensorRT rounds the float bias to int32 at s_in * s_w itself
         s_in = np.float32(b.scales[x]) if x in b.scales else None
         if s_in is None:  # int8_read has already raised for a scale-less input
             raise EmulationGraphError(f"{where}: its input {x!r} has no INT8 scale")
@@ -519,10 +617,12 @@ def _emit_outputs(
             if "q" in t.views:  # also read inside the graph: one Q keeps the Conv fusable
                 b.add("Identity", [t.views["q"]], vi.name)
             else:
-                b.quantize(t, t.raw if t.int8 else b.fp16_read(t, reader), reader, vi.name)
+                b.quantize(t, b.q_source(t, reader), reader, vi.name)
             specs.append(OutputSpec(vi.name, c, h, w, "int8", float(np.float32(scales[vi.name]))))
         else:
-            if "half" in t.views:  # also read inside the graph by FP16 nodes
+            if b.trt:  # the FP16 tensor itself (a Cast to FLOAT16 of an INT8 head)
+                b.add("Identity", [b.fp16_read(t, reader)], vi.name)
+            elif "half" in t.views:  # also read inside the graph by FP16 nodes
                 b.add("Identity", [t.views["half"]], vi.name)
             else:
                 src = b.int8_read(t, reader) if t.int8 else t.raw
