@@ -25,7 +25,10 @@ Two TensorRT generations are handled explicitly (``DlaBuildSpec.quantization``):
   calibration cache (calibrator) or per-tensor dynamic ranges.
 * ``"explicit"`` (TensorRT >= 11.4.1, JetPack 7.2.2+ on AGX Orin): every network is strongly
   typed; the precision flags, calibrators and dynamic ranges no longer exist, so precision must
-  already be in the ONNX (Q/DQ nodes, Cast nodes, FP16 tensors). The builder only checks it.
+  already be in the ONNX (Q/DQ nodes, Cast nodes, FP16 tensors): ``prep.explicit_qdq`` writes it
+  from the translator's outputs. The builder only checks it.
+
+:func:`quantization_for` picks the path for the TensorRT found (or checks the one asked for).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ InputFormat = Literal[
 OutputPrecision = Literal["fp16", "int8"]
 Device = Literal["dla", "gpu"]
 Quantization = Literal["implicit", "explicit"]
+QuantizationChoice = Literal["auto", "implicit", "explicit"]
 Int8Scales = Literal["calibrator", "dynamic_range"]
 
 # trtexec's format words -> TensorFormat member names (NvInferRuntimeBase.h;
@@ -252,6 +256,32 @@ def dla_support_problem(version: tuple[int, int, int]) -> str | None:
     if (11, 4, 0) <= version < (11, 4, 1):
         return f"TensorRT {shown}: 11.4.0 supports DLA only on Windows on ARM, not on Jetson"
     return None
+
+
+def quantization_for(version: str, asked: QuantizationChoice = "auto") -> Quantization:
+    """The build path for TensorRT ``version`` (``"10.3.0.30"``): ``"auto"`` gives
+    ``"implicit"`` before 11 (the stripped ONNX + calibration cache) and ``"explicit"`` from 11 on
+    (the Q/DQ ONNX; TensorRT 11 has no implicit INT8). An asked path is returned if this TensorRT
+    has it. Raises :class:`DlaBuildError` for an unreadable version, ``"implicit"`` on >= 11,
+    ``"explicit"`` before 11 (the DLA needs >= 11.4.1: :func:`dla_support_problem`), and
+    :class:`DlaSpecError` for another ``asked``."""
+    if asked not in get_args(QuantizationChoice):
+        choices = get_args(QuantizationChoice)
+        raise DlaSpecError(f"quantization={asked!r}; expected one of {choices}")
+    strongly_typed = parse_trt_version(version) >= (11, 0, 0)
+    if asked == "auto":
+        return "explicit" if strongly_typed else "implicit"
+    if asked == "implicit" and strongly_typed:
+        raise DlaBuildError(
+            f"TensorRT {version} has no implicit INT8 (no INT8 flag, no calibrator): use"
+            " quantization 'explicit' (the Q/DQ ONNX) or 'auto'"
+        )
+    if asked == "explicit" and not strongly_typed:
+        raise DlaBuildError(
+            f"TensorRT {version} builds explicit Q/DQ networks for the DLA only from 11.4.1: use"
+            " quantization 'implicit' (the stripped ONNX + calibration cache) or 'auto'"
+        )
+    return asked
 
 
 def trt_version_code(version: tuple[int, int, int]) -> int:

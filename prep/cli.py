@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
                 "--max-batch", type=int, default=None,
                 help="the GPU engine's largest batch, 1..64 (default: build.max_batch)",
             )  # fmt: skip
+            sp.add_argument(
+                "--quantization", choices=("auto", "implicit", "explicit"), default=None,
+                help="TensorRT path for --onnx: implicit (the stripped ONNX + --calib, TensorRT"
+                " <= 10.7), explicit (a Q/DQ ONNX, TensorRT >= 11.4.1; written from the stripped"
+                " ONNX when --calib is given) or auto, by the TensorRT found (default). The build"
+                " stage always picks auto",
+            )  # fmt: skip
             sp.add_argument("--out", type=Path, help="loadable or engine path for --onnx")
     profile_cmd.add_parser(sub)
     check_dla.add_parser(sub)
@@ -209,6 +216,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "build" and args.max_batch is not None:
             overrides["build.max_batch"] = args.max_batch  # checked with the settings
         if args.command == "build" and args.onnx is None:
+            if args.quantization not in (None, "auto"):
+                print(
+                    "prep: build --quantization applies to --onnx; the build stage picks the path"
+                    " by the TensorRT it finds (implicit up to 10.7, explicit from 11.4.1) and,"
+                    " without TensorRT, writes the trtexec commands of both",
+                    file=sys.stderr,
+                )
+                return 2
             if args.target:  # prep build --target dla --core N, prep build --target gpu
                 overrides["build.targets"] = list(dict.fromkeys(args.target))
             if args.core is not None:
@@ -263,8 +278,20 @@ def _translate_file(args: argparse.Namespace, default_version: int) -> int:
 def _build_file(args: argparse.Namespace, max_batch: int) -> int:
     """``prep build --onnx FILE``: one TensorRT target, ``dla`` (the default; ``--core``) or
     ``gpu`` (``--max-batch``). Exit 2 for another target or several; the build's own errors
-    propagate to :func:`_run` (exit 1), as the DLA build's always have."""
-    from prep.build_trt import DlaBuildSpec, build_dla_loadable, load_fp16_layers
+    propagate to :func:`_run` (exit 1), as the DLA build's always have: a ``--quantization`` the
+    TensorRT found does not have is a ``DlaBuildError``. The explicit path with ``--calib``
+    first writes the Q/DQ ONNX (``<onnx stem>_qdq.onnx`` beside the output) from the stripped
+    ONNX, the cache and the fp16 nodes; without ``--calib`` the ONNX is taken as explicit."""
+    from prep.build_trt import (
+        DlaBuildSpec,
+        Quantization,
+        QuantizationChoice,
+        build_dla_loadable,
+        load_fp16_layers,
+        quantization_for,
+        tensorrt_available,
+    )
+    from prep.explicit_qdq import write_explicit_onnx
 
     targets = list(dict.fromkeys(args.target or ["dla"]))
     if targets not in (["dla"], ["gpu"]):
@@ -274,15 +301,32 @@ def _build_file(args: argparse.Namespace, max_batch: int) -> int:
         )
         return 2
     fp16 = load_fp16_layers(args.precision_config) if args.precision_config else ()
+    asked: QuantizationChoice = args.quantization or "auto"  # argparse checked the choice
+    version = tensorrt_available()  # none: the build below says TensorRT is not importable
+    mode: Quantization
+    if version is not None:
+        mode = quantization_for(version, asked)
+    else:
+        mode = "implicit" if asked == "auto" else asked
+    gpu = targets == ["gpu"]
+    core = 0 if args.core is None else args.core
+    out = args.out or args.onnx.with_suffix(".gpu.engine" if gpu else f".dla{core}.loadable")
+    onnx_path, calib = args.onnx, args.calib
+    if mode == "explicit" and calib is not None:
+        if version is not None:
+            onnx_path = write_explicit_onnx(
+                args.onnx, calib, fp16, out.parent / f"{args.onnx.stem}_qdq.onnx",
+                device="gpu" if gpu else "dla",
+            )  # fmt: skip
+            print(f"wrote {onnx_path}")
+        calib = None  # the explicit path's scales are the Q/DQ ONNX's
     common: dict[str, Any] = {
-        "onnx_path": args.onnx, "calibration_cache": args.calib, "fp16_layers": fp16,
+        "onnx_path": onnx_path, "calibration_cache": calib, "fp16_layers": fp16,
+        "quantization": mode,
     }  # fmt: skip
-    if targets == ["gpu"]:
-        out = args.out or args.onnx.with_suffix(".gpu.engine")
+    if gpu:
         spec = DlaBuildSpec(device="gpu", max_batch=max_batch, **common)
     else:
-        core = 0 if args.core is None else args.core
-        out = args.out or args.onnx.with_suffix(f".dla{core}.loadable")
         spec = DlaBuildSpec(dla_core=core, **common)
     report = build_dla_loadable(spec, out)
     print(report)

@@ -328,53 +328,76 @@ def _manifest_fingerprint(chain: Chain, stage: str) -> str:
 def _build_trt(chain: Chain, record: StageRecord) -> Result:
     """The TensorRT targets: ``model.dla<N>.loadable`` per core (``dla``) and
     ``model.gpu.engine`` with its sidecar (``gpu``; built from ``model_gpu.onnx``, the
-    translator's ONNX with a dynamic batch, which the trtexec command reads too). The trtexec
-    commands always go to ``trtexec_commands.json``; without TensorRT nothing is built (a
-    warning, and ``skipped`` in the metrics)."""
+    translator's ONNX with a dynamic batch, which the trtexec command reads too). The path
+    follows the TensorRT found (``prep.build_trt.quantization_for``): up to 10.7 the stripped
+    ONNX + calibration cache (``implicit``), from 11 the Q/DQ ONNX ``model_qdq.onnx`` (and
+    ``model_gpu_qdq.onnx``; ``explicit``, ``prep.explicit_qdq``). The trtexec commands always go
+    to ``trtexec_commands.json`` (explicit ones keyed ``<target>_explicit``); without TensorRT
+    nothing is built (a warning, and ``skipped`` in the metrics) and the DLA's commands of both
+    paths are written, for the JetPack that runs them."""
     from prep.build_trt import (
         DlaBuildSpec,
         build_dla_loadable,
         load_fp16_layers,
+        quantization_for,
         tensorrt_available,
         trtexec_command,
         write_dynamic_batch_onnx,
     )
+    from prep.explicit_qdq import write_explicit_onnx
 
-    tdir = chain.dir("translate")
+    tdir, out_dir = chain.dir("translate"), record.out_dir
     b = chain.cfg.build
+    ptq, cache = tdir / "model_noqdq.onnx", tdir / "model_precision_config_calib.cache"
     fp16 = load_fp16_layers(tdir / "model_precision_config.json")
-    common: dict[str, Any] = {
-        "calibration_cache": tdir / "model_precision_config_calib.cache",
-        "fp16_layers": fp16,
-    }
+    version = tensorrt_available()
+    modes = ("implicit", "explicit") if version is None else (quantization_for(version),)
     jobs: dict[str, tuple[DlaBuildSpec, Path]] = {}
     outputs: dict[str, Path] = {}
-    if "dla" in b.targets:
-        for core in b.cores:
-            spec = DlaBuildSpec(
-                onnx_path=tdir / "model_noqdq.onnx",
-                dla_core=core,
-                output_precision=b.output_precision,  # type: ignore[arg-type]
-                **common,
-            )
-            jobs[f"dla{core}"] = (spec, record.out_dir / f"model.dla{core}.loadable")
-    if "gpu" in b.targets:
-        gpu_onnx = write_dynamic_batch_onnx(
-            tdir / "model_noqdq.onnx", record.out_dir / "model_gpu.onnx"
-        )
-        outputs["gpu_onnx"] = gpu_onnx
-        spec = DlaBuildSpec(onnx_path=gpu_onnx, device="gpu", max_batch=b.max_batch, **common)
-        jobs["gpu"] = (spec, record.out_dir / "model.gpu.engine")
+    for mode in modes:
+        explicit = mode == "explicit"
+        common: dict[str, Any] = {
+            "calibration_cache": None if explicit else cache, "fp16_layers": fp16,
+            "quantization": mode,
+        }  # fmt: skip
+        key = "{}_explicit" if explicit else "{}"
+        if "dla" in b.targets:
+            dla_onnx = ptq
+            if explicit:
+                dla_onnx = write_explicit_onnx(
+                    ptq, cache, fp16, out_dir / "model_qdq.onnx",
+                    output_precision=b.output_precision,  # type: ignore[arg-type]
+                )  # fmt: skip
+                outputs["qdq_onnx"] = dla_onnx
+            for core in b.cores:
+                spec = DlaBuildSpec(
+                    onnx_path=dla_onnx,
+                    dla_core=core,
+                    output_precision=b.output_precision,  # type: ignore[arg-type]
+                    **common,
+                )
+                jobs[key.format(f"dla{core}")] = (spec, out_dir / f"model.dla{core}.loadable")
+        # The GPU engine is built where it runs, by the TensorRT there: its path is that one's.
+        if "gpu" in b.targets and (version is not None or not explicit):
+            if explicit:
+                gpu_onnx = write_explicit_onnx(
+                    ptq, cache, fp16, out_dir / "model_gpu_qdq.onnx", device="gpu"
+                )
+                outputs["gpu_qdq_onnx"] = gpu_onnx
+            else:
+                gpu_onnx = write_dynamic_batch_onnx(ptq, out_dir / "model_gpu.onnx")
+                outputs["gpu_onnx"] = gpu_onnx
+            spec = DlaBuildSpec(onnx_path=gpu_onnx, device="gpu", max_batch=b.max_batch, **common)
+            jobs[key.format("gpu")] = (spec, out_dir / "model.gpu.engine")
     commands = {key: trtexec_command(spec, out) for key, (spec, out) in jobs.items()}
-    cmd_path = record.out_dir / "trtexec_commands.json"
+    cmd_path = out_dir / "trtexec_commands.json"
     cmd_path.write_text(json.dumps(commands, indent=2) + "\n")
     outputs["trtexec_commands"] = cmd_path
-    version = tensorrt_available()
     if version is None:
         log.warning(
             "build: TensorRT is not installed here; not built: %s. DLA loadables need a Jetson "
             "Orin, and the GPU engine is built on the device that runs it (the trtexec commands "
-            "are in %s)",
+            "are in %s: TensorRT <= 10.7 runs the plain keys, >= 11.4.1 the *_explicit ones)",
             ", ".join(jobs),
             cmd_path,
         )
@@ -386,7 +409,7 @@ def _build_trt(chain: Chain, record: StageRecord) -> Result:
         if report.metadata_path is not None:
             outputs[f"{key}_metadata"] = report.metadata_path
         built.append(report.to_dict())
-    return outputs, {"tensorrt": version, "built": built}
+    return outputs, {"tensorrt": version, "quantization": modes[0], "built": built}
 
 
 # ------------------------------------------------------------------------------------ validate
