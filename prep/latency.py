@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALIBRATION_US",
+    "FIT_RANGES",
     "ORIN_DLA",
     "SUPPORTED_OPS",
     "Bound",
@@ -81,15 +82,20 @@ class DlaParams:
     """Output-channel atom in FP16."""
     image_channels: int = 4
     """Convs reading <= this many channels use channel extension (kernel x C packed into atoms)."""
-    int8_conv_efficiency: float = 0.4613
-    """Achieved fraction of the padded INT8 MAC rate in a conv: fitted (:func:`fit_params`)."""
-    fp16_conv_efficiency: float = 0.3726
-    """Achieved fraction of the padded FP16 MAC rate in a conv: fitted (:func:`fit_params`)."""
-    sdp_elems_per_cycle: float = 32.0
-    """Elements per cycle of the SDP (activations, element-wise, reformat; also fused outputs)."""
-    pdp_elems_per_cycle: float = 16.0
-    """Elements per cycle of the pooling engine (max of input and output elements)."""
-    resize_elems_per_cycle: float = 32.0
+    int8_conv_efficiency: float = 0.966
+    """Ceiling of the achieved fraction of the padded INT8 MAC rate (:meth:`conv_efficiency`):
+    fitted with the three below to YOLOv5s, ResNet-34, ResNet-50 and SSD-MobileNetV1."""
+    fp16_conv_efficiency: float = 0.5023
+    """The same ceiling in FP16: fitted to YOLOv5s with FP16 heads (:func:`fit_params`)."""
+    conv_reduction_knee: float = 1.9
+    """r0 of the conv efficiency's factor ``R / (R + r0)`` (R: array passes an output): fitted."""
+    lut_elems_per_cycle: float = 11.9784
+    """Elements per cycle of the SDP's lookup table (Sigmoid, Tanh, a fused SiLU): fitted."""
+    sdp_elems_per_cycle: float = 16.0
+    """Elements per cycle of the SDP's ALUs (ReLU, clip, element-wise, reformat; fused outputs)."""
+    pdp_elems_per_cycle: float = 8.0
+    """Elements per cycle of a stand-alone pooling pass (max of input and output elements)."""
+    resize_elems_per_cycle: float = 16.0
     """Output elements per cycle of a nearest-neighbour Resize (a data-movement pass)."""
     surface_atom_bytes: int = 32
     """Channel packing of DLA surfaces: 32 int8 (CHW32) or 16 fp16 (CHW16) channels per atom."""
@@ -99,14 +105,21 @@ class DlaParams:
     """SRAM read+write bandwidth per DLA cycle."""
     dram_bytes_per_s: float = 0.3 * 204.8e9
     """One DLA's achievable share of Orin AGX's 204.8 GB/s LPDDR5 (others: GPU, CPU, DLA1)."""
-    layer_overhead_us: float = 3.0
-    """Fixed cost of every hardware layer (register programming, pipeline fill and drain)."""
+    layer_overhead_us: float = 5.45
+    """Fixed cost of every hardware layer (programming it, pipeline fill and drain): fitted."""
 
     def macs_per_cycle(self, precision: Precision) -> float:
         return self.int8_macs_per_cycle if precision == "int8" else self.fp16_macs_per_cycle
 
-    def conv_efficiency(self, precision: Precision) -> float:
-        return self.int8_conv_efficiency if precision == "int8" else self.fp16_conv_efficiency
+    def conv_efficiency(self, precision: Precision, reduction: float = math.inf) -> float:
+        """Achieved fraction of the padded MAC rate of a conv whose every output takes
+        ``reduction`` passes of the MAC array (input-channel atoms x kernel taps): the
+        precision's ceiling x ``R / (R + r0)``, r0 = ``conv_reduction_knee``. It rises with R
+        towards the ceiling (a 1x1 conv over one channel atom, R = 1, gets 1 / (1 + r0) of it)."""
+        ceiling = self.int8_conv_efficiency if precision == "int8" else self.fp16_conv_efficiency
+        if math.isinf(reduction):
+            return ceiling
+        return ceiling * reduction / (reduction + self.conv_reduction_knee)
 
     def atoms(self, precision: Precision) -> tuple[int, int]:
         if precision == "int8":
@@ -185,17 +198,33 @@ class LatencyEstimate:
 
 
 # ------------------------------------------------------------------------------------- the cost
-def _padded_macs(step: Step, p: DlaParams) -> int:
-    """MACs the array spends once channels are padded up to its atoms."""
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _padded_macs(step: Step, p: DlaParams) -> tuple[int, int]:
+    """MACs the array spends once channels are padded up to its atoms, and the passes
+    (channel atoms x kernel taps) each output takes."""
     hw, k, cin_g, kh, kw, group, cin = step.geometry
     atom_c, atom_k = p.atoms(step.precision)
-    k_pad = -(-(k // group) // atom_k) * atom_k * group
+    k_g = k // group
     if cin <= p.image_channels and group == 1:
         # Channel extension: kernel taps x 4 channels are packed together into atoms of C.
-        reduction = -(-(kh * kw * p.image_channels) // atom_c) * atom_c
-    else:
-        reduction = -(-cin_g // atom_c) * atom_c * kh * kw
-    return hw * k_pad * reduction
+        reduction = _ceil(kh * kw * p.image_channels, atom_c)
+        return hw * _ceil(k, atom_k) * reduction, reduction // atom_c
+    if group > 1 and cin_g == 1:
+        # Depthwise: channels are the atom. Each channel is its own kernel, so the array takes
+        # an atom of channels (and their k_g kernels each) per pass, reducing over taps only.
+        return hw * _ceil(cin, atom_c) * k_g * kh * kw, kh * kw
+    if group > 1 and cin_g < atom_c:
+        # Grouped, narrow groups: as many groups as fit share one channel atom (block-diagonal
+        # weights: each kernel reads its own group's channels), their kernels padded together.
+        pack = min(group, atom_c // cin_g)
+        packs = -(-group // pack)
+        return hw * packs * atom_c * _ceil(pack * k_g, atom_k) * kh * kw, kh * kw
+    # Dense, or groups of at least one atom: every group padded to whole atoms.
+    reduction = _ceil(cin_g, atom_c) // atom_c * kh * kw
+    return hw * group * _ceil(k_g, atom_k) * reduction * atom_c, reduction
 
 
 def _place(plan: LatencyPlan, steps: Sequence[Step], p: DlaParams) -> dict[str, bool]:
@@ -233,6 +262,10 @@ class _StepCost(NamedTuple):
     dram_bytes: int
 
 
+def _sdp_rate(step: Step, p: DlaParams) -> float:
+    return p.lut_elems_per_cycle if step.lut else p.sdp_elems_per_cycle
+
+
 def _cost(step: Step, plan: LatencyPlan, p: DlaParams, on_chip: Mapping[str, bool]) -> _StepCost:
     """Cost of one step for one batch item."""
     t = plan.tensors
@@ -255,12 +288,16 @@ def _cost(step: Step, plan: LatencyPlan, p: DlaParams, on_chip: Mapping[str, boo
     out_elems = t[step.write].padded_elems(p.surface_atom_bytes) if step.write else 0
     in_elems = max((t[r].padded_elems(p.surface_atom_bytes) for r in step.reads), default=0)
     if step.engine == "conv":
-        mac_cycles = _padded_macs(step, p) / (
-            p.macs_per_cycle(step.precision) * p.conv_efficiency(step.precision)
+        padded, reduction = _padded_macs(step, p)
+        mac_cycles = padded / (
+            p.macs_per_cycle(step.precision) * p.conv_efficiency(step.precision, reduction)
         )
-        cycles = max(mac_cycles, out_elems / p.sdp_elems_per_cycle)
+        sdp_elems = (
+            t[step.sdp_tensor].padded_elems(p.surface_atom_bytes) if step.sdp_tensor else out_elems
+        )
+        cycles = max(mac_cycles, sdp_elems / _sdp_rate(step, p))
     elif step.engine == "sdp":
-        cycles = step.passes * max(in_elems, out_elems) / p.sdp_elems_per_cycle
+        cycles = step.passes * max(in_elems, out_elems) / _sdp_rate(step, p)
     elif step.engine == "pdp":
         cycles = max(in_elems, out_elems) / p.pdp_elems_per_cycle
     elif step.engine == "resize":
@@ -359,19 +396,37 @@ def estimate(
     return estimate_plan(plan, batch=batch, params=params)
 
 
-def fit_params(cases: Sequence[tuple[LatencyPlan, float]], base: DlaParams = ORIN_DLA) -> DlaParams:
-    """Fit the two conv efficiencies so two analysed graphs take their measured times
+#: The fields :func:`fit_params` can fit, each with its search range; time falls as each rises.
+FIT_RANGES: dict[str, tuple[float, float]] = {
+    "int8_conv_efficiency": (1e-3, 1.0),
+    "fp16_conv_efficiency": (1e-3, 1.0),
+    "lut_elems_per_cycle": (0.5, 256.0),
+    "sdp_elems_per_cycle": (0.5, 256.0),
+}
+
+
+def fit_params(
+    cases: Sequence[tuple[LatencyPlan, float]],
+    base: DlaParams = ORIN_DLA,
+    fields: tuple[str, str] = ("lut_elems_per_cycle", "fp16_conv_efficiency"),
+) -> DlaParams:
+    """Fit two constants so two analysed graphs take their measured times
     (``[(all-INT8 plan, us), (plan with FP16 convs, us)]``, batch 1); all else from ``base``.
 
-    Case 0 must hold no FP16 conv: it fixes ``int8_conv_efficiency``; case 1 then fixes
-    ``fp16_conv_efficiency``. Each is a bisection, time being monotone in each efficiency.
+    Case 0 must hold no FP16 conv: it fixes ``fields[0]`` (by default the lookup-table rate,
+    which YOLOv5s's fused SiLUs bind); case 1 then fixes ``fields[1]`` (the FP16 efficiency
+    ceiling). Each is a bisection over the field's :data:`FIT_RANGES`, time falling as it rises.
+    The other constants of ``ORIN_DLA`` come from the joint fit of ``bench/dla_published.py --fit``.
 
     Raises:
-        LatencyModelError: not exactly two cases, FP16 convs in case 0 or none in case 1, or no
-            efficiency in (0, 1] reproduces a measured time.
+        LatencyModelError: not exactly two cases, a field :data:`FIT_RANGES` does not list, FP16
+            convs in case 0 or none in case 1, or no value in range reproduces a measured time.
     """
     if len(cases) != 2:
         raise LatencyModelError(f"fit_params needs exactly two cases, got {len(cases)}")
+    unknown = [f for f in fields if f not in FIT_RANGES]
+    if unknown:
+        raise LatencyModelError(f"cannot fit {unknown}; fields: {', '.join(FIT_RANGES)}")
     (plan0, target0), (plan1, target1) = cases
 
     def fp16_convs(plan: LatencyPlan) -> int:
@@ -380,25 +435,20 @@ def fit_params(cases: Sequence[tuple[LatencyPlan, float]], base: DlaParams = ORI
     if fp16_convs(plan0) or not fp16_convs(plan1):
         raise LatencyModelError("case 0 must be all-INT8 convs and case 1 must hold FP16 convs")
 
-    def with_eff(p: DlaParams, field_name: str, eff: float) -> DlaParams:
-        if field_name == "int8_conv_efficiency":
-            return replace(p, int8_conv_efficiency=eff)
-        return replace(p, fp16_conv_efficiency=eff)
-
     def solve(plan: LatencyPlan, target: float, field_name: str, p: DlaParams) -> DlaParams:
-        def total(eff: float) -> float:
-            return estimate_plan(plan, params=with_eff(p, field_name, eff)).total_us
+        def total(value: float) -> float:
+            return estimate_plan(plan, params=replace(p, **{field_name: value})).total_us
 
-        lo, hi = 1e-3, 1.0
+        lo, hi = FIT_RANGES[field_name]
         if not total(hi) <= target <= total(lo):
             raise LatencyModelError(
                 f"no {field_name} in [{lo}, {hi}] gives {target:.0f} us (range "
                 f"{total(hi):.0f}-{total(lo):.0f} us)"
             )
-        for _ in range(50):
+        for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if total(mid) > target else (lo, mid)
-        return with_eff(p, field_name, round((lo + hi) / 2, 4))
+        return replace(p, **{field_name: round((lo + hi) / 2, 4)})
 
-    fitted = solve(plan0, target0, "int8_conv_efficiency", base)
-    return solve(plan1, target1, "fp16_conv_efficiency", fitted)
+    fitted = solve(plan0, target0, fields[0], base)
+    return solve(plan1, target1, fields[1], fitted)

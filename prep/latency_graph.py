@@ -42,6 +42,8 @@ SUPPORTED_OPS = frozenset(
 _MOVES = frozenset({"Transpose", "Reshape"})  # data movement, priced as a resize pass
 _SOFTMAX_PASSES = 3  # max, exp and sum, divide: three SDP passes over the tensor
 _ACTIVATIONS = frozenset({"Sigmoid", "Relu", "LeakyRelu", "Clip", "Tanh"})
+_LUT_OPS = frozenset({"Sigmoid", "Tanh"})  # the SDP's lookup table; ReLU, clip: its ALUs
+_POOLS = frozenset({"MaxPool", "AveragePool"})
 _ELEMENTWISE = frozenset({"Mul", "Add", "Sub"})
 ELT_BYTES: dict[str, int] = {"int8": 1, "fp16": 2}
 
@@ -104,6 +106,10 @@ class Step:
     weight_bytes: int = 0
     copies: list[str] = field(default_factory=list)  # Concat inputs copied into the output
     passes: int = 1  # SDP passes over the tensor (a Softmax makes three)
+    lut: bool = False  # the SDP stage needs its lookup table (Sigmoid, Tanh, a fused SiLU)
+    # Conv only: the tensor the SDP stage passes when a pool is fused on the fly (the conv's own
+    # output, before pooling); None: the step's ``write``.
+    sdp_tensor: str | None = None
 
 
 @dataclass
@@ -235,6 +241,8 @@ def plan_graph(
     # Fusion chains: Conv -> [SiLU | activation | constant scale/bias | one residual Add]*.
     fused: dict[str, str] = {}
     chain_out: dict[str, str] = {}
+    chain_lut: set[str] = set()
+    pre_pool: dict[str, str] = {}  # host conv -> its output before a pool fused on the fly
     extra_reads: dict[str, list[str]] = {}
     const_bytes: dict[str, int] = {}
     for k, host in enumerate(nodes):
@@ -257,6 +265,7 @@ def plan_graph(
                 ):
                     fused[sig[0].name] = fused[mul.name] = host.name
                     cur = res(mul.output[0])
+                    chain_lut.add(host.name)
                     continue
                 break
             if len(us) != 1:
@@ -264,7 +273,15 @@ def plan_graph(
             u = us[0]
             if u.op_type in _ACTIVATIONS and res(u.input[0]) == cur:
                 fused[u.name], cur = host.name, res(u.output[0])
+                if u.op_type in _LUT_OPS:
+                    chain_lut.add(host.name)
                 continue
+            if u.op_type in _POOLS:
+                # On-the-fly pooling: the SDP's output streams into the pooling engine, so the
+                # conv writes the pooled tensor only. It ends the chain.
+                pre_pool[host.name] = cur
+                fused[u.name], cur = host.name, res(u.output[0])
+                break
             if u.op_type in _ELEMENTWISE and len(u.input) == 2:
                 other = [res(i) for i in u.input if res(i) != cur]
                 if not other or other[0] in consts:
@@ -335,6 +352,15 @@ def plan_graph(
             hw = o.h * o.w
             macs = hw * k_out * cin_g * kh * kw
             step = Step(node.name, op, p, "conv", reads=ins, write=out, macs=macs)
+            if node.name in pre_pool:
+                # The conv's own output shape: the SDP passes it, the pool writes ``out``.
+                step.sdp_tensor = pre_pool[node.name]
+                add_tensor(step.sdp_tensor, p)
+                o = tensors[step.sdp_tensor]
+                hw = o.h * o.w
+                macs = hw * k_out * cin_g * kh * kw
+                step.macs = macs
+            step.lut = node.name in chain_lut
             step.geometry = (hw, k_out, cin_g, kh, kw, group, tensors[x].c)
             bias = 4 * k_out if len(node.input) > 2 and node.input[2] else 0
             step.weight_bytes = k_out * cin_g * kh * kw * ELT_BYTES[p] + bias
@@ -385,7 +411,7 @@ def plan_graph(
                 "pdp" if op in ("MaxPool", "AveragePool")
                 else "resize" if op == "Resize" or op in _MOVES else "sdp"
             )  # fmt: skip
-            step = Step(node.name, op, p, engine, reads=ins, write=out)
+            step = Step(node.name, op, p, engine, reads=ins, write=out, lut=op in _LUT_OPS)
             if op == "Softmax":
                 step.passes = _SOFTMAX_PASSES
         if step.write is None:
