@@ -16,6 +16,9 @@ mistakes:
   profile, a profile that misses a dynamic input or does not fit it (rank, fixed dims,
   min <= opt <= max), a dynamic profile on DLA standalone, and INT8 calibration of a dynamic
   network without a calibration profile;
+* from TensorRT 11 the parser refuses a QuantizeLinear/DequantizeLinear whose scale is not a
+  float32 constant or whose zero point is not int8 0 (11.4.1's DLA pages: "The scale must be
+  FP32"; UINT8 and asymmetric Q/DQ need ``kENABLE_UINT8_AND_ASYMMETRIC_QUANTIZATION_DLA``);
 * ``Runtime`` exists but records and raises: the product must never create one.
 
 Every attribute set and method call is appended to ``FakeTensorRT.calls`` as a :class:`Call`.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
+from onnx import numpy_helper
 
 
 class TensorFormat(enum.IntEnum):
@@ -308,10 +312,26 @@ class FakeOnnxParser(_Recorded):
                     FakeParserError(index, name, f"No importer registered for op: {node.op_type}")
                 )
                 return False
+            if problem := self._qdq_problem(node, weights):
+                self.errors.append(FakeParserError(index, name, problem))
+                return False
             outputs = [make(out) for out in node.output]
             self.network.layers.append(FakeLayer(self._trt, name, node.op_type, outputs))
         self.network.outputs.extend(tensors[v.name] for v in graph.output)
         return True
+
+    def _qdq_problem(self, node: Any, weights: dict[str, Any]) -> str | None:
+        if self._trt.major < 11 or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            return None
+        scale = weights.get(node.input[1]) if len(node.input) > 1 else None
+        if scale is None or scale.data_type != onnx.TensorProto.FLOAT:
+            return "Q/DQ scale must be an FP32 constant"
+        zp = weights.get(node.input[2]) if len(node.input) > 2 else None
+        if zp is None or zp.data_type != onnx.TensorProto.INT8:
+            return "UINT8 / asymmetric Q/DQ need kENABLE_UINT8_AND_ASYMMETRIC_QUANTIZATION_DLA"
+        if any(numpy_helper.to_array(zp).ravel() != 0):
+            return "asymmetric Q/DQ need kENABLE_UINT8_AND_ASYMMETRIC_QUANTIZATION_DLA"
+        return None
 
 
 class FakeOptimizationProfile(_Recorded):

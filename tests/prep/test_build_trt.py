@@ -32,6 +32,7 @@ from prep.build_trt import (
     dla_support_problem,
     load_fp16_layers,
     parse_trt_version,
+    quantization_for,
     read_calibration_cache,
     resolve_input_shapes,
     tensorrt_available,
@@ -366,6 +367,28 @@ def test_unsupported_versions(
 @pytest.mark.parametrize("version", [(8, 6, 0), (10, 3, 0), (10, 7, 0), (11, 4, 1), (12, 0, 0)])
 def test_supported_versions(version: tuple[int, int, int]) -> None:
     assert dla_support_problem(version) is None
+
+
+@pytest.mark.parametrize(
+    ("version", "path"),
+    [("8.6.2.3", "implicit"), ("10.3.0.30", "implicit"), ("10.7.0", "implicit"),
+     ("11.4.1", "explicit"), ("11.4.1.7", "explicit"), ("12.0", "explicit")],
+)  # fmt: skip
+def test_quantization_follows_the_tensorrt_found(version: str, path: str) -> None:
+    """JetPack 6 (TensorRT 10.3) keeps the stripped ONNX + cache; 11 has only Q/DQ."""
+    assert quantization_for(version) == path
+    assert quantization_for(version, "auto") == path
+    assert quantization_for(version, path) == path
+    other = "explicit" if path == "implicit" else "implicit"
+    with pytest.raises(DlaBuildError, match=f"use quantization '{path}'"):
+        quantization_for(version, other)  # type: ignore[arg-type]
+
+
+def test_quantization_choice_errors() -> None:
+    with pytest.raises(DlaSpecError, match="quantization='int8'"):
+        quantization_for("10.3.0", "int8")  # type: ignore[arg-type]
+    with pytest.raises(DlaBuildError, match="cannot read the TensorRT version"):
+        quantization_for("unknown")
 
 
 def test_version_parsing() -> None:
