@@ -452,3 +452,154 @@ def test_a_graph_of_two_images_is_a_task_of_two(tmp_path: Path) -> None:
     code, out = run_cli(["--onnx", str(path), "--batch", "3"])
     assert code == 0
     assert "for batch 6 on one DLA" in out
+
+
+# ------------------------------------------------------- grouped convs, pooling, efficiency, LUT
+def grouped_graph(
+    c: int, k: int, groups: int, size: int, *, tail: str = "", pool: bool = False
+) -> onnx.ModelProto:
+    """x -> entry 1x1 Conv (c) -> grouped kxk Conv (c -> c) [-> Relu | SiLU] [-> MaxPool 3x3/2]."""
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal((c, c, 1, 1)).astype(np.float32)
+    w = rng.standard_normal((c, c // groups, k, k)).astype(np.float32)
+    out = "c" if tail or pool else "y"
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], name="entry"),
+        helper.make_node("Conv", ["a", "w"], [out], name="conv", group=groups,
+                         kernel_shape=[k, k], pads=[k // 2] * 4),
+    ]  # fmt: skip
+    if tail == "relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["r" if pool else "y"], name="act"))
+    elif tail == "silu":
+        nodes += [
+            helper.make_node("Sigmoid", ["c"], ["s"], name="sig"),
+            helper.make_node("Mul", ["c", "s"], ["r" if pool else "y"], name="mul"),
+        ]
+    if pool:
+        src = "r" if tail else "c"
+        pool_node = helper.make_node(
+            "MaxPool", [src], ["y"], name="pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4
+        )
+        nodes.append(pool_node)
+    return make_graph(nodes, {"w0": w0, "w": w}, (1, c, size, size))
+
+
+def mac_array_us(macs: float, reduction: float, p: Any = ORIN_DLA) -> float:
+    """Time of ``macs`` padded INT8 MACs at the efficiency of ``reduction`` passes an output."""
+    return macs / (p.int8_macs_per_cycle * p.conv_efficiency("int8", reduction)) / p.clock_hz * 1e6
+
+
+def test_depthwise_conv_is_priced_near_its_work() -> None:
+    """Channels are the atom of a depthwise conv: its array time is its MACs (channels padded
+    to the atom) at the rate of nine passes an output, not 64 x 32 padding per channel."""
+    c, size = 256, 40
+    est = estimate(grouped_graph(c, 3, c, size), heads="int8")
+    dw = layer(est, "conv")
+    assert dw.macs == size * size * c * 9
+    sdp_us = size * size * c / ORIN_DLA.sdp_elems_per_cycle / ORIN_DLA.clock_hz * 1e6
+    assert dw.compute_us == pytest.approx(max(mac_array_us(dw.macs, 9), sdp_us), rel=1e-9)
+    # Its array time is below the time the SDP takes to write its output: output-bound, as an
+    # element-wise layer is. (Padding each channel to a 64 x 32 atom made it 2048x its MACs.)
+    assert mac_array_us(dw.macs, 9) < sdp_us
+    assert dw.compute_us == pytest.approx(sdp_us)
+    dense = layer(estimate(grouped_graph(c, 3, 1, size), heads="int8"), "conv")
+    assert dw.compute_us < dense.compute_us / 4  # the dense conv has 256x the MACs
+    # A depthwise-separable block (MobileNet's): the depthwise half costs no more than the
+    # pointwise half (both write as many outputs, and the SDP's rate bounds both here); it was
+    # 97 % of the time when every channel was padded to whole atoms.
+    w_pw = np.ones((c, c, 1, 1), np.float32)
+    w_dw = np.ones((c, 1, 3, 3), np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "wd"], ["d"], name="dw", group=c, kernel_shape=[3, 3],
+                         pads=[1] * 4),
+        helper.make_node("Relu", ["d"], ["e"], name="r1"),
+        helper.make_node("Conv", ["e", "wp"], ["f"], name="pw"),
+        helper.make_node("Relu", ["f"], ["y"], name="r2"),
+    ]  # fmt: skip
+    block = estimate(make_graph(nodes, {"wd": w_dw, "wp": w_pw}, (1, c, 38, 38)), heads="int8")
+    share = layer(block, "dw").compute_us / sum(x.compute_us for x in block.layers)
+    assert share <= 0.5 + 1e-9, share
+
+
+@pytest.mark.parametrize(("c", "groups"), [(128, 32), (256, 32), (64, 16), (512, 32)])
+def test_grouped_conv_packs_groups_into_channel_atoms(c: int, groups: int) -> None:
+    """Groups narrower than the 64-channel atom share one (block-diagonal weights); their kernels
+    are padded together to the 32-kernel atom. Groups of >= 64 channels are padded each."""
+    size = 20
+    conv = layer(estimate(grouped_graph(c, 3, groups, size), heads="int8"), "conv")
+    cin_g = c // groups
+    if cin_g < 64:
+        pack = min(groups, 64 // cin_g)
+        padded = size * size * -(-groups // pack) * 64 * (-(-pack * cin_g // 32) * 32) * 9
+    else:
+        padded = size * size * groups * -(-cin_g // 64) * 64 * -(-cin_g // 32) * 32 * 9
+    reduction = 9 if cin_g < 64 else -(-cin_g // 64) * 9
+    sdp_us = size * size * c / ORIN_DLA.sdp_elems_per_cycle / ORIN_DLA.clock_hz * 1e6
+    assert conv.compute_us == pytest.approx(max(mac_array_us(padded, reduction), sdp_us), rel=1e-9)
+    assert conv.macs == size * size * c * cin_g * 9
+
+
+def test_conv_efficiency_rises_with_the_passes_an_output_takes() -> None:
+    p = ORIN_DLA
+    ceiling, knee = p.int8_conv_efficiency, p.conv_reduction_knee
+    assert 0 < ceiling <= 1
+    assert knee > 0
+    effs = [p.conv_efficiency("int8", r) for r in (1, 2, 4, 9, 36, 72, 10_000)]
+    assert effs == sorted(effs)
+    assert effs[0] == pytest.approx(ceiling / (1 + knee))
+    assert effs[-1] == pytest.approx(ceiling, rel=1e-3)
+    assert p.conv_efficiency("int8") == ceiling
+    assert p.conv_efficiency("fp16", 9) == pytest.approx(p.fp16_conv_efficiency * 9 / (9 + knee))
+    # In a graph: a 1x1 conv over one channel atom (R = 1) runs at 1 / (1 + r0) of the ceiling,
+    # a 3x3 conv over two atoms (R = 18) at 18 / (18 + r0); both MAC-bound here.
+    one = layer(estimate(conv_graph(64, 256, 1, 1, 64), heads="int8"), "conv")
+    three = layer(estimate(conv_graph(128, 256, 3, 1, 64), heads="int8"), "conv")
+    sdp_us = 64 * 64 * 256 / p.sdp_elems_per_cycle / p.clock_hz * 1e6
+    assert mac_array_us(64 * 64 * 256 * 128 * 9, 18) > sdp_us
+    assert three.compute_us == pytest.approx(mac_array_us(64 * 64 * 256 * 128 * 9, 18), rel=1e-9)
+    assert one.compute_us == pytest.approx(
+        max(mac_array_us(64 * 64 * 256 * 64, 1), sdp_us), rel=1e-9
+    )
+    wide = layer(estimate(conv_graph(512, 256, 1, 1, 64), heads="int8"), "conv")  # R = 8
+    assert wide.compute_us == pytest.approx(mac_array_us(64 * 64 * 256 * 512, 8), rel=1e-9)
+    per_mac = (wide.compute_us / wide.macs) / (three.compute_us / three.macs)
+    assert per_mac == pytest.approx((8 + knee) / 8 * 18 / (18 + knee), rel=1e-9)
+
+
+def test_a_pool_after_its_conv_runs_on_the_fly() -> None:
+    """Conv -> ReLU -> MaxPool: the SDP streams into the pooling engine, so the conv writes the
+    pooled tensor only (no full-size round trip) and the pool is no layer of its own."""
+    c, size = 64, 96
+    fused = estimate(grouped_graph(c, 3, 1, size, tail="relu", pool=True), heads="int8")
+    pool = layer(fused, "pool")
+    assert (pool.bound, pool.fused_into, pool.time_us) == ("fused", "conv", 0.0)
+    conv = layer(fused, "conv")
+    assert conv.bytes_out == c * (size // 2) ** 2  # int8 CHW32: the pooled output
+    assert conv.macs == size * size * c * c * 9  # the conv's own output, before pooling
+    plain = layer(estimate(grouped_graph(c, 3, 1, size, tail="relu"), heads="int8"), "conv")
+    assert conv.compute_us == pytest.approx(plain.compute_us, rel=1e-9)
+    assert (
+        fused.total_us
+        < estimate(grouped_graph(c, 3, 1, size, tail="relu"), heads="int8").total_us + 1e-9
+    )
+
+
+def test_silu_uses_the_lookup_table_rate() -> None:
+    """A fused SiLU needs the SDP's lookup table, a ReLU its ALUs: an output-bound conv (few
+    MACs, many outputs) takes the LUT's element rate with SiLU, the ALUs' with ReLU."""
+    p = ORIN_DLA
+    assert p.lut_elems_per_cycle < p.sdp_elems_per_cycle
+    size, c = 64, 64
+    relu = layer(estimate(grouped_graph(c, 1, c, size, tail="relu"), heads="int8"), "conv")
+    silu = layer(estimate(grouped_graph(c, 1, c, size, tail="silu"), heads="int8"), "conv")
+    elems = size * size * c
+    assert relu.compute_us == pytest.approx(elems / p.sdp_elems_per_cycle / p.clock_hz * 1e6)
+    assert silu.compute_us == pytest.approx(elems / p.lut_elems_per_cycle / p.clock_hz * 1e6)
+
+
+def test_fit_params_fields_are_checked(plans: dict[str, LatencyPlan]) -> None:
+    cases = [(plans["int8"], 2400.0), (plans["fp16"], 3800.0)]
+    with pytest.raises(LatencyModelError, match="cannot fit"):
+        fit_params(cases, fields=("clock_hz", "fp16_conv_efficiency"))
+    with pytest.raises(LatencyModelError, match="no lut_elems_per_cycle"):
+        fit_params([(plans["int8"], 10.0), cases[1]])  # faster than any LUT rate can make it
