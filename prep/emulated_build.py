@@ -70,6 +70,12 @@ HEAD_VARIANTS = (
 )
 
 
+def head_variants(family: str) -> tuple[Variant, ...]:
+    """The head-precision variants built for a model of ``family``: the whole table for
+    YOLOv5, INT8 and FP16 heads for the others (their last block has other names)."""
+    return HEAD_VARIANTS if family == "yolov5" else HEAD_VARIANTS[:2]
+
+
 def read_translation(translate_dir: Path) -> tuple[onnx.ModelProto, dict[str, float], list[str]]:
     """The PTQ ONNX, INT8 scales and FP16 nodes the translator wrote into ``translate_dir``."""
     model = onnx.load(str(translate_dir / "model_noqdq.onnx"))
@@ -142,13 +148,14 @@ def build_variants(
     out_dir: Path,
     *,
     cores: Sequence[int],
-    variants: Sequence[Variant] = HEAD_VARIANTS,
+    variants: Sequence[Variant] | None = None,
     provenance: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """Write ``{variant}.dla{core}.emu`` for every variant and core; returns name -> path."""
+    """Write ``{variant}.dla{core}.emu`` for every variant (default: the family's
+    :func:`head_variants`) and core; returns name -> path."""
     ptq, scales, fp16 = read_translation(translate_dir)
     out: dict[str, Path] = {}
-    for variant in variants:
+    for variant in head_variants(info.family) if variants is None else variants:
         loadable, _ = build_loadable(
             ptq, scales, fp16, info, core=cores[0], variant=variant, provenance=provenance
         )

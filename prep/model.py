@@ -305,6 +305,15 @@ class YOLOv5(nn.Module):
         heads: list[torch.Tensor] = m[24]([out3, out4, out5])
         return heads
 
+    def head_convs(self) -> list[str]:
+        """The convs whose outputs are the heads (one per stride)."""
+        return [f"model.24.m.{i}" for i in range(len(STRIDES))]
+
+    def distill_layers(self) -> list[int]:
+        """The layers whose outputs QAT's feature distillation matches: the backbone stages'
+        and the three neck C3 blocks' feeding the heads."""
+        return [2, 4, 6, 8, 9, 13, 17, 20, 23]
+
     def fuse(self) -> YOLOv5:
         """Fold every BatchNorm into its convolution (for QAT and export); returns ``self``."""
         for module in self.modules():

@@ -22,15 +22,21 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import fx, nn
 
 from prep.model import Add, Concat, YOLOv5
+
+if TYPE_CHECKING:
+    from prep.families.dfl import RawHeads
+
+    Detector = YOLOv5 | RawHeads
 
 ProgressFn = Callable[[int, int, dict[str, float]], None]
 
@@ -125,42 +131,79 @@ def _use_torch_fake_quant() -> None:
         extensions.get_cuda_ext.extension = None
 
 
-def quant_config(cfg: QATConfig) -> dict[str, Any]:
-    """The ModelOpt quantization config of the recipe (calibration is run by :func:`calibrate`)."""
+def quant_config(cfg: QATConfig, model: nn.Module) -> dict[str, Any]:
+    """The ModelOpt quantization config of the recipe for the fused ``model`` (calibration is
+    run by :func:`calibrate`)."""
     act = {"num_bits": 8, "axis": None, "calibrator": "histogram"}
     entries: list[dict[str, Any]] = [
         {"quantizer_name": "*", "enable": False},
         {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8, "axis": 0}},
         {"quantizer_name": "*input_quantizer", "cfg": act},
+        # the layers the model's forward never runs (the DFL conv, YOLO26's other head)
+        *({"quantizer_name": f"{name}.*", "enable": False} for name in _unused(model)),
     ]
     if not cfg.all_layers:
         entries += [
-            {"quantizer_name": "*act.input_quantizer", "enable": False},
-            {"quantizer_name": "*concat.input_quantizer", "enable": False},
-            {"quantizer_name": "model.12.input_quantizer", "enable": False},
-            {"quantizer_name": "model.16.input_quantizer", "enable": False},
-            {"quantizer_name": "model.19.input_quantizer", "enable": False},
-            {"quantizer_name": "model.22.input_quantizer", "enable": False},
+            {"quantizer_name": f"{name}.input_quantizer", "enable": False}
+            for name, m in model.named_modules()
+            if isinstance(m, Concat | nn.SiLU)
         ]
     else:
         entries.append({"quantizer_name": "*sigmoid_quantizer", "cfg": act})
     if cfg.quantize_heads:
-        entries.append({"quantizer_name": "model.24.m.*.output_quantizer", "cfg": act})
+        entries += [
+            {"quantizer_name": f"{name}.output_quantizer", "cfg": act}
+            for name in _head_convs(model)
+        ]
     return {"quant_cfg": entries, "algorithm": None}
+
+
+def _head_convs(model: nn.Module) -> list[str]:
+    names: list[str] = getattr(model, "head_convs")()  # noqa: B009  (every family's model has it)
+    return names
+
+
+def _unused(model: nn.Module) -> list[str]:
+    """Modules with parameters of their own that a forward of ``model`` does not run."""
+    ran: set[str] = set()
+    handles = [
+        m.register_forward_pre_hook(lambda *_, n=name: ran.add(n))
+        for name, m in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, 64, 64))
+    finally:
+        for h in handles:
+            h.remove()
+    return [
+        name
+        for name, m in model.named_modules()
+        if name not in ran and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 # ------------------------------------------------------------------------------ sharing rules
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, Add | Concat) or super().is_leaf_module(m, module_qualified_name)
+        # attention computes with its input's shape, which a symbolic trace cannot
+        from prep.families.dla_attention import DlaAttention
+
+        leaf = isinstance(m, Add | Concat | DlaAttention)
+        return leaf or super().is_leaf_module(m, module_qualified_name)
+
+
+_SPLITS = frozenset({"split", "chunk"})
 
 
 def scale_groups(model: nn.Module) -> list[list[str]]:
     """Module names whose input quantizers must share one scale, found on an fx trace.
 
-    Tensors joined by a Concat (inputs and output), a MaxPool's input and output, and the two
-    operands of an Add form groups (union-find); every module that quantizes its input and
-    consumes a tensor of a group belongs to that group. Only groups of two or more are returned.
+    Tensors joined by a Concat (inputs and output; a ``Concat`` module or ``torch.cat``), a
+    MaxPool's input and output, the two operands of an Add, and a tensor with the parts a
+    ``split`` / ``chunk`` cuts it into form groups (union-find); every module that quantizes its
+    input and consumes a tensor of a group belongs to that group. Only groups of two or more are
+    returned.
     """
     graph = _Tracer().trace(model)
     modules = dict(model.named_modules())
@@ -186,10 +229,23 @@ def scale_groups(model: nn.Module) -> list[list[str]]:
         return out
 
     for node in graph.nodes:
+        ins = tensor_args(node)
+        joined = (node.op == "call_function" and node.target is torch.cat) or (
+            node.op == "call_method" and node.target in _SPLITS
+        )
+        part = (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and ins
+            and ins[0].op == "call_method"
+            and ins[0].target in _SPLITS
+        )
+        if joined or part:
+            for x in ins[:1] if part else ins:
+                union(x, node)
         if node.op != "call_module":
             continue
         mod = modules[str(node.target)]
-        ins = tensor_args(node)
         if isinstance(mod, Concat | nn.MaxPool2d):
             for x in ins:
                 union(x, node)
@@ -202,13 +258,16 @@ def scale_groups(model: nn.Module) -> list[list[str]]:
         if node.op != "call_module":
             continue
         mod = modules[str(node.target)]
-        if not isinstance(mod, nn.Conv2d | nn.MaxPool2d | Add | Concat):
+        # a traced-as-leaf block names its layers that read its input
+        readers = [f"{node.target}.{n}" for n in getattr(mod, "input_readers", ())]
+        if not readers and not isinstance(mod, nn.Conv2d | nn.MaxPool2d | Add | Concat):
             continue
-        for x in tensor_args(node):
-            if find(x) in roots:
+        for x in tensor_args(node)[:1] if readers else tensor_args(node):
+            if find(x) in roots or len(readers) > 1:
                 members = groups.setdefault(find(x), [])
-                if str(node.target) not in members:
-                    members.append(str(node.target))
+                for name in readers or [str(node.target)]:
+                    if name not in members:
+                        members.append(name)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -244,8 +303,10 @@ def warm_up_batchnorm(model: nn.Module, batches: Iterable[torch.Tensor]) -> None
     model.train(was_training)
 
 
-def quantize(model: YOLOv5, cfg: QATConfig) -> tuple[YOLOv5, list[list[str]]]:
-    """Fold BN, insert quantizers and apply the sharing rules. Calibrate afterwards.
+def quantize(model: Detector, cfg: QATConfig) -> tuple[Detector, list[list[str]]]:
+    """Put the model in its deployable form (``fuse``: BN folded, and for a DFL family the
+    layers of ``prep.families.dfl.RawHeads.fuse``), insert quantizers and apply the sharing
+    rules. Calibrate afterwards.
 
     Returns the quantized model (a deep copy; ``model`` is left as it was) and the sharing groups.
     """
@@ -255,7 +316,7 @@ def quantize(model: YOLOv5, cfg: QATConfig) -> tuple[YOLOv5, list[list[str]]]:
     _use_torch_fake_quant()
     fused = copy.deepcopy(model).eval().fuse()
     groups = scale_groups(fused)
-    qmodel = mtq.quantize(fused, quant_config(cfg))
+    qmodel = mtq.quantize(fused, quant_config(cfg, fused))
     share_quantizers(qmodel, groups)
     return qmodel, groups
 
@@ -365,14 +426,9 @@ def refresh_weight_amax(qmodel: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------ fine-tune
-def _distill_layers(model: YOLOv5) -> list[int]:
-    # The outputs of the backbone stages and of the three neck C3 blocks feeding the heads.
-    return [2, 4, 6, 8, 9, 13, 17, 20, 23]
-
-
 def finetune(
-    qmodel: YOLOv5,
-    teacher: YOLOv5,
+    qmodel: Detector,
+    teacher: Detector,
     batches: Callable[[], torch.Tensor],
     cfg: QATConfig,
     *,
@@ -387,7 +443,7 @@ def finetune(
         FloatingPointError: the loss became NaN or infinite (a broken calibration).
     """
     torch.manual_seed(cfg.seed)
-    layers = _distill_layers(teacher)
+    layers: list[int] = teacher.distill_layers()
     captured: dict[str, dict[int, torch.Tensor]] = {"s": {}, "t": {}}
 
     def hook(store: dict[int, torch.Tensor], idx: int) -> Callable[..., None]:
@@ -488,8 +544,9 @@ def quantizer_summary(qmodel: nn.Module) -> dict[str, int]:
 def set_head_output_quant(qmodel: nn.Module, enabled: bool) -> int:
     """Switch the heads' output quantizers on or off (their calibrated amax is kept)."""
     n = 0
+    heads = tuple(f"{conv}.output_quantizer" for conv in _head_convs(qmodel))
     for name, module in qmodel.named_modules():
-        if name.startswith("model.24.m.") and name.endswith("output_quantizer"):
+        if name in heads:
             if getattr(module, "amax", None) is None:
                 continue
             if enabled:
@@ -501,10 +558,11 @@ def set_head_output_quant(qmodel: nn.Module, enabled: bool) -> int:
 
 
 # ------------------------------------------------------------------------------ checkpoints
-QAT_FORMAT = "dlad-prep-yolov5-qat/1"
+QAT_FORMAT = "dlad-prep-qat/2"
+_QAT_FORMATS = (QAT_FORMAT, "dlad-prep-yolov5-qat/1")
 
 
-def save_qat(path: Any, qmodel: YOLOv5, cfg: QATConfig, extra: dict[str, Any]) -> None:
+def save_qat(path: Any, qmodel: Detector, cfg: QATConfig, extra: dict[str, Any]) -> None:
     """Save a quantized model: weights, every quantizer's amax and the recipe to rebuild it.
 
     ModelOpt's own ``mto.save`` cannot restore shared quantizers (it sees each shared module
@@ -516,9 +574,10 @@ def save_qat(path: Any, qmodel: YOLOv5, cfg: QATConfig, extra: dict[str, Any]) -
     torch.save(
         {
             "format": QAT_FORMAT,
+            "family": qmodel.family,
             "variant": qmodel.variant,
             "num_classes": qmodel.num_classes,
-            "anchors_px": qmodel.anchors_px.tolist(),
+            "anchors_px": qmodel.anchors_px.tolist() if isinstance(qmodel, YOLOv5) else None,
             "qat_config": asdict(cfg),
             "state_dict": qmodel.state_dict(),
             "extra": extra,
@@ -527,7 +586,7 @@ def save_qat(path: Any, qmodel: YOLOv5, cfg: QATConfig, extra: dict[str, Any]) -
     )
 
 
-def load_qat(path: Any) -> tuple[YOLOv5, dict[str, Any]]:
+def load_qat(path: Any) -> tuple[Detector, dict[str, Any]]:
     """Rebuild a model saved by :func:`save_qat`; returns it (eval mode) and its ``extra``.
 
     Raises:
@@ -535,10 +594,12 @@ def load_qat(path: Any) -> tuple[YOLOv5, dict[str, Any]]:
     """
     from modelopt.torch.quantization.nn import TensorQuantizer
 
+    from prep.train import rebuild_model
+
     data = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(data, dict) or data.get("format") != QAT_FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in _QAT_FORMATS:
         raise ValueError(f"{path} is not a prep QAT checkpoint")
-    model = YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"]).eval()
+    model: Any = rebuild_model(data).eval()
     qmodel, _ = quantize(model, QATConfig(**data["qat_config"]))
     sd = data["state_dict"]
     for name, mod in qmodel.named_modules():

@@ -11,12 +11,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from prep.manifest import StageRecord
 
 if TYPE_CHECKING:
-    from prep.model import YOLOv5
     from prep.pipeline import Chain
 
 log = logging.getLogger("prep")
@@ -117,20 +114,11 @@ def _classes(chain: Chain) -> dict[str, Any]:
     return data
 
 
-def _yolov5_checkpoint(chain: Chain, stage: str) -> tuple[Any, YOLOv5]:
-    """The trained checkpoint and its model, for the stages that take YOLOv5 only so far.
-    Raises ValueError naming the family of a model of another one."""
-    from prep.model import YOLOv5
+def _checkpoint(chain: Chain) -> Any:
+    """The trained checkpoint (``prep.train.Checkpoint``)."""
     from prep.train import load_checkpoint
 
-    ckpt = load_checkpoint(chain.dir("train") / "fp32.pt")
-    if not isinstance(ckpt.model, YOLOv5):
-        raise ValueError(
-            f"prep {stage}: the model is a {ckpt.family}; this stage takes the yolov5 family "
-            "only so far (a DFL family trains, imports and is checked against the DLA's rules: "
-            "prep import, prep check-dla)"
-        )
-    return ckpt, ckpt.model
+    return load_checkpoint(chain.dir("train") / "fp32.pt")
 
 
 # ------------------------------------------------------------------------------------ train
@@ -184,7 +172,8 @@ def run_qat(chain: Chain, record: StageRecord) -> Result:
 
     _torch_threads()
     cfg = chain.cfg.qat
-    ckpt, model = _yolov5_checkpoint(chain, "qat")
+    ckpt = _checkpoint(chain)
+    model = ckpt.model
     arrays = LetterboxedArrays.load(chain.dir("cache") / "train.npz")
     device = resolve_device(cfg.device)
     qmodel, groups = qat.quantize(model, cfg)
@@ -226,12 +215,12 @@ def run_export(chain: Chain, record: StageRecord) -> Result:
     from prep.export import count_ops, export_onnx
     from prep.qat import load_qat, set_head_output_quant
 
-    ckpt, model = _yolov5_checkpoint(chain, "export")
+    ckpt = _checkpoint(chain)
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
     # Head-output Q/DQ always goes into the export: it gives the translator the heads' scales.
     set_head_output_quant(qmodel, True)
     size = ckpt.image_size
-    fp32 = export_onnx(copy.deepcopy(model).fuse(), record.out_dir / "fp32.onnx", size)
+    fp32 = export_onnx(copy.deepcopy(ckpt.model).fuse(), record.out_dir / "fp32.onnx", size)
     qdq = export_onnx(qmodel, record.out_dir / "qat.onnx", size)
     return (
         {"fp32": record.out_dir / "fp32.onnx", "qat": record.out_dir / "qat.onnx"},
@@ -248,7 +237,7 @@ def run_translate(chain: Chain, record: StageRecord) -> Result:
         chain.dir("export") / "qat.onnx",
         infer_concat_scales=t.infer_concat_scales,
         infer_mul_scales=t.infer_mul_scales,
-        extra_ops=("Resize",),
+        extra_ops=("Resize", "Split"),
         trt_version=t.trt_version,
     )
     paths = write_outputs(result, record.out_dir, "model")
@@ -274,16 +263,19 @@ def run_translate(chain: Chain, record: StageRecord) -> Result:
 # ------------------------------------------------------------------------------------ build
 def _model_info(chain: Chain) -> Any:
     from prep.emulated_build import ModelInfo
-    from prep.model import STRIDES
+    from prep.model import STRIDES, YOLOv5
 
-    ckpt, model = _yolov5_checkpoint(chain, "build")
-    anchors = model.anchors_px.tolist()
+    ckpt = _checkpoint(chain)
+    model = ckpt.model
+    yolov5 = isinstance(model, YOLOv5)
+    anchors = model.anchors_px.tolist() if yolov5 else []
     return ModelInfo(
         num_classes=model.num_classes,
         class_names=tuple(ckpt.class_names),
         anchors_px=tuple(tuple((float(w), float(h)) for w, h in level) for level in anchors),
-        strides=STRIDES,
+        strides=STRIDES if yolov5 else tuple(int(s) for s in model.stride),
         image_size=ckpt.image_size,
+        family=ckpt.family,
     )
 
 
@@ -296,11 +288,12 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
     metrics: dict[str, Any] = {}
     if "emulated" in b.targets:
         from dlad.loadable import read_loadable
-        from prep.emulated_build import HEAD_VARIANTS, build_variants
+        from prep.emulated_build import build_variants, head_variants
 
+        info = _model_info(chain)
         paths = build_variants(
             chain.dir("translate"),
-            _model_info(chain),
+            info,
             record.out_dir,
             cores=b.cores,
             provenance={"translate": _manifest_fingerprint(chain, "translate")},
@@ -311,7 +304,7 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
                 "latency_us": read_loadable(paths[f"{v.name}.dla{b.cores[0]}"]).latency_us,
                 "bytes": paths[f"{v.name}.dla{b.cores[0]}"].stat().st_size,
             }
-            for v in HEAD_VARIANTS
+            for v in head_variants(info.family)
         }
     if "dla" in b.targets or "gpu" in b.targets:
         trt_outputs, trt_metrics = _build_trt(chain, record)
@@ -419,19 +412,20 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     each emulated row also carries the loadable's modelled DLA latency."""
     from dlad.loadable import read_loadable
     from prep.data.coco import LetterboxedArrays
-    from prep.emulated_build import HEAD_VARIANTS
+    from prep.emulated_build import head_variants
     from prep.qat import load_qat
     from prep.train import resolve_device
-    from prep.validate import HeadsFn, emulated_heads, evaluate, torch_heads
+    from prep.validate import HeadsFn, emulated_heads, evaluate, postprocessor, torch_heads
 
     _torch_threads()
     settings = chain.cfg.validate
     classes = _classes(chain)
     arrays = LetterboxedArrays.load(chain.dir("cache") / "val.npz")
     gt = json.loads(Path(classes["val_annotations"]).read_text())
-    _, model = _yolov5_checkpoint(chain, "validate")
+    model = _checkpoint(chain).model
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
-    anchors = model.anchors_px.numpy().astype(np.float32)
+    info = _model_info(chain)
+    post = postprocessor(info, settings)
     device = str(resolve_device(chain.cfg.train.device))
     runs: list[tuple[str, HeadsFn, float | None]] = [
         ("fp32", torch_heads(model, device), None),
@@ -439,14 +433,14 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     ]
     core = chain.cfg.build.cores[0]
     if "emulated" in chain.cfg.build.targets:
-        for variant in HEAD_VARIANTS:
+        for variant in head_variants(info.family):
             loadable = read_loadable(chain.dir("build") / f"{variant.name}.dla{core}.emu")
             runs.append(
                 (f"int8_emulated_{variant.name}", emulated_heads(loadable), loadable.latency_us)
             )
     rows: dict[str, dict[str, Any]] = {}
     for name, heads, latency_us in runs:
-        res = evaluate(heads, arrays, gt, classes["category_ids"], anchors, settings=settings)
+        res = evaluate(heads, arrays, gt, classes["category_ids"], post, settings=settings)
         rows[name] = {
             "map50_95": res.map50_95,
             "map50": res.map50,

@@ -336,6 +336,15 @@ class Checkpoint:
         return str(getattr(self.model, "family", "yolov5"))
 
 
+def rebuild_model(data: dict[str, Any]) -> nn.Module:
+    """A new model (random weights) of the family, size and classes a checkpoint's ``data``
+    records (no ``family``: a YOLOv5, with its anchors)."""
+    family = data.get("family", "yolov5")
+    if family == "yolov5":
+        return YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"])
+    return prep_family(family).build(data["variant"], data["num_classes"])
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """Load a checkpoint written by :func:`save_checkpoint`.
 
@@ -346,12 +355,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     formats = (CHECKPOINT_FORMAT, "dlad-prep-yolov5/1")
     if not isinstance(data, dict) or data.get("format") not in formats:
         raise ValueError(f"{path} is not a prep checkpoint")
-    family = data.get("family", "yolov5")
-    model: nn.Module
-    if family == "yolov5":
-        model = YOLOv5(data["variant"], data["num_classes"], anchors=data["anchors_px"])
-    else:
-        model = prep_family(family).build(data["variant"], data["num_classes"])
+    model = rebuild_model(data)
     model.load_state_dict(data["state_dict"])
     return Checkpoint(
         model.eval(), int(data["image_size"]), list(data["class_names"]), dict(data["extra"])

@@ -43,8 +43,10 @@ no Q/DQ network, so QAT's scales travel as a calibration cache; ``docs/reference
    backward rule gives the Resize output the Concat's scale.
 5. **Report what is missing**: graph inputs and first node outputs of float (or unknown) type
    without a scale, except tensors computed only from constants and shapes (Resize scales,
-   reshape targets). Their readers go to ``fp16_nodes``; for a graph output, its producer too,
-   since it cannot emit INT8 (YOLOv5 heads without output quantizers: the sample's FP16 heads).
+   reshape targets). Their readers go to ``fp16_nodes``; for a graph output or a ``Conv``'s
+   output, its producer too, since it cannot emit INT8 (YOLOv5 heads without output
+   quantizers: the sample's FP16 heads; TensorRT runs a conv whose output has no range in
+   FP16). Other INT8 nodes may produce a tensor without a scale: it is stored in FP16.
 6. **Export** (initializers, topological order, the input's IR version and opsets) and run
    ``onnx.checker.check_model``. Scales of tensors that no longer exist are dropped.
 """
@@ -656,9 +658,10 @@ def translate(
     inferred = _infer_scales(graph, scales, ops)
     missing = _find_missing(graph, scales)
     fp16: dict[str, None] = {}
+    convs = {n.name for n in graph.nodes if n.op == "Conv"}
     for miss in missing:
         fp16.update(dict.fromkeys(miss.consumers))
-        if miss.is_graph_output and miss.producer is not None:
+        if miss.producer is not None and (miss.is_graph_output or miss.producer in convs):
             fp16[miss.producer] = None
 
     out = gs.export_onnx(graph.cleanup(remove_unused_graph_inputs=False).toposort())

@@ -10,20 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from dlad.families.yolov5 import postprocess
+from dlad.families import family_for, yolov5, yolov8
 from dlad.imaging.post import unpack_head
+from dlad.imaging.pre import Letterbox
 from dlad.loadable import Loadable
 from prep.data.coco import LetterboxedArrays
 from prep.evaluate import EvalResult, detections_to_coco, evaluate_detections
-from prep.model import STRIDES
+
+if TYPE_CHECKING:
+    from prep.emulated_build import ModelInfo
 
 HeadsFn = Callable[[np.ndarray], list[np.ndarray]]
+PostFn = Callable[[list[np.ndarray], Letterbox], np.ndarray]
+"""One image's heads and letterbox → its ``[N, 6]`` detections in original-image pixels."""
 
 
 @dataclass(frozen=True)
@@ -61,26 +66,31 @@ def iter_heads(
             yield start + k, [h[k] for h in heads]
 
 
+def postprocessor(info: ModelInfo, settings: EvalSettings) -> PostFn:
+    """The family's numpy decode + NMS (``dlad.families``: what dlad serves with) with
+    ``settings``' thresholds, multi-label as mAP is measured (a one-to-one head: its top
+    ``max_det`` scores, no NMS)."""
+    conf, iou, max_det = settings.conf_threshold, settings.iou_threshold, settings.max_det
+    if info.family == "yolov5":
+        anchors = np.asarray(info.anchors_px, np.float32)
+        return lambda heads, lb: yolov5.postprocess(
+            heads, anchors, info.strides, lb, conf_threshold=conf, iou_threshold=iou,
+            max_det=max_det, multi_label=True,
+        )  # fmt: skip
+    end2end = family_for(info.family).end2end
+    return lambda heads, lb: yolov8.postprocess(
+        heads, info.strides, info.num_classes, lb, conf_threshold=conf, iou_threshold=iou,
+        max_det=max_det, multi_label=True, end2end=end2end,
+    )  # fmt: skip
+
+
 def detect_all(
-    heads_fn: HeadsFn,
-    arrays: LetterboxedArrays,
-    anchors_px: np.ndarray,
-    settings: EvalSettings,
-    strides: Sequence[int] = STRIDES,
+    heads_fn: HeadsFn, arrays: LetterboxedArrays, post: PostFn, settings: EvalSettings
 ) -> list[np.ndarray]:
     """Per image, ``[N, 6]`` detections in original-image pixels (multi-label, for mAP)."""
     out: list[np.ndarray] = [np.zeros((0, 6), np.float32)] * len(arrays)
     for i, heads in iter_heads(heads_fn, arrays, settings.batch_size):
-        out[i] = postprocess(
-            heads,
-            anchors_px,
-            strides,
-            arrays.geometry(i),
-            conf_threshold=settings.conf_threshold,
-            iou_threshold=settings.iou_threshold,
-            max_det=settings.max_det,
-            multi_label=True,
-        )
+        out[i] = post(heads, arrays.geometry(i))
     return out
 
 
@@ -89,7 +99,7 @@ def evaluate(
     arrays: LetterboxedArrays,
     ground_truth: dict[str, Any],
     class_to_category: Sequence[int],
-    anchors_px: np.ndarray,
+    post: PostFn,
     *,
     settings: EvalSettings = EvalSettings(),
 ) -> EvalResult:
@@ -97,7 +107,7 @@ def evaluate(
 
     Only the images of ``arrays`` are scored (the ground truth is restricted to them).
     """
-    detections = detect_all(heads_fn, arrays, anchors_px, settings)
+    detections = detect_all(heads_fn, arrays, post, settings)
     coco: list[dict[str, Any]] = []
     for i, dets in enumerate(detections):
         coco.extend(detections_to_coco(int(arrays.image_ids[i]), dets, class_to_category))

@@ -72,6 +72,8 @@ class Family:
             decode (an executor then post-processes on the CPU even where a GPU is present).
         cuda_source: the ``.cu`` file holding its decode kernels.
         cuda_kernels: their names.
+        end2end: its heads are one-to-one (NMS-free): its decode keeps the best ``max_det``
+            candidates without NMS.
     """
 
     name: str
@@ -80,6 +82,7 @@ class Family:
     cuda_program: Callable[[Loadable], PostProgram] | None = None
     cuda_source: Path | None = None
     cuda_kernels: tuple[str, ...] = ()
+    end2end: bool = False
 
     @property
     def cuda(self) -> bool:

@@ -190,7 +190,7 @@ def _family(name: str, *, end2end: bool = False) -> Family:
         return program(loadable.outputs[0].c, loadable.num_classes, end2end=end2end)
 
     source = Path(__file__).with_suffix(".cu")
-    return Family(name, _check_heads, post, post_program, source, (KERNEL,))
+    return Family(name, _check_heads, post, post_program, source, (KERNEL,), end2end)
 
 
 FAMILIES: Final = (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,93 @@ class RawHeads(nn.Module):
             (detect.one2one_cv2, detect.one2one_cv3) if self.one2one else (detect.cv2, detect.cv3)
         )
         return tuple(torch.cat((box[i](f), cls[i](f)), 1) for i, f in enumerate(feats))
+
+    def head_convs(self) -> list[str]:
+        """The convs whose outputs make the heads: per stride, the box branch's last conv, then
+        the class branch's (the branches :meth:`forward` runs)."""
+        last = len(self.model) - 1
+        box, cls = ("one2one_cv2", "one2one_cv3") if self.one2one else ("cv2", "cv3")
+        return [
+            f"model.{last}.{branch}.{i}.2"
+            for i in range(len(self.detect.f))
+            for branch in (box, cls)
+        ]  # fmt: skip
+
+    def distill_layers(self) -> list[int]:
+        """The layers whose outputs QAT's feature distillation matches: every one a later layer
+        reads (the backbone stages, the neck and the heads' inputs)."""
+        return sorted({*self.save, *self.detect.f} - {len(self.model) - 1})
+
+    def fuse(self) -> RawHeads:
+        """Put the model in its deployable form, in place; returns ``self``. The function is
+        unchanged (to float rounding); the layers become the DLA's:
+
+        * every BatchNorm folds into its conv (Ultralytics' ``fuse_conv_and_bn``);
+        * attention becomes :class:`prep.families.dla_attention.DlaAttention`;
+        * C2f / C3k2 split their first conv's output with ``split`` of static sizes (the
+          exporter then writes one ``Split``, not shape arithmetic: Ultralytics' own export
+          does the same);
+        * residual additions (``Bottleneck``, ``PSABlock``, a shortcut ``SPPF``) and the neck's
+          concatenations become ``prep.model.Add`` / ``Concat`` modules, so QAT quantizes and
+          shares their inputs' scale as it does YOLOv5's.
+
+        The Detect layer's unused branches (the DFL conv; YOLO26's other head) stay, unused,
+        so the state dict keeps Ultralytics' keys.
+        """
+        from ultralytics.nn.modules import C2f, Concat, Conv, DWConv
+        from ultralytics.nn.modules.block import SPPF, Bottleneck, PSABlock
+        from ultralytics.utils.torch_utils import fuse_conv_and_bn
+
+        from prep import model as yolov5
+        from prep.families.dla_attention import dla_legal_inplace
+
+        dla_legal_inplace(self)
+        for m in list(self.modules()):
+            if isinstance(m, Conv | DWConv) and hasattr(m, "bn"):
+                m.conv = fuse_conv_and_bn(m.conv, m.bn)
+                delattr(m, "bn")
+                m.forward = m.forward_fuse  # type: ignore[method-assign]
+                if isinstance(m.act, nn.SiLU):  # Ultralytics shares one: QAT quantizes each
+                    m.act = nn.SiLU()
+            for name, child in list(m.named_children()):
+                if (
+                    isinstance(child, nn.Sequential)
+                    and len(child) == 2
+                    and isinstance(child[0], nn.Conv2d)
+                    and isinstance(child[1], nn.BatchNorm2d)
+                ):
+                    setattr(m, name, fuse_conv_and_bn(child[0], child[1]))
+            if isinstance(m, C2f):
+                m.forward = m.forward_split  # type: ignore[method-assign]
+            residual = {Bottleneck: _bottleneck, PSABlock: _psa_block, SPPF: _sppf}
+            if type(m) in residual and getattr(m, "add", False):
+                m.addop = yolov5.Add()
+                if type(m) is PSABlock:
+                    m.addop2 = yolov5.Add()
+                m.forward = types.MethodType(residual[type(m)], m)
+        for i, layer in enumerate(self.model):
+            if isinstance(layer, Concat):
+                concat = yolov5.Concat(layer.d)
+                concat.f, concat.i = layer.f, layer.i
+                self.model[i] = concat
+        return self
+
+
+# Ultralytics' forwards of its blocks with a residual addition (``add`` set), the addition an
+# ``Add`` module (``addop``, then ``addop2``).
+def _bottleneck(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return self.addop(x, self.cv2(self.cv1(x)))
+
+
+def _psa_block(self: Any, x: torch.Tensor) -> torch.Tensor:
+    x = self.addop(x, self.attn(x))
+    return self.addop2(x, self.ffn(x))
+
+
+def _sppf(self: Any, x: torch.Tensor) -> torch.Tensor:
+    y = [self.cv1(x)]
+    y.extend(self.m(y[-1]) for _ in range(getattr(self, "n", 3)))
+    return self.addop(self.cv2(torch.cat(y, 1)), x)
 
 
 def build_model(family: str, variant: str, num_classes: int) -> RawHeads:

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DlaAttention", "dla_legal", "factors"]
+from prep.model import Add
+
+__all__ = ["DlaAttention", "dla_legal", "dla_legal_inplace", "factors"]
 
 MAX_RESIZE = 32
 """The largest whole factor of one nearest resize on the DLA."""
@@ -75,6 +77,9 @@ class DlaAttention(nn.Module):
     """The function of an Ultralytics ``Attention`` in DLA layers (see the module docstring);
     built from one, whose ``pe`` and ``proj`` it keeps."""
 
+    input_readers = ("q", "k", "v")
+    """Its layers that read its input (QAT gives their input quantizers one scale)."""
+
     def __init__(self, attention: Any) -> None:
         super().__init__()
         heads, kd, hd = attention.num_heads, attention.key_dim, attention.head_dim
@@ -93,6 +98,7 @@ class DlaAttention(nn.Module):
         score = nn.Conv2d(heads * kd, heads, 1, groups=heads, bias=False)
         score.weight.data.fill_(attention.scale)
         self.score = score.requires_grad_(False)
+        self.addop = Add()  # a module, so QAT quantizes both addends with one scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = (int(d) for d in x.shape)  # static: a DLA graph has no shape arithmetic
@@ -105,15 +111,20 @@ class DlaAttention(nn.Module):
         big_v = _resize(v.reshape(b, c, n, 1).permute(0, 2, 1, 3), 3, n)  # [b, N_j, C, N_i]
         ones = torch.ones(1, n, 1, 1, dtype=x.dtype, device=x.device)
         out = nn.functional.conv2d(big_v * rep, ones)  # [b, 1, C, N_i]
-        return self.proj(out.reshape(b, c, h, w) + self.pe(v))
+        return self.proj(self.addop(out.reshape(b, c, h, w), self.pe(v)))
 
 
 def dla_legal(model: nn.Module) -> nn.Module:
     """``model`` with every Ultralytics ``Attention`` replaced by a :class:`DlaAttention` (a
     copy: ``model`` is left as it is)."""
+    return dla_legal_inplace(copy.deepcopy(model))
+
+
+def dla_legal_inplace(model: nn.Module) -> nn.Module:
+    """Replace every Ultralytics ``Attention`` in ``model`` by a :class:`DlaAttention`;
+    returns ``model``."""
     from ultralytics.nn.modules.block import Attention
 
-    model = copy.deepcopy(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Attention):

@@ -140,3 +140,25 @@ def test_smoke_chain_end_to_end_then_skips(tmp_path: Path) -> None:
     assert (work / "validate/manifest.json").stat().st_mtime_ns != stamps[
         work / "validate/manifest.json"
     ]
+
+
+def test_a_yolo26_runs_every_stage(tmp_path: Path) -> None:
+    """A DFL family through the whole chain: QAT, export, translation (attention's product and
+    softmax the only FP16 nodes), the emulated loadables of its head variants, which name the
+    family and its classes, and their mAP beside FP32's."""
+    from dlad.loadable import read_loadable
+
+    work = tmp_path / "run"
+    args = ["all", "--preset", "smoke", "--workdir", str(work), "-q"]
+    assert main([*args, "--set", "model.family=yolo26"]) == 0
+    config = json.loads((work / "translate/model_precision_config.json").read_text())
+    assert config["fp16_nodes"]
+    assert all("/attn/" in n for n in config["fp16_nodes"])
+    loadable = read_loadable(work / "build/int8_heads.dla0.emu")
+    assert loadable.family == "yolo26"
+    assert loadable.anchors_px == ()
+    assert len(loadable.class_names) == loadable.num_classes
+    metrics = json.loads((work / "validate/metrics.json").read_text())
+    assert set(metrics["rows"]) == {
+        "fp32", "qat_fakequant", "int8_emulated_int8_heads", "int8_emulated_fp16_heads",
+    }  # fmt: skip

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def quantized(warm_model: YOLOv5) -> tuple[YOLOv5, list[list[str]]]:
+def quantized(warm_model: YOLOv5) -> tuple[Any, list[list[str]]]:
     qmodel, groups = qat.quantize(warm_model, qat.QATConfig())
     gen = torch.Generator().manual_seed(3)
     qat.calibrate(qmodel, [torch.rand(2, 3, 96, 96, generator=gen) for _ in range(2)])

@@ -104,12 +104,8 @@ def test_time_budget_cuts_epochs() -> None:
 
 def test_a_dfl_family_trains_with_its_own_loss_and_checkpoints(tmp_path: Path) -> None:
     """YOLO11 trains with Ultralytics' loss (box, cls, dfl) through the same loop, and its
-    checkpoint rebuilds it from the family's definition; the stages that take YOLOv5 only so
-    far say so, naming the family."""
-    from types import SimpleNamespace
-
+    checkpoint rebuilds it from the family's definition."""
     from prep.families import prep_family
-    from prep.stages import _yolov5_checkpoint
 
     images, labels = _scene(64, 64, 2)
     torch.manual_seed(0)
@@ -128,9 +124,6 @@ def test_a_dfl_family_trains_with_its_own_loss_and_checkpoints(tmp_path: Path) -
     with torch.no_grad():
         for a, b in zip(result.model(x), ckpt.model(x), strict=True):
             torch.testing.assert_close(a, b)
-    chain = SimpleNamespace(dir=lambda stage: tmp_path / stage)
-    with pytest.raises(ValueError, match="the model is a yolo11; this stage takes the yolov5"):
-        _yolov5_checkpoint(chain, "qat")  # type: ignore[arg-type]
 
 
 def test_checkpoints_of_earlier_runs_still_load(tmp_path: Path) -> None:
