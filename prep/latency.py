@@ -435,9 +435,13 @@ def fit_params(
     if fp16_convs(plan0) or not fp16_convs(plan1):
         raise LatencyModelError("case 0 must be all-INT8 convs and case 1 must hold FP16 convs")
 
+    def with_value(p: DlaParams, field_name: str, value: float) -> DlaParams:
+        changes: dict[str, Any] = {field_name: value}  # every FIT_RANGES field is a float
+        return replace(p, **changes)
+
     def solve(plan: LatencyPlan, target: float, field_name: str, p: DlaParams) -> DlaParams:
         def total(value: float) -> float:
-            return estimate_plan(plan, params=replace(p, **{field_name: value})).total_us
+            return estimate_plan(plan, params=with_value(p, field_name, value)).total_us
 
         lo, hi = FIT_RANGES[field_name]
         if not total(hi) <= target <= total(lo):
@@ -448,7 +452,7 @@ def fit_params(
         for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if total(mid) > target else (lo, mid)
-        return replace(p, **{field_name: round((lo + hi) / 2, 4)})
+        return with_value(p, field_name, round((lo + hi) / 2, 4))
 
     fitted = solve(plan0, target0, fields[0], base)
     return solve(plan1, target1, fields[1], fitted)
