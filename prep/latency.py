@@ -3,13 +3,16 @@
 An estimate, not a measurement. ``prep.latency_graph`` decides what the DLA compiler would make of
 the graph (fused SiLU/residual Add, in-place Concat, INT8<->FP16 ``Reformat`` steps); this module
 prices each hardware step with the constants of :class:`DlaParams`, every one with its source or
-reasoning in ``docs/latency.md``. The two conv efficiencies are fitted by :func:`fit_params` to
-the published YOLOv5s 672x672 times (:data:`CALIBRATION_US`); nothing else is tuned to them.
+reasoning in ``docs/latency.md``. Six are fitted to published totals (YOLOv5s 672x672,
+:data:`CALIBRATION_US`, and three of NVIDIA's published DLA networks: ``bench/dla_published.py
+--fit``); three more published networks check them.
 
-* **Compute.** A conv's MACs are counted with its channels padded to the MAC array's atoms, at
-  the INT8 or the ~15x slower FP16 rate, times the achieved efficiency; its SDP stage writes
-  the output at a fixed element rate, and the slower of the two wins. Stand-alone SDP,
-  pooling and resize steps run at their engines' element rates.
+* **Compute.** A conv's MACs are counted with its channels padded to the MAC array's atoms
+  (grouped convs per pack of groups sharing an atom, depthwise convs with the channels as the
+  atom), at the INT8 or the ~15x slower FP16 rate, times an efficiency that rises with the
+  array passes each output takes; its SDP stage writes the output at its ALU rate, or its lookup
+  table's for a Sigmoid, Tanh or SiLU, and the slower of the two wins. Stand-alone SDP, pooling
+  and resize steps run at their engines' element rates.
 * **Memory.** Activations live in CHW32 (int8) / CHW16 (fp16) surfaces. A buffer stays in the
   1 MiB SRAM when it fits beside every other on-chip buffer alive over its producer->last
   consumer span (greedy, shortest spans first); otherwise it goes to DRAM. Graph I/O and weights

@@ -5,8 +5,9 @@ of a PTQ ONNX graph, before any timing constant is applied.
   ``Identity`` of a weight) are not layers; an ``Identity`` of an activation is an alias.
 * **Fusion.** A Conv's SDP stage absorbs what follows it: SiLU (``Sigmoid`` + ``Mul``), a single
   activation, a per-channel constant scale/bias, and one residual ``Add`` whose other operand was
-  produced before the Conv, as long as the precisions agree and no intermediate tensor is read
-  elsewhere or is a graph output. DLA 3.14 fuses INT8 SiLU into the conv (seed article).
+  produced before the Conv, and last a pool (on the fly: the SDP streams into the pooling
+  engine), as long as the precisions agree and no intermediate tensor is read elsewhere or is a
+  graph output. DLA 3.14 fuses INT8 SiLU into the conv (seed article).
 * **In-place Concat.** Producers write straight into the channel slices of the output, so a
   channel Concat of same-precision inputs whose channel counts fill whole surface atoms costs
   nothing; an input that cannot be placed (a graph input, one already in another Concat, a
