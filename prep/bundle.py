@@ -102,7 +102,7 @@ def expected_detections(workdir: Path, out: Path, variant: str, files: list[str]
     import numpy as np
     from PIL import Image
 
-    from dlad.families.yolov5 import postprocess
+    from dlad.families import family_for
     from dlad.imaging.pre import letterbox
     from dlad.loadable import read_loadable
     from dlad.models.digest import heads_sha256
@@ -112,7 +112,7 @@ def expected_detections(workdir: Path, out: Path, variant: str, files: list[str]
     loadable = read_loadable(out / f"{variant}.dla0.emu")
     qmodel, _ = load_qat(workdir / "qat" / "qat.pt")
     runs = {"qat_fakequant": torch_heads(qmodel), "emulated_int8": emulated_heads(loadable)}
-    anchors = np.asarray(loadable.anchors_px, np.float32)
+    postprocess = family_for(loadable.family).postprocess
     size = loadable.image_size[0]
     result: dict[str, Any] = {
         "conf_threshold": CONF,
@@ -126,15 +126,7 @@ def expected_detections(workdir: Path, out: Path, variant: str, files: list[str]
         per_model = {}
         for tag, heads_fn in runs.items():
             heads = [h[0] for h in heads_fn(canvas[None])]
-            dets = postprocess(
-                heads,
-                anchors,
-                loadable.strides,
-                geometry,
-                conf_threshold=CONF,
-                iou_threshold=IOU,
-                max_det=MAX_DET,
-            )
+            dets = postprocess(heads, loadable, geometry, conf=CONF, iou=IOU, max_det=MAX_DET)
             per_model[tag] = [[round(float(v), 3) for v in row] for row in dets]
         result["images"][Path(name).name] = per_model
     # The core's integers themselves: equal on every host (dlad/devices/int8_layout.py).

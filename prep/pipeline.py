@@ -96,8 +96,16 @@ class BuildConfig:
     engine is built on the device that runs it."""
     max_batch: int = 8
     """The GPU engine's largest batch (its profile is 1..max_batch; 1..64)."""
+    quantization: str = "auto"
+    """The TensorRT path: ``auto`` (by the TensorRT found: ``implicit`` up to 10.7, ``explicit``
+    from 11; without TensorRT the commands of both are written), ``implicit`` (the stripped
+    ONNX + calibration cache) or ``explicit`` (the Q/DQ ONNX)."""
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("auto", "implicit", "explicit"):
+            raise ConfigError(
+                f"build.quantization: {self.quantization!r} is not auto, implicit or explicit"
+            )
         if not 1 <= self.max_batch <= GPU_MAX_BATCH:
             raise ConfigError(
                 f"build.max_batch: {self.max_batch} is not in 1..{GPU_MAX_BATCH} (the GPU"

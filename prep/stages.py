@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prep.manifest import StageRecord
 
@@ -330,6 +330,7 @@ def _build_trt(chain: Chain, record: StageRecord) -> Result:
     paths are written, for the JetPack that runs them."""
     from prep.build_trt import (
         DlaBuildSpec,
+        QuantizationChoice,
         build_dla_loadable,
         load_fp16_layers,
         quantization_for,
@@ -344,7 +345,11 @@ def _build_trt(chain: Chain, record: StageRecord) -> Result:
     ptq, cache = tdir / "model_noqdq.onnx", tdir / "model_precision_config_calib.cache"
     fp16 = load_fp16_layers(tdir / "model_precision_config.json")
     version = tensorrt_available()
-    modes = ("implicit", "explicit") if version is None else (quantization_for(version),)
+    asked = cast("QuantizationChoice", b.quantization)
+    if version is not None:
+        modes: tuple[str, ...] = (quantization_for(version, asked),)
+    else:
+        modes = ("implicit", "explicit") if asked == "auto" else (asked,)
     jobs: dict[str, tuple[DlaBuildSpec, Path]] = {}
     outputs: dict[str, Path] = {}
     for mode in modes:

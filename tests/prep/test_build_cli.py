@@ -14,7 +14,7 @@ import pytest
 
 from prep import build_trt, stages
 from prep.cli import main
-from prep.pipeline import BuildConfig, ChainConfig
+from prep.pipeline import BuildConfig, ChainConfig, ConfigError
 from tests.prep.fake_tensorrt import FakeTensorRT
 from tests.prep.test_build_trt import HEADS, INTERNAL, make_onnx, write_cache
 
@@ -207,3 +207,23 @@ def test_without_tensorrt_the_build_stage_skips_the_gpu_engine(
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "not built: gpu" in warning
     assert "built on the device that runs it" in warning
+
+
+@pytest.mark.parametrize(("asked", "keys"), [
+    ("auto", {"dla0", "dla0_explicit"}), ("implicit", {"dla0"}), ("explicit", {"dla0_explicit"}),
+])  # fmt: skip
+def test_without_tensorrt_the_build_stage_writes_the_asked_paths_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asked: str, keys: set[str]
+) -> None:
+    """``build.quantization`` picks the trtexec commands written where TensorRT is absent:
+    both paths' for ``auto`` (the JetPack that runs them decides), else the asked one's."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    _translated(tmp_path)
+    _run_build_stage(tmp_path, targets=("dla",), cores=(0,), quantization=asked)
+    commands = json.loads((tmp_path / "build" / "trtexec_commands.json").read_text())
+    assert set(commands) == keys
+
+
+def test_a_build_path_that_does_not_exist_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"build\.quantization: 'strong' is not auto"):
+        BuildConfig(quantization="strong")
