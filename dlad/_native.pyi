@@ -4,6 +4,12 @@ from typing import Any, Literal
 
 _Kind = Literal["dla", "gpu"]
 
+def logit_cut(conf: float) -> float: ...
+def letterbox_geometry(
+    src_w: int, src_h: int, dst_w: int, dst_h: int
+) -> tuple[float, int, int, int, int]: ...
+def scaled_extent(src: int, scale: float, dst: int) -> int: ...
+
 class Scheduler:
     policy: str
     def __init__(

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from dlad import _native
 from dlad.imaging.pre import Letterbox, round_half_away_from_zero
 
 __all__ = [
@@ -216,13 +217,12 @@ def check_head_arrays(heads: Sequence[npt.NDArray[np.floating]], strides: Sequen
 
 
 def logit_cut(conf_threshold: float) -> float:
-    """The logit below which no sigmoid passes ``conf_threshold``, less a margin: ``S(x) > thr``
-    ⇔ ``x > logit(thr)``, and the margin keeps float rounding near the boundary from dropping a
-    row the exact score test would keep (that test is authoritative). A decode skips the rows
-    whose gating logit is not above it (the kernels take it as ``FrameParams.obj_cut``)."""
-    if conf_threshold == 0:
-        return -math.inf
-    return math.log(conf_threshold / (1 - conf_threshold)) - 1e-3
+    """The logit below which no sigmoid passes ``conf_threshold``, less a margin, as a float32
+    value: ``S(x) > thr`` ⇔ ``x > logit(thr)``, and the margin keeps float rounding near the
+    boundary from dropping a row the exact score test would keep (that test is authoritative).
+    A decode skips the rows whose gating logit is not above it; the GPU kernels take it as
+    ``FrameParams.obj_cut``. One rule for every path: ``dlad/native/frame_rules.hpp``."""
+    return _native.logit_cut(conf_threshold)
 
 
 # ------------------------------------------------------------------------------- NMS

@@ -24,6 +24,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from dlad import _native
+
 __all__ = [
     "HWC4_ROW_ALIGN_BYTES",
     "Letterbox",
@@ -123,9 +125,8 @@ def _as_boxes(boxes: npt.ArrayLike) -> npt.NDArray[np.generic]:
 
 
 def _scaled_extent(src: int, scale: float, dst: int) -> int:
-    # Half-up rounding, clamped to [1, dst]: a 1-pixel-wide source never vanishes, and float
-    # error in min(dst/src) can never push the image past the canvas edge.
-    return min(dst, max(1, math.floor(src * scale + 0.5)))
+    # Half-up rounding, clamped to [1, dst] (dlad/native/frame_rules.hpp: one rule for every path)
+    return _native.scaled_extent(src, scale, dst)
 
 
 def _int_at_least(x: object, low: int) -> int | None:
@@ -228,13 +229,12 @@ def letterbox_geometry(src_w: int, src_h: int, size: int | tuple[int, int]) -> L
     dst_w, dst_h = _canvas_size(size)
     if _int_at_least(src_w, 1) is None or _int_at_least(src_h, 1) is None:
         raise ValueError(f"image size must be positive, got {src_w} x {src_h}")
-    scale = min(dst_w / src_w, dst_h / src_h)
-    new_w = _scaled_extent(src_w, scale, dst_w)
-    new_h = _scaled_extent(src_h, scale, dst_h)
+    # dlad/native/frame_rules.hpp: the C++ plane's GPU chain draws frames with the same rule
+    scale, pad_x, pad_y, _, _ = _native.letterbox_geometry(int(src_w), int(src_h), dst_w, dst_h)
     return Letterbox(
         scale=scale,
-        pad_x=(dst_w - new_w) // 2,
-        pad_y=(dst_h - new_h) // 2,
+        pad_x=pad_x,
+        pad_y=pad_y,
         src_w=int(src_w),
         src_h=int(src_h),
         dst_w=dst_w,

@@ -16,17 +16,6 @@ constexpr int kNmsRounds = 24;       // GpuPipeline.post's default
 constexpr int kPadValue = 114;       // GpuPipeline.pre's default
 constexpr int kRowAlignBytes = 64;   // dlad.imaging.pre.HWC4_ROW_ALIGN_BYTES
 
-// dlad.imaging.pre._scaled_extent
-int scaled_extent(int src, double scale, int dst) {
-    return std::min(dst, std::max(1, static_cast<int>(std::floor(src * scale + 0.5))));
-}
-
-// dlad.imaging.post.logit_cut, rounded to float32 as np.float32 does
-float logit_cut(double conf) {
-    if (conf == 0) return -std::numeric_limits<float>::infinity();
-    return static_cast<float>(std::log(conf / (1 - conf)) - 1e-3);
-}
-
 }  // namespace
 
 std::string call_failed(const char* call, int code) {
@@ -36,20 +25,6 @@ std::string call_failed(const char* call, int code) {
 std::mutex& host_tags_mu() {
     static std::mutex mu;
     return mu;
-}
-
-Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h) {
-    Letterbox g;
-    g.scale = std::min(static_cast<double>(dst_w) / src_w, static_cast<double>(dst_h) / src_h);
-    g.new_w = scaled_extent(src_w, g.scale, dst_w);
-    g.new_h = scaled_extent(src_h, g.scale, dst_h);
-    g.pad_x = (dst_w - g.new_w) / 2;
-    g.pad_y = (dst_h - g.new_h) / 2;
-    g.src_w = src_w;
-    g.src_h = src_h;
-    g.dst_w = dst_w;
-    g.dst_h = dst_h;
-    return g;
 }
 
 std::string make_current(const CudaApi& cuda, void* context) {
@@ -135,7 +110,7 @@ std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot
         }
     }
     // GpuPipeline.pre
-    const Letterbox g = letterbox_geometry(frame.width, frame.height, spec.canvas_w, spec.canvas_h);
+    const Letterbox g = rules::letterbox_geometry(frame.width, frame.height, spec.canvas_w, spec.canvas_h);
     slot.geometry = g;
     PreParams p{};
     p.src = reinterpret_cast<const void*>(src);
@@ -202,7 +177,7 @@ std::string enqueue_post_graph(const CudaApi& cuda, GpuSlot& slot, const Frame& 
     const Letterbox& g = slot.geometry;
     FrameParams f{};
     f.conf = static_cast<float>(frame.conf);
-    f.obj_cut = logit_cut(frame.conf);
+    f.obj_cut = rules::logit_cut(frame.conf);
     f.iou = static_cast<float>(frame.iou);
     f.max_det = frame.max_det;
     f.multi_label = 0;

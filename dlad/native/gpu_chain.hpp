@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "frame_rules.hpp"
+
 namespace dlad::plane {
 
 // nvscisync.h's fence: 48 opaque bytes, all zero when cleared (NvSciSyncFenceInitializer).
@@ -117,12 +119,7 @@ struct GpuSpec {
     std::vector<std::string> patterns;
 };
 
-// dlad.imaging.pre.Letterbox with its new_w, new_h: the same doubles, the same rounding.
-struct Letterbox {
-    double scale = 0;
-    int pad_x = 0, pad_y = 0, src_w = 0, src_h = 0, dst_w = 0, dst_h = 0, new_w = 0, new_h = 0;
-};
-Letterbox letterbox_geometry(int src_w, int src_h, int dst_w, int dst_h);
+using rules::Letterbox;
 
 // kernels.cu's structs, field for field.
 struct PreParams {

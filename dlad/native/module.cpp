@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "frame_rules.hpp"
 #include "plane.hpp"
 #include "python_engine.hpp"
 #include "scheduler.hpp"
@@ -293,6 +294,18 @@ std::unique_ptr<dlad::plane::Plane> make_plane(
 PYBIND11_MODULE(_native, m) {
     m.doc() = "dlad's C++ core (dlad/native/): the native data plane, its scheduler and the "
               "INFER codec; used through dlad.native_plane.";
+    m.def("logit_cut", [](double conf) { return static_cast<double>(dlad::rules::logit_cut(conf)); },
+          py::arg("conf"), "The decode's logit cut for a confidence threshold (frame_rules.hpp).");
+    m.def(
+        "letterbox_geometry",
+        [](int src_w, int src_h, int dst_w, int dst_h) {
+            const auto g = dlad::rules::letterbox_geometry(src_w, src_h, dst_w, dst_h);
+            return py::make_tuple(g.scale, g.pad_x, g.pad_y, g.new_w, g.new_h);
+        },
+        py::arg("src_w"), py::arg("src_h"), py::arg("dst_w"), py::arg("dst_h"),
+        "(scale, pad_x, pad_y, new_w, new_h) of a letterbox (frame_rules.hpp).");
+    m.def("scaled_extent", &dlad::rules::scaled_extent, py::arg("src"), py::arg("scale"),
+          py::arg("dst"), "A resized extent on the canvas (frame_rules.hpp).");
     m.def("wire_constants", [] {
         namespace w = dlad::wire;
         const w::Limits limits;
