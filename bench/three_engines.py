@@ -70,17 +70,20 @@ COMMON = ["--input", "random:640x480", "--warmup-s", "1.5", "--window-s", "2",
           "--stability-pct", "5", "--max-trials", "6", "--quiet"]  # fmt: skip
 
 
-def config(devices: list[str], policy: str, *, contention: float, scale: float) -> str:
+def config(
+    devices: list[str], policy: str, *, contention: float, scale: float, dla_us: float = DLA_US
+) -> str:
     """The emulated Orin above serving ``devices`` under ``policy`` (``static-even``: policy
-    static with :func:`even_pins`)."""
+    static with :func:`even_pins`); ``dla_us``: a DLA core's time a frame, the GPU's scaled with
+    it as the emulated GPU scales another model's."""
     return CONFIG.format(
         endpoint="{endpoint}",
         policy=policy.removesuffix("-even"),
         pins=even_pins(devices) if policy.endswith("-even") else "",
         contention=contention,
-        dlas=emulated_dlas(DLA_US * scale),
+        dlas=emulated_dlas(dla_us * scale),
         gpu_batch=GPU_BATCH,
-        gpu_us=GPU_US[1] * scale,
+        gpu_us=GPU_US[1] * dla_us / DLA_US * scale,
         model=demo_model(devices),
     )
 
@@ -97,8 +100,10 @@ def bench(endpoint: str, out: Path, name: str, *args: str) -> dict[str, str]:
 
 
 def run(out: Path, name: str, devices: list[str], policy: str, args: argparse.Namespace,
-        *bench_args: str) -> dict[str, str]:  # fmt: skip
-    text = config(devices, policy, contention=args.contention, scale=args.time_scale)
+        *bench_args: str, dla_us: float = DLA_US) -> dict[str, str]:  # fmt: skip
+    text = config(
+        devices, policy, contention=args.contention, scale=args.time_scale, dla_us=dla_us
+    )
     with running_daemon(text, out / f"{name}.daemon.log") as (_, endpoint):
         return bench(endpoint, out, name, *bench_args)
 
@@ -110,9 +115,12 @@ def even_pins(devices: list[str], streams: int = 24) -> str:
     return f"pins = {{ {table} }}\n"
 
 
-def ideal(devices: list[str], contention: float, scale: float = 1.0) -> float:
+def ideal(
+    devices: list[str], contention: float, scale: float = 1.0, dla_us: float = DLA_US
+) -> float:
+    s = scale * dla_us / DLA_US  # another model's engines, scaled as config() scales them
     engines = {
-        d: ("gpu", GPU_US[GPU_BATCH] / GPU_BATCH * scale) if d == "gpu" else ("dla", DLA_US * scale)
+        d: ("gpu", GPU_US[GPU_BATCH] / GPU_BATCH * s) if d == "gpu" else ("dla", DLA_US * s)
         for d in devices
     }
     return sum(saturated_rates(engines, contention).values())
