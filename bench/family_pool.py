@@ -8,7 +8,7 @@ on the emulated Orin (docs/BENCHMARKS.md, "Model families").
    only) goes through QAT's quantize + calibrate (one random batch), export and the translator,
    as ``prep all`` does; ``prep.latency.estimate`` then prices the translated graph with the
    translator's FP16 nodes (YOLO11's and YOLO26's attention products), INT8 body, INT8 and FP16
-   heads, at batch 1 on one DLA core.
+   heads, at batch 1 on one DLA core; and what attention in DLA layers costs of it.
 2. **Pool throughput.** The emulated Orin of ``bench/three_engines.py`` (timing mode,
    pre/post-processing off) with each DLA core at the family's FP16-heads time and the GPU's
    published YOLOv5s curve scaled by it (as the emulated GPU scales every model): the
@@ -55,6 +55,8 @@ def modelled(family: str, variant: str, size: int) -> dict[str, object]:
         est = estimate(result.model, fp16_nodes=result.fp16_nodes, heads=heads)
         row[f"{heads}_heads_ms"] = est.total_ms
         row["layers"] = len(est.layers)
+        # attention in DLA layers (prep.families.dla_attention): its share of the frame
+        row["attention_ms"] = sum(x.time_us for x in est.layers if "/attn/" in x.name) / 1e3
     return row
 
 
@@ -71,12 +73,12 @@ def main() -> int:
     load_avg, t0 = os.getloadavg()[0], time.monotonic()
     rows = {f: modelled(f, args.variant, args.size) for f in args.families}
     print(f"\n## modelled DLA latency, {args.variant} at {args.size}, batch 1, one core\n")
-    print("| family | INT8 heads ms | FP16 heads ms | FP16 nodes | DLA layers |")
-    print("|---|---|---|---|---|")
+    print("| family | INT8 heads ms | FP16 heads ms | attention ms | FP16 nodes | layers |")
+    print("|---|---|---|---|---|---|")
     for family, r in rows.items():
         print(
             f"| {family}{args.variant} | {r['int8_heads_ms']:.3f} | {r['fp16_heads_ms']:.3f} "
-            f"| {r['fp16_nodes']} | {r['layers']} |"
+            f"| {r['attention_ms']:.3f} | {r['fp16_nodes']} | {r['layers']} |"
         )
     if args.no_pool:
         return 0
