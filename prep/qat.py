@@ -258,16 +258,16 @@ def scale_groups(model: nn.Module) -> list[list[str]]:
         if node.op != "call_module":
             continue
         mod = modules[str(node.target)]
-        # a traced-as-leaf block names its layers that read its input
         readers = [f"{node.target}.{n}" for n in getattr(mod, "input_readers", ())]
-        if not readers and not isinstance(mod, nn.Conv2d | nn.MaxPool2d | Add | Concat):
+        if readers:  # a block traced as a leaf: its layers that read its input share a scale
+            sites = [(tensor_args(node)[0], readers)]
+        elif isinstance(mod, nn.Conv2d | nn.MaxPool2d | Add | Concat):
+            sites = [(x, [str(node.target)]) for x in tensor_args(node) if find(x) in roots]
+        else:
             continue
-        for x in tensor_args(node)[:1] if readers else tensor_args(node):
-            if find(x) in roots or len(readers) > 1:
-                members = groups.setdefault(find(x), [])
-                for name in readers or [str(node.target)]:
-                    if name not in members:
-                        members.append(name)
+        for x, names in sites:
+            members = groups.setdefault(find(x), [])
+            members += [n for n in names if n not in members]
     return [g for g in groups.values() if len(g) > 1]
 
 

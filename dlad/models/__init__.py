@@ -6,3 +6,5 @@ from pathlib import Path
 
 MODELS_DIR = Path(__file__).parent
 DEMO = MODELS_DIR / "demo"
+BUNDLES = sorted(d for d in MODELS_DIR.iterdir() if (d / "bundle.json").is_file())
+"""Every bundled model's directory (``prep bundle`` wrote each)."""
