@@ -82,6 +82,7 @@ def bundle(
         "accuracy": read_metrics(workdir / "validate").get("rows", {}),
         "fingerprints": {s: m["fingerprint"] for s, m in manifests.items()},
         "settings": {s: manifests[s]["settings"] for s in ("data", "train", "qat", "translate")},
+        "model": manifests["train"]["settings"].get("model", {}),
         "versions": manifests["train"]["versions"],
         "command": command,
     }
@@ -142,9 +143,15 @@ def _readme(info: dict[str, Any]) -> str:
     acc = "\n".join(
         f"| {name} | {row['map50_95']:.4f} | {row['map50']:.4f} |" for name, row in rows.items()
     )
-    return f"""# Bundled demo model
+    model = info.get("model", {})
+    family = str(model.get("family", "yolov5"))
+    shown = family.replace("yolov", "YOLOv").replace("yolo", "YOLO").replace("_one2one", "")
+    name = f"{shown}{model.get('variant', 'n')} at {model.get('image_size', 256)} px"
+    if family.endswith("_one2one"):
+        name += " (its NMS-free head)"
+    return f"""# Bundled model: {name}
 
-YOLOv5n trained by `prep` on its synthetic dataset (8 shape classes), QAT with ModelOpt,
+{name} trained by `prep` on its synthetic dataset (8 shape classes), QAT with ModelOpt,
 translated to a PTQ model + INT8 scales, and built into emulated DLA loadables
 (`{info["variant"]}`: INT8 body, heads as named), one per DLA core. `bundle.json` records the
 stage fingerprints, settings and library versions it came from.
