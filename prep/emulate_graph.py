@@ -71,6 +71,7 @@ import numpy as np
 
 from dlad.devices.int8_engine import OutputSpec
 from dlad.imaging.pre import round_half_away_from_zero
+from prep.onnx_static import head_nodes as heads_of
 
 if TYPE_CHECKING:
     import onnx
@@ -301,7 +302,8 @@ def build_int8_graph(
         fp16_nodes: node names to run in FP16 (``fp16_nodes``).
         heads: ``"int8"``: outputs quantised with their scales (``CHW32``); ``"fp16"``: head
             nodes in FP16, float16 outputs (``CHW16``).
-        head_nodes: the nodes producing the heads (default: the producers of the graph outputs);
+        head_nodes: the nodes producing the heads (default: ``prep.onnx_static.head_nodes``, the
+            producers of the graph outputs, through a Concat to its inputs' producers);
             they run in FP16 when ``heads="fp16"``.
         activation_dtype: ``"uint8"`` (zero point 128, the fast path; the default for
             ``"emulated"``) or ``"int8"`` (zero point 0, TensorRT's layout, slow on onnxruntime's
@@ -380,10 +382,9 @@ def build_int8_graph(
     if in_vi.name not in scales:
         raise EmulationGraphError(f"the input {in_vi.name!r} has no INT8 scale")
 
-    producer = {o: n.name for n in nodes for o in n.output}
     out_names = [o.name for o in graph.output]
     if head_nodes is None:
-        head_set = {producer[o] for o in out_names if o in producer}
+        head_set = set(heads_of(out_names, {o: n for n in nodes for o in n.output}))
     else:
         head_set = set(head_nodes)
         unknown = sorted(head_set - set(names))

@@ -31,6 +31,7 @@ from dlad.loadable import (
 )
 from prep.emulate_graph import EngineGraph, build_int8_graph
 from prep.latency import estimate
+from prep.onnx_static import head_nodes
 
 Heads = Literal["int8", "fp16"]
 
@@ -55,11 +56,26 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Variant:
-    """One build: a name, the head precision and extra FP16 nodes."""
+    """One build: a name, the head precision and extra FP16 nodes (``detect_branches``: every
+    node of the layer the heads come from, a DFL family's box and class branches, as well)."""
 
     name: str
     heads: Heads
     extra_fp16: tuple[str, ...] = ()
+    detect_branches: bool = False
+
+    def fp16_nodes(self, ptq: onnx.ModelProto, translated: Iterable[str]) -> list[str]:
+        """The variant's FP16 nodes in ``ptq``: the translator's, then its own."""
+        extra = list(self.extra_fp16)
+        if self.detect_branches:
+            graph = ptq.graph
+            producer = {o: n for n in graph.node for o in n.output}
+            convs = head_nodes([o.name for o in graph.output], producer)
+            # torch's exporter names a node by the modules it was called through: YOLOv5's
+            # "/model.24/m.0/Conv", a DFL family's "/cv2.0/cv2.0.2/Conv" (RawHeads runs them)
+            scopes = tuple({f"/{n.split('/')[1]}/" for n in convs if n.count("/") > 1})
+            extra += [n.name for n in graph.node if n.name.startswith(scopes)]
+        return sorted({*translated, *extra})
 
 
 #: The seed article's head-precision table, in its order.
@@ -68,12 +84,17 @@ HEAD_VARIANTS = (
     Variant("fp16_heads", "fp16"),
     Variant("fp16_heads_last_c3", "fp16", LAST_C3_NODES),
 )
+DFL_HEAD_VARIANTS = (
+    *HEAD_VARIANTS[:2],
+    Variant("fp16_heads_branches", "fp16", detect_branches=True),
+)
+"""A DFL family's table: its third row runs the Detect layer's box and class branches (the
+two 3 x 3 convs before each head conv) in FP16 too, as YOLOv5's runs its last C3 block."""
 
 
 def head_variants(family: str) -> tuple[Variant, ...]:
-    """The head-precision variants built for a model of ``family``: the whole table for
-    YOLOv5, INT8 and FP16 heads for the others (their last block has other names)."""
-    return HEAD_VARIANTS if family == "yolov5" else HEAD_VARIANTS[:2]
+    """The head-precision variants built for a model of ``family``."""
+    return HEAD_VARIANTS if family == "yolov5" else DFL_HEAD_VARIANTS
 
 
 def read_translation(translate_dir: Path) -> tuple[onnx.ModelProto, dict[str, float], list[str]]:
@@ -99,7 +120,7 @@ def build_loadable(
         prep.emulate_graph.EmulationGraphError: a tensor the INT8 graph needs has no scale.
         ValueError: inconsistent geometry (``dlad.loadable.Loadable`` checks it).
     """
-    fp16 = sorted({*fp16_nodes, *variant.extra_fp16})
+    fp16 = variant.fp16_nodes(ptq, fp16_nodes)
     graph = build_int8_graph(ptq, scales, fp16, heads=variant.heads)
     latency = estimate(ptq, fp16_nodes=fp16, heads=variant.heads)
     c, h, w = graph.input_shape

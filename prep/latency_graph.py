@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from prep.onnx_static import head_nodes as heads_of
 from prep.onnx_static import static_model
 
 if TYPE_CHECKING:
@@ -224,7 +225,7 @@ def plan_graph(
     graph_outputs = {res(o.name) for o in g.output}
     producer = {res(o): n for n in nodes for o in n.output}
     if head_nodes is None:
-        head_nodes = [producer[o].name for o in graph_outputs if o in producer]
+        head_nodes = heads_of(graph_outputs, producer)
     fp16 = set(fp16_nodes)
     unknown = sorted((fp16 | set(head_nodes)) - names)
     if unknown:

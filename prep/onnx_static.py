@@ -8,12 +8,28 @@ the latency model (``prep.latency_graph``) both read graphs through :func:`stati
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["static_model"]
+__all__ = ["head_nodes", "static_model"]
+
+
+def head_nodes(outputs: Iterable[str], producer: Mapping[str, onnx.NodeProto]) -> list[str]:
+    """The nodes that compute a model's heads (the ones ``heads="fp16"`` runs in FP16): each
+    output's producer and, where that is a ``Concat`` (a DFL family's head: its box and class
+    convs side by side), the producers of its inputs. ``producer``: tensor -> its node."""
+    found: dict[str, None] = {}
+    for out in outputs:
+        node = producer.get(out)
+        if node is None:
+            continue
+        found[node.name] = None
+        if node.op_type == "Concat":
+            found.update((producer[t].name, None) for t in node.input if t in producer)
+    return list(found)
 
 
 def static_model(model: onnx.ModelProto) -> onnx.ModelProto:

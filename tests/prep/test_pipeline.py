@@ -161,4 +161,14 @@ def test_a_yolo26_runs_every_stage(tmp_path: Path) -> None:
     metrics = json.loads((work / "validate/metrics.json").read_text())
     assert set(metrics["rows"]) == {
         "fp32", "qat_fakequant", "int8_emulated_int8_heads", "int8_emulated_fp16_heads",
+        "int8_emulated_fp16_heads_branches",
     }  # fmt: skip
+    int8, fp16, branches = (
+        read_loadable(work / f"build/{v}.dla0.emu")
+        for v in ("int8_heads", "fp16_heads", "fp16_heads_branches")
+    )
+    # the third row: the Detect layer's branches in FP16 as well
+    extra = set(branches.fp16_nodes) - set(fp16.fp16_nodes)
+    assert "/cv2.0/cv2.0.1/conv/Conv" in extra  # the Detect layer's branches, as RawHeads runs them
+    assert all(n.startswith(("/cv2.", "/cv3.")) for n in extra)
+    assert int8.latency_us < fp16.latency_us < branches.latency_us

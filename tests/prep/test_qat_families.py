@@ -21,6 +21,7 @@ from prep import qat
 from prep.emulate_graph import build_int8_graph
 from prep.export import export_onnx
 from prep.families.dfl import build_model
+from prep.onnx_static import head_nodes
 from prep.translate import translate
 
 pytestmark = pytest.mark.slow
@@ -100,6 +101,27 @@ def test_the_translation_gives_every_tensor_outside_attention_a_scale(quantized:
     for node in splits:
         assert {scales[t] for t in node.output} == {scales[node.input[0]]}, node.name
     onnx.checker.check_model(result.model)
+
+
+def test_fp16_heads_are_the_head_convs_not_only_their_concatenation(quantized: Any) -> None:
+    """A DFL head is its box and class convs concatenated: ``heads="fp16"`` runs both convs in
+    FP16 (with the Concat), as YOLOv5's FP16 heads run its head convs."""
+    from prep.latency import estimate
+
+    convs = {f"/{b}.{i}/{b}.{i}.2/Conv" for b in ("cv2", "cv3") for i in range(3)}
+    graph = quantized.result.model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    heads = set(head_nodes([o.name for o in graph.output], producer))
+    assert convs < heads
+    assert {producer[o.name].op_type for o in graph.output} == {"Concat"}
+    r = quantized.result
+    precision = {
+        heads: {x.name: x.precision for x in estimate(r.model, fp16_nodes=r.fp16_nodes,
+                                                      heads=heads).layers}
+        for heads in ("int8", "fp16")
+    }  # fmt: skip
+    assert {precision["fp16"][c] for c in convs} == {"fp16"}
+    assert {precision["int8"][c] for c in convs} == {"int8"}
 
 
 def _steps(got: list[np.ndarray], want: Any, scales: list[float]) -> np.ndarray:
