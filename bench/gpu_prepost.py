@@ -514,19 +514,30 @@ def open_gpu() -> tuple[GpuContext, dict[str, Any]]:
     return GpuContext(0), header
 
 
+SECTIONS = ("pre", "post", "post_dfl", "fence")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+        help="the sections to run (default: all)",
+    )  # fmt: skip
     args = parser.parse_args()
     ctx, results = open_gpu()
     stream = ctx.stream()
     bw = copy_bandwidth(ctx, stream)
     results["d2d_copy_GBps"] = bw / 1e9
-    bench_pre(ctx, results, bw)
-    bench_post(ctx, results, bw)
-    bench_post_dfl(ctx, results, "yolo11", yolov8.BINS)
-    bench_post_dfl(ctx, results, "yolo26", 1)
-    bench_fence(ctx, results)
+    if "pre" in args.only:
+        bench_pre(ctx, results, bw)
+    if "post" in args.only:
+        bench_post(ctx, results, bw)
+    if "post_dfl" in args.only:
+        bench_post_dfl(ctx, results, "yolo11", yolov8.BINS)
+        bench_post_dfl(ctx, results, "yolo26", 1)
+    if "fence" in args.only:
+        bench_fence(ctx, results)
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
