@@ -38,7 +38,8 @@ def main() -> None:
             print(f"{v.name:<22}{est.total_ms:>12.3f}{pub or '-':>14}{ratio:>8}")
             modelled[v.name] = est.total_ms
     scale = modelled["fp16_heads"] / ORIN_DLA_YOLOV5S_MS
-    print(f"\nemulated GPU, YOLOv5s-672 (scale {scale:.3f}): batch, emulated ms, published ms, ratio")
+    print(f"\nemulated GPU, YOLOv5s-672 (scale {scale:.3f})")
+    print(f"{'batch':>5}{'emulated ms':>14}{'published ms':>15}{'ratio':>8}")
     for batch, published in ORIN_GPU_YOLOV5S_MS.items():
         emulated = interpolate(ORIN_GPU_YOLOV5S_MS, batch) * scale
         print(f"{batch:>5}{emulated:>14.3f}{published:>15.2f}{emulated / published:>8.3f}")

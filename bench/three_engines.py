@@ -101,9 +101,7 @@ def bench(endpoint: str, out: Path, name: str, *args: str) -> dict[str, str]:
 
 def run(out: Path, name: str, devices: list[str], policy: str, args: argparse.Namespace,
         *bench_args: str, dla_us: float = DLA_US) -> dict[str, str]:  # fmt: skip
-    text = config(
-        devices, policy, contention=args.contention, scale=args.time_scale, dla_us=dla_us
-    )
+    text = config(devices, policy, contention=args.contention, scale=args.time_scale, dla_us=dla_us)
     with running_daemon(text, out / f"{name}.daemon.log") as (_, endpoint):
         return bench(endpoint, out, name, *bench_args)
 

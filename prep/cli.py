@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -243,10 +244,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "bundle":
             from prep.bundle import bundle
 
-            command = (
-                f"prep all --preset {args.preset} --workdir {args.workdir} && "
-                f"prep bundle --preset {args.preset} --workdir {args.workdir} --out {args.out}"
-            )
+            sets = "".join(f" --set {shlex.quote(s)}" for s in args.set)
+            common = f"--preset {args.preset} --workdir {args.workdir}{sets}"
+            command = f"prep all {common} && prep bundle {common} --out {args.out}"
             bundle(args.workdir, args.out, variant=args.variant, command=command)
             print(f"wrote {args.out}")
             return 0

@@ -172,3 +172,10 @@ def test_a_yolo26_runs_every_stage(tmp_path: Path) -> None:
     assert "/cv2.0/cv2.0.1/conv/Conv" in extra  # the Detect layer's branches, as RawHeads runs them
     assert all(n.startswith(("/cv2.", "/cv3.")) for n in extra)
     assert int8.latency_us < fp16.latency_us < branches.latency_us
+    # its bundle: the README names the family, and its command regenerates this very model
+    out = tmp_path / "bundle"
+    assert main(["bundle", *args[1:], "--set", "model.family=yolo26", "--out", str(out)]) == 0
+    readme = (out / "README.md").read_text()
+    assert readme.startswith("# Bundled model: YOLO26n at ")
+    assert f"prep all --preset smoke --workdir {work} --set model.family=yolo26 && " in readme
+    assert json.loads((out / "expected_detections.json").read_text())["heads_sha256"]
