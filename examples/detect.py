@@ -3,12 +3,16 @@
     dlad --config etc/dlad.toml &          # in another terminal
     python examples/detect.py [IMAGE] [--endpoint tcp://127.0.0.1:5555] [--model demo]
 
-Without IMAGE it sends ``dlad/models/demo/images/000001.jpg`` and compares the reply with what
-prep's INT8 validation path produced for that image when the model was bundled
-(``dlad/models/demo/expected_detections.json``): it says whether the two lists are the same (to
+    dlad --config etc/families.toml &      # the demo, YOLO11n and YOLO26n side by side
+    python examples/detect.py --model yolo26n
+
+Without IMAGE it sends the model's bundled ``dlad/models/<model>/images/000001.jpg`` and compares
+the reply with what prep's INT8 validation path produced for that image when the model was
+bundled (``expected_detections.json`` beside it): it says whether the two lists are the same (to
 2e-3 in every value; the emulated core computes the same integers on every host) and exits 1 if
-they are not. A missing or unreadable image, a bad endpoint (exit 2), no daemon or a daemon's
-error (exit 1) are one line on stderr each.
+they are not. A model that is not bundled gets the demo's image, and no comparison. A missing or
+unreadable image, a bad endpoint (exit 2), no daemon or a daemon's error (exit 1) are one line on
+stderr each.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from dlad.errors import DladError
-from dlad.models import DEMO
+from dlad.models import BUNDLES, DEMO
 from dlad_client import Client, ClientTimeout
 
 TOLERANCE = 2e-3
@@ -47,17 +51,20 @@ def _show(rows: object, classes: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("image", nargs="?", type=Path, default=DEMO / "images" / "000001.jpg")
+    parser.add_argument("image", nargs="?", type=Path, default=None)
     parser.add_argument("--endpoint", default="tcp://127.0.0.1:5555")
     parser.add_argument("--model", default="demo")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
     args = parser.parse_args()
 
-    rgb = _read(args.image)
+    bundled = {b.name: b for b in BUNDLES}
+    root = bundled.get(args.model, DEMO)
+    image = args.image if args.image is not None else root / "images" / "000001.jpg"
+    rgb = _read(image)
     if rgb is None:
         return 2
-    bundle = json.loads((DEMO / "bundle.json").read_text())
-    classes = [c["name"] for c in json.loads((DEMO / "images.json").read_text())["categories"]]
+    bundle = json.loads((root / "bundle.json").read_text())
+    classes = [c["name"] for c in json.loads((root / "images.json").read_text())["categories"]]
     try:
         with Client(args.endpoint, timeout_s=args.timeout) as client:
             result = client.detect(rgb, model=args.model)
@@ -76,22 +83,21 @@ def main() -> int:
         return 1
     t = result.timing
     print(
-        f"{args.image.name}: {len(result)} detections on {result.device} "
+        f"{image.name}: {len(result)} detections on {result.device} "
         f"(queue {t.queue_us} us, pre {t.pre_us} us, device {t.device_us} us, "
         f"post {t.post_us} us, total {t.total_us} us)"
     )
     _show(result.detections, classes)
-    expected = json.loads((DEMO / "expected_detections.json").read_text())["images"]
-    if args.image.name not in expected or args.image.resolve().parent != DEMO / "images":
+    if args.model not in bundled:
         return 0
-    recorded = np.asarray(expected[args.image.name]["emulated_int8"], np.float32).reshape(-1, 6)
-    print(f"prep's INT8 validation output for {args.image.name} ({bundle['variant']}):")
+    expected = json.loads((root / "expected_detections.json").read_text())["images"]
+    if image.name not in expected or image.resolve().parent != root / "images":
+        return 0
+    recorded = np.asarray(expected[image.name]["emulated_int8"], np.float32).reshape(-1, 6)
+    print(f"prep's INT8 validation output for {image.name} ({bundle['variant']}):")
     _show(recorded, classes)
     got = np.asarray(result.detections, np.float32)
     same = got.shape == recorded.shape and bool(np.allclose(got, recorded, atol=TOLERANCE))
-    if args.model != "demo":
-        print("(recorded for the bundled demo model; another model need not agree)")
-        return 0
     print("the two lists are the same" if same else "the two lists DIFFER")
     return 0 if same else 1
 

@@ -22,6 +22,12 @@ from dlad.loadable import DataType, Loadable, read_loadable
 from dlad.models import BUNDLES, DEMO
 from dlad.models.digest import heads_sha256
 
+SCORE_TOLERANCE = 0.08
+"""The INT8 core's score against the fake-quant model's for one box. The largest differences
+over the bundled images: 0.018 (the YOLOv5n demo: objectness times class), 0.065 (YOLO11n) and
+0.042 (YOLO26n): a DFL family's score is one sigmoid of a class logit that has been through a
+deeper INT8 body and attention in FP16 (the fake-quant model runs it in FP32)."""
+
 EXPECTED = {b.name: json.loads((b / "expected_detections.json").read_text()) for b in BUNDLES}
 CASES = [(b.name, image) for b in BUNDLES for image in sorted(EXPECTED[b.name]["images"])]
 
@@ -94,15 +100,16 @@ def test_emulated_core_matches_fake_quant(bundle: str, name: str) -> None:
     # Regression: the engine gives what it gave at bundle time (same bytes in, same math).
     np.testing.assert_allclose(got, recorded, atol=2e-3)
     # Fidelity: every fake-quant detection clear of the threshold is found by the INT8 core,
-    # same class, IoU >= 0.85, score within 0.06; only near-threshold boxes may come or go.
+    # same class, IoU >= 0.85, score within SCORE_TOLERANCE; only near-threshold boxes may come
+    # or go.
     fq = np.asarray(expected["images"][name]["qat_fakequant"], np.float32).reshape(-1, 6)
-    margin = expected["conf_threshold"] + 0.06
+    margin = expected["conf_threshold"] + SCORE_TOLERANCE
     for det in fq:
         same = [g for g in got if g[5] == det[5] and _iou(g, det) >= 0.85]
         if det[4] >= margin:
             assert same, f"{name}: fake-quant box {det} not found by the INT8 core"
         if same:
-            assert abs(float(same[0][4]) - float(det[4])) <= 0.06
+            assert abs(float(same[0][4]) - float(det[4])) <= SCORE_TOLERANCE
     for g in got:
         if g[4] >= margin:
             assert any(d[5] == g[5] and _iou(g, d) >= 0.85 for d in fq), f"{name}: extra box {g}"

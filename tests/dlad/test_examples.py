@@ -1,5 +1,7 @@
-"""``examples/detect.py`` end to end: the bundled image's detections equal the recorded ones, and
-every way it can go wrong is one line on stderr with its exit status, never a traceback."""
+"""``examples/detect.py`` end to end: the bundled image's detections equal the recorded ones, for
+the demo and, through the shipped ``etc/families.toml``, for a bundled model of each family side
+by side; every way it can go wrong is one line on stderr with its exit status, never a
+traceback."""
 
 from __future__ import annotations
 
@@ -51,6 +53,27 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_the_bundled_image_gives_the_recorded_detections(endpoint: str) -> None:
     proc = detect("--endpoint", endpoint)
     assert proc.returncode == 0, proc.stderr
+    assert "the two lists are the same" in proc.stdout
+    assert proc.stderr == ""
+
+
+@pytest.fixture(scope="module")
+def families_endpoint() -> Iterator[str]:
+    """The shipped etc/families.toml: the demo, YOLO11n and YOLO26n, one engine each."""
+    plan = load_config(ROOT / "etc" / "families.toml").plan()
+    daemon = Daemon(plan, endpoints=["tcp://127.0.0.1:0"], metrics_port=0)
+    with serve_in_thread(daemon) as ep:
+        yield ep
+
+
+@pytest.mark.parametrize(("model", "device"), [("demo", "dla0"), ("yolo11n", "dla1"),
+                                               ("yolo26n", "gpu")])  # fmt: skip
+def test_each_family_is_served_beside_the_demo(
+    families_endpoint: str, model: str, device: str
+) -> None:
+    proc = detect("--endpoint", families_endpoint, "--model", model)
+    assert proc.returncode == 0, proc.stderr
+    assert f"on {device} " in proc.stdout
     assert "the two lists are the same" in proc.stdout
     assert proc.stderr == ""
 
