@@ -168,16 +168,19 @@ def test_yolo11n_attention_is_what_stops_it_and_the_rules_say_why(tmp_path: Path
     assert 0.95 < result.flops_on_dla < 1.0
 
 
+@pytest.mark.parametrize("size", ["n", "s"])
 @pytest.mark.parametrize("family", ["yolo11", "yolo26"])
 def test_with_the_dla_attention_yolo11_and_yolo26_run_on_the_dla(
-    tmp_path: Path, family: str
+    tmp_path: Path, family: str, size: str
 ) -> None:
+    """At 640, where attention has 400 tokens (the rewrite tiles them by resizes of at most
+    32): every layer on the DLA, one subgraph."""
     from prep.export import export_onnx
     from prep.families import prep_family
     from prep.families.dla_attention import dla_legal
 
-    path = tmp_path / f"{family}n.onnx"
-    export_onnx(dla_legal(prep_family(family).build("n", 80)).eval(), path, 160)
+    path = tmp_path / f"{family}{size}.onnx"
+    export_onnx(dla_legal(prep_family(family).build(size, 80)).eval(), path, 640)
     result = check_graph(path)
     assert [layer.name for layer in result.layers if not layer.dla] == []
     assert result.subgraphs == 1
