@@ -7,8 +7,8 @@ scheduler's C++ core, runs it on an engine of its own and sends the reply. Every
 (STATUS, CANCEL, INFER_BATCH, an INFER the fast path leaves, a malformed message) reaches
 :attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, peer address, user id,
 connection, *parts]`` (the sender's ``Peer-Address`` and ``User-Id``, its CURVE key or "": a
-message's metadata does not cross the pair; its connection: 8 bytes naming the fd and its
-generation); whoever reads it answers through :meth:`NativePlane.send` with that connection,
+message's metadata does not cross the pair; its connection: 16 bytes naming the fd, its
+generation and the socket's SO_COOKIE); whoever reads it answers through :meth:`NativePlane.send` with that connection,
 which the plane's thread sends (the ROUTER is never touched from two threads) unless the
 connection has closed since.
 

@@ -263,32 +263,51 @@ void Plane::drain(double timeout_ms) {
 
 namespace {
 
-// A connection's 8 bytes (Plane::connection_of): (fd, generation), fd -1 where there are none.
-std::pair<int, uint32_t> parse_connection(const std::string& conn) {
-    if (conn.size() != 8) return {-1, 0};
-    int32_t fd = 0;
+// The socket on ``fd`` as the kernel names it for its lifetime (0: none): an fd is reused by
+// the next connection as soon as one closes, a cookie never.
+uint64_t socket_cookie(int fd) {
+    uint64_t cookie = 0;
+    socklen_t size = sizeof cookie;
+    return getsockopt(fd, SOL_SOCKET, SO_COOKIE, &cookie, &size) == 0 ? cookie : 0;
+}
+
+struct Connection {
+    int fd = -1;  // -1: none
     uint32_t generation = 0;
+    uint64_t cookie = 0;
+};
+
+// A connection's 16 bytes (Plane::connection_of): (fd, generation, cookie).
+Connection parse_connection(const std::string& conn) {
+    Connection c;
+    if (conn.size() != 16) return c;
+    int32_t fd = 0;
     std::memcpy(&fd, conn.data(), 4);
-    std::memcpy(&generation, conn.data() + 4, 4);
-    return {fd, generation};
+    std::memcpy(&c.generation, conn.data() + 4, 4);
+    std::memcpy(&c.cookie, conn.data() + 8, 8);
+    c.fd = fd;
+    return c;
 }
 
 }  // namespace
 
 std::string Plane::connection_of(int fd) const {
-    std::string out(8, '\0');
+    std::string out(16, '\0');
     const int32_t f = fd;
-    const uint32_t generation =
-        fd >= 0 && fd < kMaxFds ? generation_[fd].load(std::memory_order_acquire) : 0;
+    const bool known = fd >= 0 && fd < kMaxFds;
+    const uint32_t generation = known ? generation_[fd].load(std::memory_order_acquire) : 0;
+    const uint64_t cookie = known ? socket_cookie(fd) : 0;
     std::memcpy(out.data(), &f, 4);
     std::memcpy(out.data() + 4, &generation, 4);
+    std::memcpy(out.data() + 8, &cookie, 8);
     return out;
 }
 
 void Plane::send(std::string client, std::vector<std::string> frames, const std::string& conn) {
-    const auto [fd, generation] = parse_connection(conn);
-    if (fd >= 0 && fd < kMaxFds &&
-        generation_[fd].load(std::memory_order_acquire) != generation) {
+    const Connection c = parse_connection(conn);
+    if (c.fd >= 0 && c.fd < kMaxFds &&
+        generation_[c.fd].load(std::memory_order_acquire) != c.generation &&
+        !newer_connection(c.fd, c.cookie)) {
         std::lock_guard<std::mutex> lock(mu_);  // its connection closed: not for a newcomer
         ++counters_.orphaned;
         return;
@@ -348,18 +367,37 @@ void Plane::connection_opened(int fd) {
     // closed connection's).
     if (fd < 0 || fd >= kMaxFds) return;
     spoke_[fd].store(0, std::memory_order_relaxed);
+    opened_cookie_[fd].store(socket_cookie(fd), std::memory_order_release);
+}
+
+bool Plane::newer_connection(int fd, uint64_t cookie) const {
+    // a reply whose fd's generation has moved since its message was read: still its
+    // connection's if that connection came after the one the last close was of, and holds the
+    // fd now
+    return cookie != 0 && cookie != closed_cookie_[fd].load(std::memory_order_acquire) &&
+           socket_cookie(fd) == cookie;
 }
 
 int64_t Plane::connection_closed(int fd) {
     if (fd < 0 || fd >= kMaxFds) return 0;
     // From here the closed connection's replies are dropped (answer() compares generations),
     // whichever thread answers them.
+    // the closed connection's socket (0: unknown, and all the generation's work is its)
+    const uint64_t closed = opened_cookie_[fd].exchange(0, std::memory_order_acq_rel);
+    closed_cookie_[fd].store(closed, std::memory_order_release);
     const uint32_t ended = generation_[fd].fetch_add(1, std::memory_order_acq_rel);
+    const uint64_t now_on_fd = closed != 0 ? socket_cookie(fd) : 0;
     int64_t cancelled = 0;
     call([&] {
         std::vector<int64_t> found;
-        for (const auto& [id, job] : jobs_) {
-            if (job.fd == fd && job.generation == ended && !job.probe) found.push_back(id);
+        for (auto& [id, job] : jobs_) {
+            if (job.fd != fd || job.generation != ended || job.probe) continue;
+            // kept: work of a socket that is not the closed one and holds the fd now
+            if (closed != 0 && job.cookie != 0 && job.cookie != closed && job.cookie == now_on_fd) {
+                job.generation = ended + 1;  // a newer connection's, read before this close
+                continue;
+            }
+            found.push_back(id);
         }
         std::sort(found.begin(), found.end());
         for (int64_t id : found) {
@@ -399,7 +437,8 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
                                                              std::vector<Item> items,
                                                              const std::string& conn) {
     std::optional<std::pair<int64_t, std::string>> out;
-    const auto [fd, generation] = parse_connection(conn);
+    const Connection c = parse_connection(conn);
+    const int fd = c.fd;
     call([&] {
         const int64_t now = now_ns();
         uint64_t size = 0;
@@ -415,7 +454,8 @@ std::optional<std::pair<int64_t, std::string>> Plane::submit(const std::string& 
             job.index = static_cast<int64_t>(i);
             if (fd >= 0 && fd < kMaxFds) {  // cancelled when its connection closes
                 job.fd = fd;
-                job.generation = generation;
+                job.generation = c.generation;
+                job.cookie = c.cookie;
             }
             job.owner = owner;
             job.model = items[i].model;
@@ -745,12 +785,6 @@ bool same_token(const std::string& a, const std::string& b) {
     return diff == 0;
 }
 
-uint64_t socket_cookie(int fd) {
-    uint64_t cookie = 0;
-    socklen_t size = sizeof cookie;
-    return getsockopt(fd, SOL_SOCKET, SO_COOKIE, &cookie, &size) == 0 ? cookie : 0;
-}
-
 uint64_t fnv1a(const uint8_t* data, size_t size) {
     uint64_t h = 1469598103934665603ULL;
     for (size_t i = 0; i < size; ++i) h = (h ^ data[i]) * 1099511628211ULL;
@@ -891,6 +925,7 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
     if (fd >= 0 && fd < kMaxFds) {
         job.fd = fd;
         job.generation = generation_[fd].load(std::memory_order_acquire);
+        job.cookie = socket_cookie(fd);
     }
     // who the client is (Frontend._identity): its CURVE key, else its connection
     job.owner = config_.curve ? property(parts, "User-Id") : "";
@@ -1121,7 +1156,8 @@ void Plane::answer(int64_t job_id, int64_t status, const std::string& message,
         }
     }
     if (!answered.tag && answered.fd >= 0 &&
-        generation_[answered.fd].load(std::memory_order_acquire) != answered.generation) {
+        generation_[answered.fd].load(std::memory_order_acquire) != answered.generation &&
+        !newer_connection(answered.fd, answered.cookie)) {
         // its connection closed: a new one on its routing id must not get its reply (a
         // batch's image goes to the control plane all the same, which drops the batch's)
         std::lock_guard<std::mutex> lock(mu_);

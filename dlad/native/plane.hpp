@@ -261,8 +261,8 @@ class Plane {
     // forwarded message), or "": a reply for a connection that has closed since is dropped,
     // counted as orphaned (a newcomer on the same routing id gets none).
     void send(std::string client, std::vector<std::string> frames, const std::string& conn = "");
-    // The 8 bytes naming a connection as forwarded messages carry it: its fd and that fd's
-    // generation (little-endian int32, uint32).
+    // The 16 bytes naming a connection as forwarded messages carry it: its fd, that fd's
+    // generation and its socket's SO_COOKIE (little-endian int32, uint32, uint64).
     std::string connection_of(int fd) const;
     // drain(0), then stop the engines and wait for the GPU chains still running (their host
     // functions): after this, nothing of the plane runs and the GPU's resources may be freed.
@@ -332,7 +332,11 @@ class Plane {
     // when a connection on it closes).
     void connection_opened(int fd);
     // The connection on ``fd`` closed: its generation ends (its replies are dropped from now
-    // on, counted), and its queued work is cancelled (counted); returns how many were.
+    // on, counted), and its queued work is cancelled (counted); returns how many were. The
+    // monitor may tell of a close after a new connection has taken the fd and sent work: work
+    // whose socket (SO_COOKIE, read as each message is) is not the one connection_opened saw
+    // on the fd is a newer connection's, and is kept, moved to the new generation, and
+    // answered.
     int64_t connection_closed(int fd);
     // Whether a message has come from the connection on ``fd`` since it was opened: the
     // connection cap counts connections that have spoken, so that connections that never
@@ -372,6 +376,7 @@ class Plane {
         bool warm = false;     // an engine's warm-up (a probe too)
         int fd = -1;               // the connection it came on (-1: the control plane's)
         uint32_t generation = 0;   // and that connection's generation then
+        uint64_t cookie = 0;       // and its socket's SO_COOKIE (0: unknown)
     };
     // An engine's health
     struct Watch {
@@ -463,6 +468,10 @@ class Plane {
     // before has its socket's cookie taken now, while the fd surely holds its socket (its
     // first message is read within a turn of the socket's fair queue).
     void saw(int fd, Part& id);
+    // Whether the connection whose socket is ``cookie`` came on ``fd`` after the last one the
+    // monitor told of a close on, and holds the fd now (a reply read before that close is then
+    // still its own).
+    bool newer_connection(int fd, uint64_t cookie) const;
     // A message of the connection at reading_ was dropped over its rate: past as many as it
     // may have refusals, the connection is shut down (where the fd still holds the socket whose cookie was
     // taken), so that a flood cannot grow what libzmq has read and the plane not yet.
@@ -546,6 +555,10 @@ class Plane {
     std::atomic<int64_t> pending_{0};
     std::unique_ptr<std::atomic<uint8_t>[]> spoke_{new std::atomic<uint8_t>[kMaxFds]()};
     std::unique_ptr<std::atomic<uint32_t>[]> generation_{new std::atomic<uint32_t>[kMaxFds]()};
+    // per fd, the socket (SO_COOKIE) of the connection the monitor last told of an accept on,
+    // until it tells of its close; and that of the last one it told of a close on (0: none)
+    std::unique_ptr<std::atomic<uint64_t>[]> opened_cookie_{new std::atomic<uint64_t>[kMaxFds]()};
+    std::unique_ptr<std::atomic<uint64_t>[]> closed_cookie_{new std::atomic<uint64_t>[kMaxFds]()};
     // Each connection as the plane's thread first saw it (docs/reliability.md, "A flood that
     // vanishes"), by its routing id's hash: its fd, the generation of that fd then, the
     // socket's cookie (SO_COOKIE) when its first message was read (0: unknown, never cut), and

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import zmq
 
 from dlad import protocol
@@ -179,6 +180,62 @@ def test_a_connection_that_takes_a_closed_ones_routing_id_inherits_nothing(
         finally:
             second.close(0)
             ctx.term()
+
+
+def test_a_late_close_of_a_reused_fd_takes_nothing_from_the_connection_now_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket's monitor can tell of a connection's close after a new connection has taken
+    its file descriptor and sent work: the close then came while the newcomer's frames were
+    queued and running. Before, it cancelled the newcomer's queued frames and dropped the
+    replies of its running ones; now the newcomer's work is told apart by its socket (SO_COOKIE)
+    and kept. Here the monitor's calls are held back (as a busy event loop holds them) while
+    the kernel gives the closed connection's fd to the next one; the newcomer's own close
+    afterwards still cancels what it left queued."""
+    cfg = tmp_path / "dlad.toml"
+    deadline = "[daemon]\ndefault_deadline_ms = 30000.0\n"  # the queued ones wait 1 s a frame
+    cfg.write_text(deadline + SLOW_CORE.format(cap=256, cheap=100000.0))
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep:
+        plane = daemon.frontend.plane
+        assert plane is not None
+        held: list[tuple[str, int]] = []
+
+        def hold_open(f: int) -> None:
+            held.append(("opened", f))
+
+        def hold_close(f: int) -> int:
+            held.append(("closed", f))
+            return 0
+
+        with dealer(ep) as first:
+            assert _status(first, 1)["queues"]["depth"] == 0
+            wait_for(lambda: len(daemon.frontend._accepted) == 1)
+            (fd,) = daemon.frontend._accepted
+            monkeypatch.setattr(plane, "connection_opened", hold_open)
+            monkeypatch.setattr(plane, "connection_closed", hold_close)
+        wait_for(lambda: ("closed", fd) in held)
+        with dealer(ep) as second:
+            for rid in range(4):  # two run on the core's slots, two wait in its queue
+                _infer(second, rid)
+            wait_for(lambda: plane.pending == 4 and len(held) == 2)
+            assert held == [("closed", fd), ("opened", fd)]  # the kernel's lowest free fd
+            monkeypatch.undo()
+            assert plane.connection_closed(fd) == 0  # the first one's close, heard late
+            plane.connection_opened(fd)
+            replies = [recv(second) for _ in range(4)]
+            assert sorted((r.id, r.status) for r in replies) == [(i, Status.OK) for i in range(4)]
+            counters = plane.counters()
+            assert (counters["cancelled_on_close"], counters["orphaned"]) == (0, 0)
+            for rid in range(10, 14):
+                _infer(second, rid)
+            while _status(second, 20)["devices"][0]["in_flight"] < 2:  # two run, two wait
+                pass
+        # the newcomer's own close: its two queued frames are cancelled, and every reply it
+        # would have had (the two cancellations, the two running frames') is dropped
+        wait_for(lambda: plane.pending == 0)
+        counters = plane.counters()
+        assert (counters["cancelled_on_close"], counters["orphaned"]) == (2, 4)
 
 
 def test_connections_that_never_speak_take_no_clients_place(tmp_path: Path) -> None:

@@ -194,7 +194,7 @@ def test_other_messages_reach_the_control_plane_whole(rig: Rig) -> None:
         client, peer, user, conn, *parts = rig.plane.forwarded.recv_multipart()
         assert peer == b"127.0.0.1"  # the sender's Peer-Address, which the pair does not carry
         assert user == b""  # and its CURVE key: none here
-        assert len(conn) == 8  # and its connection: (fd, generation)
+        assert len(conn) == 16  # and its connection: (fd, generation, socket cookie)
         assert parts == [bytes(f) for f in frames]
         rig.plane.send(client, [msgpack.packb({"echo": len(parts)}), b"tail"])
         assert rig.client.poll(WAIT_MS)
