@@ -95,20 +95,13 @@ def stem() -> nn.Sequential:
     return nn.Sequential(conv(3, 64, 7, 2), nn.MaxPool2d(3, 2, 1))
 
 
-class ResNet34Trunk(nn.Module):
-    """ResNet-34 to ``layers`` stages; ``layer3_stride`` 1 is SSD-ResNet-34's modification."""
+class Trunk(nn.Module):
+    """The stem, then the stages; returns every stage's output."""
 
-    def __init__(self, layers: int = 4, layer3_stride: int = 2) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.stem = stem()
-        chans, depths = (64, 128, 256, 512), (3, 4, 6, 3)
-        strides = (1, 2, layer3_stride, 2)
         self.stages = nn.ModuleList()
-        cin = 64
-        for c, d, s in list(zip(chans, depths, strides, strict=True))[:layers]:
-            blocks = [Basic(cin if i == 0 else c, c, s if i == 0 else 1) for i in range(d)]
-            self.stages.append(nn.Sequential(*blocks))
-            cin = c
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = self.stem(x)
@@ -119,13 +112,25 @@ class ResNet34Trunk(nn.Module):
         return feats
 
 
-class ResNet50Trunk(nn.Module):
+class ResNet34Trunk(Trunk):
+    """ResNet-34 to ``layers`` stages; ``layer3_stride`` 1 is SSD-ResNet-34's modification."""
+
+    def __init__(self, layers: int = 4, layer3_stride: int = 2) -> None:
+        super().__init__()
+        chans, depths = (64, 128, 256, 512), (3, 4, 6, 3)
+        strides = (1, 2, layer3_stride, 2)
+        cin = 64
+        for c, d, s in list(zip(chans, depths, strides, strict=True))[:layers]:
+            blocks = [Basic(cin if i == 0 else c, c, s if i == 0 else 1) for i in range(d)]
+            self.stages.append(nn.Sequential(*blocks))
+            cin = c
+
+
+class ResNet50Trunk(Trunk):
     """ResNet-50 v1.5, or ResNeXt-50 32x4d with ``groups=32`` (widths x2, grouped 3x3s)."""
 
     def __init__(self, groups: int = 1) -> None:
         super().__init__()
-        self.stem = stem()
-        self.stages = nn.ModuleList()
         cin = 64
         for i, (planes, depth) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)):
             width = planes * 2 if groups > 1 else planes  # 32 groups x 4 channels at stage 1
@@ -136,14 +141,6 @@ class ResNet50Trunk(nn.Module):
             ]  # fmt: skip
             self.stages.append(nn.Sequential(*blocks))
             cin = planes * 4
-
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        x = self.stem(x)
-        feats = []
-        for s in self.stages:
-            x = s(x)
-            feats.append(x)
-        return feats
 
 
 # ----------------------------------------------------------------------------------- the networks

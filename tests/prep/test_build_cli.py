@@ -16,7 +16,7 @@ from prep import build_trt, stages
 from prep.cli import main
 from prep.pipeline import BuildConfig, ChainConfig, ConfigError
 from tests.prep.fake_tensorrt import FakeTensorRT
-from tests.prep.test_build_trt import HEADS, INTERNAL, make_onnx, write_cache
+from tests.prep.test_build_trt import HEADS, INTERNAL, make_onnx, translated_toy, write_cache
 
 
 @pytest.fixture
@@ -62,21 +62,8 @@ def test_chain_build_takes_target_and_core(tmp_path: Path, monkeypatch: pytest.M
 
 
 # --------------------------------------------------------------------------- the GPU engine
-def _translated(tmp_path: Path) -> Path:
-    """What the translate stage leaves: the PTQ ONNX, its fp16 nodes and calibration cache."""
-    tdir = tmp_path / "translate"
-    tdir.mkdir()
-    make_onnx(tdir / "model_noqdq.onnx")
-    (tdir / "model_precision_config.json").write_text(json.dumps({"fp16_nodes": list(HEADS)}))
-    write_cache(
-        tdir / "model_precision_config_calib.cache",
-        {"images": 0.01, **dict.fromkeys(INTERNAL, 0.05)},
-    )
-    return tdir
-
-
 def test_build_onnx_for_the_gpu(tmp_path: Path, fake_trt: FakeTensorRT) -> None:
-    tdir = _translated(tmp_path)
+    tdir = translated_toy(tmp_path)
     out = tmp_path / "toy.gpu.engine"
     argv = ["build", "--target", "gpu", "--onnx", str(tdir / "model_noqdq.onnx"),
             "--calib", str(tdir / "model_precision_config_calib.cache"),
@@ -155,7 +142,7 @@ def test_build_onnx_without_tensorrt_fails_with_the_reason(
 ) -> None:
     # The precedent of the DLA target, which the GPU target follows: a build error, exit 1.
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    tdir = _translated(tmp_path)
+    tdir = translated_toy(tmp_path)
     argv = ["build", "--target", target, "--onnx", str(tdir / "model_noqdq.onnx"),
             "--calib", str(tdir / "model_precision_config_calib.cache")]  # fmt: skip
     assert main(argv) == 1
@@ -176,7 +163,7 @@ def _run_build_stage(tmp_path: Path, **build: Any) -> tuple[dict[str, Path], dic
 
 
 def test_the_build_stage_builds_the_gpu_engine(tmp_path: Path, fake_trt: FakeTensorRT) -> None:
-    _translated(tmp_path)
+    translated_toy(tmp_path)
     outputs, metrics = _run_build_stage(tmp_path, targets=("gpu",), max_batch=3)
     build = tmp_path / "build"
     assert outputs == {
@@ -199,7 +186,7 @@ def test_without_tensorrt_the_build_stage_skips_the_gpu_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    _translated(tmp_path)
+    translated_toy(tmp_path)
     outputs, metrics = _run_build_stage(tmp_path, targets=("gpu",))
     assert metrics == {"tensorrt": None, "built": [], "skipped": "TensorRT not installed"}
     assert set(outputs) == {"gpu_onnx", "trtexec_commands"}
@@ -218,7 +205,7 @@ def test_without_tensorrt_the_build_stage_writes_the_asked_paths_commands(
     """``build.quantization`` picks the trtexec commands written where TensorRT is absent:
     both paths' for ``auto`` (the JetPack that runs them decides), else the asked one's."""
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    _translated(tmp_path)
+    translated_toy(tmp_path)
     _run_build_stage(tmp_path, targets=("dla",), cores=(0,), quantization=asked)
     commands = json.loads((tmp_path / "build" / "trtexec_commands.json").read_text())
     assert set(commands) == keys

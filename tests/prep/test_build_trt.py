@@ -153,6 +153,20 @@ def write_cache(path: Path, scales: dict[str, float], header: str = "TRT-8600") 
     return path
 
 
+def translated_toy(tmp_path: Path) -> Path:
+    """What the translate stage leaves for the toy: the PTQ ONNX, its FP16 nodes (the heads)
+    and the calibration cache, in ``tmp_path/translate``."""
+    tdir = tmp_path / "translate"
+    tdir.mkdir()
+    make_onnx(tdir / "model_noqdq.onnx")
+    (tdir / "model_precision_config.json").write_text(json.dumps({"fp16_nodes": list(HEADS)}))
+    write_cache(
+        tdir / "model_precision_config_calib.cache",
+        {"images": 0.01, **dict.fromkeys(INTERNAL, 0.05)},
+    )
+    return tdir
+
+
 @pytest.fixture
 def onnx_path(tmp_path: Path) -> Path:
     return make_onnx(tmp_path / "toy_noqdq.onnx")

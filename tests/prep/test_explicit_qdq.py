@@ -36,7 +36,7 @@ from prep.explicit_qdq import (
 from prep.pipeline import BuildConfig, ChainConfig
 from tests.prep.fake_tensorrt import DataType, FakeTensorRT, TensorFormat
 from tests.prep.onnx_graphs import conv_net, conv_net_weights
-from tests.prep.test_build_trt import HEADS, INTERNAL, make_onnx, write_cache
+from tests.prep.test_build_trt import HEADS, INTERNAL, translated_toy, write_cache
 from tests.prep.test_emulate_graph import calibrate, session, small_net
 
 pytestmark = pytest.mark.timeout(120)
@@ -328,19 +328,6 @@ def test_writer_errors(translated: Path, tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------- the build stage and the CLI
-def _translated_toy(tmp_path: Path) -> Path:
-    """The toy of test_build_trt as the translate stage leaves it (heads in FP16)."""
-    tdir = tmp_path / "translate"
-    tdir.mkdir()
-    make_onnx(tdir / "model_noqdq.onnx")
-    (tdir / "model_precision_config.json").write_text(json.dumps({"fp16_nodes": list(HEADS)}))
-    write_cache(
-        tdir / "model_precision_config_calib.cache",
-        {"images": 0.01, **dict.fromkeys(INTERNAL, 0.05)},
-    )
-    return tdir
-
-
 def _run_build_stage(tmp_path: Path, **build: Any) -> tuple[dict[str, Path], dict[str, Any]]:
     chain = SimpleNamespace(
         cfg=ChainConfig(build=BuildConfig(**build)), dir=lambda stage: tmp_path / stage
@@ -361,7 +348,7 @@ def test_without_tensorrt_the_stage_writes_both_commands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _use_fake(monkeypatch, None)
-    tdir = _translated_toy(tmp_path)
+    tdir = translated_toy(tmp_path)
     outputs, metrics = _run_build_stage(tmp_path, targets=("dla",))
     build = tmp_path / "build"
     assert metrics["skipped"] == "TensorRT not installed"
@@ -392,7 +379,7 @@ def test_the_stage_takes_the_path_of_the_tensorrt_found(
 ) -> None:
     fake = _use_fake(monkeypatch, version)
     assert fake is not None
-    _translated_toy(tmp_path)
+    translated_toy(tmp_path)
     outputs, metrics = _run_build_stage(tmp_path, targets=("dla",), cores=(1,))
     assert (metrics["tensorrt"], metrics["quantization"]) == (version, mode)
     (report,) = metrics["built"]
@@ -415,7 +402,7 @@ def test_the_stage_builds_the_explicit_gpu_engine_on_tensorrt_11(
 ) -> None:
     fake = _use_fake(monkeypatch, "11.4.1")
     assert fake is not None
-    _translated_toy(tmp_path)
+    translated_toy(tmp_path)
     outputs, _ = _run_build_stage(tmp_path, targets=("gpu",), max_batch=2)
     assert set(outputs) == {
         "gpu_qdq_onnx", "trtexec_commands", "gpu_explicit", "gpu_explicit_metadata",
@@ -427,7 +414,7 @@ def test_the_stage_builds_the_explicit_gpu_engine_on_tensorrt_11(
 
 
 def _cli_files(tmp_path: Path) -> list[str]:
-    tdir = _translated_toy(tmp_path)
+    tdir = translated_toy(tmp_path)
     return [
         "build", "--onnx", str(tdir / "model_noqdq.onnx"),
         "--calib", str(tdir / "model_precision_config_calib.cache"),
