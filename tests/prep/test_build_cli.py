@@ -7,16 +7,22 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
-from prep import build_trt, stages
+from prep import build_trt
 from prep.cli import main
-from prep.pipeline import BuildConfig, ChainConfig, ConfigError
+from prep.pipeline import BuildConfig, ConfigError
 from tests.prep.fake_tensorrt import FakeTensorRT
-from tests.prep.test_build_trt import HEADS, INTERNAL, make_onnx, translated_toy, write_cache
+from tests.prep.test_build_trt import (
+    HEADS,
+    INTERNAL,
+    make_onnx,
+    run_build_stage,
+    translated_toy,
+    write_cache,
+)
 
 
 @pytest.fixture
@@ -153,18 +159,9 @@ def test_build_onnx_without_tensorrt_fails_with_the_reason(
     ]  # fmt: skip
 
 
-def _run_build_stage(tmp_path: Path, **build: Any) -> tuple[dict[str, Path], dict[str, Any]]:
-    chain = SimpleNamespace(
-        cfg=ChainConfig(build=BuildConfig(**build)), dir=lambda stage: tmp_path / stage
-    )
-    out_dir = tmp_path / "build"
-    out_dir.mkdir()
-    return stages.run_build(cast("Any", chain), cast("Any", SimpleNamespace(out_dir=out_dir)))
-
-
 def test_the_build_stage_builds_the_gpu_engine(tmp_path: Path, fake_trt: FakeTensorRT) -> None:
     translated_toy(tmp_path)
-    outputs, metrics = _run_build_stage(tmp_path, targets=("gpu",), max_batch=3)
+    outputs, metrics = run_build_stage(tmp_path, targets=("gpu",), max_batch=3)
     build = tmp_path / "build"
     assert outputs == {
         "gpu_onnx": build / "model_gpu.onnx",
@@ -187,7 +184,7 @@ def test_without_tensorrt_the_build_stage_skips_the_gpu_engine(
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     translated_toy(tmp_path)
-    outputs, metrics = _run_build_stage(tmp_path, targets=("gpu",))
+    outputs, metrics = run_build_stage(tmp_path, targets=("gpu",))
     assert metrics == {"tensorrt": None, "built": [], "skipped": "TensorRT not installed"}
     assert set(outputs) == {"gpu_onnx", "trtexec_commands"}
     assert not (tmp_path / "build" / "model.gpu.engine").exists()
@@ -206,7 +203,7 @@ def test_without_tensorrt_the_build_stage_writes_the_asked_paths_commands(
     both paths' for ``auto`` (the JetPack that runs them decides), else the asked one's."""
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     translated_toy(tmp_path)
-    _run_build_stage(tmp_path, targets=("dla",), cores=(0,), quantization=asked)
+    run_build_stage(tmp_path, targets=("dla",), cores=(0,), quantization=asked)
     commands = json.loads((tmp_path / "build" / "trtexec_commands.json").read_text())
     assert set(commands) == keys
 

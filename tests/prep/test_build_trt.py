@@ -14,7 +14,8 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -23,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from prep import build_trt
+from prep import build_trt, stages
 from prep.build_trt import (
     DlaBuildError,
     DlaBuildSpec,
@@ -40,6 +41,7 @@ from prep.build_trt import (
     with_dynamic_batch,
     write_dynamic_batch_onnx,
 )
+from prep.pipeline import BuildConfig, ChainConfig
 from tests.prep.fake_tensorrt import (
     CalibrationAlgoType,
     DataType,
@@ -165,6 +167,17 @@ def translated_toy(tmp_path: Path) -> Path:
         {"images": 0.01, **dict.fromkeys(INTERNAL, 0.05)},
     )
     return tdir
+
+
+def run_build_stage(tmp_path: Path, **build: Any) -> tuple[dict[str, Path], dict[str, Any]]:
+    """prep's build stage with ``[build]`` set to ``build``, on what ``tmp_path/translate`` holds
+    (``translated_toy``), writing into ``tmp_path/build``."""
+    chain = SimpleNamespace(
+        cfg=ChainConfig(build=BuildConfig(**build)), dir=lambda stage: tmp_path / stage
+    )
+    out_dir = tmp_path / "build"
+    out_dir.mkdir()
+    return stages.run_build(cast("Any", chain), cast("Any", SimpleNamespace(out_dir=out_dir)))
 
 
 @pytest.fixture

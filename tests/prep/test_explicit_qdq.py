@@ -14,15 +14,14 @@ import copy
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from prep import build_trt, stages
+from prep import build_trt
 from prep.build_trt import DlaBuildError, DlaBuildSpec, DlaSpecError, build_dla_loadable
 from prep.cli import main
 from prep.emulate_graph import EngineGraph, build_int8_graph
@@ -33,10 +32,9 @@ from prep.explicit_qdq import (
     read_explicit_onnx,
     write_explicit_onnx,
 )
-from prep.pipeline import BuildConfig, ChainConfig
 from tests.prep.fake_tensorrt import DataType, FakeTensorRT, TensorFormat
 from tests.prep.onnx_graphs import conv_net, conv_net_weights
-from tests.prep.test_build_trt import HEADS, INTERNAL, translated_toy, write_cache
+from tests.prep.test_build_trt import HEADS, INTERNAL, run_build_stage, translated_toy, write_cache
 from tests.prep.test_emulate_graph import calibrate, session, small_net
 
 pytestmark = pytest.mark.timeout(120)
@@ -328,15 +326,6 @@ def test_writer_errors(translated: Path, tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------- the build stage and the CLI
-def _run_build_stage(tmp_path: Path, **build: Any) -> tuple[dict[str, Path], dict[str, Any]]:
-    chain = SimpleNamespace(
-        cfg=ChainConfig(build=BuildConfig(**build)), dir=lambda stage: tmp_path / stage
-    )
-    out_dir = tmp_path / "build"
-    out_dir.mkdir()
-    return stages.run_build(cast("Any", chain), cast("Any", SimpleNamespace(out_dir=out_dir)))
-
-
 def _use_fake(monkeypatch: pytest.MonkeyPatch, version: str | None) -> FakeTensorRT | None:
     fake = None if version is None else FakeTensorRT(version)
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
@@ -349,7 +338,7 @@ def test_without_tensorrt_the_stage_writes_both_commands(
 ) -> None:
     _use_fake(monkeypatch, None)
     tdir = translated_toy(tmp_path)
-    outputs, metrics = _run_build_stage(tmp_path, targets=("dla",))
+    outputs, metrics = run_build_stage(tmp_path, targets=("dla",))
     build = tmp_path / "build"
     assert metrics["skipped"] == "TensorRT not installed"
     assert outputs["qdq_onnx"] == build / "model_qdq.onnx"
@@ -380,7 +369,7 @@ def test_the_stage_takes_the_path_of_the_tensorrt_found(
     fake = _use_fake(monkeypatch, version)
     assert fake is not None
     translated_toy(tmp_path)
-    outputs, metrics = _run_build_stage(tmp_path, targets=("dla",), cores=(1,))
+    outputs, metrics = run_build_stage(tmp_path, targets=("dla",), cores=(1,))
     assert (metrics["tensorrt"], metrics["quantization"]) == (version, mode)
     (report,) = metrics["built"]
     assert report["quantization"] == mode
@@ -403,7 +392,7 @@ def test_the_stage_builds_the_explicit_gpu_engine_on_tensorrt_11(
     fake = _use_fake(monkeypatch, "11.4.1")
     assert fake is not None
     translated_toy(tmp_path)
-    outputs, _ = _run_build_stage(tmp_path, targets=("gpu",), max_batch=2)
+    outputs, _ = run_build_stage(tmp_path, targets=("gpu",), max_batch=2)
     assert set(outputs) == {
         "gpu_qdq_onnx", "trtexec_commands", "gpu_explicit", "gpu_explicit_metadata",
     }  # fmt: skip
