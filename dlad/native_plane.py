@@ -8,9 +8,9 @@ scheduler's C++ core, runs it on an engine of its own and sends the reply. Every
 :attr:`NativePlane.forwarded`, a PAIR socket, as ``[routing id, peer address, user id,
 connection, *parts]`` (the sender's ``Peer-Address`` and ``User-Id``, its CURVE key or "": a
 message's metadata does not cross the pair; its connection: 16 bytes naming the fd, its
-generation and the socket's SO_COOKIE); whoever reads it answers through :meth:`NativePlane.send` with that connection,
-which the plane's thread sends (the ROUTER is never touched from two threads) unless the
-connection has closed since.
+generation and the socket's SO_COOKIE); whoever reads it answers through
+:meth:`NativePlane.send` with that connection, which the plane's thread sends (the ROUTER is
+never touched from two threads) unless the connection has closed since.
 
 The control plane reaches the plane's state through calls its thread runs between two turns of
 its loop (the caller waits that long at most): :meth:`NativePlane.cancel`,
