@@ -261,11 +261,11 @@ def run_translate(chain: Chain, record: StageRecord) -> Result:
 
 
 # ------------------------------------------------------------------------------------ build
-def _model_info(chain: Chain) -> Any:
+def _model_info(ckpt: Any) -> Any:
+    """What the emulated build and the decode read of the trained checkpoint's model."""
     from prep.emulated_build import ModelInfo
     from prep.model import STRIDES, YOLOv5
 
-    ckpt = _checkpoint(chain)
     model = ckpt.model
     yolov5 = isinstance(model, YOLOv5)
     anchors = model.anchors_px.tolist() if yolov5 else []
@@ -290,7 +290,7 @@ def run_build(chain: Chain, record: StageRecord) -> Result:
         from dlad.loadable import read_loadable
         from prep.emulated_build import build_variants, head_variants
 
-        info = _model_info(chain)
+        info = _model_info(_checkpoint(chain))
         paths = build_variants(
             chain.dir("translate"),
             info,
@@ -427,9 +427,10 @@ def run_validate(chain: Chain, record: StageRecord) -> Result:
     classes = _classes(chain)
     arrays = LetterboxedArrays.load(chain.dir("cache") / "val.npz")
     gt = json.loads(Path(classes["val_annotations"]).read_text())
-    model = _checkpoint(chain).model
+    ckpt = _checkpoint(chain)
+    model = ckpt.model
     qmodel, _ = load_qat(chain.dir("qat") / "qat.pt")
-    info = _model_info(chain)
+    info = _model_info(ckpt)
     post = postprocessor(info, settings)
     device = str(resolve_device(chain.cfg.train.device))
     runs: list[tuple[str, HeadsFn, float | None]] = [

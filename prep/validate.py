@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlad.families import family_for, yolov5, yolov8
+from dlad.families import family_for
 from dlad.imaging.post import unpack_head
 from dlad.imaging.pre import Letterbox
 from dlad.loadable import Loadable
@@ -70,18 +70,11 @@ def postprocessor(info: ModelInfo, settings: EvalSettings) -> PostFn:
     """The family's numpy decode + NMS (``dlad.families``: what dlad serves with) with
     ``settings``' thresholds, multi-label as mAP is measured (a one-to-one head: its top
     ``max_det`` scores, no NMS)."""
+    post = family_for(info.family).postprocess
     conf, iou, max_det = settings.conf_threshold, settings.iou_threshold, settings.max_det
-    if info.family == "yolov5":
-        anchors = np.asarray(info.anchors_px, np.float32)
-        return lambda heads, lb: yolov5.postprocess(
-            heads, anchors, info.strides, lb, conf_threshold=conf, iou_threshold=iou,
-            max_det=max_det, multi_label=True,
-        )  # fmt: skip
-    end2end = family_for(info.family).end2end
-    return lambda heads, lb: yolov8.postprocess(
-        heads, info.strides, info.num_classes, lb, conf_threshold=conf, iou_threshold=iou,
-        max_det=max_det, multi_label=True, end2end=end2end,
-    )  # fmt: skip
+    return lambda heads, lb: post(
+        heads, info, lb, conf=conf, iou=iou, max_det=max_det, multi_label=True
+    )
 
 
 def detect_all(

@@ -14,21 +14,37 @@ if TYPE_CHECKING:
     from dlad.imaging.pre import Letterbox
     from dlad.loadable import Loadable
 
-__all__ = ["Family", "Heads", "PostProcess", "PostProgram", "UnknownFamilyError"]
+__all__ = ["Family", "Heads", "HeadsModel", "PostProcess", "PostProgram", "UnknownFamilyError"]
 
 Heads = Sequence[npt.NDArray[np.floating]]
 
 
+class HeadsModel(Protocol):
+    """What a decode reads of a model: a :class:`~dlad.loadable.Loadable`, or prep's
+    ``ModelInfo`` before the loadable exists."""
+
+    @property
+    def num_classes(self) -> int: ...
+    @property
+    def anchors_px(self) -> tuple[tuple[tuple[float, float], ...], ...]: ...
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+
+
 class PostProcess(Protocol):
+    """The numpy decode + NMS of one image's heads (``multi_label``: every class above the
+    threshold a candidate, as mAP is measured; the daemon serves the best class a cell)."""
+
     def __call__(
         self,
         heads: Heads,
-        loadable: Loadable,
+        model: HeadsModel,
         letterbox: Letterbox,
         *,
         conf: float,
         iou: float,
         max_det: int,
+        multi_label: bool = False,
     ) -> npt.NDArray[np.float32]: ...
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
-from dlad.families.base import Family, Heads, PostProgram
+from dlad.families.base import Family, Heads, HeadsModel, PostProgram
 from dlad.imaging.post import (
     DEFAULT_MAX_CANDIDATES,
     Candidates,
@@ -163,12 +163,12 @@ def _check_heads(loadable: Loadable) -> None:
 
 
 def _postprocess(
-    heads: Heads, loadable: Loadable, letterbox: Letterbox, *, conf: float, iou: float,
-    max_det: int,
+    heads: Heads, model: HeadsModel, letterbox: Letterbox, *, conf: float, iou: float,
+    max_det: int, multi_label: bool = False,
 ) -> _F32:  # fmt: skip
     return postprocess(
-        heads, loadable.anchors_px, loadable.strides, letterbox, conf_threshold=conf,
-        iou_threshold=iou, max_det=max_det,
+        heads, model.anchors_px, model.strides, letterbox, conf_threshold=conf,
+        iou_threshold=iou, max_det=max_det, multi_label=multi_label,
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
-from dlad.families.base import Family, Heads, PostProgram
+from dlad.families.base import Family, Heads, HeadsModel, PostProgram
 from dlad.imaging.post import (
     DEFAULT_MAX_CANDIDATES,
     Candidates,
@@ -178,12 +178,12 @@ def _check_heads(loadable: Loadable) -> None:
 
 def _family(name: str, *, end2end: bool = False) -> Family:
     def post(
-        heads: Heads, loadable: Loadable, letterbox: Letterbox, *, conf: float, iou: float,
-        max_det: int,
+        heads: Heads, model: HeadsModel, letterbox: Letterbox, *, conf: float, iou: float,
+        max_det: int, multi_label: bool = False,
     ) -> _F32:  # fmt: skip
         return postprocess(
-            heads, loadable.strides, loadable.num_classes, letterbox, conf_threshold=conf,
-            iou_threshold=iou, max_det=max_det, end2end=end2end,
+            heads, model.strides, model.num_classes, letterbox, conf_threshold=conf,
+            iou_threshold=iou, max_det=max_det, multi_label=multi_label, end2end=end2end,
         )  # fmt: skip
 
     def post_program(loadable: Loadable) -> PostProgram:

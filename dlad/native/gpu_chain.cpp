@@ -110,7 +110,8 @@ std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot
         }
     }
     // GpuPipeline.pre
-    const Letterbox g = rules::letterbox_geometry(frame.width, frame.height, spec.canvas_w, spec.canvas_h);
+    const Letterbox g =
+        rules::letterbox_geometry(frame.width, frame.height, spec.canvas_w, spec.canvas_h);
     slot.geometry = g;
     PreParams p{};
     p.src = reinterpret_cast<const void*>(src);

@@ -81,8 +81,8 @@ def test_the_executor_post_processes_as_the_family_its_loadable_names(
     calls: list[dict[str, Any]] = []
     marker = np.array([[1, 2, 3, 4, 0.5, 7]], np.float32)
 
-    def probe_post(heads: Any, loadable: Any, letterbox: Any, **kw: Any) -> np.ndarray:
-        calls.append({"heads": len(heads), "classes": loadable.num_classes, **kw})
+    def probe_post(heads: Any, model: Any, letterbox: Any, **kw: Any) -> np.ndarray:
+        calls.append({"heads": len(heads), "classes": model.num_classes, **kw})
         return marker
 
     monkeypatch.setitem(FAMILIES, "probe", Family("probe", lambda _: None, probe_post))
