@@ -205,6 +205,49 @@ def bench_pre(ctx: GpuContext, results: dict[str, Any], bw: float) -> None:
     pinned.free()
 
 
+def bench_pre_nv12(ctx: GpuContext, results: dict[str, Any]) -> None:
+    """A 1080p camera frame as NV12 (what hardware and FFmpeg's H.264 decoders give) against
+    the same frame as BGR, same run: the pre kernel's GPU time with and without the pinned
+    H2D copy of the frame (NV12 is half the bytes), and OpenCV's CPU NV12 -> BGR conversion
+    that a client would otherwise run before sending BGR."""
+    import cv2
+
+    rng = np.random.default_rng(1)
+    bgr = rng.integers(0, 256, size=(1080, 1920, 3), dtype=np.uint8)
+    nv12 = rng.integers(0, 256, size=(1620, 1920), dtype=np.uint8)
+    geometry = letterbox_geometry(1920, 1080, SIZE)
+    pitch = hwc4_layout(3, SIZE, SIZE, 1)[0]
+    pipe = GpuPipeline(ctx, (SIZE, SIZE), [HeadSpec(18, 2, 2, 8)], program(ANCHORS[:1], 18))
+    drv = _driver()
+    dst = ctx.alloc(SIZE * pitch * 4)
+    ev = Events(ctx, pipe.stream)
+    out: dict[str, Any] = {}
+    for name, image, fmt in (("bgr", bgr, "BGR"), ("nv12", nv12, "NV12")):
+        src = pipe.upload(image)
+        pinned = ctx.host_alloc(image.nbytes)
+        pinned.array[:] = image.reshape(-1)
+
+        def pre(src: int = src, image: np.ndarray = image, fmt: str = fmt) -> None:
+            pipe.pre(src, image.shape, fmt, geometry, dst.ptr, input_scale=SCALE, colour=1)  # type: ignore[arg-type]
+
+        def pre_h2d(src: int = src, pinned: Any = pinned, image: np.ndarray = image) -> None:
+            _check(drv.cuMemcpyHtoDAsync(src, pinned.host_ptr, image.nbytes, pipe.stream), "h2d")
+            pre()
+
+        out[f"{name}_frame_bytes"] = image.nbytes
+        out[f"{name}_gpu_us"] = ev.time_us(pre, 2000)
+        out[f"{name}_gpu_with_h2d_pinned_us"] = ev.time_us(pre_h2d, 500)
+        pinned.free()
+    out["opencv_nv12_to_bgr_cpu_us"] = wall(lambda: cv2.cvtColor(nv12, cv2.COLOR_YUV2BGR_NV12), 50)
+    out["ratio_nv12_over_bgr_gpu"] = out["nv12_gpu_us"] / out["bgr_gpu_us"]
+    out["ratio_nv12_over_bgr_with_h2d"] = (
+        out["nv12_gpu_with_h2d_pinned_us"] / out["bgr_gpu_with_h2d_pinned_us"]
+    )
+    results["pre_nv12"] = out
+    pipe.close()
+    dst.free()
+
+
 def device_heads(ctx: GpuContext, packed: list[np.ndarray], batch: int) -> list[Any]:
     """Each head's buffer repeated ``batch`` times in device memory (the caller frees them)."""
     bufs = []
@@ -514,7 +557,7 @@ def open_gpu() -> tuple[GpuContext, dict[str, Any]]:
     return GpuContext(0), header
 
 
-SECTIONS = ("pre", "post", "post_dfl", "fence")
+SECTIONS = ("pre", "pre_nv12", "post", "post_dfl", "fence")
 
 
 def main() -> None:
@@ -531,6 +574,8 @@ def main() -> None:
     results["d2d_copy_GBps"] = bw / 1e9
     if "pre" in args.only:
         bench_pre(ctx, results, bw)
+    if "pre_nv12" in args.only:
+        bench_pre_nv12(ctx, results)
     if "post" in args.only:
         bench_post(ctx, results, bw)
     if "post_dfl" in args.only:

@@ -650,10 +650,10 @@ class Frontend:
     def _item(self, req: protocol.InferRequest) -> Item:
         """What the plane needs of a decoded image: where a core pre/post-processes, its
         shape, settings and (unless in shared memory) a copy of its pixels."""
-        frame = Frame(0, 0, 0)
+        frame = Frame(0, 0)
         if self._plane_pixels:
-            h, w, c = req.image.shape
-            frame = Frame(h, w, c, req.format == "BGR", req.conf, req.iou, req.max_det)
+            code = protocol.PIXEL_FORMATS.index(req.format)
+            frame = Frame(req.height, req.width, code, req.colour, req.conf, req.iou, req.max_det)
         if req.shm is not None:
             return Item(req.model, req.stream, req.priority, req.deadline_ms, 0, req.shm.name,
                         req.shm.offset, frame)  # fmt: skip

@@ -293,14 +293,14 @@ class Frame:
 
     height: int
     width: int
-    channels: int
-    bgr: bool = False
+    format: int = 0  # a code of protocol.PIXEL_FORMATS
+    colour: int = 0  # a YUV frame's (protocol.colour_code)
     conf: float | None = None
     iou: float | None = None
     max_det: int | None = None
 
 
-_NO_FRAME: Final = Frame(0, 0, 0)
+_NO_FRAME: Final = Frame(0, 0)
 
 
 @dataclass(frozen=True, slots=True)

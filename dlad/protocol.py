@@ -70,9 +70,11 @@ if TYPE_CHECKING:
     import zmq
 
 __all__ = [
-    "CHANNELS",
+    "COLORSPACES",
+    "COLOR_RANGES",
     "DEFAULT_LIMITS",
     "IMAGE_FIELDS",
+    "IMAGE_OPTIONAL_FIELDS",
     "MAX_BATCH",
     "MAX_BATCH_IMAGES",
     "MAX_DEADLINE_MS",
@@ -82,6 +84,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_REPLY_DEPTH",
     "MAX_REQUEST_DEPTH",
+    "PIXEL_FORMATS",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "PROTOCOL_VERSION",
@@ -115,12 +118,16 @@ __all__ = [
     "StatusReply",
     "StatusRequest",
     "Timing",
+    "YuvFormat",
+    "colour_code",
     "decode_reply",
     "decode_request",
     "encode",
     "encode_batch_reply",
     "encode_error_reply",
     "endpoint_error",
+    "frame_shape",
+    "frame_size",
     "timing_fields",
 ]
 
@@ -151,8 +158,15 @@ MAX_NAME_CHARS: Final = 128
 """Longest model, stream or device name (characters, all printable)."""
 MAX_MESSAGE_CHARS: Final = 1024
 """Longest reply ``message``; :func:`encode_error_reply` truncates to it."""
-CHANNELS: Final[Mapping[str, int]] = {"RGB": 3, "BGR": 3, "GRAY": 1}
-"""Bytes per pixel of each ``image.format``."""
+PIXEL_FORMATS: Final = ("RGB", "BGR", "GRAY", "NV12", "YUYV")
+"""``image.format``'s values, in the order of their codes (``dlad/native/frame_rules.hpp``):
+packed RGB, BGR and GRAY; NV12 (a luma plane, then half-height rows of interleaved U,V pairs:
+width and height even) and YUYV (4:2:2, ``Y0 U Y1 V`` per two pixels: width even)."""
+COLORSPACES: Final = ("bt601", "bt709")
+"""A YUV frame's ``image.colorspace`` (its matrix); the first is the default."""
+COLOR_RANGES: Final = ("limited", "full")
+"""A YUV frame's ``image.color_range`` (limited: Y 16..235, chroma 16..240); the first is the
+default."""
 
 _U64_MAX: Final = 2**64 - 1
 _I64_MAX: Final = 2**63 - 1
@@ -160,7 +174,9 @@ _REPLY_BIT: Final = 0x80
 _DETECTION: Final = np.dtype("<f4")
 _DET_ROW_BYTES: Final = 6 * _DETECTION.itemsize
 
-PixelFormat: TypeAlias = Literal["RGB", "BGR", "GRAY"]
+PixelFormat: TypeAlias = Literal["RGB", "BGR", "GRAY", "NV12", "YUYV"]
+Colorspace: TypeAlias = Literal["bt601", "bt709"]
+ColorRange: TypeAlias = Literal["limited", "full"]
 DaemonState: TypeAlias = Literal["RUNNING", "DRAINING", "STOPPED"]
 Frame: TypeAlias = "bytes | memoryview"
 """What :func:`encode` returns per frame: ready for ``send_multipart(frames, copy=False)``."""
@@ -425,8 +441,10 @@ ShmResolver = Callable[[ShmRef, int], memoryview]
 
 @dataclass(frozen=True, slots=True, eq=False)
 class InferRequest:
-    """Run ``model`` on one image. ``image`` is ``H x W x C`` uint8, C-contiguous, with
-    ``C = CHANNELS[format]``; after decoding it is a read-only view over the received frame.
+    """Run ``model`` on one image. ``image`` is uint8, C-contiguous, of the shape
+    :func:`frame_shape` gives for ``format``; after decoding it is a read-only view over the
+    received frame. ``colorspace`` and ``color_range`` are a YUV frame's (None: the default,
+    BT.601 limited range; an RGB, BGR or GRAY frame has neither).
 
     ``None`` in ``deadline_ms``, ``conf``, ``iou`` or ``max_det`` means the daemon's default.
     ``shm``: the image lies in a shared-memory segment (``image`` is the sender's view of those
@@ -445,22 +463,33 @@ class InferRequest:
     iou: float | None = None
     max_det: int | None = None
     shm: ShmRef | None = None
+    colorspace: Colorspace | None = None
+    color_range: ColorRange | None = None
     kind: ClassVar[Kind] = Kind.INFER
 
     def __post_init__(self) -> None:
         if self.shm is not None and not isinstance(self.shm, ShmRef):
             _fail("shm", f"must be a ShmRef, got {_show(self.shm)}")
-        channels = CHANNELS[_choice(self.format, "image.format", CHANNELS)]
+        fmt = _choice(self.format, "image.format", PIXEL_FORMATS)
+        for name, choices in (("colorspace", COLORSPACES), ("color_range", COLOR_RANGES)):
+            value = getattr(self, name)
+            if value is not None and fmt not in ("NV12", "YUYV"):
+                _fail(f"image.{name}", "is for NV12 and YUYV frames only")
+            if value is not None:
+                _choice(value, f"image.{name}", choices)
         image: object = self.image
         if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
             _fail(
                 "image.dtype",
                 f"only uint8 images are supported, got {_show(getattr(image, 'dtype', image))}",
             )
-        if image.ndim != 3 or image.shape[2] != channels:
-            _fail("image", f"{self.format} needs shape H x W x {channels}, got {image.shape}")
-        _int(image.shape[0], "image.height", 1, MAX_IMAGE_SIDE)
-        _int(image.shape[1], "image.width", 1, MAX_IMAGE_SIDE)
+        try:
+            height, width = frame_size(fmt, image.shape)
+        except ValueError as exc:
+            empty = [f"image.{side}" for side, n in zip(("height", "width"), image.shape) if n < 1]
+            _fail(empty[0] if empty else "image", str(exc))
+        _int(height, "image.height", 1, MAX_IMAGE_SIDE)
+        _int(width, "image.width", 1, MAX_IMAGE_SIDE)
         if not image.flags.c_contiguous:
             _fail("image", "must be C-contiguous (frames are sent without copies)")
         fields = _infer_fields(
@@ -473,15 +502,19 @@ class InferRequest:
     @classmethod
     def _decoded(
         cls, image: npt.NDArray[np.uint8], fmt: PixelFormat, scalars: tuple[Any, ...],
-        shm: ShmRef | None = None,
+        shm: ShmRef | None = None, colour: int = 0,
     ) -> InferRequest:  # fmt: skip
         """One built from a header :func:`decode_request` has checked in full (no second
-        pass over the same fields on the daemon's hot path)."""
+        pass over the same fields on the daemon's hot path); ``colour`` is a YUV frame's code
+        (:func:`colour_code`)."""
         request = object.__new__(cls)
         put = object.__setattr__  # frozen: each field set once, here
         put(request, "image", image)
         put(request, "format", fmt)
         put(request, "shm", shm)
+        yuv = fmt in ("NV12", "YUYV")
+        put(request, "colorspace", COLORSPACES[colour & 1] if yuv else None)
+        put(request, "color_range", COLOR_RANGES[colour >> 1 & 1] if yuv else None)
         rid, model, stream, priority, deadline_ms, conf, iou, max_det = scalars  # _INFER_SCALARS
         put(request, "id", rid)
         put(request, "model", model)
@@ -506,11 +539,17 @@ class InferRequest:
 
     @property
     def height(self) -> int:
-        return int(self.image.shape[0])
+        rows = int(self.image.shape[0])
+        return rows * 2 // 3 if self.format == "NV12" else rows
 
     @property
     def width(self) -> int:
         return int(self.image.shape[1])
+
+    @property
+    def colour(self) -> int:
+        """A YUV frame's colour code (:func:`colour_code`; 0 for any other)."""
+        return colour_code(self.colorspace, self.color_range)
 
 
 _REQUEST_FIELDS: Final = tuple(f.name for f in dataclass_fields(InferRequest))
@@ -1020,8 +1059,13 @@ def _shared_fields(header: dict[str, Any], message: InferRequest) -> None:
 
 
 def _image_map(message: InferRequest) -> dict[str, Any]:
-    return {"height": message.height, "width": message.width, "format": message.format,
-            "dtype": "uint8"}  # fmt: skip
+    image = {"height": message.height, "width": message.width, "format": message.format,
+             "dtype": "uint8"}  # fmt: skip
+    if message.colorspace is not None:
+        image["colorspace"] = message.colorspace
+    if message.color_range is not None:
+        image["color_range"] = message.color_range
+    return image
 
 
 def _shm_map(ref: ShmRef) -> dict[str, Any]:
@@ -1201,7 +1245,10 @@ _KINDS: Final[Mapping[int, Kind]] = {int(k): k for k in Kind}  # a dict lookup, 
 _ENVELOPE: Final = ("v", "kind", "id")
 _REPLY_ENVELOPE: Final = (*_ENVELOPE, "status", "message")
 IMAGE_FIELDS: Final = ("height", "width", "format", "dtype")
-"""An INFER's ``image`` map: all of these, no other."""
+"""An INFER's ``image`` map: all of these, and of :data:`IMAGE_OPTIONAL_FIELDS` no other."""
+IMAGE_OPTIONAL_FIELDS: Final = ("colorspace", "color_range")
+"""A YUV frame's colour in its ``image`` map (an INFER_BATCH's image map: these, ``stream``
+and ``shm``)."""
 SHM_FIELDS: Final = ("name", "offset", "size", "token")
 """An INFER's ``shm`` map: all of these, no other."""
 _HEADER_FIELDS: Final[Mapping[Kind, tuple[tuple[str, ...], tuple[str, ...]]]] = {
@@ -1255,22 +1302,23 @@ def decode_request(
     if kind == Kind.STATUS:
         return StatusRequest(rid, load=load)
     built = []
-    for fmt, height, width, channels, stream, at, frame in images:
+    for fmt, height, width, colour, stream, at, frame in images:
+        shape = frame_shape(fmt, height, width)
         ref = None if at is None else _checked_ref(*at)
         if ref is None:
             payload = views[frame]
         else:
             assert shm is not None  # the decoder refuses a shared-memory frame without one
             try:
-                payload = shm(ref, height * width * channels)
+                payload = shm(ref, math.prod(shape))
             except DladError as exc:  # answered in the request's own kind of reply
                 if exc.request_id is None:
                     exc.request_id, exc.request_kind = rid, int(kind)
                 raise
-        image = np.frombuffer(payload, dtype=np.uint8).reshape(height, width, channels)
+        image = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
         image.flags.writeable = False  # the daemon never writes into a client's frame
         scalars = (rid, model, stream, priority, deadline_ms, conf, iou, max_det)
-        built.append(InferRequest._decoded(image, cast("PixelFormat", fmt), scalars, ref))
+        built.append(InferRequest._decoded(image, cast("PixelFormat", fmt), scalars, ref, colour))
     if kind == Kind.INFER:
         return built[0]
     batch = object.__new__(InferBatchRequest)
@@ -1349,3 +1397,63 @@ def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -
     except ProtocolError as exc:
         _attach(exc, h.get("id"), h.get("kind"))
         raise
+
+
+# ------------------------------------------------------------------------------ pixel formats
+
+
+def frame_shape(fmt: str, height: int, width: int) -> tuple[int, ...]:
+    """The numpy shape of a ``width x height`` frame in ``fmt`` (one of :data:`PIXEL_FORMATS`):
+    ``H x W x 3`` (RGB, BGR), ``H x W x 1`` (GRAY), ``3H/2 x W`` (NV12, as FFmpeg and OpenCV
+    lay it out) or ``H x W x 2`` (YUYV)."""
+    if fmt == "NV12":
+        return (height + height // 2, width)
+    if fmt == "YUYV":
+        return (height, width, 2)
+    return (height, width, 1 if fmt == "GRAY" else 3)
+
+
+def frame_size(fmt: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(height, width)`` of a frame of numpy ``shape`` in ``fmt``; raises ValueError where the
+    shape is not one of ``fmt``'s (:func:`frame_shape`), an NV12 frame's sides odd included."""
+    if fmt not in PIXEL_FORMATS:
+        raise ValueError(f"pixel format must be one of {list(PIXEL_FORMATS)}, got {fmt!r}")
+    if fmt == "GRAY" and len(shape) == 2:  # a gray frame may be H x W
+        shape = (*shape, 1)
+    height = shape[0] * 2 // 3 if fmt == "NV12" and len(shape) == 2 else shape[0] if shape else 0
+    width = shape[1] if len(shape) > 1 else 0
+    if height < 1 or width < 1 or tuple(shape) != frame_shape(fmt, height, width):
+        raise ValueError(f"a {fmt} frame has shape {_shape_words(fmt)}, got {tuple(shape)}")
+    if fmt in ("NV12", "YUYV") and (width % 2 or (fmt == "NV12" and height % 2)):
+        sides = "width and height" if fmt == "NV12" else "width"
+        raise ValueError(f"a {fmt} frame's {sides} must be even, got {width} x {height}")
+    return height, width
+
+
+def _shape_words(fmt: str) -> str:
+    return {"NV12": "3H/2 x W", "YUYV": "H x W x 2", "GRAY": "H x W x 1"}.get(fmt, "H x W x 3")
+
+
+def colour_code(colorspace: str | None, color_range: str | None) -> int:
+    """A YUV frame's colour as the code the data plane and the kernels read (bit 0: BT.709,
+    bit 1: full range); None means the default (BT.601, limited)."""
+    return int(colorspace == "bt709") | (2 if color_range == "full" else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class YuvFormat:
+    """A YUV frame's pixel format with its colour, for the SDK's ``pixel_format``: ``layout``
+    ``"NV12"`` or ``"YUYV"``, ``colorspace`` ``"bt601"`` or ``"bt709"``, ``color_range``
+    ``"limited"`` or ``"full"`` (a plain ``"NV12"`` is BT.601, limited range). Raises
+    ValueError for any other value."""
+
+    layout: Literal["NV12", "YUYV"] = "NV12"
+    colorspace: Colorspace = "bt601"
+    color_range: ColorRange = "limited"
+
+    def __post_init__(self) -> None:
+        for value, name, choices in ((self.layout, "layout", ("NV12", "YUYV")),
+                                     (self.colorspace, "colorspace", COLORSPACES),
+                                     (self.color_range, "color_range", COLOR_RANGES)):  # fmt: skip
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

@@ -15,6 +15,7 @@ daemon beside a well-behaved client (docs/reliability.md); the test suite runs a
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
@@ -88,12 +89,15 @@ def _valid(rng: random.Random, width: int, height: int) -> tuple[dict[str, Any],
         header["model"] = "demo"
         images, payloads = [], []
         for _ in range(1 if kind == protocol.Kind.INFER else rng.randrange(1, 4)):
-            fmt = rng.choice(list(protocol.CHANNELS))
+            fmt = rng.choice(protocol.PIXEL_FORMATS)
             image = {"height": height, "width": width, "format": fmt, "dtype": "uint8"}
+            if fmt in ("NV12", "YUYV") and rng.random() < 0.5:
+                image["colorspace"] = rng.choice(protocol.COLORSPACES)
+                image["color_range"] = rng.choice(protocol.COLOR_RANGES)
             if rng.random() < 0.3:
                 image["stream"] = f"cam{rng.randrange(4)}"
             images.append(image)
-            payloads.append(bytes(width * height * protocol.CHANNELS[fmt]))
+            payloads.append(bytes(math.prod(protocol.frame_shape(fmt, height, width))))
         if kind == protocol.Kind.INFER_BATCH:
             header["images"] = images
         else:

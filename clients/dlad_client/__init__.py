@@ -51,7 +51,7 @@ from dlad.errors import (
     ShuttingDown,
     Status,
 )
-from dlad.protocol import DaemonStatus, PixelFormat, Timing
+from dlad.protocol import DaemonStatus, PixelFormat, Timing, YuvFormat
 from dlad_client._async import AsyncClient, AsyncHandle
 from dlad_client._client import BatchHandle, Client, Handle
 from dlad_client._core import ClientClosed, ClientTimeout, CurveKeys, Result
@@ -62,5 +62,5 @@ __all__ = [
     "ClientClosed", "ClientTimeout", "CurveKeys", "DaemonStatus", "DeadlineExceeded",
     "DeviceFailed", "DladError", "Fleet", "FleetHandle", "Handle", "InternalError", "MemberState",
     "NotFound", "Overloaded", "PixelFormat", "ProtocolError", "Result", "ShuttingDown", "Status",
-    "Timing",
+    "Timing", "YuvFormat",
 ]  # fmt: skip

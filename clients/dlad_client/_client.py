@@ -29,6 +29,7 @@ from dlad.protocol import (
     PixelFormat,
     Request,
     StatusRequest,
+    YuvFormat,
     encode,
 )
 from dlad_client._core import (
@@ -309,7 +310,7 @@ class Client:
         image: npt.NDArray[np.uint8],
         *,
         model: str = "demo",
-        pixel_format: PixelFormat | None = None,
+        pixel_format: PixelFormat | YuvFormat | None = None,
         stream: str | None = None,
         priority: int = 0,
         deadline_ms: int | None = None,
@@ -320,8 +321,11 @@ class Client:
     ) -> Result:
         """Run ``model`` on ``image`` and wait for the detections (``submit(...).result()``).
 
-        ``image`` is ``H x W x 3`` (``pixel_format`` ``"RGB"``, the default, or ``"BGR"``) or
-        ``H x W`` / ``H x W x 1`` (``"GRAY"``, inferred) uint8. ``stream``, ``priority``
+        ``image`` is ``H x W x 3`` (``pixel_format`` ``"RGB"``, the default, or ``"BGR"``),
+        ``H x W`` / ``H x W x 1`` (``"GRAY"``, inferred), ``3H/2 x W`` (``"NV12"``) or ``H x W
+        x 2`` (``"YUYV"``) uint8, a YUV frame BT.601 limited range unless ``pixel_format`` is a
+        :class:`YuvFormat` naming its colour (the daemon converts it on the GPU, or the CPU,
+        with the letterbox). ``stream``, ``priority``
         (0-7), ``deadline_ms`` (the daemon's dispatch budget), ``conf``, ``iou`` and
         ``max_det`` are INFER's fields of ``docs/protocol.md``; ``None`` means the daemon's
         default. ``timeout_s`` overrides the client's for this call; keep it above
@@ -348,7 +352,7 @@ class Client:
         image: npt.NDArray[np.uint8],
         *,
         model: str = "demo",
-        pixel_format: PixelFormat | None = None,
+        pixel_format: PixelFormat | YuvFormat | None = None,
         stream: str | None = None,
         priority: int = 0,
         deadline_ms: int | None = None,
@@ -382,7 +386,7 @@ class Client:
         images: Sequence[npt.NDArray[np.uint8]],
         *,
         model: str = "demo",
-        pixel_format: PixelFormat | None = None,
+        pixel_format: PixelFormat | YuvFormat | None = None,
         streams: Sequence[str | None] | None = None,
         priority: int = 0,
         deadline_ms: int | None = None,
@@ -415,7 +419,7 @@ class Client:
         images: Sequence[npt.NDArray[np.uint8]],
         *,
         model: str = "demo",
-        pixel_format: PixelFormat | None = None,
+        pixel_format: PixelFormat | YuvFormat | None = None,
         streams: Sequence[str | None] | None = None,
         priority: int = 0,
         deadline_ms: int | None = None,

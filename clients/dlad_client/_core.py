@@ -35,7 +35,6 @@ import zmq
 
 from dlad.errors import DladError, InternalError, NotFound, ProtocolError, Status, error_for
 from dlad.protocol import (
-    CHANNELS,
     DEFAULT_LIMITS,
     MAX_BATCH_IMAGES,
     SHM_HEADER_BYTES,
@@ -55,9 +54,11 @@ from dlad.protocol import (
     ShmRef,
     StatusReply,
     Timing,
+    YuvFormat,
     decode_reply,
     encode,
     endpoint_error,
+    frame_size,
     shm_header,
 )
 
@@ -182,7 +183,7 @@ def _infer_batch_request(
     images: Sequence[npt.NDArray[np.uint8]],
     *,
     model: str,
-    pixel_format: PixelFormat | None,
+    pixel_format: PixelFormat | YuvFormat | None,
     streams: Sequence[str | None] | None,
     priority: int,
     deadline_ms: int | None,
@@ -290,7 +291,7 @@ def _infer_request(
     image: npt.NDArray[np.uint8],
     *,
     model: str,
-    pixel_format: PixelFormat | None,
+    pixel_format: PixelFormat | YuvFormat | None,
     stream: str | None,
     priority: int,
     deadline_ms: int | None,
@@ -301,27 +302,43 @@ def _infer_request(
     """Validate an image and the INFER's fields; the image is sent without a copy when it is
     C-contiguous, else it is made contiguous (one copy).
 
-    Raises TypeError (not an array), ValueError (not uint8, not ``H x W``/``H x W x 1``/
-    ``H x W x 3``, empty, or contradicting ``pixel_format``), ProtocolError (a ``BadRequest``:
-    another field out of the range of ``docs/protocol.md``, or a side over 65 535).
+    ``pixel_format`` None means GRAY or RGB by the image's channels; ``"NV12"`` (a ``3H/2 x W``
+    frame) and ``"YUYV"`` (``H x W x 2``) are BT.601 limited range, a :class:`YuvFormat` names
+    another colour.
+
+    Raises TypeError (not an array), ValueError (not uint8, empty, not of ``pixel_format``'s
+    shape: ``H x W``/``H x W x 1`` gray, ``H x W x 3``, ``3H/2 x W`` NV12 or ``H x W x 2``
+    YUYV), ProtocolError (a ``BadRequest``: another field out of the range of
+    ``docs/protocol.md``, or a side over 65 535).
     """
     if not isinstance(image, np.ndarray):
         raise TypeError(f"image must be a numpy array, got {type(image).__name__}")
     if image.dtype != np.uint8:
         raise ValueError(f"image must be uint8, got {image.dtype}")
-    if image.ndim == 2:
-        image = image[:, :, np.newaxis]
-    if image.ndim != 3 or image.shape[2] not in (1, 3):
-        raise ValueError(f"image must be H x W (gray), H x W x 1 or H x W x 3, got {image.shape}")
-    if image.shape[0] == 0 or image.shape[1] == 0:
+    if 0 in image.shape:
         raise ValueError(f"image is empty: {image.shape}")
-    channels = int(image.shape[2])
-    fmt = pixel_format if pixel_format is not None else ("GRAY" if channels == 1 else "RGB")
-    if CHANNELS.get(fmt) != channels:
-        raise ValueError(f"pixel_format {fmt!r} does not fit an image of shape {image.shape}")
+    yuv = pixel_format if isinstance(pixel_format, YuvFormat) else None
+    fmt: str | None = yuv.layout if yuv is not None else cast("str | None", pixel_format)
+    if image.ndim == 2 and fmt in (None, "GRAY"):
+        image = image[:, :, np.newaxis]
+    if fmt is None:
+        if image.ndim != 3 or image.shape[2] not in (1, 3):
+            raise ValueError(
+                f"image must be H x W (gray), H x W x 1 or H x W x 3, got {image.shape} "
+                "(an NV12 or YUYV frame names its pixel_format)"
+            )
+        fmt = "GRAY" if image.shape[2] == 1 else "RGB"
+    try:
+        frame_size(fmt, image.shape)
+    except ValueError as exc:
+        raise ValueError(f"pixel_format {fmt!r} does not fit an image of shape {image.shape}: "
+                         f"{exc}") from None  # fmt: skip
     return InferRequest(
-        id=request_id, model=model, image=np.ascontiguousarray(image), format=fmt, stream=stream,
-        priority=priority, deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
+        id=request_id, model=model, image=np.ascontiguousarray(image),
+        format=cast("PixelFormat", fmt), stream=stream, priority=priority,
+        deadline_ms=deadline_ms, conf=conf, iou=iou, max_det=max_det,
+        colorspace=None if yuv is None else yuv.colorspace,
+        color_range=None if yuv is None else yuv.color_range,
     )  # fmt: skip
 
 

@@ -51,7 +51,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dlad.errors import DeviceFailed, DladError, Overloaded, ShuttingDown
-from dlad.protocol import DaemonStatus, PixelFormat, endpoint_error
+from dlad.protocol import DaemonStatus, PixelFormat, YuvFormat, endpoint_error
 from dlad_client._async import AsyncClient
 from dlad_client._core import (
     DEFAULT_TIMEOUT_S,
@@ -298,7 +298,7 @@ class AsyncFleet:
         image: npt.NDArray[np.uint8],
         *,
         model: str = "demo",
-        pixel_format: PixelFormat | None = None,
+        pixel_format: PixelFormat | YuvFormat | None = None,
         stream: str | None = None,
         priority: int = 0,
         deadline_ms: int | None = None,

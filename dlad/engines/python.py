@@ -10,10 +10,10 @@ Each wraps the executor that the config built (``dlad.executors.factory``: the c
 buffers, faults and DRAM; the GPU's engine) and runs that executor's own per-frame code, so no
 rule of a frame's path exists twice.
 
-The plane hands each call a batch of ``(job, pixels, (height, width, channels, bgr, conf, iou,
-max_det))`` and answers each job from the result: the frame's detections and pre/post times,
-or its failure (the device's, a hang, or a fault of the daemon's) in words without the device's
-name, which the plane adds.
+The plane hands each call a batch of ``(job, pixels, (height, width, format, colour, conf,
+iou, max_det))`` (``format``: a code of :data:`dlad.protocol.PIXEL_FORMATS`) and answers each
+job from the result: the frame's detections and pre/post times, or its failure (the device's, a
+hang, or a fault of the daemon's) in words without the device's name, which the plane adds.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dlad.errors import DeviceFailed
 from dlad.executors.base import Outcome, Request
 from dlad.executors.dla import DlaExecutor, Slot
 from dlad.executors.gpu import GpuExecutor
+from dlad.protocol import PIXEL_FORMATS, frame_shape
 
 __all__ = ["DlaFrames", "GpuBatches"]
 
@@ -48,14 +49,15 @@ def request(pixels: memoryview | None, shape: tuple[Any, ...], model: str) -> Re
     """The executor's request for one frame of a batch (its settings as the plane resolved
     them: the model's where the INFER set none); None where the plane held no pixels for it (a
     frame in a segment that is not mapped here)."""
-    height, width, channels, bgr, conf, iou, max_det = shape
+    height, width, code, colour, conf, iou, max_det = shape
     if pixels is None:
         return None
-    image = np.frombuffer(pixels, np.uint8).reshape(height, width, channels)
-    fmt = "GRAY" if channels == 1 else "BGR" if bgr else "RGB"
+    fmt = PIXEL_FORMATS[code]
+    image = np.frombuffer(pixels, np.uint8).reshape(frame_shape(fmt, height, width))
     return Request(
         image=image,
         pixel_format=fmt,
+        colour=colour,
         conf=conf,
         iou=iou,
         max_det=max_det,

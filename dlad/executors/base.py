@@ -21,6 +21,7 @@ from typing import Final, Literal
 import numpy as np
 
 from dlad.errors import DeviceFailed
+from dlad.protocol import frame_size
 
 __all__ = [
     "UNHEALTHY_AFTER",
@@ -47,7 +48,8 @@ def failing_words(failures: int, last: str) -> str:
 @dataclass(slots=True)
 class Request:
     """What one frame asks of an engine: the image (a view of the bytes the plane holds), its
-    pixel format and the detection settings."""
+    pixel format (one of :data:`dlad.protocol.PIXEL_FORMATS`, a YUV frame with its ``colour``
+    code) and the detection settings."""
 
     image: np.ndarray
     pixel_format: str
@@ -56,6 +58,13 @@ class Request:
     max_det: int
     received_ns: int  # monotonic ns when the engine was handed it
     model: str
+    colour: int = 0
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """The frame's ``(width, height)`` in pixels."""
+        height, width = frame_size(self.pixel_format, self.image.shape)
+        return width, height
 
 
 @dataclass(slots=True)

@@ -241,7 +241,7 @@ class DlaExecutor(Executor):
         out = Outcome(job_id, self.name)
         t0 = time.monotonic_ns()
         image = np.ascontiguousarray(work.image)
-        geometry = letterbox_geometry(image.shape[1], image.shape[0], self.loadable.image_size)
+        geometry = letterbox_geometry(*work.size, self.loadable.image_size)
         pipe, service = gpu.pipeline, self.gpu
         try:
             in_place = service is not None and service.read_frames_in_place
@@ -255,7 +255,7 @@ class DlaExecutor(Executor):
             int8 = self.module.inputs[0].data_type == DataType.INT8
             scale = self.loadable.input_scale if int8 else None
             pipe.pre(src, image.shape, work.pixel_format, geometry,  # type: ignore[arg-type]
-                     gpu.input_ptr, input_scale=scale)  # fmt: skip
+                     gpu.input_ptr, input_scale=scale, colour=work.colour)  # fmt: skip
             handle = gpu.chain_task(self.dla, self.module, slot.inputs, slot.outputs)
             pipe.post(gpu.head_ptrs, [geometry], conf_threshold=work.conf,
                       iou_threshold=work.iou, max_det=work.max_det)  # fmt: skip
@@ -319,7 +319,7 @@ class DlaExecutor(Executor):
         return handle
 
     def _pre(self, work: Request, buffer: Any) -> Letterbox:
-        rgb = to_rgb(work.image, work.pixel_format)  # type: ignore[arg-type]
+        rgb = to_rgb(work.image, work.pixel_format, work.colour)  # type: ignore[arg-type]
         size = self.loadable.image_size
         canvas, geometry = letterbox(rgb, (size[0], size[1]))
         q = quantize_hwc4(canvas, self.loadable.input_scale)

@@ -296,7 +296,7 @@ class CudaBatches:
         try:
             images = [np.ascontiguousarray(r.image) for r in requests]
             size = self.loadable.image_size
-            geometries = [letterbox_geometry(i.shape[1], i.shape[0], size) for i in images]
+            geometries = [letterbox_geometry(*r.size, size) for r in requests]
             uniform = len({(r.conf, r.iou, r.max_det) for r in requests}) == 1
             p, engine = s.pipeline, self.engine
             with self._lock:
@@ -312,6 +312,7 @@ class CudaBatches:
                         g,
                         base + b * engine.frame_bytes,
                         input_scale=self.loadable.input_scale,
+                        colour=r.colour,
                     )
                 p.record(s.pre_done)
                 batch = engine.run_device(
@@ -596,7 +597,7 @@ class GpuExecutor(Executor):
 
     def _pre(self, work: Request) -> tuple[npt.NDArray[np.int8], Letterbox]:
         size = self.loadable.image_size
-        rgb = to_rgb(work.image, work.pixel_format)  # type: ignore[arg-type]
+        rgb = to_rgb(work.image, work.pixel_format, work.colour)  # type: ignore[arg-type]
         canvas, geometry = letterbox(rgb, (size[0], size[1]))
         return quantize_hwc4(canvas, self.loadable.input_scale), geometry
 

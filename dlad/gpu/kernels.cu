@@ -39,20 +39,65 @@ __device__ __forceinline__ u16 float_to_half_rn(float f) {
 
 // --------------------------------------------------------------------------------- pre
 
+// Pixel formats (dlad/native/frame_rules.hpp: rules::PixelFormat)
+enum { FMT_RGB = 0, FMT_BGR = 1, FMT_GRAY = 2, FMT_NV12 = 3, FMT_YUYV = 4 };
+
 struct PreParams {
-    const u8* src;        // H x W x C uint8, rows `src_pitch` bytes apart
+    const u8* src;        // the frame, rows `src_pitch` bytes apart (NV12: its chroma rows follow)
     void* dst;            // DLA_HWC4 int8 [H][dst_pitch_px][4] or CHW16 fp16 [G][H][W][16]
-    int src_w, src_h, src_pitch, src_c;  // src_c: 1 (GRAY) or 3
-    int bgr;              // 1: source is BGR (channels reversed into RGB)
+    int src_w, src_h, src_pitch, src_fmt;  // src_fmt: FMT_*
+    int y_offset;         // YUV: 16 (limited range) or 0 (full)
     int dst_w, dst_h, dst_pitch_px;      // dst_pitch_px: W_padded of DLA_HWC4 (= dst_w for CHW16)
     int new_w, new_h, pad_x, pad_y;      // letterbox geometry (dlad.imaging.pre.Letterbox)
     float scale;          // (float)Letterbox.scale
     float input_scale;    // int8 input scale (HWC4 only)
     int pad_value;        // 0..255
+    float ky, rv, gu, gv, bu;  // YUV -> RGB (rules::yuv_coefficients)
 };
 
-// One letterboxed RGB pixel at canvas (x, y), as dlad.imaging.pre.letterbox computes it:
-// pad_value outside the resized image, else bilinear with half-pixel centres, no FMA.
+// rules::yuv_coefficients' conversion of one sample, float32 without FMA, rounded half away
+// from zero and clamped (dlad.imaging.pre.yuv_to_rgb).
+__device__ __forceinline__ u8 clamp_u8(float v) {
+    return (u8)fminf(fmaxf(roundf(v), 0.0f), 255.0f);
+}
+
+__device__ __forceinline__ void yuv_rgb(const PreParams& p, int Y, int U, int V, float out[3]) {
+    float y = __fmul_rn((float)(Y - p.y_offset), p.ky);
+    float u = (float)(U - 128), v = (float)(V - 128);
+    out[0] = (float)clamp_u8(__fadd_rn(y, __fmul_rn(p.rv, v)));
+    out[1] = (float)clamp_u8(__fsub_rn(__fsub_rn(y, __fmul_rn(p.gu, u)), __fmul_rn(p.gv, v)));
+    out[2] = (float)clamp_u8(__fadd_rn(y, __fmul_rn(p.bu, u)));
+}
+
+// The RGB of source pixel (x, y), each channel as the float of its uint8.
+__device__ __forceinline__ void source_rgb(const PreParams& p, int x, int y, float out[3]) {
+    const u8* row = p.src + (long long)y * p.src_pitch;
+    switch (p.src_fmt) {
+        case FMT_NV12: {
+            const u8* uv = p.src + (long long)p.src_h * p.src_pitch +
+                           (long long)(y >> 1) * p.src_pitch + (x & ~1);
+            yuv_rgb(p, row[x], uv[0], uv[1], out);
+            return;
+        }
+        case FMT_YUYV: {
+            const u8* pair = row + (x & ~1) * 2;  // Y0 U Y1 V
+            yuv_rgb(p, pair[(x & 1) * 2], pair[1], pair[3], out);
+            return;
+        }
+        case FMT_GRAY:
+            out[0] = out[1] = out[2] = (float)row[x];
+            return;
+        case FMT_BGR:
+            out[0] = (float)row[x * 3 + 2], out[1] = (float)row[x * 3 + 1], out[2] = (float)row[x * 3];
+            return;
+        default:
+            out[0] = (float)row[x * 3], out[1] = (float)row[x * 3 + 1], out[2] = (float)row[x * 3 + 2];
+    }
+}
+
+// One letterboxed RGB pixel at canvas (x, y), as dlad.imaging.pre.letterbox computes it on the
+// frame's RGB (dlad.imaging.pre.to_rgb): pad_value outside the resized image, else bilinear
+// with half-pixel centres, no FMA. A YUV frame is converted tap by tap, in the same pass.
 __device__ __forceinline__ void letterbox_pixel(const PreParams& p, int x, int y, u8 rgb[3]) {
     int xd = x - p.pad_x, yd = y - p.pad_y;
     if (xd < 0 || yd < 0 || xd >= p.new_w || yd >= p.new_h) {
@@ -69,19 +114,17 @@ __device__ __forceinline__ void letterbox_pixel(const PreParams& p, int x, int y
     int y0 = (int)floorf(ys);
     int y1 = min(y0 + 1, p.src_h - 1);
     float fy = __fsub_rn(ys, (float)y0), gy = __fsub_rn(1.0f, fy);
-    const u8* r0 = p.src + (long long)y0 * p.src_pitch;
-    const u8* r1 = p.src + (long long)y1 * p.src_pitch;
-    int n = p.src_c == 1 ? 1 : 3;
-    for (int c = 0; c < n; ++c) {
-        int sc = (p.bgr && n == 3) ? 2 - c : c;
-        float p00 = (float)r0[x0 * p.src_c + sc], p01 = (float)r0[x1 * p.src_c + sc];
-        float p10 = (float)r1[x0 * p.src_c + sc], p11 = (float)r1[x1 * p.src_c + sc];
-        float top = __fadd_rn(__fmul_rn(gx, p00), __fmul_rn(fx, p01));
-        float bot = __fadd_rn(__fmul_rn(gx, p10), __fmul_rn(fx, p11));
+    float p00[3], p01[3], p10[3], p11[3];
+    source_rgb(p, x0, y0, p00);
+    source_rgb(p, x1, y0, p01);
+    source_rgb(p, x0, y1, p10);
+    source_rgb(p, x1, y1, p11);
+    for (int c = 0; c < 3; ++c) {
+        float top = __fadd_rn(__fmul_rn(gx, p00[c]), __fmul_rn(fx, p01[c]));
+        float bot = __fadd_rn(__fmul_rn(gx, p10[c]), __fmul_rn(fx, p11[c]));
         float v = __fadd_rn(__fmul_rn(gy, top), __fmul_rn(fy, bot));
         rgb[c] = (u8)fminf(roundf(v), 255.0f);
     }
-    if (n == 1) rgb[1] = rgb[2] = rgb[0];
 }
 
 // dlad.imaging.pre.quantize_hwc4: roundf((p / 255) / s), ties away from zero, saturated.

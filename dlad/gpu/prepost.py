@@ -24,11 +24,12 @@ import ctypes
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from dlad import _native
 from dlad.devices.cudla import cuda_interop
 from dlad.families import PostProgram
 from dlad.gpu.driver import (
@@ -42,6 +43,7 @@ from dlad.gpu.driver import (
 )
 from dlad.imaging.post import logit_cut
 from dlad.imaging.pre import Letterbox, hwc4_layout
+from dlad.protocol import PIXEL_FORMATS, PixelFormat, frame_size
 
 if TYPE_CHECKING:
     from dlad.loadable import Loadable
@@ -77,8 +79,8 @@ class PreParams(ctypes.Structure):
         ("src_w", ctypes.c_int),
         ("src_h", ctypes.c_int),
         ("src_pitch", ctypes.c_int),
-        ("src_c", ctypes.c_int),
-        ("bgr", ctypes.c_int),
+        ("src_fmt", ctypes.c_int),
+        ("y_offset", ctypes.c_int),
         ("dst_w", ctypes.c_int),
         ("dst_h", ctypes.c_int),
         ("dst_pitch_px", ctypes.c_int),
@@ -89,6 +91,11 @@ class PreParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("input_scale", ctypes.c_float),
         ("pad_value", ctypes.c_int),
+        ("ky", ctypes.c_float),
+        ("rv", ctypes.c_float),
+        ("gu", ctypes.c_float),
+        ("gv", ctypes.c_float),
+        ("bu", ctypes.c_float),
     ]
 
 
@@ -421,35 +428,40 @@ class GpuPipeline:
         self,
         src_ptr: int,
         src_shape: tuple[int, ...],
-        pixel_format: Literal["RGB", "BGR", "GRAY"],
+        pixel_format: PixelFormat,
         geometry: Letterbox,
         dst_ptr: int,
         *,
         input_scale: float | None,
         pad_value: int = 114,
+        colour: int = 0,
     ) -> None:
-        """Queue letterbox + normalise of the image at ``src_ptr`` (``H x W x C`` uint8, rows
-        contiguous) into ``dst_ptr``: int8 ``DLA_HWC4`` with ``input_scale`` (row pitch from
-        :func:`hwc4_layout`), or fp16 ``CHW16`` when ``input_scale`` is None.
+        """Queue letterbox + normalise of the image at ``src_ptr`` (uint8 of the numpy shape
+        ``src_shape``, :func:`dlad.protocol.frame_shape`'s for ``pixel_format``; a YUV frame
+        converted with ``colour``, as :func:`~dlad.imaging.pre.to_rgb` does) into ``dst_ptr``:
+        int8 ``DLA_HWC4`` with ``input_scale`` (row pitch from :func:`hwc4_layout`), or fp16
+        ``CHW16`` when ``input_scale`` is None.
 
         Raises ValueError for a shape that does not match ``pixel_format`` or ``geometry``.
         """
         p = self._pre_params
-        key = (tuple(src_shape), pixel_format, geometry, dst_ptr, input_scale, pad_value)
+        key = (tuple(src_shape), pixel_format, geometry, dst_ptr, input_scale, pad_value, colour)
         if key == self._pre_key and self._pre_kernel is not None:  # a camera's: only src moves
             p.src = src_ptr
             launch(self._pre_kernel, self._pre_grid, (32, 8, 1), p, self.stream)
             return
-        h, w = int(src_shape[0]), int(src_shape[1])
-        c = 1 if len(src_shape) == 2 else int(src_shape[2])
-        if (pixel_format == "GRAY") != (c == 1) or c not in (1, 3):
-            raise ValueError(f"image shape {src_shape} does not match {pixel_format}")
+        shape = tuple(src_shape)
+        if pixel_format == "GRAY" and len(shape) == 2:
+            shape = (*shape, 1)
+        h, w = frame_size(pixel_format, shape)  # raises ValueError
         if (geometry.src_w, geometry.src_h) != (w, h):
             raise ValueError("geometry was computed for another image size")
         self._pre_key = None  # until the fields below are all written
         p.src, p.dst = src_ptr, dst_ptr
-        p.src_w, p.src_h, p.src_pitch, p.src_c = w, h, w * c, c
-        p.bgr = int(pixel_format == "BGR")
+        p.src_w, p.src_h = w, h
+        p.src_fmt = PIXEL_FORMATS.index(pixel_format)
+        p.src_pitch = _native.row_bytes(p.src_fmt, w)
+        p.ky, p.rv, p.gu, p.gv, p.bu, p.y_offset = _native.yuv_coefficients(colour)
         p.dst_w, p.dst_h = geometry.dst_w, geometry.dst_h
         p.new_w, p.new_h = geometry.new_w, geometry.new_h
         p.pad_x, p.pad_y = geometry.pad_x, geometry.pad_y

@@ -1,4 +1,4 @@
-"""Pre-processing reference: letterbox, colour order, INT8 ``DLA_HWC4`` quantisation.
+"""Pre-processing reference: YUV to RGB, letterbox, colour order, INT8 ``DLA_HWC4`` quantisation.
 
 This module is the numpy reference the daemon runs on CPU-only hosts and the oracle the CUDA
 kernels are tested against, so every arithmetic step is specified precisely enough to be
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from dlad import _native
+from dlad.protocol import PIXEL_FORMATS, PixelFormat, frame_size
 
 __all__ = [
     "HWC4_ROW_ALIGN_BYTES",
@@ -38,9 +38,8 @@ __all__ = [
     "quantize_hwc4",
     "round_half_away_from_zero",
     "to_rgb",
+    "yuv_to_rgb",
 ]
-
-PixelFormat = Literal["RGB", "BGR", "GRAY"]
 
 HWC4_ROW_ALIGN_BYTES = 64
 """Row pitch alignment of ``DLA_HWC4`` tensors on Orin (32 on Xavier); docs/reference/cudla.md
@@ -154,22 +153,66 @@ def _check_image(image: object, channels: tuple[int, ...]) -> _U8:
     return image
 
 
-def to_rgb(image: npt.NDArray[np.uint8], pixel_format: PixelFormat) -> _U8:
+def to_rgb(image: npt.NDArray[np.uint8], pixel_format: PixelFormat, colour: int = 0) -> _U8:
     """Return a C-contiguous ``H x W x 3`` uint8 RGB image.
 
     ``RGB`` input (``H x W x 3``) is returned as is when already contiguous; ``BGR`` has its
-    channels reversed; ``GRAY`` (``H x W`` or ``H x W x 1``) is replicated to three channels.
-    Channel order does not affect :func:`letterbox` (it interpolates channels independently), so
-    calling this on the smaller letterboxed canvas is cheaper and gives the identical result.
-    Raises ValueError for an unknown format or a shape/dtype that does not match it.
+    channels reversed; ``GRAY`` (``H x W`` or ``H x W x 1``) is replicated to three channels;
+    ``NV12`` and ``YUYV`` are converted by :func:`yuv_to_rgb` with ``colour``. Channel order
+    does not affect :func:`letterbox` (it interpolates channels independently), so calling this
+    on the smaller letterboxed canvas is cheaper and gives the identical result (not so for
+    YUV, which is converted before it is resampled). Raises ValueError for an unknown format or
+    a shape/dtype that does not match it.
     """
+    if pixel_format in ("NV12", "YUYV"):
+        return yuv_to_rgb(image, pixel_format, colour)
     if pixel_format == "GRAY":
         gray = _check_image(image[:, :, None] if getattr(image, "ndim", 0) == 2 else image, (1,))
         return np.ascontiguousarray(np.broadcast_to(gray, (*gray.shape[:2], 3)))
     if pixel_format not in ("RGB", "BGR"):
-        raise ValueError(f"pixel_format must be 'RGB', 'BGR' or 'GRAY', got {pixel_format!r}")
+        raise ValueError(f"pixel_format must be one of {list(PIXEL_FORMATS)}, got {pixel_format!r}")
     color = _check_image(image, (3,))
     return np.ascontiguousarray(color[:, :, ::-1] if pixel_format == "BGR" else color)
+
+
+def yuv_to_rgb(image: npt.NDArray[np.uint8], pixel_format: PixelFormat, colour: int = 0) -> _U8:
+    """An ``NV12`` (``3H/2 x W``) or ``YUYV`` (``H x W x 2``) uint8 frame as ``H x W x 3``
+    uint8 RGB; ``colour`` is its matrix and range (:func:`dlad.protocol.colour_code`: 0 is
+    BT.601 limited range).
+
+    Each pixel takes its own luma and its 2 x 2 (NV12) or 2 x 1 (YUYV) block's chroma, as
+    FFmpeg's and the Jetson's converters do without chroma interpolation, and is converted in
+    float32 with every step rounded and no fused multiply-add (the GPU pre kernel's
+    ``yuv_rgb``), with the coefficients of ``dlad/native/frame_rules.hpp``::
+
+        y = (float)(Y - y_offset) * ky;  u = (float)(U - 128);  v = (float)(V - 128)
+        R = y + rv * v;  G = (y - gu * u) - gv * v;  B = y + bu * u
+
+    each rounded half away from zero and clamped to 0..255. Raises ValueError for a shape,
+    dtype or colour that does not fit.
+    """
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8:  # type: ignore[redundant-expr]
+        raise ValueError(f"image must be a uint8 numpy array, got {getattr(image, 'dtype', image)}")
+    if pixel_format not in ("NV12", "YUYV"):
+        raise ValueError(f"pixel_format must be 'NV12' or 'YUYV', got {pixel_format!r}")
+    if colour not in range(4):
+        raise ValueError(f"colour must be a code 0..3, got {colour!r}")
+    height, width = frame_size(pixel_format, image.shape)
+    if pixel_format == "NV12":
+        luma = image[:height]
+        uv = image[height:].reshape(height // 2, width // 2, 2)
+        chroma = uv.repeat(2, axis=0).repeat(2, axis=1)
+    else:
+        luma = image[:, :, 0]
+        pairs = image.reshape(height, width // 2, 4)
+        chroma = pairs[:, :, [1, 3]].repeat(2, axis=1)
+    ky, rv, gu, gv, bu, y_offset = (np.float32(c) for c in _native.yuv_coefficients(colour))
+    y = (luma.astype(np.int32) - int(y_offset)).astype(np.float32) * ky
+    u = (chroma[:, :, 0].astype(np.int32) - 128).astype(np.float32)
+    v = (chroma[:, :, 1].astype(np.int32) - 128).astype(np.float32)
+    rgb = np.stack([y + rv * v, (y - gu * u) - gv * v, y + bu * u], axis=-1)
+    out: _U8 = np.clip(round_half_away_from_zero(rgb), 0, 255).astype(np.uint8)
+    return out
 
 
 def letterbox(

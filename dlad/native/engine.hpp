@@ -26,8 +26,9 @@ namespace dlad::plane {
 
 // The shape and settings of a frame (none: the model's defaults).
 struct Image {
-    int64_t height = 0, width = 0, channels = 0;
-    bool bgr = false;
+    int64_t height = 0, width = 0;
+    int format = 0;  // a rules::PixelFormat
+    int colour = 0;  // a YUV frame's (rules::kBt709, rules::kFullRange)
     std::optional<double> conf, iou;
     std::optional<int64_t> max_det;
 };

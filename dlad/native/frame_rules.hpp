@@ -1,14 +1,78 @@
-// The per-frame rules every path shares, written once: the letterbox geometry a frame is drawn
-// on and the decode's logit cut. The GPU chain uses them here; Python reads them through
+// The per-frame rules every path shares, written once: a frame's pixel formats and their bytes,
+// the YUV -> RGB coefficients, the letterbox geometry a frame is drawn on and the decode's logit
+// cut. The GPU chain uses them here; Python reads them through
 // dlad._native (dlad.imaging.pre.letterbox_geometry, dlad.imaging.post.logit_cut), so the CPU
 // reference, the Python engines and the C++ plane compute the same numbers.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <string_view>
 
 namespace dlad::rules {
+
+// A frame's pixel formats (protocol.PIXEL_FORMATS, in this order): packed RGB, BGR and GRAY;
+// NV12 (a W x H luma plane, then W/2 x H/2 interleaved U,V pairs: W and H even) and YUYV
+// (4:2:2, Y0 U Y1 V per two pixels: W even), rows tightly packed.
+enum PixelFormat : int { kRgb = 0, kBgr = 1, kGray = 2, kNv12 = 3, kYuyv = 4 };
+constexpr std::array<std::string_view, 5> kPixelFormats = {"RGB", "BGR", "GRAY", "NV12", "YUYV"};
+
+inline bool is_yuv(int format) { return format == kNv12 || format == kYuyv; }
+
+// The bytes of a width x height frame in `format`.
+inline uint64_t frame_bytes(int format, int64_t height, int64_t width) {
+    const auto px = static_cast<uint64_t>(height) * static_cast<uint64_t>(width);
+    switch (format) {
+        case kGray: return px;
+        case kNv12: return px + px / 2;
+        case kYuyv: return 2 * px;
+        default: return 3 * px;
+    }
+}
+
+// The bytes between two rows of a frame (a NV12 frame's luma rows; its chroma rows are as long).
+inline int64_t row_bytes(int format, int64_t width) {
+    switch (format) {
+        case kGray:
+        case kNv12: return width;
+        case kYuyv: return 2 * width;
+        default: return 3 * width;
+    }
+}
+
+// A YUV frame's colour: its matrix (BT.601 or BT.709) and range (limited: Y 16..235 and
+// chroma 16..240; full: 0..255), as protocol.Colour codes it: bit 0 BT.709, bit 1 full range.
+constexpr int kBt709 = 1, kFullRange = 2;
+
+// The YUV -> RGB conversion of one sample, float32 with every step rounded (no FMA):
+//   y = (float)(Y - y_offset) * ky;  u = (float)(U - 128);  v = (float)(V - 128)
+//   R = y + rv * v;  G = (y - gu * u) - gv * v;  B = y + bu * u
+// then each rounded half away from zero and clamped to 0..255. The coefficients come from the
+// matrix's Kr and Kb (Kg = 1 - Kr - Kb) in double, scaled by 255/219 (luma) and 255/224
+// (chroma) for the limited range, and rounded to float once.
+struct YuvCoefficients {
+    float ky = 1, rv = 0, gu = 0, gv = 0, bu = 0;
+    int y_offset = 0;
+};
+
+inline YuvCoefficients yuv_coefficients(int colour) {
+    const double kr = (colour & kBt709) ? 0.2126 : 0.299;
+    const double kb = (colour & kBt709) ? 0.0722 : 0.114;
+    const double kg = 1.0 - kr - kb;
+    const bool full = (colour & kFullRange) != 0;
+    const double luma = full ? 1.0 : 255.0 / 219.0, chroma = full ? 1.0 : 255.0 / 224.0;
+    YuvCoefficients c;
+    c.ky = static_cast<float>(luma);
+    c.rv = static_cast<float>(2.0 * (1.0 - kr) * chroma);
+    c.gu = static_cast<float>(2.0 * kb * (1.0 - kb) / kg * chroma);
+    c.gv = static_cast<float>(2.0 * kr * (1.0 - kr) / kg * chroma);
+    c.bu = static_cast<float>(2.0 * (1.0 - kb) * chroma);
+    c.y_offset = full ? 0 : 16;
+    return c;
+}
 
 // The resized image's extent on the canvas: half-up rounding, clamped to [1, dst], so a
 // 1-pixel-wide source never vanishes and float error in min(dst/src) never pushes the image

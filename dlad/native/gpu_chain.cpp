@@ -41,8 +41,8 @@ Frame frame_of(const Work& work) {
     Frame f;
     f.height = static_cast<int>(image.height);
     f.width = static_cast<int>(image.width);
-    f.channels = static_cast<int>(image.channels);
-    f.bgr = image.bgr;
+    f.format = image.format;
+    f.colour = image.colour;
     // the plane resolved the model's settings where the INFER set none (Plane::work_of)
     f.conf = image.conf.value_or(-1);
     f.iou = image.iou.value_or(-1);
@@ -90,8 +90,7 @@ std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot
                                const Frame& frame) {
     const GpuSlotSpec& s = *slot.spec;
     slot.waits = slot.hosted = false;
-    const uint64_t bytes = static_cast<uint64_t>(frame.height) * static_cast<uint64_t>(frame.width) *
-                           static_cast<uint64_t>(frame.channels);
+    const uint64_t bytes = rules::frame_bytes(frame.format, frame.height, frame.width);
     // The frame where the pre kernel reads it (GpuPipeline.stage / upload, or in place)
     uint64_t src = frame.device;
     if (src == 0) {
@@ -118,9 +117,15 @@ std::string enqueue_pre_kernel(const CudaApi& cuda, const GpuSpec& spec, GpuSlot
     p.dst = s.input;
     p.src_w = frame.width;
     p.src_h = frame.height;
-    p.src_pitch = frame.width * frame.channels;
-    p.src_c = frame.channels;
-    p.bgr = frame.bgr ? 1 : 0;
+    p.src_pitch = static_cast<int>(rules::row_bytes(frame.format, frame.width));
+    p.src_fmt = frame.format;
+    const rules::YuvCoefficients yuv = rules::yuv_coefficients(frame.colour);
+    p.y_offset = yuv.y_offset;
+    p.ky = yuv.ky;
+    p.rv = yuv.rv;
+    p.gu = yuv.gu;
+    p.gv = yuv.gv;
+    p.bu = yuv.bu;
     p.dst_w = g.dst_w;
     p.dst_h = g.dst_h;
     p.new_w = g.new_w;

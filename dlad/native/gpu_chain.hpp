@@ -125,10 +125,11 @@ using rules::Letterbox;
 struct PreParams {
     const void* src;
     uint64_t dst;
-    int src_w, src_h, src_pitch, src_c, bgr, dst_w, dst_h, dst_pitch_px, new_w, new_h, pad_x,
-        pad_y;
+    int src_w, src_h, src_pitch, src_fmt, y_offset, dst_w, dst_h, dst_pitch_px, new_w, new_h,
+        pad_x, pad_y;
     float scale, input_scale;
     int pad_value;
+    float ky, rv, gu, gv, bu;
 };
 struct FrameParams {
     float conf, obj_cut, iou;
@@ -138,7 +139,7 @@ struct Geometry {
     double scale;
     int pad_x, pad_y, src_w, src_h;
 };
-static_assert(sizeof(PreParams) == 80 && sizeof(FrameParams) == 32 && sizeof(Geometry) == 24,
+static_assert(sizeof(PreParams) == 96 && sizeof(FrameParams) == 32 && sizeof(Geometry) == 24,
               "the kernels' structs");
 
 // One frame for the chain: its pixels where the CPU reads them (``host``) and, for a frame in
@@ -146,8 +147,9 @@ static_assert(sizeof(PreParams) == 80 && sizeof(FrameParams) == 32 && sizeof(Geo
 struct Frame {
     const uint8_t* host = nullptr;
     uint64_t device = 0;
-    int height = 0, width = 0, channels = 0;
-    bool bgr = false;
+    int height = 0, width = 0;
+    int format = 0;  // a rules::PixelFormat
+    int colour = 0;  // a YUV frame's (rules::kBt709, rules::kFullRange)
     double conf = 0.25, iou = 0.45;
     int max_det = 300;
 };

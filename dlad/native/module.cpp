@@ -50,7 +50,7 @@ dlad::wire::Limits limits_of(const std::tuple<uint64_t, uint64_t, int64_t, int64
 
 // wire::decode_request for protocol.decode_request: (False, field, message, id, kind) for a
 // refusal, else (True, kind, id, model, priority, deadline_ms, conf, iou, max_det, load,
-// images), each image (format, height, width, channels, stream, shm (name, offset, size, token) or
+// images), each image (format, height, width, colour, stream, shm (name, offset, size, token) or
 // None, its payload's frame or 0)
 py::tuple decode_request(const py::buffer& header, const std::vector<uint64_t>& payloads,
                          const std::tuple<uint64_t, uint64_t, int64_t, int64_t, int64_t>& limits,
@@ -74,8 +74,8 @@ py::tuple decode_request(const py::buffer& header, const std::vector<uint64_t>& 
             ref = py::make_tuple(img.shm->name, img.shm->offset, img.shm->size,
                                  py::bytes(img.shm->token));
         }
-        images.append(py::make_tuple(img.format, img.height, img.width, img.channels, img.stream,
-                                     ref, img.frame));
+        images.append(py::make_tuple(dlad::rules::kPixelFormats[img.format], img.height, img.width,
+                                     img.colour, img.stream, ref, img.frame));
     }
     return py::make_tuple(true, r.kind, r.id, r.model, r.priority, r.deadline_ms, r.conf, r.iou,
                           r.max_det, r.load, images);
@@ -121,8 +121,8 @@ using CudaTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr
                              uintptr_t, unsigned, uintptr_t, uintptr_t>;
 // cudlaSubmitTask, cudlaGetLastError, NvSciSyncFenceWait, NvSciSyncFenceClear
 using CudlaApiTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
-// height, width, channels, bgr, conf, iou, max_det: an image's shape and settings
-using ImageTuple = std::tuple<int64_t, int64_t, int64_t, bool, std::optional<double>,
+// height, width, format, colour, conf, iou, max_det: an image's shape and settings
+using ImageTuple = std::tuple<int64_t, int64_t, int, int, std::optional<double>,
                               std::optional<double>, std::optional<int64_t>>;
 // model, stream, priority, deadline_ms, size, segment, offset in it, image, pixels: an image
 // for Plane::submit
@@ -306,6 +306,18 @@ PYBIND11_MODULE(_native, m) {
         "(scale, pad_x, pad_y, new_w, new_h) of a letterbox (frame_rules.hpp).");
     m.def("scaled_extent", &dlad::rules::scaled_extent, py::arg("src"), py::arg("scale"),
           py::arg("dst"), "A resized extent on the canvas (frame_rules.hpp).");
+    m.def(
+        "yuv_coefficients",
+        [](int colour) {
+            const auto c = dlad::rules::yuv_coefficients(colour);
+            return py::make_tuple(c.ky, c.rv, c.gu, c.gv, c.bu, c.y_offset);
+        },
+        py::arg("colour"),
+        "(ky, rv, gu, gv, bu, y_offset) of a YUV frame's colour code (frame_rules.hpp).");
+    m.def("row_bytes", &dlad::rules::row_bytes, py::arg("format"), py::arg("width"),
+          "The bytes between a frame's rows in a pixel format's code (frame_rules.hpp).");
+    m.def("frame_bytes", &dlad::rules::frame_bytes, py::arg("format"), py::arg("height"),
+          py::arg("width"), "The bytes of a frame in a pixel format's code (frame_rules.hpp).");
     m.def("wire_constants", [] {
         namespace w = dlad::wire;
         const w::Limits limits;
@@ -329,6 +341,7 @@ PYBIND11_MODULE(_native, m) {
         }
         d["header"] = kinds;
         d["image"] = w::image_keys();
+        d["image_optional"] = w::image_optional_keys();
         d["shm"] = w::shm_keys();
         d["max_batch_images"] = w::kMaxBatchImages;
         d["max_request_depth"] = w::kMaxRequestDepth;
@@ -415,10 +428,10 @@ PYBIND11_MODULE(_native, m) {
                 out.reserve(items.size());
                 for (const auto& [model, stream, priority, deadline_ms, size, shm, offset, image,
                                   pixels] : items) {
-                    const auto& [h, w, ch, bgr, conf, iou, max_det] = image;
+                    const auto& [h, w, format, colour, conf, iou, max_det] = image;
                     auto bytes = static_cast<std::string>(pixels);
                     out.push_back({model, stream, priority, deadline_ms, size, shm, offset,
-                                   {h, w, ch, bgr, conf, iou, max_det},
+                                   {h, w, format, colour, conf, iou, max_det},
                                    bytes.empty() ? nullptr
                                                  : std::make_shared<const std::string>(
                                                        std::move(bytes))});

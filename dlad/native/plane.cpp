@@ -933,8 +933,7 @@ void Plane::infer(std::vector<Part>& parts, const wire::Request& req) {
     job.model = req.model;
     job.received_ns = now;
     job.size = img.bytes();
-    job.image = {img.height, img.width, img.channels, img.format == "BGR", req.conf, req.iou,
-                 req.max_det};
+    job.image = {img.height, img.width, img.format, img.colour, req.conf, req.iou, req.max_det};
     if (img.shm) {
         // a frame in a segment the control plane registered (the decoder checked that it
         // lies inside the segment the client names): else the control plane maps the

@@ -114,13 +114,14 @@ Finished PythonEngine::call(const std::vector<Work>& batch) {
             const Image& im = w.image;
             py::object pixels = py::none();
             if (w.host != nullptr) {
-                const auto bytes = static_cast<py::ssize_t>(im.height * im.width * im.channels);
+                const auto bytes =
+                    static_cast<py::ssize_t>(rules::frame_bytes(im.format, im.height, im.width));
                 // read-only: the frame is the client's message
                 pixels = py::memoryview::from_memory(static_cast<const void*>(w.host), bytes);
             }
             jobs.append(py::make_tuple(
                 w.job, pixels,
-                py::make_tuple(im.height, im.width, im.channels, im.bgr, im.conf, im.iou,
+                py::make_tuple(im.height, im.width, im.format, im.colour, im.conf, im.iou,
                                im.max_det)));
         }
         const py::object out = run_(jobs);

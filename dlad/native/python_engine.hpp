@@ -7,7 +7,7 @@
 //     run(batch) -> (start_ns, end_ns, results)
 //
 // holding the interpreter only for the call, where ``batch`` is a list of
-// (job, pixels, (height, width, channels, bgr, conf, iou, max_det)) with ``pixels`` a read-only
+// (job, pixels, (height, width, format, colour, conf, iou, max_det)) with ``pixels`` a read-only
 // memoryview of the frame (valid during the call only; None where the plane holds none) and the
 // settings None where the request left them to the model; ``results`` is one
 // (failure, message, detections, pre_us, post_us) per job, in order: failure 0 (ok), 1 (the

@@ -477,7 +477,12 @@ struct Refused {};  // thrown by Decoder::fail, caught in decode_request: the re
 
 constexpr std::array<std::string_view, 4> kImageKeys = {"height", "width", "format", "dtype"};
 constexpr std::array<std::string_view, 4> kShmKeys = {"name", "offset", "size", "token"};
-constexpr std::array<std::string_view, 2> kBatchImageKeys = {"stream", "shm"};
+// a YUV frame's colour (protocol.COLORSPACES, COLOR_RANGES; the first of each is the default)
+constexpr std::array<std::string_view, 2> kImageOptionalKeys = {"colorspace", "color_range"};
+constexpr std::array<std::string_view, 4> kBatchImageKeys = {"colorspace", "color_range",
+                                                             "stream", "shm"};
+constexpr std::array<std::string_view, 2> kColorspaces = {"bt601", "bt709"};
+constexpr std::array<std::string_view, 2> kColorRanges = {"limited", "full"};
 
 struct KindKeys {
     int64_t kind;
@@ -664,14 +669,32 @@ Image image(Decoder& dec, uint32_t img, uint32_t raw_shm, const uint64_t* payloa
     const auto& d = dec.d_;
     Image out;
     const uint32_t fmt = dec.get(img, "format");
-    if (d[fmt].type == Type::str && (d[fmt].s == "RGB" || d[fmt].s == "BGR")) {
-        out.channels = 3;
-    } else if (d[fmt].type == Type::str && d[fmt].s == "GRAY") {
-        out.channels = 1;
-    } else {
-        dec.fail(Path{path, "image.format"}, "must be one of ['BGR', 'GRAY', 'RGB'], got " + show(d, fmt));
+    const auto* known = d[fmt].type == Type::str ? std::find(rules::kPixelFormats.begin(),
+                                                             rules::kPixelFormats.end(), d[fmt].s)
+                                                 : rules::kPixelFormats.end();
+    if (known == rules::kPixelFormats.end()) {
+        dec.fail(Path{path, "image.format"},
+                 "must be one of ['BGR', 'GRAY', 'NV12', 'RGB', 'YUYV'], got " + show(d, fmt));
     }
-    out.format = std::string(d[fmt].s);
+    out.format = static_cast<int>(known - rules::kPixelFormats.begin());
+    // a YUV frame's colour: one of each list, the first where absent; none for RGB, BGR, GRAY
+    const auto colour = [&](std::string_view key, const auto& names, int bit) {
+        const uint32_t at = dec.get(img, key);
+        if (at == 0) return;
+        if (!rules::is_yuv(out.format)) {
+            dec.fail(Path{path, std::string("image.") + std::string(key)},
+                     "is for NV12 and YUYV frames only");
+        }
+        if (d[at].type == Type::str && d[at].s == names[1]) {
+            out.colour |= bit;
+        } else if (!(d[at].type == Type::str && d[at].s == names[0])) {
+            dec.fail(Path{path, std::string("image.") + std::string(key)},
+                     "must be one of ['" + std::string(names[0]) + "', '" +
+                         std::string(names[1]) + "'], got " + show(d, at));
+        }
+    };
+    colour("colorspace", kColorspaces, rules::kBt709);
+    colour("color_range", kColorRanges, rules::kFullRange);
     const uint32_t dtype = dec.get(img, "dtype");
     if (!(d[dtype].type == Type::str && d[dtype].s == "uint8")) {
         dec.fail(Path{path, "image.dtype"}, "only 'uint8' is supported, got " + show(d, dtype));
@@ -680,6 +703,14 @@ Image image(Decoder& dec, uint32_t img, uint32_t raw_shm, const uint64_t* payloa
                                                   static_cast<uint64_t>(limits.max_height)));
     out.width = static_cast<int64_t>(dec.integer(dec.get(img, "width"), Path{path, "image.width"}, 1,
                                                  static_cast<uint64_t>(limits.max_width)));
+    if (out.format == rules::kNv12 && out.height % 2 != 0) {
+        dec.fail(Path{path, "image.height"}, "an NV12 frame's height is even, got " +
+                                                 std::to_string(out.height));
+    }
+    if (rules::is_yuv(out.format) && out.width % 2 != 0) {
+        dec.fail(Path{path, "image.width"}, "an NV12 or YUYV frame's width is even, got " +
+                                                std::to_string(out.width));
+    }
     if (out.height * out.width > limits.max_image_pixels) {
         dec.fail(Path{path, "image"}, std::to_string(out.width) + "x" + std::to_string(out.height) +
                                      " is over the limit of " +
@@ -821,7 +852,7 @@ Request decode(Decoder& dec, const uint8_t* header, size_t header_bytes, const u
     if (kind == kInfer) {
         const uint32_t img = dec.get(0, "image");
         dec.map(img, "image");
-        dec.keys(img, "image.", kImageKeys, std::array<std::string_view, 0>{});
+        dec.keys(img, "image.", kImageKeys, kImageOptionalKeys);
         out.images.push_back(image(dec, img, dec.get(0, "shm"), payloads, frame, limits, shm, ""));
         scalars(dec, 0, dec.get(0, "stream"), "stream", out);
         return out;
@@ -917,6 +948,9 @@ std::vector<std::pair<int64_t, Keys>> header_keys() {
     return out;
 }
 std::vector<std::string> image_keys() { return {kImageKeys.begin(), kImageKeys.end()}; }
+std::vector<std::string> image_optional_keys() {
+    return {kImageOptionalKeys.begin(), kImageOptionalKeys.end()};
+}
 std::vector<std::string> shm_keys() { return {kShmKeys.begin(), kShmKeys.end()}; }
 
 // ------------------------------------------------------------------------------ the writer

@@ -23,6 +23,8 @@
 #include <string_view>
 #include <vector>
 
+#include "frame_rules.hpp"
+
 namespace dlad::wire {
 
 constexpr int64_t kProtocolVersion = 1;   // protocol.PROTOCOL_VERSION
@@ -62,18 +64,15 @@ struct ShmRef {  // protocol.ShmRef
 // CancelRequest, StatusRequest). An INFER has one image, an INFER_BATCH 1 to 16; the shared
 // fields are the message's. ``None`` is nullopt, as in protocol.InferRequest.
 struct Image {
-    std::string format;  // RGB, BGR or GRAY
+    int format = 0;  // a rules::PixelFormat
+    int colour = 0;  // a YUV frame's matrix and range (rules::kBt709, rules::kFullRange)
     int64_t height = 0;
     int64_t width = 0;
-    int64_t channels = 0;
     std::optional<std::string> stream;
     std::optional<ShmRef> shm;  // the image lies there (it has no payload frame)
     size_t frame = 0;           // its payload's frame (1 is the first after the header), or 0
 
-    uint64_t bytes() const {
-        return static_cast<uint64_t>(height) * static_cast<uint64_t>(width) *
-               static_cast<uint64_t>(channels);
-    }
+    uint64_t bytes() const { return rules::frame_bytes(format, height, width); }
 };
 
 struct Request {
@@ -149,6 +148,7 @@ struct Keys {
 };
 std::vector<std::pair<int64_t, Keys>> header_keys();
 std::vector<std::string> image_keys();
+std::vector<std::string> image_optional_keys();  // a YUV frame's colour
 std::vector<std::string> shm_keys();
 
 // An INFER_REPLY's ``timing`` map (protocol.timing_fields): µs, and the task's stamps or none.

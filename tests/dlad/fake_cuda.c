@@ -5,7 +5,7 @@
 // as a CUDA stream does:
 //   - fake_memcpy_htod_async copies the source at once into a staging copy (the driver's own
 //     staging of pageable memory), and into the destination when the stream reaches it;
-//   - fake_launch_kernel takes the kernel's one by-value argument (the 80-byte PreParams) at the
+//   - fake_launch_kernel takes the kernel's one by-value argument (the PRE_BYTES-byte PreParams) at the
 //     call, as the driver does, and when run logs it with the sum of the source's bytes (which
 //     says whether the pixels were in place when the kernel ran) and the time;
 //   - write/wait value: the 32-bit word written, or waited for (wrap-safe >=), with the times;
@@ -33,6 +33,7 @@
 #include <time.h>
 
 #define API __attribute__((visibility("default")))
+#define PRE_BYTES 96  // sizeof(PreParams), kernels.cu
 
 enum { OP_COPY, OP_KERNEL, OP_WRITE, OP_WAIT, OP_GRAPH, OP_HOST, OP_SIGNAL_EXT, OP_WAIT_EXT };
 
@@ -43,7 +44,7 @@ typedef struct Op {
     void* staged;
     size_t bytes;
     uint32_t value;
-    unsigned char params[80];
+    unsigned char params[PRE_BYTES];
     void* graph;
     void (*fn)(void*);
     void* data;
@@ -69,7 +70,7 @@ typedef struct Graph {
 } Graph;
 
 typedef struct Launch {
-    unsigned char params[80];
+    unsigned char params[PRE_BYTES];
     uint64_t checksum;
     int64_t ran_ns;
 } Launch;
@@ -164,16 +165,19 @@ static void run_op(Op* op) {
             break;
         case OP_KERNEL: {
             const unsigned char* src;
-            int src_h, src_pitch;
+            int src_h, src_pitch, src_fmt;
             memcpy(&src, op->params, sizeof src);
             memcpy(&src_h, op->params + 20, 4);
             memcpy(&src_pitch, op->params + 24, 4);
+            memcpy(&src_fmt, op->params + 28, 4);
+            // the whole frame: an NV12 frame's chroma rows follow its luma rows
+            const long rows = src_fmt == 3 ? (long)src_h * 3 / 2 : (long)src_h;
             uint64_t sum = 0;
-            for (long i = 0; i < (long)src_h * src_pitch; ++i) sum += src[i];
+            for (long i = 0; i < rows * src_pitch; ++i) sum += src[i];
             pthread_mutex_lock(&g_mu);
             if (g_nlaunches < MAX_LOG) {
                 Launch* l = &g_launches[g_nlaunches++];
-                memcpy(l->params, op->params, 80);
+                memcpy(l->params, op->params, PRE_BYTES);
                 l->checksum = sum;
                 l->ran_ns = now_ns();
             }
@@ -284,7 +288,7 @@ API int fake_launch_kernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsi
     int r = failing("cuLaunchKernel");
     if (r) return r;
     Op* op = new_op(OP_KERNEL);
-    memcpy(op->params, params[0], 80);
+    memcpy(op->params, params[0], PRE_BYTES);
     push(stream, op);
     return 0;
 }
@@ -466,12 +470,12 @@ API void fake_fail_next(const char* call, int code) {
     pthread_mutex_unlock(&g_mu);
 }
 
-// The kernel launches run so far: copies ``params`` (80 bytes each) and checksums out.
+// The kernel launches run so far: copies ``params`` (PRE_BYTES bytes each) and checksums out.
 API int fake_launches(unsigned char* params, uint64_t* checksums, int64_t* ran_ns, int most) {
     pthread_mutex_lock(&g_mu);
     int n = g_nlaunches < most ? g_nlaunches : most;
     for (int i = 0; i < n; ++i) {
-        memcpy(params + 80 * i, g_launches[i].params, 80);
+        memcpy(params + PRE_BYTES * i, g_launches[i].params, PRE_BYTES);
         checksums[i] = g_launches[i].checksum;
         ran_ns[i] = g_launches[i].ran_ns;
     }

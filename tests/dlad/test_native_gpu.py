@@ -12,6 +12,7 @@ What a real GPU computes is held to the numpy reference by tests/dlad/gpu (GPU m
 from __future__ import annotations
 
 import ctypes
+import math
 import shutil
 import struct
 import subprocess
@@ -30,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from dlad import protocol
+from dlad import _native, protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.errors import Status
@@ -65,7 +66,7 @@ CANVAS = (64, 96)  # height, width
 MAX_DET = 1000
 DEFAULTS = (0.25, 0.45, 300)  # the model's conf, iou, max_det
 SETTINGS = {"demo": ModelSettings(*DEFAULTS)}
-PRE = struct.Struct("<QQ12iffi4x")  # kernels.cu's PreParams
+PRE = struct.Struct("<QQ12iffi5f")  # kernels.cu's PreParams
 IMAGE_BYTES = 1 << 16
 c_u64p = ctypes.POINTER(ctypes.c_uint64)
 c_i64p = ctypes.POINTER(ctypes.c_int64)
@@ -105,10 +106,10 @@ class Fake:
     def launches(self) -> list[tuple[tuple[Any, ...], int, int]]:
         """(PreParams fields, the source's checksum, when it ran) of each pre kernel run."""
         most = 256
-        params = ctypes.create_string_buffer(80 * most)
+        params = ctypes.create_string_buffer(PRE.size * most)
         sums, at = (ctypes.c_uint64 * most)(), (ctypes.c_int64 * most)()
         n = self.lib.fake_launches(params, sums, at, most)
-        return [(PRE.unpack_from(params.raw, 80 * i), sums[i], at[i]) for i in range(n)]
+        return [(PRE.unpack_from(params.raw, PRE.size * i), sums[i], at[i]) for i in range(n)]
 
     def writes(self) -> list[tuple[int, int]]:
         """(value, when) of each ready word the streams wrote."""
@@ -280,15 +281,18 @@ def _rig(rigs: list[Rig], fake: Fake, **kwargs: Any) -> Rig:
 
 
 def _expected_pre(
-    shape: tuple[int, ...], fmt: str, src: int, dst: int, int8: bool
+    shape: tuple[int, ...], fmt: str, colour: int, src: int, dst: int, int8: bool
 ) -> tuple[Any, ...]:
     """The PreParams GpuPipeline.pre fills for this frame (dlad/gpu/prepost.py)."""
-    h, w, c = shape
+    h, w = protocol.frame_size(fmt, shape)
+    pitch_bytes = {"RGB": 3 * w, "BGR": 3 * w, "YUYV": 2 * w}.get(fmt, w)
+    ky, rv, gu, gv, bu, y_offset = _native.yuv_coefficients(colour)
     g = letterbox_geometry(w, h, CANVAS)
     pitch = hwc4_layout(3, g.dst_h, g.dst_w, 1)[0] if int8 else g.dst_w
     scale = float(np.float32(0.5)) if int8 else 1.0
-    return (src, dst, w, h, w * c, c, int(fmt == "BGR"), g.dst_w, g.dst_h, pitch, g.new_w,
-            g.new_h, g.pad_x, g.pad_y, float(np.float32(g.scale)), scale, 114)  # fmt: skip
+    return (src, dst, w, h, pitch_bytes, protocol.PIXEL_FORMATS.index(fmt), y_offset, g.dst_w,
+            g.dst_h, pitch, g.new_w, g.new_h, g.pad_x, g.pad_y, float(np.float32(g.scale)), scale,
+            114, ky, rv, gu, gv, bu)  # fmt: skip
 
 
 def _expected_rows(
@@ -301,11 +305,14 @@ def _expected_rows(
     return np.array(rows, np.float32).reshape(n, 6)
 
 
-CASES = [  # shape, format, conf, iou, max_det (None: the model's default)
-    ((4, 4, 3), "RGB", None, None, None),
-    ((17, 33, 3), "BGR", 0.5, 0.3, 1),
-    ((9, 5, 1), "GRAY", 0.1, None, None),
-    ((120, 40, 3), "RGB", 0.0, 1.0, 7),
+CASES = [  # shape, format, conf, iou, max_det (None: the model's default), a YUV frame's colour
+    ((4, 4, 3), "RGB", None, None, None, {}),
+    ((17, 33, 3), "BGR", 0.5, 0.3, 1, {}),
+    ((9, 5, 1), "GRAY", 0.1, None, None, {}),
+    ((120, 40, 3), "RGB", 0.0, 1.0, 7, {}),
+    ((18, 20), "NV12", None, None, None, {}),
+    ((18, 20), "NV12", None, None, None, {"colorspace": "bt709"}),
+    ((7, 22, 2), "YUYV", 0.2, None, None, {"colorspace": "bt709", "color_range": "full"}),
 ]
 
 
@@ -317,12 +324,15 @@ def test_frames_run_the_chain_and_the_reply_carries_the_detections(
     rig = _rig(rigs, fake, staging=staging, int8=int8)
     rng = np.random.default_rng(5)
     images = [rng.integers(0, 256, size=shape, dtype=np.uint8) for shape, *_ in CASES]
-    for rid, ((_, fmt, conf, iou, max_det), image) in enumerate(zip(CASES, images, strict=True)):
-        rig.infer(rid, image, format=fmt, conf=conf, iou=iou, max_det=max_det)
+    for rid, ((_, fmt, conf, iou, max_det, yuv), image) in enumerate(
+        zip(CASES, images, strict=True)
+    ):
+        rig.infer(rid, image, format=fmt, conf=conf, iou=iou, max_det=max_det, **yuv)
         r = rig.reply()  # one at a time: the log's i-th launch is frame i's
         assert (r.id, r.status, r.device) == (rid, Status.OK, "dla0")
         n = min(max_det or DEFAULTS[2], 2)
-        expected = _expected_rows(image.shape, DEFAULTS[0] if conf is None else conf,
+        expected = _expected_rows(protocol.frame_size(fmt, image.shape),
+                                  DEFAULTS[0] if conf is None else conf,
                                   DEFAULTS[1] if iou is None else iou, n)  # fmt: skip
         np.testing.assert_array_equal(r.detections, expected)
         t = r.timing
@@ -333,9 +343,12 @@ def test_frames_run_the_chain_and_the_reply_carries_the_detections(
     slot = rig.slots[0]
     launches = fake.launches()
     assert len(launches) == len(CASES)
-    for (params, checksum, _), image, (_, fmt, *_rest) in zip(launches, images, CASES, strict=True):
+    for (params, checksum, _), image, (_, fmt, _c, _i, _m, yuv) in zip(
+        launches, images, CASES, strict=True
+    ):
         # the pixels were where the kernel read them when it ran (staged or uploaded)
-        assert params == _expected_pre(image.shape, fmt, _address(slot.image),
+        colour = protocol.colour_code(yuv.get("colorspace"), yuv.get("color_range"))
+        assert params == _expected_pre(image.shape, fmt, colour, _address(slot.image),
                                        _address(slot.input), int8)  # fmt: skip
         assert checksum == int(image.astype(np.uint64).sum())
     assert fake.lib.fake_context() == Rig.CONTEXT
@@ -364,20 +377,27 @@ def test_the_planes_letterbox_and_settings_are_the_pipelines(fake: Fake, rigs: l
 
     @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
-        h=st.integers(1, 1200), w=st.integers(1, 1200), fmt=st.sampled_from(["RGB", "BGR", "GRAY"]),
-        conf=st.floats(0, 1, exclude_max=True), iou=st.floats(0, 1, exclude_min=True),
-        max_det=st.integers(1, MAX_DET),
+        h=st.integers(1, 600), w=st.integers(1, 600), fmt=st.sampled_from(protocol.PIXEL_FORMATS),
+        colour=st.integers(0, 3), conf=st.floats(0, 1, exclude_max=True),
+        iou=st.floats(0, 1, exclude_min=True), max_det=st.integers(1, MAX_DET),
     )  # fmt: skip
-    def check(h: int, w: int, fmt: str, conf: float, iou: float, max_det: int) -> None:
-        c = 1 if fmt == "GRAY" else 3
-        image = pixels[: h * w * c].reshape(h, w, c)
-        rig.infer(next(rid), image, format=fmt, conf=conf, iou=iou, max_det=max_det)
+    def check(
+        h: int, w: int, fmt: str, colour: int, conf: float, iou: float, max_det: int
+    ) -> None:
+        yuv = fmt in ("NV12", "YUYV")
+        h, w = (2 * h, 2 * w) if yuv else (h, w)
+        shape = protocol.frame_shape(fmt, h, w)
+        image = pixels[: math.prod(shape)].reshape(shape)
+        fields = ({"colorspace": protocol.COLORSPACES[colour & 1],
+                   "color_range": protocol.COLOR_RANGES[colour >> 1]} if yuv else {})  # fmt: skip
+        rig.infer(next(rid), image, format=fmt, conf=conf, iou=iou, max_det=max_det, **fields)
         assert rig.reply().status is Status.OK
         params, _, _ = fake.launches()[-1]
         slot = rig.slots[0]
-        assert params == _expected_pre(image.shape, fmt, _address(slot.image),
-                                       _address(slot.input), True)  # fmt: skip
-        settings_bytes = _expected_settings(image.shape, conf, iou, max_det)
+        expected = _expected_pre(image.shape, fmt, colour if yuv else 0, _address(slot.image),
+                                 _address(slot.input), True)  # fmt: skip
+        assert params == expected
+        settings_bytes = _expected_settings((h, w), conf, iou, max_det)
         assert bytes(slot.frame_host[: len(settings_bytes)]) == settings_bytes
 
     check()
@@ -461,7 +481,7 @@ def test_submitted_images_answer_with_their_detections(fake: Fake, rigs: list[Ri
     rig = _rig(rigs, fake, slots=2)
     images = [np.full((5, 9, 3), i, np.uint8) for i in range(3)]
     items = [
-        Item("demo", None, 0, None, img.nbytes, frame=Frame(5, 9, 3, conf=0.3 + i / 10),
+        Item("demo", None, 0, None, img.nbytes, frame=Frame(5, 9, conf=0.3 + i / 10),
              pixels=img.tobytes())
         for i, img in enumerate(images)
     ]  # fmt: skip

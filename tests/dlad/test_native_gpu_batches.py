@@ -153,7 +153,7 @@ FRAMES = [  # shape, format, conf, iou, max_det (None: the model's default)
     ((4, 4, 3), "RGB", None, None, None),
     ((17, 33, 3), "BGR", 0.5, 0.3, 1),
     ((9, 5, 1), "GRAY", 0.1, None, None),
-    ((120, 40, 3), "RGB", 0.0, 1.0, 7),
+    ((120, 40), "NV12", 0.0, 1.0, 7),  # an 80 x 40 NV12 frame
 ]
 
 
@@ -183,11 +183,11 @@ def test_a_batch_is_its_pre_kernels_the_graph_of_its_size_and_each_frames_post_g
     # and pre-processed, the model's graph for 4, each frame's post graph), each ended by its
     # host function
     assert rig.trace() == "CK1PH" + "CK" * 4 + "4" + "P" * 4 + "H"
-    for rid, (shape, _, conf, iou, max_det) in enumerate(FRAMES):
+    for rid, (shape, fmt, conf, iou, max_det) in enumerate(FRAMES):
         r = replies[rid]
         assert (r.status, r.device) == (Status.OK, "gpu")
         n = min(max_det or DEFAULTS[2], 2)  # the fake's post graph writes 2 rows at most
-        want = _expected_rows(shape, DEFAULTS[0] if conf is None else conf,
+        want = _expected_rows(protocol.frame_size(fmt, shape), DEFAULTS[0] if conf is None else conf,
                               DEFAULTS[1] if iou is None else iou, n)  # fmt: skip
         np.testing.assert_array_equal(r.detections, want)  # the frame's own settings
         assert r.timing.device_us > 0
@@ -199,7 +199,7 @@ def test_a_batch_is_its_pre_kernels_the_graph_of_its_size_and_each_frames_post_g
     ):
         src = _address(rig.buffers[0][b].image)
         dst = _address(rig.input) + b * FRAME_BYTES
-        assert params == _expected_pre(image.shape, fmt, src, dst, True)
+        assert params == _expected_pre(image.shape, fmt, 0, src, dst, True)
         assert checksum == int(image.astype(np.uint64).sum())
     assert rig.device().batches == (1, 0, 0, 1)
     assert rig.plane.counters()["by_status"] == {"OK": len(FRAMES) + 1}

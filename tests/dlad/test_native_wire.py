@@ -49,7 +49,7 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-_FIELDS = (*protocol._INFER_SCALARS, "format", "shm")
+_FIELDS = (*protocol._INFER_SCALARS, "format", "shm", "colour")
 
 
 def decode(frames: list[Any], limits: Limits = protocol.DEFAULT_LIMITS) -> dict[str, Any]:
@@ -104,6 +104,7 @@ def test_the_decoders_constants_are_the_protocols() -> None:
         "limits": protocol._native_limits(protocol.DEFAULT_LIMITS),
         "header": {int(k): tuple(map(list, protocol._HEADER_FIELDS[k])) for k in requests},
         "image": list(protocol.IMAGE_FIELDS),
+        "image_optional": list(protocol.IMAGE_OPTIONAL_FIELDS),
         "shm": list(protocol.SHM_FIELDS),
     }
 
@@ -525,6 +526,6 @@ def test_an_error_reply_is_the_one_the_sdk_reads_for_its_request(
 
 @given(formats)
 def test_formats_have_their_channels(fmt: str) -> None:
-    shape = (2, 3, protocol.CHANNELS[fmt])
+    shape = protocol.frame_shape(fmt, 2, 4)
     request = InferRequest(id=1, model="m", image=np.zeros(shape, np.uint8), format=fmt)  # type: ignore[arg-type]
     assert decode(protocol.encode(request))["shape"] == shape

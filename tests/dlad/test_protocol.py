@@ -57,18 +57,21 @@ names = st.text(
     max_size=24,
 )
 ids = st.integers(0, U64)
-formats = st.sampled_from(["RGB", "BGR", "GRAY"])
+formats = st.sampled_from(protocol.PIXEL_FORMATS)
 
 
 @st.composite
 def infer_requests(draw: st.DrawFn) -> InferRequest:
     fmt: Any = draw(formats)
-    shape = (draw(st.integers(1, 12)), draw(st.integers(1, 12)), 1 if fmt == "GRAY" else 3)
+    yuv = fmt in ("NV12", "YUYV")
+    height, width = (draw(st.integers(1, 6)) * (2 if yuv else 1) for _ in range(2))
     return InferRequest(
         id=draw(ids),
         model=draw(names),
-        image=draw(hnp.arrays(np.uint8, shape)),
+        image=draw(hnp.arrays(np.uint8, protocol.frame_shape(fmt, height, width))),
         format=fmt,
+        colorspace=draw(st.none() | st.sampled_from(protocol.COLORSPACES)) if yuv else None,
+        color_range=draw(st.none() | st.sampled_from(protocol.COLOR_RANGES)) if yuv else None,
         stream=draw(st.none() | names),
         priority=draw(st.integers(PRIORITY_MIN, PRIORITY_MAX)),
         deadline_ms=draw(st.none() | st.integers(1, MAX_DEADLINE_MS)),
@@ -161,6 +164,8 @@ def _assert_same_request(a: InferRequest, b: InferRequest) -> None:
     for name in ("id", "model", "format", "stream", "priority", "deadline_ms", "iou", "max_det"):
         assert getattr(a, name) == getattr(b, name), name
     assert a.conf == b.conf
+    assert a.colour == b.colour  # a YUV frame's default colour is sent as absent
+    assert (a.height, a.width) == (b.height, b.width)
     assert a.image.shape == b.image.shape
     np.testing.assert_array_equal(a.image, b.image)
 
@@ -866,6 +871,8 @@ def infer_messages(draw: st.DrawFn) -> list[bytes]:
     fmt = draw(formats)
     height, width = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     image = {"height": height, "width": width, "format": fmt, "dtype": "uint8"}
+    if draw(st.booleans()):
+        image["colorspace"] = draw(st.sampled_from([*protocol.COLORSPACES, "bt2020"]))
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": int(Kind.INFER), "id": draw(ids),
                               "model": draw(names), "image": image}  # fmt: skip
     for key, values in _OPTIONAL.items():
@@ -892,7 +899,8 @@ def infer_messages(draw: st.DrawFn) -> list[bytes]:
                 del m[key]
     frames = [msgpack.packb(header)]
     if not in_shm or draw(st.integers(0, 9)) == 0:
-        size = height * width * (1 if fmt == "GRAY" else 3) + draw(st.sampled_from([0, 0, -1, 1]))
+        size = math.prod(protocol.frame_shape(fmt, height, width))
+        size += draw(st.sampled_from([0, 0, -1, 1]))
         frames.append(bytes(max(size, 0)))
     if draw(st.integers(0, 9)) == 0:
         frames.append(b"")

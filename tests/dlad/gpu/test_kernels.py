@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from dlad import protocol
 from dlad.families import yolov8
 from dlad.families.yolov5 import ANCHORS, postprocess, program
 from dlad.gpu.driver import GpuContext
@@ -35,9 +36,9 @@ GPU_SETTINGS = settings(
 
 
 def _reference_pre(
-    image: np.ndarray, fmt: str, size: tuple[int, int], scale: float | None
+    image: np.ndarray, fmt: str, size: tuple[int, int], scale: float | None, colour: int = 0
 ) -> tuple[np.ndarray, Letterbox]:
-    rgb = to_rgb(image, fmt)  # type: ignore[arg-type]
+    rgb = to_rgb(image, fmt, colour)  # type: ignore[arg-type]
     canvas, geometry = letterbox(rgb, size)
     if scale is None:
         return normalize_chw16(canvas), geometry
@@ -51,6 +52,7 @@ def _gpu_pre(
     fmt: str,
     geometry: Letterbox,
     scale: float | None,
+    colour: int = 0,
 ) -> np.ndarray:
     heads = [HeadSpec(18, 2, 2, 8)]
     pipe = GpuPipeline(
@@ -65,7 +67,7 @@ def _gpu_pre(
             shape, dtype = (h, hwc4_layout(3, h, w, 1)[0], 4), np.int8
         dst = dev.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize)
         src = dev.put(image)
-        pipe.pre(src, image.shape, fmt, geometry, dst, input_scale=scale)  # type: ignore[arg-type]
+        pipe.pre(src, image.shape, fmt, geometry, dst, input_scale=scale, colour=colour)  # type: ignore[arg-type]
         pipe.ctx.make_current()
         from cuda.bindings import driver
 
@@ -103,6 +105,47 @@ def test_pre_bytes_equal_reference(
         np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
     else:
         np.testing.assert_array_equal(got, expected)
+
+
+@GPU_SETTINGS
+@given(
+    w=st.integers(1, 300),
+    h=st.integers(1, 300),
+    canvas=st.sampled_from([(64, 64), (96, 160), (640, 640)]),
+    fmt=st.sampled_from(["NV12", "YUYV"]),
+    colour=st.integers(0, 3),
+    scale=st.sampled_from([0.0078125, None]),
+    seed=st.integers(0, 2**31),
+)
+def test_yuv_pre_bytes_equal_reference(
+    ctx: GpuContext,
+    dev: Device,
+    w: int,
+    h: int,
+    canvas: tuple[int, int],
+    fmt: str,
+    colour: int,
+    scale: float | None,
+    seed: int,
+) -> None:
+    """NV12 and YUYV frames are converted and letterboxed in the pre kernel's one pass, to the
+    bytes of the numpy reference (yuv_to_rgb, then letterbox), in every matrix and range."""
+    rng = np.random.default_rng(seed)
+    image = rng.integers(0, 256, size=protocol.frame_shape(fmt, 2 * h, 2 * w), dtype=np.uint8)
+    expected, geometry = _reference_pre(image, fmt, canvas, scale, colour)
+    got = _gpu_pre(ctx, dev, image, fmt, geometry, scale, colour)
+    if scale is None:
+        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_pre_1080p_nv12_to_640(ctx: GpuContext, dev: Device) -> None:
+    rng = np.random.default_rng(8)
+    image = rng.integers(0, 256, size=(1620, 1920), dtype=np.uint8)  # 1080p NV12
+    expected, geometry = _reference_pre(image, "NV12", (640, 640), 0.0078125, 1)
+    np.testing.assert_array_equal(_gpu_pre(ctx, dev, image, "NV12", geometry, 0.0078125, 1),
+                                  expected)  # fmt: skip
 
 
 def test_pre_1080p_bgr_to_672(ctx: GpuContext, dev: Device) -> None:
