@@ -486,7 +486,8 @@ class InferRequest:
         try:
             height, width = frame_size(fmt, image.shape)
         except ValueError as exc:
-            empty = [f"image.{side}" for side, n in zip(("height", "width"), image.shape) if n < 1]
+            sides = zip(("height", "width"), image.shape[:2], strict=False)
+            empty = [f"image.{side}" for side, n in sides if n < 1]
             _fail(empty[0] if empty else "image", str(exc))
         _int(height, "image.height", 1, MAX_IMAGE_SIDE)
         _int(width, "image.width", 1, MAX_IMAGE_SIDE)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import json
 import logging
 import math
 import os
@@ -61,6 +62,7 @@ from dlad.protocol import (
     frame_size,
     shm_header,
 )
+from dlad_client._draw import draw_detections
 
 __all__ = ["ClientClosed", "ClientTimeout", "CurveKeys", "Result"]
 
@@ -133,6 +135,45 @@ class Result:
         """``N`` class names; a class the names do not cover (none known) is its index as text."""
         names = self.class_names
         return [names[c] if 0 <= c < len(names) else str(c) for c in self.classes.tolist()]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as plain Python values (``json.dumps`` takes it): ``request_id``,
+        ``device``, ``timing`` (µs, and the device's ``start_ns``/``end_ns``) and
+        ``detections``, each ``{"box": [x1, y1, x2, y2], "score", "class_id", "class_name"}``
+        in the original image's pixels, by score."""
+        return {
+            "request_id": self.request_id,
+            "device": self.device,
+            "timing": {name: getattr(self.timing, name) for name in _TIMING_NAMES},
+            "detections": [
+                {
+                    "box": [x1, y1, x2, y2],
+                    "score": score,
+                    "class_id": int(cls),
+                    "class_name": label,
+                }
+                for (x1, y1, x2, y2, score, cls), label in zip(
+                    self.detections.tolist(), self.labels, strict=True
+                )
+            ],
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as one line of JSON."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def draw(
+        self, image: npt.NDArray[np.uint8], *, bgr: bool = False, line_width: int | None = None
+    ) -> npt.NDArray[np.uint8]:
+        """A copy of ``image`` (the frame this result is of: ``H x W x 3`` RGB, BGR with
+        ``bgr``, or gray) with each box and ``label score`` drawn in its class's colour
+        (Pillow). Raises ValueError for another shape (an NV12 or YUYV frame is converted to
+        RGB first: :func:`dlad.imaging.pre.yuv_to_rgb`)."""
+        return draw_detections(image, self.detections, self.labels, bgr=bgr,
+                               line_width=line_width)  # fmt: skip
+
+
+_TIMING_NAMES: Final = tuple(Timing.__dataclass_fields__)
 
 
 # ------------------------------------------------------------------------------ settings

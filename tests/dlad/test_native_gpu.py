@@ -381,9 +381,7 @@ def test_the_planes_letterbox_and_settings_are_the_pipelines(fake: Fake, rigs: l
         colour=st.integers(0, 3), conf=st.floats(0, 1, exclude_max=True),
         iou=st.floats(0, 1, exclude_min=True), max_det=st.integers(1, MAX_DET),
     )  # fmt: skip
-    def check(
-        h: int, w: int, fmt: str, colour: int, conf: float, iou: float, max_det: int
-    ) -> None:
+    def check(h: int, w: int, fmt: str, colour: int, conf: float, iou: float, max_det: int) -> None:
         yuv = fmt in ("NV12", "YUYV")
         h, w = (2 * h, 2 * w) if yuv else (h, w)
         shape = protocol.frame_shape(fmt, h, w)

@@ -187,7 +187,8 @@ def test_a_batch_is_its_pre_kernels_the_graph_of_its_size_and_each_frames_post_g
         r = replies[rid]
         assert (r.status, r.device) == (Status.OK, "gpu")
         n = min(max_det or DEFAULTS[2], 2)  # the fake's post graph writes 2 rows at most
-        want = _expected_rows(protocol.frame_size(fmt, shape), DEFAULTS[0] if conf is None else conf,
+        want = _expected_rows(protocol.frame_size(fmt, shape),
+                              DEFAULTS[0] if conf is None else conf,
                               DEFAULTS[1] if iou is None else iou, n)  # fmt: skip
         np.testing.assert_array_equal(r.detections, want)  # the frame's own settings
         assert r.timing.device_us > 0
