@@ -461,6 +461,14 @@ class ShmSlots:
         self._busy.setdefault(request_id, []).append(slot)
         return ShmRef(self.name, SHM_HEADER_BYTES + slot * self.slot_bytes, self.size, self._token)
 
+    def release(self, image: npt.NDArray[np.uint8]) -> None:
+        """A :meth:`frame` that will not be sent: its slot is free again (anything else: no
+        effect)."""
+        slot = self._slot_of(image)
+        if slot is not None:
+            self._reserved.discard(slot)
+            self._free.append(slot)
+
     def unplace(self, request_id: int) -> None:
         """``request_id`` was never sent: its slot is free again."""
         self.answered(request_id)

@@ -1,0 +1,317 @@
+"""``dlad-cam`` and the camera rig end to end: a video made from prep's synthetic scenes (PyAV,
+H.264) through the sources into a real daemon, each frame's detections equal to the SDK's for
+the same decoded frame; frames dropped at the source and superseded, counted; a live source
+that drops, reconnected; a full sink that costs no frame; errors in one line; Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import av
+import numpy as np
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from dlad.config import load_config
+from dlad.daemon import Daemon
+from dlad_client import AsyncClient, Client
+from dlad_client.cam import main
+from dlad_client.cameras import CameraRig, Sink
+from dlad_client.sources import CameraFrame, Source, SourceError, open_source
+from prep.data.synth import generate_image
+from tests.dlad.serving import serve_in_thread
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parents[2]
+NUMERIC = """
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[devices.dla0]
+kind = "dla"
+core = 0
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+SLOW = """
+[daemon]
+default_deadline_ms = 60000.0
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[devices.dla0]
+kind = "dla"
+core = 0
+mode = "timing"
+latency_us = 60000
+queue_depth = 1
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+
+
+def make_video(path: Path, frames: int, fps: int = 10, size: tuple[int, int] = (320, 256)) -> Path:
+    """An H.264 clip of prep's synthetic scenes (each on a grey canvas of ``size``)."""
+    w, h = size
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        stream.options = {"preset": "ultrafast"}
+        for i in range(frames):
+            scene, _ = generate_image(7, i % 6)
+            canvas = np.full((h, w, 3), 114, np.uint8)
+            part = scene[:h, :w]
+            canvas[: part.shape[0], : part.shape[1]] = part
+            for packet in stream.encode(av.VideoFrame.from_ndarray(canvas, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def _daemon(tmp_path_factory: pytest.TempPathFactory, text: str) -> Iterator[str]:
+    cfg = tmp_path_factory.mktemp("cam") / "dlad.toml"
+    cfg.write_text(text)
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as ep:
+        yield ep
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A numeric-mode daemon (the real INT8 core) serving the bundled demo model."""
+    yield from _daemon(tmp_path_factory, NUMERIC)
+
+
+@pytest.fixture(scope="module")
+def slow_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A core that takes 60 ms a frame: slower than a 30 fps camera."""
+    yield from _daemon(tmp_path_factory, SLOW)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_video(tmp_path_factory.mktemp("clip") / "clip.mp4", 12)
+
+
+def _rows(detections: list[dict[str, Any]]) -> np.ndarray:
+    rows = [[*d["box"], d["score"], d["class_id"]] for d in detections]
+    return np.array(rows, np.float32).reshape(-1, 6)
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    """The JSON events among the lines (the in-process daemon logs to stdout too)."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_every_frame_of_a_video_is_the_sdks_detections(
+    endpoint: str, clip: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--no-realtime`` sends every frame of a file: each event's detections (with class
+    names) are the SDK's for the same decoded frame, sent as NV12 the same way."""
+    assert main([str(clip), "--endpoint", endpoint, "--json", "--no-realtime", "--quiet"]) == 0
+    events = sorted(_events(capsys.readouterr().out), key=lambda e: e["frame"])  # as answered
+    assert [e["frame"] for e in events] == list(range(12))
+    frames = list(open_source(str(clip), realtime=False).frames())
+    assert all(getattr(f.pixel_format, "layout", None) == "NV12" for f in frames)
+    with Client(endpoint, timeout_s=60) as client:
+        names = client.class_names("demo")
+        for event, frame in zip(events, frames, strict=True):
+            want = client.detect(frame.array(), pixel_format=frame.pixel_format)
+            np.testing.assert_array_equal(_rows(event["detections"]), want.detections)
+            assert [d["class_name"] for d in event["detections"]] == want.labels
+            assert event["camera"] == "clip"
+            assert event["device"] == "dla0"
+    assert sum(len(e["detections"]) for e in events) > 0
+    assert {d["class_name"] for e in events for d in e["detections"]} <= set(names)
+
+
+def test_images_in_a_directory_are_sent_as_rgb(
+    endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    images = ROOT / "dlad/models/demo/images"
+    assert main([str(images), "--endpoint", endpoint, "--json", "--quiet"]) == 0
+    events = sorted(_events(capsys.readouterr().out), key=lambda e: e["frame"])
+    paths = sorted(images.glob("*.jpg"))
+    assert len(events) == len(paths)
+    frames = list(open_source(str(images)).frames())
+    with Client(endpoint, timeout_s=60) as client:
+        for event, frame in zip(events, frames, strict=True):
+            assert frame.pixel_format == "RGB"
+            want = client.detect(frame.array())
+            np.testing.assert_array_equal(_rows(event["detections"]), want.detections)
+
+
+def _run_rig(endpoint: str, sources: list[Source], **kwargs: Any) -> CameraRig:
+    async def go() -> CameraRig:
+        async with AsyncClient(endpoint, timeout_s=60, max_in_flight=16) as client:
+            rig = CameraRig(client, sources, **kwargs)
+            await rig.run()
+            return rig
+
+    return anyio.run(go)
+
+
+def _check_counts(rig: CameraRig) -> None:
+    """Every decoded frame is accounted for: dropped at the source, or sent and answered."""
+    for s in rig.stats.values():
+        assert s.decoded == s.sent + s.dropped_at_source, s
+        assert s.sent == s.ok + s.superseded + s.failed, s
+
+
+def test_a_camera_faster_than_the_daemon_drops_at_the_source(
+    slow_endpoint: str, tmp_path: Path
+) -> None:
+    """30 fps played in real time against 60 ms a frame: about half the frames are dropped
+    here, none waits in a queue, and what is sent is answered."""
+    video = make_video(tmp_path / "fast.mp4", 30, fps=30, size=(160, 128))
+    rig = _run_rig(slow_endpoint, [open_source(str(video))], in_flight=1)
+    (stats,) = rig.stats.values()
+    _check_counts(rig)
+    assert stats.decoded == 30
+    assert stats.dropped_at_source >= 5
+    assert stats.ok >= 5
+    assert stats.failed == 0
+
+
+def test_a_queued_frame_is_superseded_by_the_newer_one(slow_endpoint: str, tmp_path: Path) -> None:
+    """With four frames in flight, two run (the core's two task slots) and the third, queued,
+    is replaced by the fourth: the daemon answers it CANCELLED, counted as superseded."""
+    video = make_video(tmp_path / "fast.mp4", 30, fps=30, size=(160, 128))
+    rig = _run_rig(slow_endpoint, [open_source(str(video))], in_flight=4)
+    (stats,) = rig.stats.values()
+    _check_counts(rig)
+    assert stats.superseded >= 1
+    assert stats.failed == 0
+
+
+class Flaky(Source):
+    """A live source that drops twice after two frames, then gives three and ends its run."""
+
+    live = True
+
+    def __init__(self, frame: CameraFrame) -> None:
+        self.name, self.frame, self.runs = "flaky", frame, 0
+
+    def frames(self) -> Iterator[CameraFrame]:
+        self.runs += 1
+        f = self.frame
+        for i in range(2 if self.runs <= 2 else 3):
+            yield CameraFrame(self.name, i, time.monotonic_ns(), None, f.height, f.width,
+                              f.pixel_format, f._write)  # fmt: skip
+        if self.runs <= 2:
+            raise SourceError("flaky: the stream ended")
+        self.live = False  # the third run ends for good (a real camera would go on)
+
+
+def test_a_live_source_that_drops_is_opened_again(endpoint: str, clip: Path) -> None:
+    (frame, *_) = open_source(str(clip), realtime=False).frames()
+    source = Flaky(frame)
+    rig = _run_rig(endpoint, [source], in_flight=1, backoff_s=(0.01, 0.02))
+    (stats,) = rig.stats.values()
+    assert source.runs == 3
+    assert stats.reconnects == 2
+    assert stats.error == "flaky: the stream ended"
+    _check_counts(rig)
+    assert stats.ok >= 3
+
+
+class Stuck(Sink):
+    """A sink that never reads (a broker that is down)."""
+
+    name = "stuck"
+
+    async def run(self, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
+        await anyio.sleep(math.inf)
+
+
+def test_a_sink_that_is_down_costs_no_frame(endpoint: str, tmp_path: Path) -> None:
+    video = make_video(tmp_path / "long.mp4", 300, fps=30, size=(64, 64))
+    source = open_source(str(video), realtime=False)
+    rig = _run_rig(endpoint, [source], sinks=[Stuck()], sink_drain_s=0.05)
+    (stats,) = rig.stats.values()
+    assert stats.ok == 300  # every frame answered, lossless
+    assert rig.sink_dropped["stuck"] == 300 - 256  # the sink's queue held 256
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "no source"),
+        (["/no/such.mp4"], "/no/such.mp4: no such file"),
+        (["--config", "/no/such.toml"], "/no/such.toml"),
+        (["x.mp4", "--in-flight", "0"], "--in-flight must be >= 1"),
+        (["x.mp4", "--fps", "-1"], "--fps must be > 0"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_status_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dlad-cam: ")
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_config_file_runs_its_cameras_into_its_sink(
+    endpoint: str, clip: Path, tmp_path: Path
+) -> None:
+    events = tmp_path / "events.jsonl"
+    cfg = tmp_path / "cams.toml"
+    cfg.write_text(f"""
+endpoint = "{endpoint}"
+rig = true
+[cameras.front]
+source = "{clip}"
+realtime = false
+[cameras.back]
+source = "{clip}"
+realtime = false
+[sinks.json]
+path = "{events}"
+""")
+    assert main(["--config", str(cfg), "--quiet"]) == 0
+    got = _events(events.read_text())
+    assert {e["camera"] for e in got} == {"front", "back"}
+    by_camera = {c: [e["frame"] for e in got if e["camera"] == c] for c in ("front", "back")}
+    assert all(frames == sorted(frames) and frames for frames in by_camera.values())
+
+
+def test_an_unknown_field_in_the_config_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "cams.toml"
+    cfg.write_text('[cameras.a]\nsource = "x.mp4"\nfsp = 3\n')
+    assert main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "fsp" in err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_stops_the_sources_and_prints_the_summary(endpoint: str, clip: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlad_client.cam", str(clip), "--loop", "--json",
+         "--endpoint", endpoint],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # a result: the rig is running
+    assert json.loads(first)["camera"] == "clip"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "clip" in err  # the summary's row
