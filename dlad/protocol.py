@@ -158,7 +158,7 @@ MAX_NAME_CHARS: Final = 128
 """Longest model, stream or device name (characters, all printable)."""
 MAX_MESSAGE_CHARS: Final = 1024
 """Longest reply ``message``; :func:`encode_error_reply` truncates to it."""
-PIXEL_FORMATS: Final = ("RGB", "BGR", "GRAY", "NV12", "YUYV")
+PIXEL_FORMATS: Final[tuple[PixelFormat, ...]] = ("RGB", "BGR", "GRAY", "NV12", "YUYV")
 """``image.format``'s values, in the order of their codes (``dlad/native/frame_rules.hpp``):
 packed RGB, BGR and GRAY; NV12 (a luma plane, then half-height rows of interleaved U,V pairs:
 width and height even) and YUYV (4:2:2, ``Y0 U Y1 V`` per two pixels: width even)."""

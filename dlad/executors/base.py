@@ -21,7 +21,7 @@ from typing import Final, Literal
 import numpy as np
 
 from dlad.errors import DeviceFailed
-from dlad.protocol import frame_size
+from dlad.protocol import PixelFormat, frame_size
 
 __all__ = [
     "UNHEALTHY_AFTER",
@@ -52,7 +52,7 @@ class Request:
     code) and the detection settings."""
 
     image: np.ndarray
-    pixel_format: str
+    pixel_format: PixelFormat
     conf: float
     iou: float
     max_det: int

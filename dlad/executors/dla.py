@@ -43,7 +43,7 @@ from dlad.errors import DeviceFailed
 from dlad.executors.base import Executor, Outcome, Request
 from dlad.families import family_for
 from dlad.imaging.post import unpack_head
-from dlad.imaging.pre import Letterbox, letterbox, letterbox_geometry, quantize_hwc4, to_rgb
+from dlad.imaging.pre import Letterbox, letterbox_frame, letterbox_geometry, quantize_hwc4
 from dlad.loadable import DataType, Loadable
 from dlad.protocol import MAX_DET
 
@@ -254,7 +254,7 @@ class DlaExecutor(Executor):
                 src = pipe.upload(image)  # DMA from a registered segment, else staged
             int8 = self.module.inputs[0].data_type == DataType.INT8
             scale = self.loadable.input_scale if int8 else None
-            pipe.pre(src, image.shape, work.pixel_format, geometry,  # type: ignore[arg-type]
+            pipe.pre(src, image.shape, work.pixel_format, geometry,
                      gpu.input_ptr, input_scale=scale, colour=work.colour)  # fmt: skip
             handle = gpu.chain_task(self.dla, self.module, slot.inputs, slot.outputs)
             pipe.post(gpu.head_ptrs, [geometry], conf_threshold=work.conf,
@@ -319,9 +319,13 @@ class DlaExecutor(Executor):
         return handle
 
     def _pre(self, work: Request, buffer: Any) -> Letterbox:
-        rgb = to_rgb(work.image, work.pixel_format, work.colour)  # type: ignore[arg-type]
         size = self.loadable.image_size
-        canvas, geometry = letterbox(rgb, (size[0], size[1]))
+        canvas, geometry = letterbox_frame(
+            work.image,
+            work.pixel_format,
+            (size[0], size[1]),
+            work.colour,
+        )
         q = quantize_hwc4(canvas, self.loadable.input_scale)
         np.copyto(buffer.raw, q.reshape(-1).view(np.uint8))
         return geometry

@@ -62,13 +62,7 @@ from dlad.families import family_for, post_program
 from dlad.gpu.driver import CudaError, DeviceBuffer, _check, _driver
 from dlad.gpu.prepost import GpuPipeline, HeadSpec, PostResult, engine_heads
 from dlad.imaging.post import unpack_head
-from dlad.imaging.pre import (
-    Letterbox,
-    letterbox,
-    letterbox_geometry,
-    quantize_hwc4,
-    to_rgb,
-)
+from dlad.imaging.pre import Letterbox, letterbox_frame, letterbox_geometry, quantize_hwc4
 from dlad.loadable import Loadable
 from dlad.protocol import MAX_DET
 
@@ -308,7 +302,7 @@ class CudaBatches:
                     p.pre(
                         src,
                         image.shape,
-                        r.pixel_format,  # type: ignore[arg-type]  # the frontend checked it
+                        r.pixel_format,
                         g,
                         base + b * engine.frame_bytes,
                         input_scale=self.loadable.input_scale,
@@ -597,8 +591,12 @@ class GpuExecutor(Executor):
 
     def _pre(self, work: Request) -> tuple[npt.NDArray[np.int8], Letterbox]:
         size = self.loadable.image_size
-        rgb = to_rgb(work.image, work.pixel_format, work.colour)  # type: ignore[arg-type]
-        canvas, geometry = letterbox(rgb, (size[0], size[1]))
+        canvas, geometry = letterbox_frame(
+            work.image,
+            work.pixel_format,
+            (size[0], size[1]),
+            work.colour,
+        )
         return quantize_hwc4(canvas, self.loadable.input_scale), geometry
 
     def _post(

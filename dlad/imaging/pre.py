@@ -17,6 +17,7 @@ shape, channel count or non-positive sizes and scales.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ __all__ = [
     "dequantize_hwc4",
     "hwc4_layout",
     "letterbox",
+    "letterbox_frame",
     "letterbox_geometry",
     "normalize_chw16",
     "quantize_hwc4",
@@ -197,22 +199,56 @@ def yuv_to_rgb(image: npt.NDArray[np.uint8], pixel_format: PixelFormat, colour: 
         raise ValueError(f"pixel_format must be 'NV12' or 'YUYV', got {pixel_format!r}")
     if colour not in range(4):
         raise ValueError(f"colour must be a code 0..3, got {colour!r}")
+    return _yuv_pixels(image, pixel_format, colour)
+
+
+def _yuv_pixels(
+    image: _U8, pixel_format: str, colour: int, rows: npt.NDArray[np.intp] | None = None,
+    cols: npt.NDArray[np.intp] | None = None,
+) -> _U8:  # fmt: skip
+    """The RGB of the pixels at ``rows x cols`` (None: all) of a YUV frame, each converted as
+    :func:`yuv_to_rgb` says, through tables of the same float32 steps: R of (Y, V), B of (Y,
+    U) and ``y - gu * u`` of (Y, U), then ``G = t - gv * v`` a pixel."""
     height, width = frame_size(pixel_format, image.shape)
     if pixel_format == "NV12":
-        luma = image[:height]
-        uv = image[height:].reshape(height // 2, width // 2, 2)
-        chroma = uv.repeat(2, axis=0).repeat(2, axis=1)
+        luma, uv = image[:height], image[height:].reshape(height // 2, width // 2, 2)
+        if rows is None or cols is None:
+            uv = uv.repeat(2, axis=0).repeat(2, axis=1)
+        else:
+            luma, uv = luma[np.ix_(rows, cols)], uv[np.ix_(rows // 2, cols // 2)]
     else:
         luma = image[:, :, 0]
-        pairs = image.reshape(height, width // 2, 4)
-        chroma = pairs[:, :, [1, 3]].repeat(2, axis=1)
-    ky, rv, gu, gv, bu, y_offset = (np.float32(c) for c in _native.yuv_coefficients(colour))
-    y = (luma.astype(np.int32) - int(y_offset)).astype(np.float32) * ky
-    u = (chroma[:, :, 0].astype(np.int32) - 128).astype(np.float32)
-    v = (chroma[:, :, 1].astype(np.int32) - 128).astype(np.float32)
-    rgb = np.stack([y + rv * v, (y - gu * u) - gv * v, y + bu * u], axis=-1)
-    out: _U8 = np.clip(round_half_away_from_zero(rgb), 0, 255).astype(np.uint8)
+        uv = image.reshape(height, width // 2, 4)[:, :, 1::2]
+        if rows is None or cols is None:
+            uv = uv.repeat(2, axis=1)
+        else:
+            luma, uv = luma[np.ix_(rows, cols)], uv[np.ix_(rows, cols // 2)]
+    r_of, b_of, t_of, gv = _yuv_tables(colour)
+    yi = luma.astype(np.intp) << 8
+    u, v = uv[:, :, 0], uv[:, :, 1]
+    out = np.empty((*luma.shape, 3), np.uint8)
+    out[:, :, 0] = r_of[yi | v]
+    out[:, :, 2] = b_of[yi | u]
+    g = t_of[yi | u]
+    g -= gv * (v.astype(np.float32) - np.float32(128))
+    out[:, :, 1] = np.clip(round_half_away_from_zero(g), 0, 255)
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _yuv_tables(colour: int) -> tuple[_U8, _U8, _F32, np.float32]:
+    """:func:`_yuv_pixels`' tables for a colour code, indexed ``(Y << 8) | C``."""
+    ky, rv, gu, gv, bu, y_offset = (np.float32(c) for c in _native.yuv_coefficients(colour))
+    levels = np.arange(256)
+    y = (levels[:, None] - int(y_offset)).astype(np.float32) * ky  # [Y, 1]
+    c = (levels[None, :] - 128).astype(np.float32)  # [1, U or V]
+
+    def u8(x: _F32) -> _U8:
+        out: _U8 = np.clip(round_half_away_from_zero(x), 0, 255).astype(np.uint8).reshape(-1)
+        return out
+
+    t: _F32 = (y - gu * c).astype(np.float32).reshape(-1)
+    return u8(y + rv * c), u8(y + bu * c), t, gv
 
 
 def letterbox(
@@ -265,6 +301,40 @@ def letterbox(
     return canvas, geometry
 
 
+def letterbox_frame(
+    image: npt.NDArray[np.uint8],
+    pixel_format: PixelFormat,
+    size: int | tuple[int, int],
+    colour: int = 0,
+    pad_value: int = 114,
+) -> tuple[_U8, Letterbox]:
+    """The letterboxed RGB canvas of a frame in any of :data:`dlad.protocol.PIXEL_FORMATS`:
+    ``letterbox(to_rgb(image, pixel_format, colour), size, pad_value)``, the same bytes, with a
+    YUV frame converted only at the source pixels the bilinear taps read (what the GPU pre
+    kernel does). Raises ValueError as :func:`to_rgb` and :func:`letterbox` do."""
+    if pixel_format not in ("NV12", "YUYV"):
+        return letterbox(to_rgb(image, pixel_format, colour), size, pad_value)
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8:  # type: ignore[redundant-expr]
+        raise ValueError(f"image must be a uint8 numpy array, got {getattr(image, 'dtype', image)}")
+    if _int_at_least(pad_value, 0) is None or pad_value > 255:
+        raise ValueError(f"pad_value must be an int in 0..255, got {pad_value!r}")
+    if colour not in range(4):
+        raise ValueError(f"colour must be a code 0..3, got {colour!r}")
+    height, width = frame_size(pixel_format, image.shape)
+    g = letterbox_geometry(width, height, size)
+    scale = np.float32(g.scale)
+    x0, x1, gx, fx = _axis_weights(g.new_w, width, scale)
+    y0, y1, gy, fy = _axis_weights(g.new_h, height, scale)
+    cols, rows = np.union1d(x0, x1), np.union1d(y0, y1)
+    taps = _yuv_pixels(image, pixel_format, colour, rows, cols)
+    at = np.searchsorted  # each tap's place among the converted rows and columns
+    xw = (at(cols, x0), at(cols, x1), gx, fx)
+    resized = _bilinear(taps, xw, (at(rows, y0), at(rows, y1), gy, fy))
+    canvas = np.full((g.dst_h, g.dst_w, 3), pad_value, dtype=np.uint8)
+    canvas[g.pad_y : g.pad_y + g.new_h, g.pad_x : g.pad_x + g.new_w] = resized
+    return canvas, g
+
+
 def letterbox_geometry(src_w: int, src_h: int, size: int | tuple[int, int]) -> Letterbox:
     """The :class:`Letterbox` that :func:`letterbox` uses for a ``src_w x src_h`` image (see
     its docstring for the formulas), without touching pixels. Raises ValueError for
@@ -298,9 +368,17 @@ def _axis_weights(
     return x0, x1, np.float32(1.0) - fx, fx
 
 
+_Weights = tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], _F32, _F32]
+
+
 def _resize_bilinear(image: _U8, new_w: int, new_h: int, scale: np.float32) -> _U8:
-    x0, x1, gx, fx = _axis_weights(new_w, image.shape[1], scale)
-    y0, y1, gy, fy = _axis_weights(new_h, image.shape[0], scale)
+    xw = _axis_weights(new_w, image.shape[1], scale)
+    return _bilinear(image, xw, _axis_weights(new_h, image.shape[0], scale))
+
+
+def _bilinear(image: _U8, xw: _Weights, yw: _Weights) -> _U8:
+    """``image`` sampled at the taps and weights of each axis (:func:`_axis_weights`)."""
+    (x0, x1, gx, fx), (y0, y1, gy, fy) = xw, yw
     gx3, fx3 = gx[None, :, None], fx[None, :, None]
     # Every product and sum is its own float32 op (numpy never fuses multiply-add), matching the
     # no-FMA formula in letterbox's docstring; in-place ops only avoid allocations.

@@ -11,12 +11,20 @@ import av
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
-from dlad import protocol
+from dlad import _native, protocol
 from dlad.config import load_config
 from dlad.daemon import Daemon
-from dlad.imaging.pre import letterbox, to_rgb, yuv_to_rgb
+from dlad.imaging.pre import (
+    letterbox,
+    letterbox_frame,
+    round_half_away_from_zero,
+    to_rgb,
+    yuv_to_rgb,
+)
 from dlad_client import Client, YuvFormat
 from tests.dlad.serving import serve_in_thread
 
@@ -91,6 +99,44 @@ def test_grey_and_the_ends_of_the_range_are_exact() -> None:
     assert (full == full[..., :1]).all()
     limited = yuv_to_rgb(frame, "NV12", 0)
     np.testing.assert_array_equal(limited[0, :, 1], [0, 0, 128, 255, 255, 130])
+
+
+@pytest.mark.parametrize("colour", [0, 3])  # BT.601 limited, BT.709 full: every branch
+def test_the_tables_are_the_formula_for_every_yuv_triple(colour: int) -> None:
+    """The reference converts through tables; each of the 2**24 (Y, U, V) gives what the
+    float32 formula, step by step, gives (the GPU kernel's yuv_rgb)."""
+    ky, rv, gu, gv, bu, off = (np.float32(c) for c in _native.yuv_coefficients(colour))
+    yy, uu, vv = (a.reshape(-1) for a in np.meshgrid(*[np.arange(256)] * 3, indexing="ij"))
+    y = (yy - int(off)).astype(np.float32) * ky
+    u, v = (uu - 128).astype(np.float32), (vv - 128).astype(np.float32)
+    want = np.stack([y + rv * v, (y - gu * u) - gv * v, y + bu * u], axis=-1)
+    want = np.clip(round_half_away_from_zero(want), 0, 255).astype(np.uint8)
+    frame = np.empty((1, yy.size, 2), np.uint8)  # YUYV: each pixel pair shares U and V
+    frame[0, :, 0] = yy
+    pairs = frame.reshape(1, -1, 4)
+    for half in (0, 1):  # even pixels, then odd ones, carry the triple
+        pairs[0, :, 1] = uu[half::2]
+        pairs[0, :, 3] = vv[half::2]
+        got = yuv_to_rgb(frame, "YUYV", colour)[0, half::2]
+        np.testing.assert_array_equal(got, want[half::2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(["NV12", "YUYV"]), colour=st.integers(0, 3),
+    h=st.integers(1, 90), w=st.integers(1, 90),
+    canvas=st.sampled_from([(32, 32), (64, 96), (256, 256), (100, 60)]), seed=st.integers(0, 99),
+)  # fmt: skip
+def test_letterbox_frame_is_letterbox_of_the_converted_frame(
+    layout: str, colour: int, h: int, w: int, canvas: tuple[int, int], seed: int
+) -> None:
+    """Converting only the pixels the taps read gives the bytes of converting them all."""
+    shape = protocol.frame_shape(layout, 2 * h, 2 * w)
+    frame = np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+    got, g = letterbox_frame(frame, layout, canvas, colour)  # type: ignore[arg-type]
+    want, g2 = letterbox(yuv_to_rgb(frame, layout, colour), canvas)  # type: ignore[arg-type]
+    assert g == g2
+    np.testing.assert_array_equal(got, want)
 
 
 def test_nv12_and_yuyv_of_the_same_picture_are_the_same_rgb() -> None:

@@ -34,9 +34,10 @@ from dlad.families import family_for  # noqa: E402
 from dlad.gpu.prepost import HeadSpec  # noqa: E402
 from dlad.gpu.service import GpuService  # noqa: E402
 from dlad.imaging.post import pack_chw16  # noqa: E402
-from dlad.imaging.pre import letterbox, quantize_hwc4, to_rgb  # noqa: E402
+from dlad.imaging.pre import letterbox_frame, quantize_hwc4  # noqa: E402
 from dlad.loadable import Loadable, read_loadable  # noqa: E402
 from dlad.models import DEMO  # noqa: E402
+from dlad.protocol import PixelFormat  # noqa: E402
 from dlad_client import Client  # noqa: E402
 from prep.torch_export import export_torch  # noqa: E402
 from tests.dlad.gpu.conftest import PROBE, Device  # noqa: E402
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 
 IMAGES = sorted((DEMO / "images").glob("*.jpg"))
 MAX_BATCH = 16
-FORMATS = ("RGB", "BGR", "GRAY")
+FORMATS: tuple[PixelFormat, ...] = ("RGB", "BGR", "GRAY", "NV12")
 
 
 def _skip_without_cuda() -> None:
@@ -91,10 +92,15 @@ def cuda(engine: TorchGpu, demo: Loadable, service: GpuService) -> Iterator[Cuda
     batches.close()
 
 
-def _image(i: int) -> tuple[np.ndarray, str]:
-    """Image ``i`` of the bundled ones (cycled), in one of the three pixel formats."""
+def _image(i: int) -> tuple[np.ndarray, PixelFormat]:
+    """Image ``i`` of the bundled ones (cycled), in one of the pixel formats (an NV12 frame of
+    its green as luma and its blue and red, subsampled, as chroma)."""
     rgb = np.ascontiguousarray(np.asarray(Image.open(IMAGES[i % len(IMAGES)]).convert("RGB")))
     fmt = FORMATS[(i // len(IMAGES)) % len(FORMATS)] if i >= len(IMAGES) else "RGB"
+    if fmt == "NV12":
+        even = rgb[: rgb.shape[0] // 2 * 2, : rgb.shape[1] // 2 * 2]
+        uv = np.stack([even[::2, ::2, 2], even[::2, ::2, 0]], axis=-1)
+        return np.concatenate([even[:, :, 1], uv.reshape(uv.shape[0], -1)]), fmt
     if fmt == "BGR":
         return np.ascontiguousarray(rgb[:, :, ::-1]), fmt
     if fmt == "GRAY":
@@ -119,7 +125,7 @@ def _cpu_path(
     frames, the heads and the detections."""
     frames, geometries = [], []
     for r in requests:
-        canvas, geometry = letterbox(to_rgb(r.image, r.pixel_format), demo.image_size)  # type: ignore[arg-type]
+        canvas, geometry = letterbox_frame(r.image, r.pixel_format, demo.image_size)
         frames.append(quantize_hwc4(canvas, demo.input_scale))
         geometries.append(geometry)
     heads = []
@@ -328,7 +334,7 @@ def _assert_the_plane_serves_the_cpu_paths_detections(
                     for i in range(start, start + 6):
                         image, fmt = _image(i)
                         conf, iou, max_det = settings(i)
-                        result = c.detect(image, pixel_format=fmt, conf=conf, iou=iou,  # type: ignore[arg-type]
+                        result = c.detect(image, pixel_format=fmt, conf=conf, iou=iou,
                                           max_det=max_det)  # fmt: skip
                         replies[i] = (result.device, result.detections)
             except BaseException as exc:  # noqa: BLE001 (reported by the test thread below)
