@@ -28,6 +28,18 @@ The config file::
     options = { video_size = "1280x720", input_format = "mjpeg" }
     [sinks.json]
     path = "events.jsonl"               # "-": stdout
+    [sinks.mqtt]
+    url = "mqtt://broker.local:1883"    # mqtts:// over TLS; user:password@ in it
+    topic = "dlad/{camera}"
+    max_per_s = 5                       # per camera; every sink takes it, and:
+    only_detections = true              # frames with a detection only
+    classes = ["person", "car"]         # only these (others are taken out of the event)
+    [sinks.webhook]
+    url = "http://hooks.local/dlad/{camera}"
+    timeout_s = 2.0
+
+Each sink has a bounded queue: one that is slow or down drops events (counted in the summary),
+never frames.
 
 Exit status: 0 done; 1 no frame was answered; 2 bad arguments, config or source.
 """
@@ -52,7 +64,8 @@ from rich.table import Table
 from dlad.errors import InternalError, NotFound
 from dlad_client._async import AsyncClient
 from dlad_client._core import ClientTimeout, Result, _local
-from dlad_client.cameras import CameraRig, JsonLinesSink, Sink, fmt_ms
+from dlad_client.cameras import CameraRig, fmt_ms
+from dlad_client.sinks import JsonLinesSink, MqttSink, Sink, WebhookSink
 from dlad_client.sources import CameraFrame, Output, Source, SourceError, open_source
 
 __all__ = ["CameraConfig", "RigConfig", "main"]
@@ -68,12 +81,57 @@ class CameraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     options: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class JsonSinkConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class _Filter(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What every sink table may also say (dlad_client.sinks.Sink)."""
+
+    max_per_s: float | None = None
+    only_detections: bool = False
+    classes: list[str] | None = None
+
+    def filters(self) -> dict[str, Any]:
+        return {"max_per_s": self.max_per_s, "only_detections": self.only_detections,
+                "classes": self.classes}  # fmt: skip
+
+
+class JsonSinkConfig(_Filter, frozen=True):
     path: str = "-"
+
+
+class MqttSinkConfig(_Filter, frozen=True):
+    url: str = "mqtt://127.0.0.1:1883"
+    topic: str = "dlad/{camera}"
+    qos: int = 0
+    retain: bool = False
+
+
+class WebhookSinkConfig(_Filter, frozen=True):
+    url: str = ""
+    timeout_s: float = 2.0
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class SinksConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     json: JsonSinkConfig | None = None
+    mqtt: MqttSinkConfig | None = None
+    webhook: WebhookSinkConfig | None = None
+
+    def build(self, out: IO[str] | None) -> list[Sink]:
+        """The sinks; raises UsageError for a bad URL or setting."""
+        sinks: list[Sink] = []
+        try:
+            if self.json is not None:
+                sinks.append(JsonLinesSink(out, **self.json.filters()))
+            if self.mqtt is not None:
+                m = self.mqtt
+                sinks.append(MqttSink(m.url, topic=m.topic, qos=m.qos, retain=m.retain,
+                                      **m.filters()))  # fmt: skip
+            if self.webhook is not None:
+                h = self.webhook
+                sinks.append(WebhookSink(h.url, timeout_s=h.timeout_s, headers=h.headers,
+                                         **h.filters()))  # fmt: skip
+        except ValueError as exc:
+            raise UsageError(f"sinks: {exc}") from None
+        return sinks
 
 
 class RigConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -122,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="the model to run (default: demo)")
     p.add_argument("--json", action="store_true", help="a JSON object a result on stdout")
     p.add_argument("--jsonl", metavar="FILE", help="the JSON objects to FILE instead")
+    p.add_argument("--mqtt", metavar="URL", help="each result to this MQTT broker (mqtt://host)")
+    p.add_argument("--mqtt-topic", metavar="T", help="its topic (default dlad/{camera})")
+    p.add_argument("--webhook", metavar="URL", help="each result POSTed as JSON to this URL")
     p.add_argument("--fps", type=float, help="each source's most frames a second")
     p.add_argument("--in-flight", type=int, default=None, help="requests in flight a camera (2)")
     p.add_argument("--rig", action="store_true", help="one instant of every camera in one batch")
@@ -160,7 +221,15 @@ def _rig_config(args: argparse.Namespace) -> RigConfig:
     if args.rgb:
         changes["output"] = "rgb"
     if args.json or args.jsonl:
-        changes["sinks"] = SinksConfig(json=JsonSinkConfig(args.jsonl or "-"))
+        changes["sinks"] = msgspec.structs.replace(
+            changes.get("sinks", config.sinks), json=JsonSinkConfig(path=args.jsonl or "-")
+        )
+    if args.mqtt:
+        mqtt = MqttSinkConfig(url=args.mqtt, topic=args.mqtt_topic or "dlad/{camera}")
+        changes["sinks"] = msgspec.structs.replace(changes.get("sinks", config.sinks), mqtt=mqtt)
+    if args.webhook:
+        hook = WebhookSinkConfig(url=args.webhook)
+        changes["sinks"] = msgspec.structs.replace(changes.get("sinks", config.sinks), webhook=hook)
     return msgspec.structs.replace(config, **changes)
 
 
@@ -229,7 +298,7 @@ class _Saver:
 async def _run(
     config: RigConfig, sources: list[Source], args: argparse.Namespace, out: IO[str] | None
 ) -> int:
-    sinks: list[Sink] = [] if out is None else [JsonLinesSink(out)]
+    sinks = config.sinks.build(out)
     endpoints = _endpoints(config)
     in_flight = config.in_flight * (1 if config.rig else len(sources))
     shm: dict[str, int] = {}
@@ -266,15 +335,24 @@ async def _run(
         raise UsageError(f"shared memory: {exc} (try --no-shm)") from None
     if not args.quiet:
         console.print(_table(rig))
-        for sink, dropped in rig.sink_dropped.items():
-            if dropped or sink in rig.sink_errors:
-                console.print(
-                    f"sink {sink}: {dropped} events dropped {rig.sink_errors.get(sink, '')}"
-                )
+        for sink in sinks:
+            console.print(_sink_line(sink, rig))
         for r in rig.rows():
             if r["error"]:
                 console.print(f"{r['camera']}: {r['error']}")
     return 0 if any(s.ok for s in rig.stats.values()) else 1
+
+
+def _sink_line(sink: Sink, rig: CameraRig) -> str:
+    """A sink's summary: sent, and each way an event did not get there."""
+    words = [f"sink {sink.name}: {sink.sent} sent"]
+    for count, why in ((rig.sink_dropped[sink.name], "dropped (its queue was full)"),
+                       (sink.limited, "over max_per_s"), (sink.filtered, "filtered out"),
+                       (sink.failed, "failed")):  # fmt: skip
+        if count:
+            words.append(f"{count} {why}")
+    error = rig.sink_errors.get(sink.name) or getattr(sink, "error", "")
+    return ", ".join(words) + (f" (last error: {error})" if error else "")
 
 
 async def _stop_on_signal(rig: CameraRig) -> None:

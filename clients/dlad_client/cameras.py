@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Final
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -35,6 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from dlad.errors import Cancelled, DladError, InternalError
 from dlad_client._async import AsyncClient
 from dlad_client._core import ClientTimeout, Result
+from dlad_client.sinks import JsonLinesSink, Sink
 from dlad_client.sources import CameraFrame, Source, SourceError
 
 __all__ = ["CameraRig", "CameraStats", "JsonLinesSink", "Sink"]
@@ -65,34 +65,6 @@ class CameraStats:
         if not self.latencies_ms:
             return None
         return float(np.percentile(np.fromiter(self.latencies_ms, float), q))
-
-
-class Sink:
-    """Where events go: :meth:`run` reads them from ``events`` until it ends (a sink that
-    fails raises; the rig logs it and drops its events from then on)."""
-
-    name: str = "sink"
-
-    async def run(self, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
-        raise NotImplementedError
-
-
-class JsonLinesSink(Sink):
-    """One JSON object a line, to ``stream`` (stdout by default), flushed each line."""
-
-    name = "json"
-
-    def __init__(self, stream: IO[str] | None = None) -> None:
-        self.stream = stream
-
-    async def run(self, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
-        import json  # noqa: PLC0415
-
-        out = self.stream or sys.stdout
-        async with events:
-            async for event in events:
-                out.write(json.dumps(event, separators=(",", ":")) + "\n")
-                out.flush()
 
 
 class _Mailbox:

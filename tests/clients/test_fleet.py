@@ -23,6 +23,7 @@ from dlad.daemon import Daemon
 from dlad.errors import NotFound, Overloaded
 from dlad_client import AsyncFleet, Fleet, Result
 from dlad_client._fleet import dns_endpoints
+from tests.clients.waiting import until
 from tests.dlad.serving import serve_in_thread
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,14 +70,6 @@ def _by_endpoint(fleet: AsyncFleet | Fleet) -> dict[str, int]:
     return {m.endpoint: m.ok for m in fleet.members}
 
 
-async def _until(holds: Callable[[], bool]) -> None:
-    """Poll the fleet's state until ``holds()`` (fails the test after 30 s: a loaded machine
-    may be slow, the state still comes)."""
-    with anyio.fail_after(30):
-        while not holds():  # noqa: ASYNC110  # state of the fleet's own, not an event
-            await anyio.sleep(0.01)
-
-
 async def _pile_onto(
     fleet: AsyncFleet, endpoint: str, frames: int, held: int, then: Callable[[], object]
 ) -> list[Result]:
@@ -91,7 +84,7 @@ async def _pile_onto(
     async with anyio.create_task_group() as tg:
         for _ in range(frames):
             tg.start_soon(one)
-        await _until(lambda: fleet._members[endpoint].in_flight >= held)
+        await until(lambda: fleet._members[endpoint].in_flight >= held)
         then()
     return results
 
@@ -241,7 +234,7 @@ def test_members_follow_what_the_resolver_says(tmp_path: Path) -> None:
         async with fleet:
             assert [m.endpoint for m in fleet.members] == [endpoints[0]]
             current[:] = endpoints[1:]  # a rollout: the first pod leaves, two come
-            await _until(lambda: [m.endpoint for m in fleet.members] == sorted(endpoints[1:]))
+            await until(lambda: [m.endpoint for m in fleet.members] == sorted(endpoints[1:]))
             for _ in range(6):
                 await fleet.detect(IMAGE)
             assert sum(m.ok for m in fleet.members) == 6

@@ -31,8 +31,8 @@ Batch = list[tuple[int, "memoryview | None", tuple[Any, ...]]]
 
 
 class Recorder:
-    """A Python engine's work: one detection a frame, (sum of its pixels, h, w, c, conf,
-    max_det); each batch it ran recorded; held while ``gate`` is clear."""
+    """A Python engine's work: one detection a frame, (sum of its pixels, h, w, its pixel
+    format's code, conf, max_det); each batch it ran recorded; held while ``gate`` is clear."""
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
@@ -48,10 +48,10 @@ class Recorder:
         with self.lock:
             self.batches.append([job for job, _, _ in batch])
         results = []
-        for _, pixels, (h, w, c, _bgr, conf, _iou, max_det) in batch:
+        for _, pixels, (h, w, fmt, _colour, conf, _iou, max_det) in batch:
             assert pixels is not None
             total = float(np.frombuffer(pixels, np.uint8).sum())
-            row = np.array([[total, h, w, c, conf or -1.0, max_det or -1]], np.float32)
+            row = np.array([[total, h, w, fmt, conf or -1.0, max_det or -1]], np.float32)
             results.append((0, "", row, 11, 22))
         return 1_000, 5_000, results
 
@@ -87,16 +87,16 @@ def rigs() -> Iterator[list[Rig]]:
 def test_a_python_engine_answers_with_what_it_returned(recorder: Recorder, rigs: list[Rig]) -> None:
     rig = _rig(recorder, slots=1)
     rigs.append(rig)
-    image = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
-    rig.client.send_multipart(
-        protocol.encode(InferRequest(id=3, model="demo", image=image, conf=0.5, max_det=7))
-    )
+    image = np.arange(6 * 4, dtype=np.uint8).reshape(6, 4)  # a 4 x 4 NV12 frame
+    rig.client.send_multipart(protocol.encode(
+        InferRequest(id=3, model="demo", image=image, format="NV12", conf=0.5, max_det=7)
+    ))  # fmt: skip
     r = rig.reply()
     assert (r.id, r.status, r.device) == (3, Status.OK, "py0")
     assert r.detections is not None
     np.testing.assert_array_equal(
-        r.detections, [[float(image.sum()), 4, 5, 3, 0.5, 7]]
-    )  # the frame's own pixels and settings reached the engine
+        r.detections, [[float(image.sum()), 4, 4, 3, 0.5, 7]]
+    )  # the frame's own pixels (all its bytes), format and settings reached the engine
     assert (r.timing.pre_us, r.timing.post_us) == (11, 22)
     assert (r.timing.start_ns, r.timing.end_ns, r.timing.device_us) == (1_000, 5_000, 4)
     rig.infer(4)  # no settings: the plane resolves the model's ([models.*]'s defaults here)
