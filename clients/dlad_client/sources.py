@@ -29,7 +29,6 @@ Errors are :class:`SourceError`, one line naming the source.
 from __future__ import annotations
 
 import glob
-import math
 import os
 import threading
 import time
@@ -137,6 +136,8 @@ def open_source(
                          fps=fps)  # fmt: skip
     device = uri.removeprefix("v4l2://")
     if device.startswith("/dev/video"):
+        if not os.path.exists(device):
+            raise SourceError(f"{uri}: no such camera")
         return AvSource(device, name=name or Path(device).name, output=output, fps=fps,
                         realtime=False, loop=False, live=True, av_format="v4l2",
                         options=options)  # fmt: skip
@@ -382,6 +383,22 @@ class AvSource(Source):
         self._stop.set()
 
 
+def gstreamer() -> Any:
+    """GStreamer's Python module (``gi.repository.Gst``); raises SourceError naming the
+    packages where its bindings are not installed."""
+    try:
+        import gi  # noqa: PLC0415
+
+        gi.require_version("Gst", "1.0")
+        from gi.repository import Gst  # noqa: PLC0415
+    except (ImportError, ValueError):
+        raise SourceError(
+            "gst: GStreamer sources need GStreamer's Python bindings (python3-gi and "
+            "gir1.2-gstreamer-1.0 on Debian, Ubuntu and JetPack)"
+        ) from None
+    return Gst
+
+
 class GstSource(Source):
     """A GStreamer pipeline ending in an ``appsink`` (``appsink name=sink`` or the last
     element), its caps set to ``video/x-raw,format=NV12`` (``output="nv12"``) or ``RGB``, through
@@ -394,19 +411,10 @@ class GstSource(Source):
         self.pipeline, self.name, self.output = pipeline, name, output
         self._pace = _Pace(fps, realtime=False)
         self._stop = threading.Event()
-        self._gst: Any = None
+        self._gst: Any = gstreamer()
 
     def _start(self) -> tuple[Any, Any, Any]:
-        try:
-            import gi  # noqa: PLC0415
-
-            gi.require_version("Gst", "1.0")
-            from gi.repository import Gst  # noqa: PLC0415
-        except (ImportError, ValueError):
-            raise SourceError(
-                "gst: GStreamer sources need GStreamer's Python bindings (python3-gi and "
-                "gir1.2-gstreamer-1.0 on Debian, Ubuntu and JetPack)"
-            ) from None
+        Gst = self._gst
         Gst.init(None)
         caps = "NV12" if self.output == "nv12" else "RGB"
         text = self.pipeline if "appsink" in self.pipeline else (
@@ -423,7 +431,7 @@ class GstSource(Source):
         return Gst, pipe, sink
 
     def frames(self) -> Iterator[CameraFrame]:
-        gst, pipe, sink = self._gst = self._start()
+        gst, pipe, sink = self._start()
         index = 0
         try:
             while not self._stop.is_set():
@@ -439,19 +447,28 @@ class GstSource(Source):
             pipe.set_state(gst.State.NULL)
 
     def _frame(self, sample: Any, index: int) -> CameraFrame:
-        caps = sample.get_caps().get_structure(0)
-        w, h = caps.get_value("width"), caps.get_value("height")
-        fmt = caps.get_value("format")
-        data = sample.get_buffer().extract_dup(0, sample.get_buffer().get_size())
-        pixels = np.frombuffer(data, np.uint8)
+        from gi.repository import GstVideo  # noqa: PLC0415
+
+        info = GstVideo.VideoInfo.new_from_caps(sample.get_caps())
+        w, h, fmt = info.width, info.height, info.finfo.name
+        buffer = sample.get_buffer()
+        pixels = np.frombuffer(buffer.extract_dup(0, buffer.get_size()), np.uint8)
         now = time.monotonic_ns()
+
+        def plane(i: int, rows: int, cols: int) -> npt.NDArray[np.uint8]:
+            """Plane ``i`` without its row padding (GStreamer aligns strides)."""
+            at, stride = info.offset[i], info.stride[i]
+            return pixels[at : at + rows * stride].reshape(rows, stride)[:, :cols]
+
         if fmt == "NV12":
             colour = YuvFormat("NV12", "bt709" if h >= 720 else "bt601")
-            shape = frame_shape("NV12", h, w)
-            nv12 = pixels[: math.prod(shape)].reshape(shape)
-            return CameraFrame(self.name, index, now, None, h, w, colour,
-                               lambda out: np.copyto(out, nv12))  # fmt: skip
-        rgb = pixels.reshape(h, -1)[:, : w * 3].reshape(h, w, 3)
+            luma, uv = plane(0, h, w), plane(1, h // 2, w)
+
+            def write(out: npt.NDArray[np.uint8]) -> None:
+                out[:h], out[h:] = luma, uv
+
+            return CameraFrame(self.name, index, now, None, h, w, colour, write)
+        rgb = plane(0, h, w * 3).reshape(h, w, 3)
         return CameraFrame(self.name, index, now, None, h, w, "RGB",
                            lambda out: np.copyto(out, rgb))  # fmt: skip
 

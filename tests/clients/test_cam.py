@@ -19,6 +19,7 @@ import anyio
 import av
 import numpy as np
 import pytest
+import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from dlad.config import load_config
@@ -26,8 +27,10 @@ from dlad.daemon import Daemon
 from dlad_client import AsyncClient, Client
 from dlad_client.cam import main
 from dlad_client.cameras import CameraRig, Sink
-from dlad_client.sources import CameraFrame, Source, SourceError, open_source
+from dlad_client.sources import CameraFrame, Source, SourceError, gstreamer, open_source
 from prep.data.synth import generate_image
+from tests.clients.rtsp_server import Stream, encode, rtsp_server
+from tests.clients.waiting import until
 from tests.dlad.serving import serve_in_thread
 
 pytestmark = pytest.mark.timeout(180)
@@ -315,3 +318,106 @@ def test_ctrl_c_stops_the_sources_and_prints_the_summary(endpoint: str, clip: Pa
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert "clip" in err  # the summary's row
+
+
+def test_a_camera_device_that_is_not_there_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["/dev/video97"]) == 2
+    assert "dlad-cam: /dev/video97: no such camera" in capsys.readouterr().err
+
+
+def _has_gstreamer() -> bool:
+    try:
+        gstreamer()
+    except SourceError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_gstreamer(), reason="GStreamer's Python bindings are installed here")
+def test_a_gstreamer_source_without_its_bindings_says_what_to_install(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["gst:videotestsrc ! appsink name=sink"]) == 2
+    err = capsys.readouterr().err
+    assert "python3-gi" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(
+    not _has_gstreamer(),
+    reason="GStreamer's Python bindings (python3-gi, gir1.2-gstreamer-1.0) are not installed",
+)
+def test_a_gstreamer_pipeline_gives_nv12_frames(endpoint: str) -> None:
+    """videotestsrc (GStreamer's base plugins) through an NV12 appsink, as a Jetson's
+    nvv4l2decoder pipeline would end, into the daemon."""
+    source = open_source(
+        "gst:videotestsrc num-buffers=5 ! video/x-raw,width=320,height=240 ! videoconvert ! "
+        "video/x-raw,format=NV12 ! appsink name=sink"
+    )
+    frames = []
+    for frame in source.frames():
+        frames.append(frame.array())
+        if len(frames) == 3:
+            source.close()
+    assert frames[0].shape == (360, 320)
+    with Client(endpoint, timeout_s=60) as client:
+        assert client.detect(frames[0], pixel_format="NV12").device == "dla0"
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+def test_an_rtsp_camera_that_drops_mid_stream_is_reconnected(endpoint: str) -> None:
+    """A local RTSP server (H.264 over RTP/TCP, as IP cameras serve it) that cuts each client
+    after 15 frames: the source reports the drop, is opened again, and frames keep coming."""
+    scenes = [np.ascontiguousarray(generate_image(7, i)[0][:128, :160]) for i in range(6)]
+    frames = [np.pad(s, ((0, 128 - s.shape[0]), (0, 160 - s.shape[1]), (0, 0))) for s in scenes]
+    stream = Stream(encode(frames * 5, 30), 30, drop_after=15)
+    with rtsp_server(stream) as url:
+
+        async def go() -> CameraRig:
+            async with AsyncClient(endpoint, timeout_s=60) as client:
+                rig = CameraRig(client, [open_source(url, name="door")], backoff_s=(0.05, 0.1))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(rig.run)
+                    await until(lambda: rig.stats["door"].reconnects >= 2, timeout_s=60)
+                    await until(lambda: rig.stats["door"].ok >= 20, timeout_s=60)
+                    rig.stop()
+                return rig
+
+        rig = anyio.run(go)
+    stats = rig.stats["door"]
+    assert stream.sessions >= 3
+    assert stream.dropped >= 2
+    assert stats.error.endswith("the stream ended")
+    assert stats.failed == 0
+    assert stats.ok >= 20
+
+
+def test_a_daemon_that_stops_answering_costs_the_camera_nothing(clip: Path) -> None:
+    """A daemon that takes frames and never answers: each request times out (counted), the
+    camera keeps decoding and dropping at the source, and the rig stops when asked."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+
+        async def go() -> CameraRig:
+            async with AsyncClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5) as client:
+                source = open_source(str(clip), loop=True)
+                rig = CameraRig(client, [source], in_flight=1)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(rig.run)
+                    await until(lambda: rig.stats["clip"].failed >= 2, timeout_s=60)
+                    rig.stop()
+                return rig
+
+        rig = anyio.run(go)
+    finally:
+        router.close(linger=0)
+        context.term()
+    stats = rig.stats["clip"]
+    assert stats.ok == 0
+    assert stats.failed >= 2
+    assert "ClientTimeout" in stats.error
+    assert stats.dropped_at_source >= 3  # 10 fps decoded, one frame a half second sent
