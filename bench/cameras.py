@@ -117,7 +117,8 @@ class Daemon:
         self.port = free_port()
         cfg = workdir / "dlad.toml"
         cfg.write_text(CONFIG.format(port=self.port, latency=latency_us, pre_post=pre_post))
-        env = os.environ | {"PYTHONPATH": f"{ROOT}:{ROOT / 'clients'}"}
+        path = os.pathsep.join([str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH", "")])
+        env = os.environ | {"PYTHONPATH": path}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dlad.cli", "--config", str(cfg)], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

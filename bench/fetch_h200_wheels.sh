@@ -9,7 +9,8 @@
 # (bench/daemon_throughput.py --profile; its binary lands in /tmp/site/bin). pybind11 builds the
 # scheduler's C++ core there (bench/h200_env.sh). ultralytics (its models are the DFL families')
 # and ultralytics-thop are not in the image either; their other needs (opencv-python-headless,
-# pyyaml, scipy, ...) are. PyAV (av) decodes the camera benchmark's streams (bench/cameras.py).
+# pyyaml, scipy, ...) are. PyAV (av) decodes the camera benchmark's streams and psutil reads its
+# processes' CPU time (bench/cameras.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -20,6 +21,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     pyzmq==27.3.0 structlog==26.1.0 uvloop==0.23.0 \
     nvidia-modelopt==0.47.0 onnx-graphsurgeon==0.6.1 faster-coco-eval==1.8.0 omegaconf==2.3.0 \
     pulp==3.3.2 pydantic pydantic-core annotated-types typing-inspection py-spy==0.4.3 \
-    pybind11==3.1.0 msgspec==0.23.0 ultralytics==8.4.190 ultralytics-thop==2.2.3 av==18.1.0
+    pybind11==3.1.0 msgspec==0.23.0 ultralytics==8.4.190 ultralytics-thop==2.2.3 av==18.1.0 psutil==7.2.2
 python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 ls -la .whl

@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream
+from PIL import Image
 
 from dlad.config import load_config
 from dlad.daemon import Daemon
+from dlad.imaging.pre import yuv_to_rgb
 from dlad_client import AsyncClient, Client
 from dlad_client.cam import main
 from dlad_client.cameras import CameraRig, Sink
@@ -421,3 +423,17 @@ def test_a_daemon_that_stops_answering_costs_the_camera_nothing(clip: Path) -> N
     assert stats.failed >= 2
     assert "ClientTimeout" in stats.error
     assert stats.dropped_at_source >= 3  # 10 fps decoded, one frame a half second sent
+
+
+def test_save_writes_each_answered_frame_with_its_boxes(
+    endpoint: str, clip: Path, tmp_path: Path
+) -> None:
+    assert main([str(clip), "--endpoint", endpoint, "--no-realtime", "--quiet",
+                 "--save", str(tmp_path)]) == 0  # fmt: skip
+    written = sorted((tmp_path / "clip").glob("*.jpg"))
+    assert [p.name for p in written] == [f"{i:06d}.jpg" for i in range(12)]
+    frame = next(iter(open_source(str(clip), realtime=False).frames()))
+    plain = yuv_to_rgb(frame.array(), "NV12", 0)
+    drawn = np.asarray(Image.open(written[0]))
+    assert drawn.shape == plain.shape
+    assert np.abs(drawn.astype(int) - plain).max() > 100  # boxes and labels were drawn on it
