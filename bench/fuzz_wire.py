@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "clients"))
@@ -61,12 +62,17 @@ def build(into: Path) -> Path:
 
 def _infer(rng: random.Random) -> list[bytes]:
     """A well-formed INFER with random settings (in the message, or in shared memory)."""
-    h, w = rng.randrange(1, 40), rng.randrange(1, 40)
-    fmt = rng.choice(["RGB", "BGR", "GRAY"])
-    image = np.zeros((h, w, 1 if fmt == "GRAY" else 3), np.uint8)
+    fmt = rng.choice(protocol.PIXEL_FORMATS)
+    even = 2 if fmt in ("NV12", "YUYV") else 1
+    h, w = rng.randrange(1, 20) * even, rng.randrange(1, 20) * even
+    image = np.zeros(protocol.frame_shape(fmt, h, w), np.uint8)
+    colour: dict[str, Any] = {}
+    if even == 2 and rng.random() < 0.5:
+        colour = {"colorspace": rng.choice(protocol.COLORSPACES),
+                  "color_range": rng.choice(protocol.COLOR_RANGES)}  # fmt: skip
     name = "".join(rng.choice("abcdefgh-_.0123") for _ in range(rng.randrange(1, 129)))
     request = protocol.InferRequest(
-        rng.randrange(2**64), name, image, format=fmt,  # type: ignore[arg-type]
+        rng.randrange(2**64), name, image, format=fmt, **colour,
         stream=rng.choice([None, name[:20]]), priority=rng.randrange(8),
         deadline_ms=rng.choice([None, 1, rng.randrange(1, protocol.MAX_DEADLINE_MS + 1)]),
         conf=rng.choice([None, 0.0, rng.random() * 0.999]),

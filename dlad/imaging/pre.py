@@ -215,21 +215,24 @@ def _yuv_pixels(
         if rows is None or cols is None:
             uv = uv.repeat(2, axis=0).repeat(2, axis=1)
         else:
-            luma, uv = luma[np.ix_(rows, cols)], uv[np.ix_(rows // 2, cols // 2)]
+            luma = luma.take(rows, axis=0).take(cols, axis=1)
+            uv = uv.take(rows // 2, axis=0).take(cols // 2, axis=1)
     else:
         luma = image[:, :, 0]
         uv = image.reshape(height, width // 2, 4)[:, :, 1::2]
         if rows is None or cols is None:
             uv = uv.repeat(2, axis=1)
         else:
-            luma, uv = luma[np.ix_(rows, cols)], uv[np.ix_(rows, cols // 2)]
+            luma = luma.take(rows, axis=0).take(cols, axis=1)
+            uv = uv.take(rows, axis=0).take(cols // 2, axis=1)
     r_of, b_of, t_of, gv = _yuv_tables(colour)
     yi = luma.astype(np.intp) << 8
-    u, v = uv[:, :, 0], uv[:, :, 1]
+    u, v = np.ascontiguousarray(uv[:, :, 0]), np.ascontiguousarray(uv[:, :, 1])
+    yu, yv = yi | u, yi | v
     out = np.empty((*luma.shape, 3), np.uint8)
-    out[:, :, 0] = r_of[yi | v]
-    out[:, :, 2] = b_of[yi | u]
-    g = t_of[yi | u]
+    out[:, :, 0] = r_of.take(yv)
+    out[:, :, 2] = b_of.take(yu)
+    g = t_of.take(yu)
     g -= gv * (v.astype(np.float32) - np.float32(128))
     out[:, :, 1] = np.clip(round_half_away_from_zero(g), 0, 255)
     return out

@@ -31,11 +31,14 @@ void check(const dlad::wire::Request& in, size_t frames, uint64_t payload, bool 
     namespace w = dlad::wire;
     require(in.images.size() == 1, "one image");
     const w::Image& img = in.images.front();
-    const int64_t channels = img.format == "GRAY" ? 1 : 3;
-    require(img.format == "RGB" || img.format == "BGR" || img.format == "GRAY", "format");
-    require(img.channels == channels, "channels");
+    namespace r = dlad::rules;
+    require(img.format >= r::kRgb && img.format <= r::kYuyv, "format");
+    require(r::is_yuv(img.format) || img.colour == 0, "a colour only on YUV frames");
+    require(img.colour >= 0 && img.colour <= (r::kBt709 | r::kFullRange), "colour");
     require(img.height >= 1 && img.height <= limits.max_height, "height");
     require(img.width >= 1 && img.width <= limits.max_width, "width");
+    require(!r::is_yuv(img.format) || img.width % 2 == 0, "a YUV frame's even width");
+    require(img.format != r::kNv12 || img.height % 2 == 0, "an NV12 frame's even height");
     require(img.height * img.width <= limits.max_image_pixels, "pixels");
     // 1 to 128 characters, each 1 to 4 bytes of UTF-8
     require(!in.model.empty() && in.model.size() <= 4 * w::kMaxNameChars, "model");
