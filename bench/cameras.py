@@ -48,7 +48,13 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
 
-from dlad_client import AsyncClient, Client, DladError  # noqa: E402
+from dlad_client import (  # noqa: E402
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    DladError,
+    Overloaded,
+)
 from dlad_client.cameras import CameraRig  # noqa: E402
 from dlad_client.sources import CameraFrame, Output, Source, open_source  # noqa: E402
 
@@ -69,11 +75,13 @@ kind = "dla"
 core = 0
 mode = "timing"
 latency_us = {latency}
+queue_depth = 32
 [devices.dla1]
 kind = "dla"
 core = 1
 mode = "timing"
 latency_us = {latency}
+queue_depth = 32
 [models.demo]
 devices = ["dla0", "dla1"]
 [models.demo.loadables]
@@ -202,11 +210,12 @@ def run_rig(  # noqa: PLR0917
     c0, t0 = me.cpu_times(), time.monotonic()
     rig = anyio.run(go)
     c1, elapsed, d1 = me.cpu_times(), time.monotonic() - t0, daemon.cpu_s()
-    keys = ("decoded", "ok", "dropped_at_source", "superseded", "failed")
+    keys = ("decoded", "ok", "dropped_at_source", "superseded", "shed", "failed")
     total = {k: sum(getattr(s, k) for s in rig.stats.values()) for k in keys}
     counts = {"frames_in": total["decoded"], "ok": total["ok"],
               "dropped_at_source": total["dropped_at_source"],
-              "superseded": total["superseded"], "failed": total["failed"]}  # fmt: skip
+              "superseded": total["superseded"], "shed": total["shed"],
+              "failed": total["failed"]}  # fmt: skip
     cpu = (c1.user + c1.system) - (c0.user + c0.system)
     return _summary(f"dlad {output}", elapsed, counts, latencies, cpu, d1 - d0)
 
@@ -218,7 +227,8 @@ def run_opencv(
 
     stop = threading.Event()
     latencies: list[float] = []
-    counts = {"frames_in": 0, "ok": 0, "dropped_at_source": 0, "superseded": 0, "failed": 0}
+    counts = {"frames_in": 0, "ok": 0, "dropped_at_source": 0, "superseded": 0, "shed": 0,
+              "failed": 0}  # fmt: skip
     lock = threading.Lock()
 
     def camera(i: int) -> None:
@@ -241,6 +251,9 @@ def run_opencv(
                     counts["frames_in"] += 1
                 try:
                     client.detect(rgb, stream=f"cam{i}")
+                except (Overloaded, DeadlineExceeded):
+                    with lock:
+                        counts["shed"] += 1
                 except DladError:
                     with lock:
                         counts["failed"] += 1

@@ -260,14 +260,14 @@ def _endpoints(config: RigConfig) -> list[str]:
 
 def _table(rig: CameraRig) -> Table:
     table = Table(title="dlad-cam", title_justify="left")
-    for col in ("camera", "fps in", "fps out", "dropped", "superseded", "failed", "p50 ms",
-                "p99 ms", "reconnects"):  # fmt: skip
+    for col in ("camera", "fps in", "fps out", "dropped", "superseded", "shed", "failed",
+                "p50 ms", "p99 ms", "reconnects"):  # fmt: skip
         table.add_column(col, justify="left" if col == "camera" else "right")
     for r in rig.rows():
         table.add_row(
             r["camera"], f"{r['fps_in']:.1f}", f"{r['fps_out']:.1f}", str(r["dropped_at_source"]),
-            str(r["superseded"]), str(r["failed"]), fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]),
-            str(r["reconnects"]),
+            str(r["superseded"]), str(r["shed"]), str(r["failed"]), fmt_ms(r["p50_ms"]),
+            fmt_ms(r["p99_ms"]), str(r["reconnects"]),
         )  # fmt: skip
     return table
 

@@ -31,7 +31,7 @@ import anyio.abc
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dlad.errors import Cancelled, DladError, InternalError
+from dlad.errors import Cancelled, DeadlineExceeded, DladError, InternalError, Overloaded
 from dlad_client._async import AsyncClient
 from dlad_client._core import ClientTimeout, Result
 from dlad_client.sinks import JsonLinesSink, Sink
@@ -54,6 +54,7 @@ class CameraStats:
     ok: int = 0
     dropped_at_source: int = 0  # replaced in the mailbox by a newer frame before it was sent
     superseded: int = 0  # CANCELLED by the daemon: a newer frame of the stream took its place
+    shed: int = 0  # OVERLOADED or DEADLINE_EXCEEDED: the daemon had no room or time for it
     failed: int = 0  # any other error (the last one in ``error``)
     reconnects: int = 0
     error: str = ""
@@ -334,6 +335,8 @@ class CameraRig:
     def _failed(self, stats: CameraStats, exc: Exception) -> None:
         if isinstance(exc, Cancelled) and "superseded" in str(exc):
             stats.superseded += 1
+        elif isinstance(exc, (Overloaded, DeadlineExceeded)):
+            stats.shed += 1
         else:
             stats.failed += 1
             stats.error = f"{type(exc).__name__}: {exc}"
@@ -387,7 +390,7 @@ class CameraRig:
                 "camera": s.name, "fps_in": s.decoded / seconds, "fps_out": s.ok / seconds,
                 "decoded": s.decoded, "sent": s.sent, "ok": s.ok,
                 "dropped_at_source": s.dropped_at_source, "superseded": s.superseded,
-                "failed": s.failed, "reconnects": s.reconnects,
+                "shed": s.shed, "failed": s.failed, "reconnects": s.reconnects,
                 "p50_ms": None if p50 is None else round(p50, 2),
                 "p99_ms": None if p99 is None else round(p99, 2),
                 "error": s.error,

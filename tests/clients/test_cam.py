@@ -173,7 +173,7 @@ def _check_counts(rig: CameraRig) -> None:
     """Every decoded frame is accounted for: dropped at the source, or sent and answered."""
     for s in rig.stats.values():
         assert s.decoded == s.sent + s.dropped_at_source, s
-        assert s.sent == s.ok + s.superseded + s.failed, s
+        assert s.sent == s.ok + s.superseded + s.shed + s.failed, s
 
 
 def test_a_camera_faster_than_the_daemon_drops_at_the_source(
