@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The camera benchmark (bench/cameras.py) on the device machine, with GPU pre/post:
-#   run(command="bash bench/h200_cameras.sh", carry=[".whl"], timeout_s=600)
-# .whl/ is made here by bench/fetch_h200_wheels.sh (PyAV, psutil, pyzmq & co.). PYTEST_ARGS runs
-# tests first (for example the GPU batch tests); BENCH_ARGS replaces the benchmark's arguments.
+#   run(command="bash bench/h200_cameras.sh", carry=[".whl-cam"], timeout_s=600)
+# .whl-cam/ (the daemon's wheels, PyAV and psutil: what fits the device tool's 64 MiB beside the
+# tree) is made here by bench/fetch_h200_wheels.sh. PYTEST_ARGS runs tests first (for example
+# the GPU batch tests); BENCH_ARGS replaces the benchmark's arguments.
 set -uo pipefail
+WHEELS="${WHEELS:-.whl-cam}"
 source bench/h200_env.sh
 status=0
 if [[ -n "${PYTEST_ARGS:-}" ]]; then

@@ -1,8 +1,8 @@
 # Sourced by the bench/h200_*.sh scripts on the H200 machine: installs the carried wheels (.whl/,
-# made here by bench/fetch_h200_wheels.sh) into /tmp/site and sets the environment dlad, prep
+# or $WHEELS; made here by bench/fetch_h200_wheels.sh) into /tmp/site and sets the environment dlad, prep
 # and the clients run in there; $out is where results go (the device tool's $OUT).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site "${WHEELS:-.whl}"/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD:$PWD/clients" PYTHONUNBUFFERED=1 DLAD_CACHE_DIR=/tmp/dlad-cache
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 # The C++ core (the native data plane and its scheduler), built in place as pip would
