@@ -28,6 +28,7 @@ process's (decode, conversion, sending) per frame in, and the daemon's per frame
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
 from dlad_client import (  # noqa: E402
     AsyncClient,
     Client,
+    ClientTimeout,
     DeadlineExceeded,
     DladError,
     Overloaded,
@@ -82,6 +84,7 @@ core = 1
 mode = "timing"
 latency_us = {latency}
 queue_depth = 32
+{gpu}
 [models.demo]
 devices = ["dla0", "dla1"]
 [models.demo.loadables]
@@ -124,16 +127,27 @@ class Daemon:
     def __init__(self, workdir: Path, latency_us: float, pre_post: str) -> None:
         self.port = free_port()
         cfg = workdir / "dlad.toml"
-        cfg.write_text(CONFIG.format(port=self.port, latency=latency_us, pre_post=pre_post))
+        gpu = '[devices.gpu]\nkind = "gpu"\nbackend = "cuda"' if pre_post == "cuda" else ""
+        cfg.write_text(
+            CONFIG.format(port=self.port, latency=latency_us, pre_post=pre_post, gpu=gpu)
+        )
+        self.log = workdir / "dlad.log"
         path = os.pathsep.join([str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH", "")])
         env = os.environ | {"PYTHONPATH": path}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlad.cli", "--config", str(cfg)], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dlad.cli", "--config", str(cfg)], env=env, stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        with Client(self.endpoint, timeout_s=60) as client:
-            client.status()  # up
+        with Client(self.endpoint, timeout_s=2) as client:
+            for _ in range(60):
+                if self.proc.poll() is not None:
+                    break
+                with contextlib.suppress(ClientTimeout):
+                    client.status()  # up
+                    return
+        sys.exit(f"the daemon did not come up:\n{self.log.read_text()[-3000:]}")
 
     def cpu_s(self) -> float:
         t = psutil.Process(self.proc.pid).cpu_times()
