@@ -41,6 +41,7 @@ __all__ = ["CameraRig", "CameraStats", "JsonLinesSink", "Sink"]
 
 BACKOFF_S: Final = (0.5, 10.0)
 SINK_QUEUE: Final = 256
+WRITERS: Final = 8  # threads writing frames into their buffers at once
 _LATENCIES: Final = 4096  # the latest latencies kept for a camera's percentiles
 
 
@@ -155,6 +156,8 @@ class CameraRig:
         self._streams: list[tuple[Sink, MemoryObjectSendStream[dict[str, Any]]]] = []
         self._scope: anyio.CancelScope | None = None
         self._stopping = threading.Event()
+        self._decoders = anyio.CapacityLimiter(len(self.sources))  # a thread each, all along
+        self._writers = anyio.CapacityLimiter(WRITERS)
         self.started_ns = 0
 
     # ------------------------------------------------------------------ running
@@ -206,7 +209,9 @@ class CameraRig:
             while True:
                 decoded = stats.decoded
                 try:
-                    await anyio.to_thread.run_sync(self._pump, source, box, abandon_on_cancel=True)
+                    await anyio.to_thread.run_sync(
+                        self._pump, source, box, abandon_on_cancel=True, limiter=self._decoders
+                    )
                 except SourceError as exc:
                     stats.error = str(exc)
                     if not source.live:
@@ -248,15 +253,21 @@ class CameraRig:
 
     async def _send_one(self, frame: CameraFrame, free: anyio.Semaphore) -> None:
         try:
-            await self._send_image(frame, self._written(frame))
+            await self._send_image(frame, await self._written(frame))
         finally:
             free.release()
 
-    def _written(self, frame: CameraFrame) -> np.ndarray:
-        """The frame written into a shared-memory slot where one is free, else a new array."""
+    async def _written(self, frame: CameraFrame) -> np.ndarray:
+        """The frame written into a shared-memory slot where one is free, else a new array: on
+        a worker thread (a 1080p frame is megabytes: the rig's thread goes on meanwhile)."""
         buffer = self.client.frame(frame.shape)
         self.stats[frame.source].sent += 1
-        return frame.write(buffer if buffer is not None else np.empty(frame.shape, np.uint8))
+        out = buffer if buffer is not None else np.empty(frame.shape, np.uint8)
+        try:
+            return await anyio.to_thread.run_sync(frame.write, out, limiter=self._writers)
+        except BaseException:
+            self._unsent(out)
+            raise
 
     def _unsent(self, image: np.ndarray) -> None:
         """A frame written into a slot but not sent: the slot is free again."""
@@ -294,7 +305,7 @@ class CameraRig:
 
     async def _send_batch(self, frames: list[CameraFrame], free: anyio.Semaphore) -> None:
         try:
-            images = [self._written(frame) for frame in frames]
+            images = [await self._written(frame) for frame in frames]
             formats = {str(f.pixel_format) for f in frames}
             if len(formats) > 1:  # one message has one pixel format: send them one by one
                 for frame, image in zip(frames, images, strict=True):
