@@ -5,6 +5,7 @@ that drops, reconnected; a full sink that costs no frame; errors in one line; Ct
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import signal
@@ -437,3 +438,13 @@ def test_save_writes_each_answered_frame_with_its_boxes(
     drawn = np.asarray(Image.open(written[0]))
     assert drawn.shape == plain.shape
     assert np.abs(drawn.astype(int) - plain).max() > 100  # boxes and labels were drawn on it
+
+
+def test_an_fps_cap_drops_frames_at_the_source(clip: Path) -> None:
+    """A 10 fps clip capped at 4 fps, played as a camera: every third or so frame is yielded,
+    the others never leave the decoder (their indices are skipped)."""
+    frames = list(open_source(str(clip), fps=4.0).frames())
+    assert 4 <= len(frames) <= 6  # 1.2 s of video at 4 a second (and the first at once)
+    indices = [f.index for f in frames]
+    assert indices[0] == 0
+    assert all(b - a >= 2 for a, b in itertools.pairwise(indices))
