@@ -81,6 +81,22 @@ def _plane_failing(d: DeviceState) -> str:
 EngineKind = Literal["cudla", "timing", "gpu-graphs", "gpu-timing", "python"]
 
 
+PrePostWhere = Literal["gpu", "cpu", "off"]
+
+
+def pre_post_where(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> PrePostWhere:
+    """Where placement ``p``'s frames are pre/post-processed (``gpu``: the daemon has its GPU
+    pre/post): on the GPU where its family has a CUDA decode and its engine is a DLA core or
+    the GPU's own CUDA graphs (torch, TensorRT), else on the CPU; ``off`` without pre/post."""
+    if not pre_post:
+        return "off"
+    d = plan.config.device(p.device)
+    on_gpu = gpu and family_for(p.loadable.family).cuda
+    if d.kind != "dla" and (d.engine or "emulated") not in ("torch", "tensorrt"):
+        on_gpu = False  # only the GPU's graphs keep pre/post there
+    return "gpu" if on_gpu else "cpu"
+
+
 def plane_engine(plan: Plan, p: Placement, *, pre_post: bool, gpu: bool) -> tuple[EngineKind, str]:
     """Which engine serves placement ``p`` on the plane (``gpu``: pre/post-processing runs on
     the GPU), and that in words (``dlad status --platform``, the log): ``cudla``, a real DLA
@@ -199,6 +215,7 @@ class Daemon:
         self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
         self._plane_sync = threading.Lock()  # the loop's, the metrics thread's _sync_plane
         self._cold: dict[str, str] = {}  # the engines whose warm-up failed: why
+        self._pre_post_where: dict[str, PrePostWhere] = {}  # each engine's, once it is built
         self._warming: set[str] = set()  # the engines whose warm-up runs in the plane
         self._warm = anyio.Event()
         self._healthy: dict[str, bool] = {}  # after warm-up, as last told to the metrics
@@ -286,6 +303,10 @@ class Daemon:
         engines = {p.device: plane_engine(self.plan, p, pre_post=self.pre_post,
                                           gpu=gpu is not None)
                    for p in self.plan.placements}  # fmt: skip
+        self._pre_post_where = {
+            p.device: pre_post_where(self.plan, p, pre_post=self.pre_post, gpu=gpu is not None)
+            for p in self.plan.placements
+        }
         log.info("engines", **{name: words for name, (_, words) in engines.items()})
         devices: dict[str, PlaneDevice] = {}
         cudla: CudlaFunctions | None = None
@@ -682,6 +703,7 @@ class Daemon:
                     "healthy": state == "serving" and d.failing < UNHEALTHY_AFTER,
                     "state": state,
                     "reason": reason[: protocol.MAX_MESSAGE_CHARS],
+                    "pre_post": self._pre_post_where.get(d.name, "off"),
                     "busy": d.in_flight > 0,
                     "in_flight": d.in_flight,
                     "queue_depth": d.queue_depth,

@@ -801,7 +801,14 @@ class _DeviceAdded(TypedDict, total=False):
     # healthy ("" when it is both)
 
 
-class DeviceStatus(_DeviceAdded):
+class _DeviceAddedPrePost(TypedDict, total=False):
+    """A device's field added with camera sources: absent from the reports of older daemons."""
+
+    pre_post: Literal["gpu", "cpu", "off"]  # where its frames are pre/post-processed: a camera
+    # sends NV12 where the GPU converts it (dlad-cam), RGB where the CPU would
+
+
+class DeviceStatus(_DeviceAdded, _DeviceAddedPrePost):
     """One accelerator as the scheduler sees it."""
 
     name: _Name  # "dla0", "dla1", "gpu"

@@ -7,8 +7,9 @@ One camera on one line, many from a TOML file::
     dlad-cam --config cameras.toml
 
 A camera's frames go to the daemon as its ``stream`` (named after the source, or the
-config's table), NV12 where it decodes to 4:2:0 (``--rgb``: converted on this CPU); frames
-the daemon cannot keep up with are dropped here, never queued (see
+config's table): video as NV12 where the daemon pre-processes on its GPU (its STATUS says so),
+else as RGB converted here (``--nv12``, ``--rgb``: either one); frames the daemon cannot keep
+up with are dropped here, never queued (see
 :mod:`dlad_client.cameras`). Progress (fps in and out, drops, p99) goes to stderr; ``--save
 DIR`` writes each answered frame with its boxes drawn. Ctrl-C (SIGINT) or SIGTERM stops the
 sources, lets the frames in flight be answered and prints the summary.
@@ -19,7 +20,8 @@ The config file::
     model = "demo"
     in_flight = 2                       # per camera
     rig = false                         # true: the cameras' frames of one instant in one batch
-    output = "nv12"                     # or "rgb"
+    output = "auto"                     # "nv12", "rgb"; auto: NV12 where the daemon's GPU
+                                        # converts it, else RGB (converted here)
     [cameras.front]
     source = "rtsp://10.0.0.5/stream1"
     fps = 15                            # at most; the rest are dropped at the source
@@ -53,7 +55,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import anyio
 import msgspec
@@ -62,6 +64,7 @@ from rich.live import Live
 from rich.table import Table
 
 from dlad.errors import InternalError, NotFound
+from dlad.protocol import DaemonStatus
 from dlad_client._async import AsyncClient
 from dlad_client._core import ClientTimeout, Result, _local
 from dlad_client.cameras import CameraRig, fmt_ms
@@ -143,7 +146,7 @@ class RigConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str = "demo"
     in_flight: int = 2
     rig: bool = False
-    output: Output = "nv12"
+    output: Output | Literal["auto"] = "auto"
     conf: float | None = None
     deadline_ms: int | None = None
     sinks: SinksConfig = msgspec.field(default_factory=SinksConfig)
@@ -187,6 +190,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=int, default=None, help="requests in flight a camera (2)")
     p.add_argument("--rig", action="store_true", help="one instant of every camera in one batch")
     p.add_argument("--rgb", action="store_true", help="convert video to RGB on this CPU")
+    p.add_argument(
+        "--nv12",
+        action="store_true",
+        help="send video as NV12 (default: where the daemon converts it on its GPU)",
+    )
     p.add_argument("--loop", action="store_true", help="play files again at their end")
     p.add_argument("--no-realtime", action="store_true", help="decode files as fast as they go")
     p.add_argument("--seconds", type=float, help="stop after this long")
@@ -218,8 +226,10 @@ def _rig_config(args: argparse.Namespace) -> RigConfig:
             changes[name] = getattr(args, name)
     if args.rig:
         changes["rig"] = True
-    if args.rgb:
-        changes["output"] = "rgb"
+    if args.rgb and args.nv12:
+        raise UsageError("--rgb and --nv12 contradict each other")
+    if args.rgb or args.nv12:
+        changes["output"] = "rgb" if args.rgb else "nv12"
     if args.json or args.jsonl:
         changes["sinks"] = msgspec.structs.replace(
             changes.get("sinks", config.sinks), json=JsonSinkConfig(path=args.jsonl or "-")
@@ -238,8 +248,9 @@ def _sources(config: RigConfig, args: argparse.Namespace, from_file: bool) -> li
     for key, cam in config.cameras.items():
         name = key if from_file else None
         try:
+            output: Output = "rgb" if config.output == "rgb" else "nv12"  # auto: set later
             sources.append(open_source(
-                cam.source, name=name, output=config.output, fps=args.fps or cam.fps,
+                cam.source, name=name, output=output, fps=args.fps or cam.fps,
                 realtime=cam.realtime and not args.no_realtime, loop=cam.loop or args.loop,
                 options=cam.options,
             ))  # fmt: skip
@@ -250,6 +261,16 @@ def _sources(config: RigConfig, args: argparse.Namespace, from_file: bool) -> li
         if names.count(source.name) > 1:
             source.name = f"{source.name}-{i}"
     return sources
+
+
+def pixels_for(report: DaemonStatus, model: str) -> Output:
+    """NV12 where every device serving ``model`` pre-processes on its GPU (a YUV frame is
+    converted there, in the pre kernel), else RGB: a CPU-only daemon converts NV12 in numpy,
+    which costs more than converting here (docs/cameras.md). A daemon that does not say
+    (older than the field) cannot take NV12 either."""
+    where = {d["name"]: d.get("pre_post") for d in report["devices"]}
+    serving = next((m["devices"] for m in report["models"] if m["name"] == model), [])
+    return "nv12" if serving and all(where.get(d) == "gpu" for d in serving) else "rgb"
 
 
 def _endpoints(config: RigConfig) -> list[str]:
@@ -312,10 +333,15 @@ async def _run(
         async with client:
             try:  # a model the daemon does not serve stops here, in one line
                 await client.class_names(config.model, timeout_s=5.0)
+                output = config.output
+                if output == "auto":
+                    output = pixels_for(await client.status(timeout_s=5.0), config.model)
             except NotFound as exc:
                 raise UsageError(str(exc)) from None
             except (InternalError, ClientTimeout):
-                pass  # a daemon older than class names, or not up yet: the frames will say
+                output = "rgb" if config.output == "auto" else config.output  # the frames will say
+            for source in sources:
+                source.output = output
             rig = CameraRig(
                 client, sources, model=config.model, in_flight=config.in_flight, rig=config.rig,
                 sinks=sinks, conf=config.conf, deadline_ms=config.deadline_ms,

@@ -103,6 +103,7 @@ class Source:
     name: str
     live: bool = False  # a stream that has no end of its own (reconnected when it drops)
     lossless: bool = False  # frames wait for the consumer (files not played in real time)
+    output: Output = "rgb"  # what video is decoded to (settable until frames() starts)
 
     def frames(self) -> Iterator[CameraFrame]:
         """The frames, as they are decoded (blocking); raises SourceError."""
@@ -202,9 +203,11 @@ class _Pace:
         if self.period_ns is None:
             return True
         now = time.monotonic_ns()
-        if now < self.next_ns:
+        if self.next_ns == 0:
+            self.next_ns = now
+        if now < self.next_ns - self.period_ns // 10:  # a tenth of a period early still counts
             return False
-        self.next_ns = max(self.next_ns + self.period_ns, now - self.period_ns)
+        self.next_ns = max(self.next_ns + self.period_ns, now - self.period_ns // 2)
         return True
 
 

@@ -28,7 +28,7 @@ from dlad.config import load_config
 from dlad.daemon import Daemon
 from dlad.imaging.pre import yuv_to_rgb
 from dlad_client import AsyncClient, Client
-from dlad_client.cam import main
+from dlad_client.cam import main, pixels_for
 from dlad_client.cameras import CameraRig, Sink
 from dlad_client.sources import CameraFrame, Source, SourceError, gstreamer, open_source
 from prep.data.synth import generate_image
@@ -127,7 +127,8 @@ def test_every_frame_of_a_video_is_the_sdks_detections(
 ) -> None:
     """``--no-realtime`` sends every frame of a file: each event's detections (with class
     names) are the SDK's for the same decoded frame, sent as NV12 the same way."""
-    assert main([str(clip), "--endpoint", endpoint, "--json", "--no-realtime", "--quiet"]) == 0
+    args = [str(clip), "--endpoint", endpoint, "--json", "--no-realtime", "--quiet", "--nv12"]
+    assert main(args) == 0
     events = sorted(_events(capsys.readouterr().out), key=lambda e: e["frame"])  # as answered
     assert [e["frame"] for e in events] == list(range(12))
     frames = list(open_source(str(clip), realtime=False).frames())
@@ -142,6 +143,36 @@ def test_every_frame_of_a_video_is_the_sdks_detections(
             assert event["device"] == "dla0"
     assert sum(len(e["detections"]) for e in events) > 0
     assert {d["class_name"] for e in events for d in e["detections"]} <= set(names)
+
+
+def test_video_goes_as_rgb_to_a_daemon_that_pre_processes_on_its_cpu(
+    endpoint: str, clip: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --nv12 or --rgb, dlad-cam asks the daemon where it pre-processes: this one
+    (no GPU) on its CPU, so video is converted to RGB here, which costs less than the daemon's
+    numpy conversion of NV12."""
+    assert main([str(clip), "--endpoint", endpoint, "--json", "--no-realtime", "--quiet"]) == 0
+    events = sorted(_events(capsys.readouterr().out), key=lambda e: e["frame"])
+    frames = list(open_source(str(clip), output="rgb", realtime=False).frames())
+    with Client(endpoint, timeout_s=60) as client:
+        assert client.status()["devices"][0].get("pre_post") == "cpu"
+        for event, frame in zip(events, frames, strict=True):
+            want = client.detect(frame.array(), pixel_format=frame.pixel_format)
+            np.testing.assert_array_equal(_rows(event["detections"]), want.detections)
+
+
+@pytest.mark.parametrize(
+    ("where", "want"),
+    [({"dla0": "gpu", "dla1": "gpu"}, "nv12"), ({"dla0": "gpu", "dla1": "cpu"}, "rgb"),
+     ({"dla0": "gpu"}, "rgb"), ({"dla0": None, "dla1": None}, "rgb")],
+)  # fmt: skip
+def test_nv12_goes_only_where_every_engine_converts_it_on_its_gpu(
+    where: dict[str, str | None], want: str
+) -> None:
+    devices = [{"name": n} | ({} if w is None else {"pre_post": w}) for n, w in where.items()]
+    report: Any = {"devices": devices, "models": [{"name": "demo", "devices": ["dla0", "dla1"]}]}
+    assert pixels_for(report, "demo") == want
+    assert pixels_for(report, "other") == "rgb"
 
 
 def test_images_in_a_directory_are_sent_as_rgb(

@@ -687,6 +687,7 @@ def test_the_daemon_serves_gpu_pre_post_on_the_plane(
             assert isinstance(status, protocol.StatusReply)
             (dla0,) = status.report["devices"]
             assert (dla0["name"], dla0["failed"], dla0["completed"]) == ("dla0", 1, 5)
+            assert dla0.get("pre_post") == "gpu"  # a camera sends NV12 here (dlad-cam)
             assert dla0["healthy"] is True  # one failure: not yet UNHEALTHY_AFTER in a row
             # two more in a row: the core is unhealthy (STATUS, the gauge, the log) until a
             # frame goes through again
