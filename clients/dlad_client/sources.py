@@ -32,7 +32,7 @@ import glob
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -178,13 +178,15 @@ def _image_files(uri: str) -> list[str] | None:
     return found
 
 
-class _Pace:
+class Pace:
     """The ``fps`` cap (a frame due before its turn is dropped) and, for a file played in
-    real time, the wait until a frame's presentation time."""
+    real time, the wait until a frame's presentation time; ``clock``: monotonic ns."""
 
-    def __init__(self, fps: float | None, realtime: bool) -> None:
+    def __init__(
+        self, fps: float | None, realtime: bool, clock: Callable[[], int] = time.monotonic_ns
+    ) -> None:
         self.period_ns = None if fps is None else round(1e9 / fps)
-        self.realtime = realtime
+        self.realtime, self.clock = realtime, clock
         self.next_ns = 0
         self.origin: tuple[int, float] | None = None  # (monotonic ns, pts s) of the first frame
 
@@ -202,7 +204,7 @@ class _Pace:
         """Whether a frame ready now is yielded (else the cap drops it)."""
         if self.period_ns is None:
             return True
-        now = time.monotonic_ns()
+        now = self.clock()
         if self.next_ns == 0:
             self.next_ns = now
         if now < self.next_ns - self.period_ns // 10:  # a tenth of a period early still counts
@@ -217,7 +219,7 @@ class ImageFiles(Source):
     def __init__(self, paths: Sequence[str], *, name: str, fps: float | None, loop: bool) -> None:
         self.name, self.paths, self.loop = name, list(paths), loop
         self.lossless = fps is None  # each image is sent, one after another
-        self._pace = _Pace(fps, realtime=False)
+        self._pace = Pace(fps, realtime=False)
         self._stop = threading.Event()
 
     def frames(self) -> Iterator[CameraFrame]:
@@ -350,7 +352,7 @@ class AvSource(Source):
         index = 0
         while not self._stop.is_set():
             container = self._container = self._open()
-            pace = _Pace(self.fps, self.realtime)
+            pace = Pace(self.fps, self.realtime)
             try:
                 stream = container.streams.video[0]
                 for frame in container.decode(stream):
@@ -412,7 +414,7 @@ class GstSource(Source):
 
     def __init__(self, pipeline: str, *, name: str, output: Output, fps: float | None) -> None:
         self.pipeline, self.name, self.output = pipeline, name, output
-        self._pace = _Pace(fps, realtime=False)
+        self._pace = Pace(fps, realtime=False)
         self._stop = threading.Event()
         self._gst: Any = gstreamer()
 

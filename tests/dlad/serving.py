@@ -5,9 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
 
 import anyio
 
+from dlad.config import load_config
 from dlad.daemon import Daemon
 
 
@@ -42,3 +45,28 @@ def serve_in_thread(daemon: Daemon, *, start_timeout: float = 30.0) -> Iterator[
         thread.join(60)
         assert not thread.is_alive()
         assert not errors, errors
+
+
+NUMERIC_DEMO: Final = """
+[frontend]
+endpoints = ["tcp://127.0.0.1:5555"]
+[devices.dla0]
+kind = "dla"
+core = 0
+[models.demo]
+devices = ["dla0"]
+[models.demo.loadables]
+core0 = "bundled:demo/fp16_heads.dla0.emu"
+"""
+"""A config of one numeric-mode core (the real INT8 engine) serving the bundled demo model."""
+
+
+@contextmanager
+def serve_config(text: str, workdir: Path) -> Iterator[str]:
+    """A daemon of the config ``text`` (written into ``workdir``) on a loopback port of its
+    own, served on a thread; yields its endpoint."""
+    cfg = workdir / "dlad.toml"
+    cfg.write_text(text)
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
+    with serve_in_thread(daemon) as endpoint:
+        yield endpoint

@@ -14,23 +14,12 @@ import pytest
 
 from dlad.config import load_config
 from dlad.daemon import Daemon
-from tests.dlad.serving import serve_in_thread
+from tests.dlad.serving import NUMERIC_DEMO, serve_config, serve_in_thread
 
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 DETECT = ROOT / "examples" / "detect.py"
-CONFIG = """
-[frontend]
-endpoints = ["tcp://127.0.0.1:5555"]
-[devices.dla0]
-kind = "dla"
-core = 0
-[models.demo]
-devices = ["dla0"]
-[models.demo.loadables]
-core0 = "bundled:demo/fp16_heads.dla0.emu"
-"""
 
 
 def detect(*args: str) -> subprocess.CompletedProcess[str]:
@@ -43,10 +32,7 @@ def detect(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A numeric-mode daemon (the real INT8 core) serving the bundled model."""
-    cfg = tmp_path_factory.mktemp("detect") / "dlad.toml"
-    cfg.write_text(CONFIG)
-    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
-    with serve_in_thread(daemon) as ep:
+    with serve_config(NUMERIC_DEMO, tmp_path_factory.mktemp("detect")) as ep:
         yield ep
 
 

@@ -16,8 +16,6 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from dlad import _native, protocol
-from dlad.config import load_config
-from dlad.daemon import Daemon
 from dlad.imaging.pre import (
     letterbox,
     letterbox_frame,
@@ -26,7 +24,7 @@ from dlad.imaging.pre import (
     yuv_to_rgb,
 )
 from dlad_client import Client, YuvFormat
-from tests.dlad.serving import serve_in_thread
+from tests.dlad.serving import NUMERIC_DEMO, serve_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,26 +164,11 @@ def test_a_yuv_frame_letterboxes_as_its_rgb_does() -> None:
 
 # ------------------------------------------------------------------------------ end to end
 
-CONFIG = """
-[frontend]
-endpoints = ["tcp://127.0.0.1:5555"]
-[devices.dla0]
-kind = "dla"
-core = 0
-[models.demo]
-devices = ["dla0"]
-[models.demo.loadables]
-core0 = "bundled:demo/fp16_heads.dla0.emu"
-"""
-
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A numeric-mode daemon (the real INT8 core) serving the bundled demo model."""
-    cfg = tmp_path_factory.mktemp("yuv") / "dlad.toml"
-    cfg.write_text(CONFIG)
-    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"])
-    with serve_in_thread(daemon) as ep:
+    with serve_config(NUMERIC_DEMO, tmp_path_factory.mktemp("yuv")) as ep:
         yield ep
 
 
