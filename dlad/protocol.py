@@ -208,8 +208,9 @@ TRANSPORTS: Final = ("tcp", "ipc", "inproc")
 
 def endpoint_error(endpoint: object) -> str | None:
     """Why ``endpoint`` cannot name a daemon to connect to, or None when it can (its address
-    is then ZeroMQ's to judge): it is not a string, or it lacks a ``tcp://``, ``ipc://`` or
-    ``inproc://`` scheme. The message suggests the fix (``tcp://`` for a bare ``host:port``)."""
+    is then ZeroMQ's to judge): it is not a string, it lacks a ``tcp://``, ``ipc://`` or
+    ``inproc://`` scheme, or a tcp endpoint lacks its port. The message suggests the fix
+    (``tcp://`` for a bare ``host:port``)."""
     if not isinstance(endpoint, str) or not endpoint:
         return f"an endpoint is a non-empty string, got {endpoint!r}"
     scheme, sep, address = endpoint.partition("://")
@@ -221,6 +222,10 @@ def endpoint_error(endpoint: object) -> str | None:
         return f"endpoint {endpoint!r}: unknown transport {scheme!r} (tcp, ipc or inproc)"
     if not address:
         return f"endpoint {endpoint!r} has no address after {scheme}://"
+    if scheme == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not (port.isdigit() or port == "*"):
+            return f"endpoint {endpoint!r} has no port (tcp://host:port, e.g. tcp://{address}:5555)"
     return None
 
 

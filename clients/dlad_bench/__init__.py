@@ -23,8 +23,9 @@ replies within MS of their due time (``slo/s``); ``--fail-if COND`` (``'p99>40ms
 ``'goodput<0.95'``, ``'slo<99%'``, :mod:`~dlad_bench.judge`) exits 3 when a level meets it, for
 CI. ``--rate LO:HI --search-p99-ms MS`` searches, by bisection, the highest rate whose p99 from
 the due time stays within MS with at most 1 % not OK (perf_analyzer's latency-threshold search)
-and reports every level it measured. A daemon that stops answering mid-run ends the sweep with
-exit status 1 after reporting the levels measured; a usage error exits 2.
+and reports every level it measured; a search that no rate passes exits 3 too. A daemon that
+stops answering mid-run ends the sweep with exit status 1 after reporting the levels measured;
+a usage error exits 2.
 ``docs/BENCHMARKS.md`` §5 has a capacity study made with it (``bench/capacity_study.py``), §6
 the three engines behind one model (``bench/three_engines.py``).
 

@@ -360,6 +360,9 @@ async def _bench(
         return 1
     for line in failed:
         err.print(f"[red]dlad-bench: failed[/] {line}")
+    if search is not None and search.passing is None:  # the search has no answer: it failed
+        err.print(f"[red]dlad-bench: failed[/] the search: {search.summary()}")
+        return EXIT_THRESHOLD
     return EXIT_THRESHOLD if failed else 0
 
 

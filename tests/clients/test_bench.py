@@ -300,6 +300,13 @@ def test_unreachable_daemon_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
     assert "no daemon answered" in capsys.readouterr().err
 
 
+def test_an_endpoint_without_a_port_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--endpoint", "tcp://127.0.0.1", "--rate", "10", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dlad-bench: endpoint 'tcp://127.0.0.1' has no port")
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -427,6 +434,19 @@ def test_the_search_finds_the_knee_of_a_daemon_in_timing_mode(
     levels = json.loads((tmp_path / "o.json").read_text())["levels"]
     assert [lv["level"] for lv in levels][:2] == [20.0, 200.0]  # the measured curve is kept
     assert len(levels) == 6
+
+
+def test_a_search_that_no_rate_passes_fails(
+    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No daemon answers within a microsecond: the search has no answer, and says so in a
+    line and in its exit status, as a failed --fail-if does."""
+    from dlad_bench.judge import EXIT_THRESHOLD
+
+    args = _bench_args(daemon.bound[0], tmp_path, "--rate", "20:40", "--search-p99-ms", "0.001")
+    assert main(args) == EXIT_THRESHOLD
+    err = capsys.readouterr().err
+    assert "dlad-bench: failed the search: no rate tried keeps p99 within 0.001 ms" in err
 
 
 def test_the_html_report_is_one_file_that_needs_nothing_else(

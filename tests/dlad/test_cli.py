@@ -64,6 +64,15 @@ def test_endpoint_without_a_scheme_is_a_clear_error(capsys: pytest.CaptureFixtur
         assert "Traceback" not in err
 
 
+def test_a_tcp_endpoint_without_a_port_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["status", "--endpoint", "tcp://127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("dlad: --endpoint: endpoint 'tcp://127.0.0.1' has no port (tcp://host:port, "
+                   "e.g. tcp://127.0.0.1:5555)\n")  # fmt: skip
+
+
 def test_config_may_follow_the_subcommand(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
