@@ -41,7 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dlad {dlad.__version__}")
     p.add_argument("--config", default="etc/dlad.toml", help="configuration file (TOML)")
     sub = p.add_subparsers(dest="command")
-    st = sub.add_parser("status", help="print a running daemon's STATUS report as JSON")
+    st = sub.add_parser(
+        "status",
+        help="print a running daemon's STATUS: a summary on a "
+        "terminal, the whole report as JSON elsewhere or with --json",
+    )
     # Also after the subcommand (what people type); SUPPRESS keeps the top-level value otherwise.
     st.add_argument("--config", default=argparse.SUPPRESS, help="configuration file (TOML)")
     st.add_argument("--endpoint", default=None, help="daemon endpoint (default: from --config)")
@@ -51,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a live table (per device busy %%, queue, rate, p99) redrawn every SECONDS (1)",
     )  # fmt: skip
     st.add_argument("--count", type=int, default=None, help="with --watch: stop after N draws")
+    st.add_argument("--json", action="store_true",
+                    help="the whole STATUS report as JSON (the default where stdout is no "
+                         "terminal)")  # fmt: skip
     st.add_argument("--curve-key", default=None, metavar="FILE",
                     help="this client's secret key file, for a daemon with [auth] mode = "
                          "curve (its public key comes from its server_secret_key)")  # fmt: skip
@@ -161,7 +168,12 @@ def _curve_client(
     return lambda sock: configure_client(sock, server_public, Path(key_file))
 
 
-def _status(endpoint: str, timeout: float, prepare: Callable[[Any], None] | None = None) -> int:
+def _status(
+    endpoint: str, timeout: float, prepare: Callable[[Any], None] | None = None,
+    as_json: bool | None = None,
+) -> int:  # fmt: skip
+    """One STATUS: the report as JSON (``as_json``; None: where stdout is no terminal), else
+    the summary ``dlad status --watch`` draws, and the models served."""
     import zmq
 
     from dlad import protocol
@@ -189,7 +201,23 @@ def _status(endpoint: str, timeout: float, prepare: Callable[[Any], None] | None
     if reply.status != Status.OK or not isinstance(reply, protocol.StatusReply):
         print(f"dlad: {endpoint}: {reply.status.name}: {reply.message}", file=sys.stderr)
         return 1
-    print(json.dumps(reply.report, indent=2))
+    report = reply.report
+    assert report is not None  # a StatusReply has its report
+    if as_json if as_json is not None else not sys.stdout.isatty():
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+
+    from dlad.status_view import render
+
+    console = Console()
+    console.print(render(report, endpoint))
+    for m in report["models"]:
+        family = m.get("family", "")
+        console.print(f"model {m['name']} ({family + ', ' if family else ''}{m['classes']} "
+                      f"classes, {m['input_width']}x{m['input_height']}) on "
+                      f"{', '.join(m['devices'])}")  # fmt: skip
+    console.print("[dim]dlad status --json: the whole report[/]")
     return 0
 
 
@@ -266,7 +294,7 @@ def _main(argv: Sequence[str] | None) -> int:
             from dlad.status_view import watch
 
             return watch(endpoint, args.watch, args.timeout, args.count, prepare=prepare or None)
-        return _status(endpoint, args.timeout, prepare or None)
+        return _status(endpoint, args.timeout, prepare or None, True if args.json else None)
     from dlad.native_plane import missing_core
 
     if missing_core():  # the C++ core serves every request: no daemon without it

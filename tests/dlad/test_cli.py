@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -19,6 +20,7 @@ from dlad.cli import main
 from dlad.config import load_config
 from dlad.daemon import plane_engine
 from dlad.errors import Status
+from tests.dlad.serving import NUMERIC_DEMO, serve_config
 
 
 def test_version_and_help_import_nothing_heavy() -> None:
@@ -348,3 +350,28 @@ def test_platform_names_the_gpus_engine(
     )
     plan = load_config(cfg).plan()
     assert plane_engine(plan, plan.placements[0], pre_post=pre_post, gpu=gpu) == (kind, words)
+
+
+def _report(out: str) -> Any:
+    """The JSON report among the lines (the daemon in this process logs to stdout too)."""
+    lines = out.splitlines()
+    start = lines.index("{")
+    return json.loads("\n".join(lines[start : lines.index("}", start) + 1]))
+
+
+def test_status_is_a_summary_on_a_terminal_and_json_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dlad.cli import _status
+
+    with serve_config(NUMERIC_DEMO, tmp_path) as endpoint:
+        assert main(["status", "--endpoint", endpoint]) == 0  # captured: no terminal
+        report = _report(capsys.readouterr().out)
+        assert report["models"][0]["name"] == "demo"
+        assert _status(endpoint, 10.0, as_json=False) == 0  # what a terminal gets
+        out = capsys.readouterr().out
+        assert "RUNNING" in out
+        assert "dla0" in out
+        assert "model demo (yolov5, 8 classes, 256x256) on dla0" in out
+        assert main(["status", "--json", "--endpoint", endpoint]) == 0
+        assert _report(capsys.readouterr().out)["models"] == report["models"]
