@@ -52,7 +52,9 @@ def test_async_client_refuses_bad_settings_and_use_before_entry(
 ) -> None:
     with pytest.raises(ValueError, match="max_in_flight"):
         AsyncClient("tcp://127.0.0.1:1", max_in_flight=0)
-    client = AsyncClient("tcp://127.0.0.1", context=async_context)  # no port
+    with pytest.raises(ValueError, match="no port"):
+        AsyncClient("tcp://127.0.0.1", context=async_context)
+    client = AsyncClient("tcp://a b:5555", context=async_context)  # ZeroMQ refuses the host
 
     async def main() -> None:
         with pytest.raises(RuntimeError, match="enter"):

@@ -382,7 +382,7 @@ def test_a_client_belongs_to_its_thread(
     [
         ([], {}),
         ("", {}),
-        ("tcp://127.0.0.1", {}),  # no port: ZeroMQ refuses the endpoint
+        ("tcp://127.0.0.1", {}),  # no port
         ("tcp://127.0.0.1:1", {"timeout_s": 0}),
         ("tcp://127.0.0.1:1", {"timeout_s": float("inf")}),
         ("tcp://127.0.0.1:1", {"max_in_flight": 0}),
