@@ -316,8 +316,6 @@ PYBIND11_MODULE(_native, m) {
         "(ky, rv, gu, gv, bu, y_offset) of a YUV frame's colour code (frame_rules.hpp).");
     m.def("row_bytes", &dlad::rules::row_bytes, py::arg("format"), py::arg("width"),
           "The bytes between a frame's rows in a pixel format's code (frame_rules.hpp).");
-    m.def("frame_bytes", &dlad::rules::frame_bytes, py::arg("format"), py::arg("height"),
-          py::arg("width"), "The bytes of a frame in a pixel format's code (frame_rules.hpp).");
     m.def("wire_constants", [] {
         namespace w = dlad::wire;
         const w::Limits limits;

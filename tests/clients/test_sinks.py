@@ -42,15 +42,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _feed(sink: Sink, events: list[dict[str, Any]], *, linger_s: float = 0.0) -> None:
-    """Run ``sink`` on ``events`` until it has read them all (and ``linger_s`` more)."""
+async def _feed(sink: Sink, events: list[dict[str, Any]]) -> None:
+    """Run ``sink`` on ``events`` until it has read them all and the stream has ended."""
     send, receive = anyio.create_memory_object_stream[dict[str, Any]](len(events) + 1)
     for event in events:
         send.send_nowait(event)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sink.run, receive)
-        await anyio.sleep(linger_s)
-        await send.aclose()
+    send.close()  # the sink reads what is queued, then the end
+    await sink.run(receive)
 
 
 # ------------------------------------------------------------------------------ filters
