@@ -15,10 +15,14 @@ until it reconnects (ZeroMQ authenticates at the handshake).
 
 The key identifies the client (the ZAP User-Id, its public key in Z85): per-client limits and
 fairness count by it (docs/protocol.md "Clients and connections").
+
+The KServe ports (HTTP, gRPC) have no CURVE: there, :class:`BearerTokens` (``[kserve]
+tokens_file``) plays the allow-list's part, a token's name the key's, with TLS for the wire.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import time
 from collections.abc import Callable
@@ -33,8 +37,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dlad.errors import StartupError
 
 __all__ = [
-    "ClientKeys", "Gate", "configure_client", "configure_server", "read_server_keys",
-    "start_gate", "write_keypair",
+    "BearerTokens", "ClientKeys", "Gate", "configure_client", "configure_server",
+    "read_server_keys", "start_gate", "write_keypair",
 ]  # fmt: skip
 
 log = structlog.get_logger("dlad")
@@ -172,3 +176,56 @@ def configure_server(sock: zmq.Socket[Any], public: bytes, secret: bytes) -> Non
     sock.curve_publickey = public
     sock.curve_server = True
     sock.zap_domain = ZAP_DOMAIN.encode()
+
+
+class BearerTokens:
+    """The KServe ports' allow-list: ``name token`` lines of ``path`` (``#`` comments, blank
+    lines), re-read when the file changes. A request's ``Authorization: Bearer <token>`` names
+    its client (:meth:`client`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tokens: tuple[tuple[bytes, str], ...] = ()
+        self._stamp: tuple[float, int] | None = None
+        self.reload()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def reload(self) -> bool:
+        """Re-read the file if it changed since the last read; returns whether it did. Raises
+        StartupError when it cannot be read or a line is not ``name token``."""
+        key = "kserve.tokens_file"
+        try:
+            st = self.path.stat()
+            if (st.st_mtime, st.st_size) == self._stamp:
+                return False
+            text = self.path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise StartupError(f"cannot read {self.path}: {why}", key=key) from None
+        tokens = []
+        for number, line in enumerate(text.splitlines(), 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) != 2 or len(words[1]) < 16:
+                raise StartupError(f"{self.path}:{number}: a line is `name token` (a token of "
+                                   "16 characters at least)", key=key)  # fmt: skip
+            tokens.append((words[1].encode(), words[0]))
+        self._tokens, self._stamp = tuple(tokens), (st.st_mtime, st.st_size)
+        log.info("kserve_tokens", file=str(self.path), tokens=len(tokens))
+        return True
+
+    def client(self, authorization: str | None) -> str | None:
+        """The name of the token an ``Authorization`` value carries, or None (no such token,
+        or not ``Bearer <token>``). Compares in constant time against every token."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        given = token.strip().encode()
+        found = None
+        for known, name in self._tokens:
+            if hmac.compare_digest(given, known) and found is None:
+                found = name
+        return found

@@ -42,9 +42,10 @@ else:  # pragma: no cover - the daemon's Python on JetPack 6 is 3.10
 
 __all__ = [
     "BUNDLED_PREFIX", "AuthConfig", "Config", "ConfigError", "DaemonConfig", "DeviceConfig",
-    "FaultConfig", "FrontendConfig", "HealthConfig", "LoadablesConfig", "LoggingConfig",
-    "MetricsConfig", "ModelConfig", "Placement", "Plan", "PrePostConfig", "SchedulerConfig",
-    "ShmConfig", "SocConfig", "endpoint_problem", "load_config", "parse_config",
+    "FaultConfig", "FrontendConfig", "HealthConfig", "KServeConfig", "LoadablesConfig",
+    "LoggingConfig", "MetricsConfig", "ModelConfig", "Placement", "Plan", "PrePostConfig",
+    "SchedulerConfig", "ShmConfig", "SocConfig", "endpoint_problem", "load_config",
+    "parse_config",
 ]  # fmt: skip
 
 MAX_DET = 1000
@@ -459,6 +460,57 @@ class ShmConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KServeConfig:
+    """``[kserve]``: the Open Inference Protocol (KServe v2) over HTTP and gRPC, for Triton's
+    clients and tools (docs/protocol.md, The Open Inference Protocol; ``dlad/kserve/``). Its
+    requests run through the same admission, scheduling and engines as ZeroMQ INFERs."""
+
+    enabled: bool = False
+    """Serve the protocol (needs the ``kserve`` extra: aiohttp and grpcio)."""
+    http: str = "127.0.0.1:8000"
+    """``host:port`` of the HTTP/REST server (Triton's port); ``""``: no HTTP."""
+    grpc: str = "127.0.0.1:8001"
+    """``host:port`` of the gRPC server (Triton's port); ``""``: no gRPC."""
+    tokens_file: str | None = None
+    """A file of ``name token`` lines: each request (health checks aside) must carry
+    ``Authorization: Bearer <token>`` (HTTP header, gRPC metadata), and the token's name is
+    the client for the in-flight cap. Absolute or relative to the config file; re-read as it
+    changes. Without it, the ports serve beyond loopback only with ``[auth]
+    allow_plain_tcp``."""
+    tls_cert_file: str | None = None
+    """A PEM certificate chain: HTTPS and gRPC over TLS (with ``tls_key_file``)."""
+    tls_key_file: str | None = None
+    """The PEM private key of ``tls_cert_file``."""
+    decode_threads: int = 2
+    """Threads that decode ``IMAGE_BYTES`` (JPEG, PNG) off the event loop (>= 1)."""
+
+    def __post_init__(self) -> None:
+        for key in ("http", "grpc"):
+            address = getattr(self, key)
+            if not address:
+                continue
+            host, colon, port = address.rpartition(":")
+            _check(bool(colon) and bool(host) and port.isdigit() and 0 <= int(port) <= 65535,
+                   key, f"must be host:port (port 0-65535), got {address!r}")  # fmt: skip
+        _check((self.tls_cert_file is None) == (self.tls_key_file is None), "tls_key_file",
+               "tls_cert_file and tls_key_file come together")  # fmt: skip
+        _at_least_one(self.decode_threads, "decode_threads")
+        if self.enabled:
+            _check(bool(self.http) or bool(self.grpc), "enabled",
+                   "needs http or grpc (or both)")  # fmt: skip
+
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        """Each served transport's (host, port)."""
+        out = {}
+        for key in ("http", "grpc"):
+            address = getattr(self, key)
+            if address:
+                host, _, port = address.rpartition(":")
+                out[key] = (host.strip("[]"), int(port))
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AuthConfig:
     """``[auth]``: who may connect (``dlad/auth.py``; docs/protocol.md, Authentication)."""
 
@@ -691,6 +743,8 @@ class Config:
     """``[auth]``."""
     shm: ShmConfig = field(default_factory=ShmConfig)
     """``[shm]``."""
+    kserve: KServeConfig = field(default_factory=KServeConfig)
+    """``[kserve]``."""
     devices: tuple[DeviceConfig, ...]
     """``[devices.<name>]``, in file order (at least one)."""
     models: tuple[ModelConfig, ...]
@@ -716,6 +770,13 @@ class Config:
                 _check(not plain, f"frontend.endpoints[{i}]",
                        f"{ep} serves beyond loopback without authentication: set [auth] mode = "
                        "\"curve\" (or allow_plain_tcp = true on a trusted network)")  # fmt: skip
+        open_ports = self.kserve.enabled and self.kserve.tokens_file is None
+        if open_ports and not self.auth.allow_plain_tcp:
+            for key, (host, _) in self.kserve.addresses().items():
+                _check(_loopback(host) or host == "::1", f"kserve.{key}",
+                       f"{host} serves beyond loopback without authentication: set [kserve] "
+                       "tokens_file (or [auth] allow_plain_tcp = true on a trusted "
+                       "network)")  # fmt: skip
         known = {d.name: d for d in self.devices}
         for stream, name in self.scheduler.pins.items():
             _check(name in known, f"scheduler.pins.{_quote(stream)}",

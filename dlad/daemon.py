@@ -46,6 +46,7 @@ from dlad.executors.factory import ExecutorBuildError, build_executors
 from dlad.executors.gpu import GpuExecutor
 from dlad.families import family_for
 from dlad.frontend import Counters, Frontend
+from dlad.kserve.ports import KServePorts
 from dlad.metrics import DeviceSample, Metrics, MetricsServer
 from dlad.native_plane import (
     CudaFunctions,
@@ -153,6 +154,8 @@ class Daemon:
         endpoints: override ``plan.endpoints`` (tests bind ``tcp://127.0.0.1:0``-style ports).
         pre_post: override ``pre_post.enabled`` of the config.
         metrics_port: override ``metrics.port`` (0: any free port, see ``metrics_server.port``).
+        kserve_ports: override ``[kserve]``'s ports ({"http": 0, "grpc": 0}: any free ones, see
+            ``kserve.http.port``, ``kserve.grpc.port``).
         notifier: where readiness, the watchdog and the drain are told (``Type=notify`` under
             systemd); by default from ``$NOTIFY_SOCKET``, doing nothing without it.
     """
@@ -164,6 +167,7 @@ class Daemon:
         endpoints: Sequence[str] | None = None,
         pre_post: bool | None = None,
         metrics_port: int | None = None,
+        kserve_ports: dict[str, int] | None = None,
         notifier: Notifier | None = None,
     ) -> None:
         self.plan = plan
@@ -211,6 +215,11 @@ class Daemon:
                 else None
             ),
         )
+        self.kserve: KServePorts | None = None
+        if self.config.kserve.enabled:
+            self.kserve = KServePorts(plan, self.frontend, ready=self._serving,
+                                      model_ready=self._model_serving,
+                                      ports=kserve_ports)  # fmt: skip
         self._gpu: GpuService | None = None
         self._plane_cores: list[DlaCore] = []  # the native plane's cuDLA cores
         self._plane_sync = threading.Lock()  # the loop's, the metrics thread's _sync_plane
@@ -244,6 +253,15 @@ class Daemon:
             raise RuntimeError("the daemon is not serving")
         return plane.probe_now(device)
 
+    def _serving(self) -> bool:
+        """Whether the daemon serves (its readiness, as ``/health/ready`` tells it)."""
+        return self.state is State.RUNNING and self.ready.is_set() and self.metrics.ready()[0]
+
+    def _model_serving(self, model: str) -> bool:
+        """Whether a device serving ``model`` serves now."""
+        devices = {p.device for p in self.plan.for_model(model)}
+        return any(d["state"] == "serving" for d in self._plane_status()[0] if d["name"] in devices)
+
     # ------------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
         """Start draining (idempotent; call it on the daemon's event loop)."""
@@ -275,11 +293,16 @@ class Daemon:
                     ) from None
                 log.info("metrics", url=self.metrics_server.url)
             self.frontend.open(self.endpoints)
+            if self.kserve is not None:
+                await self.kserve.start()
             for p in self.plan.placements:
                 self.metrics.device_state(p.device, "loading")
             await self._serve_plane()
         finally:
             self.state = State.STOPPED
+            if self.kserve is not None:  # first: what it awaits is answered or cancelled
+                with anyio.CancelScope(shield=True):
+                    await self.kserve.close()
             self.frontend.close_plane()  # its GPU chains use the GPU's memory
             for executor in self.executors.values():  # after the plane that called them
                 executor.close()
@@ -640,7 +663,8 @@ class Daemon:
     async def _heartbeat_loop(self) -> None:
         """Every ``metrics.heartbeat_s``: prove the loop turns (``/health/live``) and sample the
         queues and devices into the gauges (the scrape itself never touches them)."""
-        keys_checked = time.monotonic()
+        keys_checked = tokens_checked = time.monotonic()
+        reload_s = self.config.auth.reload_s
         watchdog_s = self.notifier.watchdog_s
         if watchdog_s is not None and self.config.metrics.heartbeat_s > watchdog_s / 2:
             log.warning("watchdog_too_short", watchdog_s=watchdog_s,
@@ -657,6 +681,9 @@ class Daemon:
                 except StartupError as exc:  # the directory went away: keep the last list
                     log.warning("client_keys_unreadable", reason=exc.message)
             self.frontend.reclaim_shm()  # client segments idle past [shm] idle_s
+            if self.kserve is not None and time.monotonic() - tokens_checked >= reload_s:
+                tokens_checked = time.monotonic()
+                self.kserve.reload_tokens()
             plane = self.frontend.plane
             if plane is not None:
                 self._sync_plane()

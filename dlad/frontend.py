@@ -48,6 +48,7 @@ from dlad.errors import (
     DladError,
     InternalError,
     NotFound,
+    ShuttingDown,
     StartupError,
     Status,
     error_for,
@@ -94,6 +95,21 @@ class _Batch:
     waiting: int  # images not answered yet
     tag: int = -1  # the native plane's tag for its images' outcomes (-1: none)
     conn: bytes = b""  # the connection it came on (its reply is for that connection only)
+
+
+@dataclass(slots=True, eq=False)
+class _Local:
+    """An image another front door of the daemon's (the KServe ports) submitted: its answer
+    resolves ``answer``; one that is no longer awaited is dropped when it comes."""
+
+    request_id: int
+    answer: asyncio.Future[protocol.BatchResult]
+
+
+_LOCAL_CLIENT: Final = b"\x00local"
+"""The plane's client id for what :meth:`Frontend.infer_local` submits (no ROUTER routing id is
+empty-led: ZeroMQ's own ids start with a zero byte and are 5 bytes long, a peer's set id cannot
+start with one)."""
 
 
 # The hot path's flags as plain ints: pyzmq's are enum flags, and combining those per call
@@ -180,7 +196,7 @@ class Frontend:
         self.plane: NativePlane | None = None  # from start_plane() to close_plane()
         self._plane_done = anyio.Event()  # the plane has drained: the socket is ours again
         self._inbox: zmq.Socket[bytes] | None = None  # what the receive loop reads now
-        self._tags: dict[int, _Batch] = {}  # the plane's outcome tag -> its INFER_BATCH
+        self._tags: dict[int, _Batch | _Local] = {}  # the plane's outcome tag -> its request
         self._registered: set[tuple[str, str]] = set()  # segments the plane takes frames of
         self._plane_counters: dict[str, Any] | None = None  # the plane's, once it has closed
         self.plane_state: list[DeviceState] = []  # each engine's, once the plane has closed
@@ -193,6 +209,7 @@ class Frontend:
         """The GPU address of a segment mapped at a host address (0: not registered there): the
         daemon's GpuService.segment_device where the plane runs GPU pre/post."""
         self._next_tag = 0
+        self._next_local = 0  # infer_local's request ids
         self._known_models = frozenset(self._models)
 
     # ------------------------------------------------------------------ socket
@@ -673,8 +690,35 @@ class Frontend:
         h = msgpack.unpackb(out.header)  # the plane's own INFER_REPLY header
         found = (np.frombuffer(out.detections, "<f4").reshape(-1, 6) if out.detections
                  else _NO_DETECTIONS)  # fmt: skip
-        self._fill(batch, out.index, (h["status"], h["message"], h["device"], h["timing"],
-                                      found))  # fmt: skip
+        result = (h["status"], h["message"], h["device"], h["timing"], found)
+        if isinstance(batch, _Local):
+            del self._tags[out.tag]
+            if not batch.answer.done():  # else its asker has gone (cancelled)
+                batch.answer.set_result(result)
+            return
+        self._fill(batch, out.index, result)
+
+    async def infer_local(self, owner: str, request: protocol.InferRequest) -> protocol.BatchResult:
+        """Run one decoded image through the plane as an INFER of ``owner``'s (who it is for
+        the in-flight cap), for a front door of the daemon's own (the KServe ports): the same
+        admission, scheduling, engines and answers as a ZeroMQ INFER's. Returns its
+        (status, message, device, timing, detections); raises the plane's refusal (full, no
+        device for the model, draining) as the ZeroMQ frontend would answer it. Cancelled, it
+        cancels the image where it is still queued."""
+        if self.plane is None or not self._accepting():
+            raise ShuttingDown("the daemon is shutting down")
+        request_id, tag = self._next_local, self._next_tag
+        self._next_local += 1
+        self._next_tag += 1
+        answer: asyncio.Future[protocol.BatchResult] = asyncio.get_running_loop().create_future()
+        self._submit(_LOCAL_CLIENT, owner, request_id, [request], tag)  # raises: nothing to undo
+        self._tags[tag] = _Local(request_id, answer)
+        try:
+            return await answer
+        finally:
+            gone = answer.cancelled() or not answer.done()  # its asker has gone
+            if gone and self.plane is not None:
+                self.plane.cancel(_LOCAL_CLIENT, request_id)
 
     def observe_plane(self) -> None:
         """Hand the plane's replies since the last call to the metrics, with what it dropped

@@ -171,7 +171,7 @@ def plan_graph(
             tensor without a static shape, or a file that is not ONNX.
     """
     import onnx
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+    from google.protobuf.message import DecodeError
 
     if heads not in ("int8", "fp16"):
         raise LatencyModelError(f"heads must be 'int8' or 'fp16', got {heads!r}")
