@@ -468,9 +468,9 @@ class KServeConfig:
     enabled: bool = False
     """Serve the protocol (needs the ``kserve`` extra: aiohttp and grpcio)."""
     http: str = "127.0.0.1:8000"
-    """``host:port`` of the HTTP/REST server (Triton's port); ``""``: no HTTP."""
+    """``host:port`` of the HTTP/REST server (Triton's port); an empty string: no HTTP."""
     grpc: str = "127.0.0.1:8001"
-    """``host:port`` of the gRPC server (Triton's port); ``""``: no gRPC."""
+    """``host:port`` of the gRPC server (Triton's port); an empty string: no gRPC."""
     tokens_file: str | None = None
     """A file of ``name token`` lines: each request (health checks aside) must carry
     ``Authorization: Bearer <token>`` (HTTP header, gRPC metadata), and the token's name is

@@ -81,7 +81,9 @@ class HttpServer:
             web.get(versioned + "/ready", self._model_ready),
             web.post(versioned + "/infer", self._infer),
         ])  # fmt: skip
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # a client that goes away cancels its request (a queued image is cancelled in the plane)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     handler_cancellation=True)
 
     async def start(self) -> None:
         """Bind and serve (OSError: the address cannot be bound)."""

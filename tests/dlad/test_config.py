@@ -10,6 +10,7 @@ import inspect
 import json
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +269,7 @@ def test_bad_core_message_is_exact(tmp_path: Path) -> None:
         ("core = 0\nqueue_depth = 4", "core = 0\nqueue_depth = -3", "devices.dla0.queue_depth",
          ">= 1"),
         ("sndhwm = 128", "sndhwm = 0", "frontend.sndhwm", ">= 1, got 0"),
-        ("threads = 2", "threads = 0", "pre_post.threads", ">= 1"),
+        ("\nthreads = 2", "\nthreads = 0", "pre_post.threads", ">= 1"),
         ("max_message_bytes = 67108864", "max_message_bytes = 1000000",
          "frontend.max_message_bytes", "cannot hold a 4096x4096x3 image"),
         ('["tcp://127.0.0.1:5555"]', '["tcp://127.0.0.1"]', "frontend.endpoints[0]", "tcp://"),
@@ -677,3 +678,65 @@ def test_max_det_bound_is_the_wire_limit() -> None:
 
     assert config.MAX_DET == protocol.MAX_DET
     assert config.MAX_BATCH == protocol.MAX_BATCH
+
+
+# ----------------------------------------------------------------------------- the shipped file
+def _fields(cls: type, table: str) -> set[str]:
+    """Every TOML key path of ``cls`` below ``table``: ``devices.*.core``-style, a table of
+    tables' key as ``*``."""
+    out: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("toml") is False or f.metadata.get("from_key"):
+            continue
+        tp, path = hints[f.name], f"{table}{f.name}"
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            out |= _fields(tp, f"{path}.")  # type: ignore[arg-type]
+        elif inner and typing.get_origin(tp) is tuple:
+            out |= _fields(inner[0], f"{path}.*.")
+        else:
+            out.add(path)
+    return out
+
+
+def _documented_keys(text: str) -> dict[str, str]:
+    """Each key path the file sets or shows in a comment (``# key = value``), with the comment
+    block above its table: {path: comment}. ``[devices.dla0]`` counts as ``devices.*``."""
+    keys: dict[str, str] = {}
+    table, comment, block = "", [], ""
+    for line in text.splitlines():
+        header = re.fullmatch(r"#?\s*\[([A-Za-z0-9_.]+)\]\s*", line)
+        if header:
+            parts = header.group(1).split(".")
+            if parts[0] in ("devices", "models") and len(parts) > 1:
+                parts[1] = "*"
+            table, block, comment = ".".join(parts) + ".", " ".join(comment), []
+            continue
+        key = re.fullmatch(r"#?\s*([a-z_0-9]+)\s*=.*", line)
+        if key:
+            keys[table + key.group(1)] = block
+        elif line.startswith("#"):
+            comment.append(line.lstrip("# "))
+        elif not line.strip():
+            comment = [] if not table else comment
+    return keys
+
+
+def test_the_shipped_config_documents_every_setting() -> None:
+    """etc/dlad.toml is where a user learns the settings: each field of the config is there,
+    set or in a comment, under a table whose comment explains it, and the file names no key
+    the config does not have."""
+    documented = _documented_keys(SHIPPED.read_text())
+    fields = _fields(Config, "")
+    assert sorted(fields - set(documented)) == []
+    assert sorted(set(documented) - fields) == []
+    tables = {path.rpartition(".")[0] for path in documented}
+    for table in tables - {"models.*.loadables", "devices.*.faults"}:  # explained just above
+        block = next(c for p, c in documented.items() if p.rpartition(".")[0] == table)
+        assert block.strip(), f"[{table}] has no comment above it"
+
+
+def test_the_documentation_check_sees_a_missing_key() -> None:
+    text = "# the daemon\n[daemon]\nname = \"x\"\n# [devices.dla0]\n# core = 0\n"
+    assert _documented_keys(text) == {"daemon.name": "the daemon", "devices.*.core": ""}
