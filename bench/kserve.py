@@ -36,8 +36,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients"), str(ROOT / "bench")]
 
-from dlad_client import AsyncClient  # noqa: E402
 from orin_config import demo_model, emulated_dlas, running_daemon  # noqa: E402
+
+from dlad_client import AsyncClient  # noqa: E402
 
 
 def free_port() -> int:
@@ -148,7 +149,7 @@ def main() -> None:
           f"emulated DLA cores at {args.latency_us:g} µs; {platform.node()}, "
           f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")  # fmt: skip
     print(f"{'way':8} {'answers/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'daemon CPU µs/answer':>21} {'× zeromq':>9}")  # fmt: skip
+          f"{'daemon CPU µs/answer':>21} {'vs zeromq':>9}")  # fmt: skip
     for r in rows:
         cpu = r["daemon_cpu_us_per_answer"]
         print(f"{r['way']:8} {r['per_s']:10.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
