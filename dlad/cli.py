@@ -1,7 +1,10 @@
 """``dlad``: run the daemon, or ask a running one for its status.
 
-    dlad --config etc/dlad.toml          serve in the foreground
-                                         (SIGTERM/SIGINT: drain; a second one: force)
+    dlad [--config FILE]                 serve in the foreground (SIGTERM/SIGINT: drain; a
+                                         second one: force); without --config, the default
+                                         config the package carries (an emulated Orin
+                                         serving the bundled model)
+    dlad config --print-default          write that default config to stdout, to edit
     dlad status [--endpoint tcp://...]   print a running daemon's STATUS report
     dlad status --watch [SECONDS]        a live per-device table (busy %, queue, rate, p99)
     dlad status --platform               this host's cuDLA probe (version, DLA cores, or why not)
@@ -39,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         "DLA cores and GPU (or an emulated Orin) over ZeroMQ.",
     )
     p.add_argument("--version", action="version", version=f"dlad {dlad.__version__}")
-    p.add_argument("--config", default="etc/dlad.toml", help="configuration file (TOML)")
+    p.add_argument("--config", default=None,
+                   help="configuration file (TOML); default: the package's own "
+                        "(`dlad config --print-default` shows it)")  # fmt: skip
     sub = p.add_subparsers(dest="command")
     st = sub.add_parser(
         "status",
@@ -68,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="print this host's cuDLA probe (version, DLA cores), the emulated "
                          "DLA core's INT8 kernel path, the native core and the engine each "
                          "device of --config would get, as JSON")  # fmt: skip
+    cf = sub.add_parser("config", help="the default config (--print-default)")
+    cf.add_argument(
+        "--print-default",
+        action="store_true",
+        required=True,
+        help="write the default config (every setting, explained) to stdout",
+    )
     sub.add_parser("selftest", add_help=False,
                    help="exercise every cuDLA call once on a Jetson (--help: options)")  # fmt: skip
     return p
@@ -265,6 +277,13 @@ def _main(argv: Sequence[str] | None) -> int:
         return selftest(rest)
     if rest:
         _parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    from dlad.config import DEFAULT_CONFIG
+
+    if args.command == "config":
+        sys.stdout.write(DEFAULT_CONFIG.read_text())
+        return 0
+    if args.config is None:
+        args.config = str(DEFAULT_CONFIG)
     if args.command == "status" and args.platform:
         return _platform(args.config)
     if args.command == "keygen":

@@ -41,17 +41,20 @@ else:  # pragma: no cover - the daemon's Python on JetPack 6 is 3.10
     import tomli as tomllib
 
 __all__ = [
-    "BUNDLED_PREFIX", "AuthConfig", "Config", "ConfigError", "DaemonConfig", "DeviceConfig",
-    "FaultConfig", "FrontendConfig", "HealthConfig", "KServeConfig", "LoadablesConfig",
-    "LoggingConfig", "MetricsConfig", "ModelConfig", "Placement", "Plan", "PrePostConfig",
-    "SchedulerConfig", "ShmConfig", "SocConfig", "endpoint_problem", "load_config",
-    "parse_config",
+    "BUNDLED_PREFIX", "DEFAULT_CONFIG", "AuthConfig", "Config", "ConfigError", "DaemonConfig",
+    "DeviceConfig", "FaultConfig", "FrontendConfig", "HealthConfig", "KServeConfig",
+    "LoadablesConfig", "LoggingConfig", "MetricsConfig", "ModelConfig", "Placement", "Plan",
+    "PrePostConfig", "SchedulerConfig", "ShmConfig", "SocConfig", "endpoint_problem",
+    "load_config", "parse_config",
 ]  # fmt: skip
 
 MAX_DET = 1000
 """The most detections a reply can carry (equal to ``dlad.protocol.MAX_DET``; tested)."""
 MAX_BATCH = 64
 """The largest ``max_batch`` (equal to ``dlad.protocol.MAX_BATCH``; tested)."""
+DEFAULT_CONFIG: Final = Path(__file__).parent / "etc" / "dlad.toml"
+"""The default config the package carries (the repository's ``etc/dlad.toml``): an emulated Orin
+AGX serving the bundled model, every setting shown and explained."""
 BUNDLED_PREFIX: Final = "bundled:"
 """A loadable path ``bundled:<model>/<file>`` names a file of a model that ships with dlad
 (``dlad/models/<model>/``; ``bundled:demo/...`` is :data:`dlad.models.DEMO`)."""

@@ -82,8 +82,9 @@ class HttpServer:
             web.post(versioned + "/infer", self._infer),
         ])  # fmt: skip
         # a client that goes away cancels its request (a queued image is cancelled in the plane)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     handler_cancellation=True)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
 
     async def start(self) -> None:
         """Bind and serve (OSError: the address cannot be bound)."""

@@ -690,7 +690,7 @@ def _fields(cls: type, table: str) -> set[str]:
         if f.metadata.get("toml") is False or f.metadata.get("from_key"):
             continue
         tp, path = hints[f.name], f"{table}{f.name}"
-        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        inner: list[Any] = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if dataclasses.is_dataclass(tp):
             out |= _fields(tp, f"{path}.")  # type: ignore[arg-type]
         elif inner and typing.get_origin(tp) is tuple:
@@ -704,7 +704,8 @@ def _documented_keys(text: str) -> dict[str, str]:
     """Each key path the file sets or shows in a comment (``# key = value``), with the comment
     block above its table: {path: comment}. ``[devices.dla0]`` counts as ``devices.*``."""
     keys: dict[str, str] = {}
-    table, comment, block = "", [], ""
+    table, block = "", ""
+    comment: list[str] = []
     for line in text.splitlines():
         header = re.fullmatch(r"#?\s*\[([A-Za-z0-9_.]+)\]\s*", line)
         if header:
@@ -738,5 +739,5 @@ def test_the_shipped_config_documents_every_setting() -> None:
 
 
 def test_the_documentation_check_sees_a_missing_key() -> None:
-    text = "# the daemon\n[daemon]\nname = \"x\"\n# [devices.dla0]\n# core = 0\n"
+    text = '# the daemon\n[daemon]\nname = "x"\n# [devices.dla0]\n# core = 0\n'
     assert _documented_keys(text) == {"daemon.name": "the daemon", "devices.*.core": ""}

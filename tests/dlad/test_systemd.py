@@ -5,6 +5,7 @@ systemd's ``$NOTIFY_SOCKET`` and records what the daemon tells it, and the shipp
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -107,8 +108,22 @@ def test_the_unit_file_verifies(tmp_path: Path) -> None:
     assert found is not None, "the dlad command is installed with the package"
     dlad = Path(found)
     unit = tmp_path / "dlad.service"
-    unit.write_text(UNIT.read_text().replace("/usr/local/bin/dlad", str(dlad)))
+    unit.write_text(UNIT.read_text().replace("/opt/dlad/bin/dlad", str(dlad)))
     run = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                          text=True, check=False)  # fmt: skip
     problems = [line for line in run.stderr.splitlines() if str(unit) in line]
     assert (run.returncode, problems) == (0, []), run.stderr
+
+
+def test_the_units_paths_are_those_its_install_steps_make() -> None:
+    """ExecStart runs the dlad the header's steps install, on the config they write."""
+    text = UNIT.read_text()
+    venv = re.search(r"sudo python3 -m venv (\S+) && sudo \1/bin/pip install", text)
+    written = re.search(r"dlad config --print-default \| sudo tee (\S+)", text)
+    assert venv is not None
+    assert written is not None
+    exec_start = re.search(r"^ExecStart=(\S+) --config (\S+)$", text, re.M)
+    assert exec_start is not None
+    assert exec_start.group(1) == f"{venv.group(1)}/bin/dlad"
+    assert exec_start.group(2) == written.group(1)
+    assert f"{venv.group(1)}/bin/dlad config --print-default" in text
