@@ -276,6 +276,7 @@ async def _bench(
         search = args.search
         progress = _Progress(err, args.quiet, search.total if search else len(loads))
         gone = ""
+        warnings: list[str] = []  # the console's, for the HTML report too
         try:
             for i, load in enumerate(_loads(loads, search, args)):
                 progress.level(i, load)
@@ -297,13 +298,14 @@ async def _bench(
                 if gone:
                     break
                 if r.late_fraction > 0.01:
-                    err.print(
-                        f"[yellow]warning[/]: {load.label}: {100 * r.late_fraction:.1f}% of "
-                        f"requests left more than {settings.late_tolerance_ms:g} ms behind "
-                        f"schedule (worst {r.max_late_ms:.1f} ms); achieved "
-                        f"{r.sent_rps:.1f}/s of {r.offered_rps:.1f}/s offered: the generator "
-                        "fell behind its schedule (is the client short of CPU?)"
+                    warnings.append(
+                        f"{load.label}: {100 * r.late_fraction:.1f}% of requests left more "
+                        f"than {settings.late_tolerance_ms:g} ms behind schedule (worst "
+                        f"{r.max_late_ms:.1f} ms); achieved {r.sent_rps:.1f}/s of "
+                        f"{r.offered_rps:.1f}/s offered: the generator fell behind its "
+                        "schedule (is the client short of CPU?)"
                     )
+                    err.print(f"[yellow]warning[/]: {warnings[-1]}", highlight=False)
         finally:
             progress.close()
     results = [lv.result for lv in levels]
@@ -355,7 +357,11 @@ async def _bench(
                 notes += _repeat_notes(repeats) if args.repeat > 1 else []
                 notes += [f"failed {line}" for line in failed]
                 notes += [f"the daemon stopped answering: {gone}"] if gone else []
-                write_html(args.html, results, meta, pngs, notes)
+                judged = bool(args.thresholds) or search is not None or bool(gone)
+                passed = not failed and not gone and (search is None or search.passing is not None)
+                verdict = ("PASS" if passed else "FAIL") if judged else None
+                write_html(args.html, results, meta, pngs, notes, verdict=verdict,
+                           warnings=warnings)  # fmt: skip
     if gone:
         return 1
     for line in failed:

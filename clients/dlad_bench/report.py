@@ -145,50 +145,68 @@ def _f(x: float, digits: int = 1) -> str:
     return "-" if not math.isfinite(x) else f"{x:.{digits}f}"
 
 
+def _table(title: str, columns: Sequence[str]) -> Table:
+    table = Table(title=title, header_style="bold", box=None, pad_edge=False, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("load", "devices") else "right")
+    return table
+
+
 def print_table(results: Sequence[LevelResult], console: Console) -> None:
-    """The results as a table: load, rates, shed, client latency percentiles, the daemon's
-    split of the mean (queue / pre / device / post) and the client-side rest, device shares."""
-    table = Table(title="dlad-bench", header_style="bold", box=None, pad_edge=False)
-    # One column per failure status any level saw (% of its requests), beside "shed": a
-    # DEVICE_FAILED or CLIENT_TIMEOUT is not load shedding and must not hide in it.
+    """The results as tables that fit 100 columns: the rates (offered, sent, ok, good, shed,
+    late); the client's latency percentiles with the daemon's split of the mean (queue / pre /
+    device / post) and the client-side rest; where the requests ran (device shares and
+    batches); and, where any failed, a column per failure status any level saw."""
     failures = sorted({k for r in results for k, n in r.status_counts.items() if n and k != "OK"})
     slo = any(math.isfinite(r.slo_ms) for r in results)
-    for col in ("load", "offered/s", "sent/s", "ok/s", "good/s", "shed %",
-                *(f"{k} %" for k in failures), "p50", "p90", "p99", "p99.9", "max", "p99 due",
-                *(["slo/s"] if slo else []), "queue",
-                "pre", "device", "post", "client", "devices", "late %", "stable"):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("load", "devices") else "right")
+    rates = _table("dlad-bench: rates (requests/s)",
+                   ["load", "offered/s", "sent/s", "ok/s", "good/s", *(["slo/s"] if slo else []),
+                    "shed %", "late %", "stable"])  # fmt: skip
+    latency = _table("latency (ms)", ["load", "p50", "p90", "p99", "p99.9", "max", "p99 due",
+                                      "queue", "pre", "device", "post", "client"])  # fmt: skip
+    placed = _table("where they ran", ["load", "devices"])
+    # A DEVICE_FAILED or CLIENT_TIMEOUT is not load shedding and must not hide in "shed".
+    failed = _table("what failed (% of requests)", ["load", *failures])
     for r in results:
-        lat, dm = r.latency_ms, r.daemon_ms
+        lat, dm, load = r.latency_ms, r.daemon_ms, f"{r.mode} {r.level:g}"
+        rates.add_row(load, _f(r.offered_rps), _f(r.sent_rps), _f(r.throughput_rps),
+                      _f(r.goodput_rps), *([_f(r.slo_goodput_rps)] if slo else []),
+                      _f(100 * r.shed_fraction), _f(100 * r.late_fraction),
+                      "yes" if r.stable else "no")  # fmt: skip
+        latency.add_row(load, *(_f(lat[k], 2) for k in ("p50", "p90", "p99", "p99_9", "max")),
+                        _f(r.intended_latency_ms.get("p99", math.nan), 2),
+                        *(_f(dm[k], 2) for k in ("queue", "pre", "device", "post")),
+                        _f(r.client_overhead_ms, 2))  # fmt: skip
         shares = [_f(100 * r.status_counts.get(k, 0) / r.requests if r.requests else math.nan)
                   for k in failures]  # fmt: skip
-        table.add_row(
-            f"{r.mode} {r.level:g}", _f(r.offered_rps), _f(r.sent_rps), _f(r.throughput_rps),
-            _f(r.goodput_rps), _f(100 * r.shed_fraction), *shares, _f(lat["p50"], 2),
-            _f(lat["p90"], 2),
-            _f(lat["p99"], 2), _f(lat["p99_9"], 2), _f(lat["max"], 2),
-            _f(r.intended_latency_ms.get("p99", math.nan), 2),
-            *([_f(r.slo_goodput_rps)] if slo else []), _f(dm["queue"], 2),
-            _f(dm["pre"], 2), _f(dm["device"], 2), _f(dm["post"], 2),
-            _f(r.client_overhead_ms, 2),
-            _devices(r),
-            _f(100 * r.late_fraction), "yes" if r.stable else "no",
-        )  # fmt: skip
-    console.print(table)
+        placed.add_row(load, _devices(r))
+        failed.add_row(load, *shares)
+    for table in (rates, latency, placed, *([failed] if failures else [])):
+        console.print(table)
     console.print(
-        "latencies in ms on the client (OK replies), from the send; p99 due: from when the "
-        "request was due (open loop: what a stalled generator would hide); queue/pre/device/"
-        "post: the daemon's mean split of them; client: the rest (transport, client)"
+        "latencies on the client (OK replies), from the send; p99 due: from when the request "
+        "was due (open loop: what a stalled generator would hide); queue/pre/device/post: the "
+        "daemon's mean split of them; client: the rest (transport, client)"
     )
 
 
 _HTML_COLUMNS: Final = (
-    ("load", None), ("offered/s", "offered_rps"), ("sent/s", "sent_rps"),
-    ("ok/s", "throughput_rps"), ("good/s", "goodput_rps"), ("slo/s", "slo_goodput_rps"),
-    ("shed", "shed_fraction"), ("p50 ms", "latency_p50_ms"), ("p99 ms", "latency_p99_ms"),
-    ("p99 from due, ms", "intended_latency_p99_ms"), ("max ms", "latency_max_ms"),
-    ("devices", "device_share"), ("stable", "stable"),
+    ("load", None, 0), ("offered/s", "offered_rps", 1), ("sent/s", "sent_rps", 1),
+    ("ok/s", "throughput_rps", 1), ("good/s", "goodput_rps", 1), ("slo/s", "slo_goodput_rps", 1),
+    ("shed %", "shed_fraction", -1), ("p50 ms", "latency_p50_ms", 2),
+    ("p99 ms", "latency_p99_ms", 2), ("p99 from due, ms", "intended_latency_p99_ms", 2),
+    ("max ms", "latency_max_ms", 2), ("devices", "device_share", 0), ("stable", "stable", 0),
 )  # fmt: skip
+"""(heading, CSV column, decimals: -1 a fraction shown as a percentage with one)."""
+
+
+def _cell(value: object, digits: int) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or digits == 0:
+        if isinstance(value, str) and "=" in value:  # device shares: "dla0=0.3312 ..."
+            return " ".join(f"{d} {100 * float(s):.0f}%" for d, s in
+                            (part.split("=") for part in value.split()))  # fmt: skip
+        return "yes" if value is True else "no" if value is False else str(value)
+    return f"{100 * value:.1f}" if digits < 0 else f"{value:,.{digits}f}"
 
 
 def write_html(
@@ -197,16 +215,24 @@ def write_html(
     meta: Mapping[str, Any],
     plots: Sequence[Path] = (),
     notes: Sequence[str] = (),
+    *,
+    verdict: str | None = None,
+    warnings: Sequence[str] = (),
 ) -> None:
     """One self-contained HTML report (readable offline: the plots are inline PNGs, nothing is
-    fetched): what was run, one table row per level, ``notes`` (the search's answer, failed
-    thresholds) and the plots. Raises OSError."""
+    fetched), the answer first: ``verdict`` (PASS or FAIL, where thresholds or a search judged
+    the run) and ``notes`` (the search's answer, what failed), then the console's
+    ``warnings``, one row per level (numbers rounded), what was run, and the plots. Raises
+    OSError."""
     esc = html.escape
-    head = "".join(f"<th>{esc(name)}</th>" for name, _ in _HTML_COLUMNS)
+    head = "".join(f"<th>{esc(name)}</th>" for name, _, _ in _HTML_COLUMNS)
     rows = []
     for r in results:
         row = csv_row(r)
-        cells = [f"{r.mode} {r.level:g}"] + [str(row[key]) for _, key in _HTML_COLUMNS[1:] if key]
+        cells = [f"{r.mode} {r.level:g}"] + [
+            _cell("" if row[key] == "" else row[key], digits)
+            for _, key, digits in _HTML_COLUMNS[1:] if key
+        ]  # fmt: skip
         rows.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>")
     about = "".join(
         f"<tr><th>{esc(str(k))}</th><td>{esc(json.dumps(v, default=str))}</td></tr>"
@@ -218,14 +244,24 @@ def write_html(
         "</figure>"
         for p in plots
     )
+    answer = ""
+    if verdict is not None:
+        colour = "#1a7f37" if verdict == "PASS" else "#cf222e"
+        answer = f"<p class='verdict' style='color:{colour}'><b>{esc(verdict)}</b></p>"
     lines = "".join(f"<li>{esc(n)}</li>" for n in notes)
+    warned = "".join(f"<li>{esc(w)}</li>" for w in warnings)
     doc = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>dlad-bench</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}img{max-width:100%}"
+        ".verdict{font-size:1.6em}.warnings{color:#9a6700}"
         "</style></head><body><h1>dlad-bench</h1>"
-        f"<table>{about}</table><h2>Levels</h2><table><tr>{head}</tr>{''.join(rows)}</table>"
-        f"{f'<ul>{lines}</ul>' if lines else ''}<h2>Plots</h2>{images or '<p>none</p>'}"
-        f"<p>schema {SCHEMA}; the same figures as the CSV and JSON outputs.</p></body></html>\n"
+        f"<h2>Answer</h2>{answer}{f'<ul>{lines}</ul>' if lines else ''}"
+        f"{'' if answer or lines else '<p>no threshold or search was asked for</p>'}"
+        f"{f'<h2>Warnings</h2><ul class=warnings>{warned}</ul>' if warned else ''}"
+        f"<h2>Levels</h2><table><tr>{head}</tr>{''.join(rows)}</table>"
+        f"<h2>What was run</h2><table>{about}</table><h2>Plots</h2>{images or '<p>none</p>'}"
+        f"<p>schema {SCHEMA}; the same figures as the CSV and JSON outputs, unrounded.</p>"
+        "</body></html>\n"
     )
     path.write_text(doc, encoding="utf-8")
