@@ -16,7 +16,9 @@ setup(
         Pybind11Extension(
             "dlad._native",
             sorted(glob("dlad/native/*.cpp")),
-            depends=sorted(glob("dlad/native/*.hpp")),
+            depends=sorted(glob("dlad/native/*.hpp") + glob("clients/dlad_wire/native/*.hpp")),
+            # the wire's rules (a name, the pixel formats): dlad-client's headers, shared
+            include_dirs=["clients/dlad_wire/native"],
             cxx_std=17,
             # one rounding on every host: no fused multiply-adds (aarch64), so the scheduler's
             # estimates are the same numbers on a Jetson as on x86_64

@@ -5,8 +5,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site "${WHEELS:-.whl}"/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD:$PWD/clients" PYTHONUNBUFFERED=1 DLAD_CACHE_DIR=/tmp/dlad-cache
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
-# The C++ core (the native data plane and its scheduler), built in place as pip would
-# (dlad/native/); dlad does not serve without it.
-python3 setup.py -q build_ext --inplace -j "$(nproc)" >"$out/native-build.log" 2>&1 \
+# The C++ cores, built in place as pip would: the native data plane and its scheduler
+# (dlad/native/), and the wire's rules (clients/dlad_wire/native/); dlad does not serve without them.
+{ python3 setup.py -q build_ext --inplace -j "$(nproc)" \
+    && (cd clients && python3 setup.py -q build_ext --inplace); } >"$out/native-build.log" 2>&1 \
     || { echo "h200_env: the C++ core did not build (see native-build.log)"; tail -20 "$out/native-build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"

@@ -381,10 +381,10 @@ class SchedulerConfig:
                f"only policy \"static\" pins streams, not {self.policy!r}")  # fmt: skip
         _check(len(self.pins) <= MAX_PINS, "pins",
                f"at most {MAX_PINS} streams, got {len(self.pins)}")  # fmt: skip
-        from dlad import _native  # noqa: PLC0415  # a stream's name: the wire's one rule
+        from dlad_wire import _rules  # noqa: PLC0415  # a stream's name: the wire's one rule
 
         for stream in self.pins:
-            _check(_native.is_name(stream),
+            _check(_rules.is_name(stream),
                    f"pins.{_quote(stream)}",
                    f"a stream name is 1 to {MAX_NAME_CHARS} printable characters")  # fmt: skip
 

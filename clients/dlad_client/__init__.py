@@ -22,7 +22,7 @@ requests in flight::
     async with AsyncFleet(resolve="dlad.dlad.svc.cluster.local:5555") as fleet:
         result = await fleet.detect(image, stream="cam0")
 
-Errors: a non-OK reply raises the class of :mod:`dlad.errors` for its status (the same classes
+Errors: a non-OK reply raises the class of :mod:`dlad_wire.errors` for its status (the same classes
 the daemon uses, re-exported here), so ``except Overloaded`` means what the daemon meant::
 
     Exception
@@ -38,7 +38,13 @@ the daemon uses, re-exported here), so ``except Overloaded`` means what the daem
      └── ValueError, TypeError      a bad image or setting, before anything is sent
 """
 
-from dlad.errors import (
+__version__ = "0.1.0"  # dlad-client's; the daemon of the same release is dlad.__version__
+
+from dlad_client._async import AsyncClient, AsyncHandle
+from dlad_client._client import BatchHandle, Client, Handle
+from dlad_client._core import ClientClosed, ClientTimeout, CurveKeys, Result
+from dlad_client._fleet import AsyncFleet, Fleet, FleetHandle, MemberState
+from dlad_wire.errors import (
     BadRequest,
     Cancelled,
     DeadlineExceeded,
@@ -51,11 +57,7 @@ from dlad.errors import (
     ShuttingDown,
     Status,
 )
-from dlad.protocol import DaemonStatus, PixelFormat, Timing, YuvFormat
-from dlad_client._async import AsyncClient, AsyncHandle
-from dlad_client._client import BatchHandle, Client, Handle
-from dlad_client._core import ClientClosed, ClientTimeout, CurveKeys, Result
-from dlad_client._fleet import AsyncFleet, Fleet, FleetHandle, MemberState
+from dlad_wire.protocol import DaemonStatus, PixelFormat, Timing, YuvFormat
 
 __all__ = [
     "AsyncClient", "AsyncFleet", "AsyncHandle", "BadRequest", "BatchHandle", "Cancelled", "Client",

@@ -21,20 +21,6 @@ import numpy.typing as npt
 import zmq
 import zmq.asyncio
 
-from dlad.errors import Cancelled, DladError, Status
-from dlad.protocol import (
-    CancelReply,
-    CancelRequest,
-    DaemonStatus,
-    InferBatchRequest,
-    InferRequest,
-    Kind,
-    PixelFormat,
-    Request,
-    StatusRequest,
-    YuvFormat,
-    encode,
-)
 from dlad_client._core import (
     DEFAULT_HWM,
     DEFAULT_MAX_IN_FLIGHT,
@@ -63,6 +49,20 @@ from dlad_client._core import (
     _result,
     _shm_plan,
     _timed_out,
+)
+from dlad_wire.errors import Cancelled, DladError, Status
+from dlad_wire.protocol import (
+    CancelReply,
+    CancelRequest,
+    DaemonStatus,
+    InferBatchRequest,
+    InferRequest,
+    Kind,
+    PixelFormat,
+    Request,
+    StatusRequest,
+    YuvFormat,
+    encode,
 )
 
 __all__ = ["AsyncClient", "AsyncHandle"]

@@ -18,20 +18,6 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from dlad.errors import DladError, Status
-from dlad.protocol import (
-    CancelReply,
-    CancelRequest,
-    DaemonStatus,
-    InferBatchRequest,
-    InferRequest,
-    Kind,
-    PixelFormat,
-    Request,
-    StatusRequest,
-    YuvFormat,
-    encode,
-)
 from dlad_client._core import (
     DEFAULT_HWM,
     DEFAULT_MAX_IN_FLIGHT,
@@ -60,6 +46,20 @@ from dlad_client._core import (
     _result,
     _shm_slots,
     _timed_out,
+)
+from dlad_wire.errors import DladError, Status
+from dlad_wire.protocol import (
+    CancelReply,
+    CancelRequest,
+    DaemonStatus,
+    InferBatchRequest,
+    InferRequest,
+    Kind,
+    PixelFormat,
+    Request,
+    StatusRequest,
+    YuvFormat,
+    encode,
 )
 
 __all__ = ["BatchHandle", "Client", "Handle"]

@@ -34,8 +34,9 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from dlad.errors import DladError, InternalError, NotFound, ProtocolError, Status, error_for
-from dlad.protocol import (
+from dlad_client._draw import draw_detections
+from dlad_wire.errors import DladError, InternalError, NotFound, ProtocolError, Status, error_for
+from dlad_wire.protocol import (
     DEFAULT_LIMITS,
     MAX_BATCH_IMAGES,
     SHM_HEADER_BYTES,
@@ -62,7 +63,6 @@ from dlad.protocol import (
     frame_size,
     shm_header,
 )
-from dlad_client._draw import draw_detections
 
 __all__ = ["ClientClosed", "ClientTimeout", "CurveKeys", "Result"]
 

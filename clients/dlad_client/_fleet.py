@@ -50,8 +50,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dlad.errors import DeviceFailed, DladError, Overloaded, ShuttingDown
-from dlad.protocol import DaemonStatus, PixelFormat, YuvFormat, endpoint_error
 from dlad_client._async import AsyncClient
 from dlad_client._core import (
     DEFAULT_TIMEOUT_S,
@@ -61,6 +59,8 @@ from dlad_client._core import (
     Result,
     _check_timeout,
 )
+from dlad_wire.errors import DeviceFailed, DladError, Overloaded, ShuttingDown
+from dlad_wire.protocol import DaemonStatus, PixelFormat, YuvFormat, endpoint_error
 
 __all__ = ["AsyncFleet", "Fleet", "FleetHandle", "MemberState"]
 

@@ -55,7 +55,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Final, Literal, cast
 
 import anyio
 import msgspec
@@ -63,13 +63,17 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dlad.errors import InternalError, NotFound
-from dlad.protocol import DaemonStatus
 from dlad_client._async import AsyncClient
 from dlad_client._core import ClientTimeout, Result, _local
 from dlad_client.cameras import CameraRig, fmt_ms
 from dlad_client.sinks import JsonLinesSink, MqttSink, Sink, WebhookSink
 from dlad_client.sources import CameraFrame, Output, Source, SourceError, open_source
+from dlad_wire.errors import InternalError, NotFound
+from dlad_wire.protocol import DaemonStatus, YuvFormat
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["CameraConfig", "RigConfig", "main"]
 
@@ -293,6 +297,11 @@ def _table(rig: CameraRig) -> Table:
     return table
 
 
+_AV_FORMATS: Final = {"RGB": "rgb24", "BGR": "bgr24", "GRAY": "gray", "NV12": "nv12",
+                      "YUYV": "yuyv422"}  # fmt: skip
+"""The wire's pixel formats as FFmpeg names them."""
+
+
 class _Saver:
     """Each answered frame with its boxes drawn, as ``DIR/CAMERA/FRAME.jpg``."""
 
@@ -300,17 +309,17 @@ class _Saver:
         self.root = Path(root)
 
     def __call__(self, event: dict[str, Any], result: Result, frame: CameraFrame) -> None:
+        import av  # noqa: PLC0415  # the cameras extra: FFmpeg converts the frame to draw on
         from PIL import Image  # noqa: PLC0415
 
-        from dlad.imaging.pre import to_rgb  # noqa: PLC0415
-        from dlad.protocol import YuvFormat, colour_code  # noqa: PLC0415
-
         fmt = frame.pixel_format
-        pixels = frame.array()
-        if isinstance(fmt, YuvFormat):
-            rgb = to_rgb(pixels, fmt.layout, colour_code(fmt.colorspace, fmt.color_range))
-        else:
-            rgb = to_rgb(pixels, fmt)
+        layout = fmt.layout if isinstance(fmt, YuvFormat) else fmt
+        picture = av.VideoFrame.from_ndarray(frame.array(), format=_AV_FORMATS[layout])
+        if isinstance(fmt, YuvFormat):  # the frame's own colour, as the daemon reads it
+            space = "ITU709" if fmt.colorspace == "bt709" else "ITU601"
+            full = "JPEG" if fmt.color_range == "full" else "MPEG"
+            picture = picture.reformat(format="rgb24", src_colorspace=space, src_color_range=full)
+        rgb = cast("npt.NDArray[np.uint8]", picture.to_ndarray(format="rgb24"))
         out = self.root / frame.source.replace("/", "_")
         out.mkdir(parents=True, exist_ok=True)
         Image.fromarray(result.draw(rgb)).save(out / f"{frame.index:06d}.jpg", quality=90)

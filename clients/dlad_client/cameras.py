@@ -31,11 +31,11 @@ import anyio.abc
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dlad.errors import Cancelled, DeadlineExceeded, DladError, InternalError, Overloaded
 from dlad_client._async import AsyncClient
 from dlad_client._core import ClientTimeout, Result
 from dlad_client.sinks import JsonLinesSink, Sink
 from dlad_client.sources import CameraFrame, Source, SourceError
+from dlad_wire.errors import Cancelled, DeadlineExceeded, DladError, InternalError, Overloaded
 
 __all__ = ["CameraRig", "CameraStats", "JsonLinesSink", "Sink"]
 

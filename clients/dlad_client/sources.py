@@ -40,7 +40,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-from dlad.protocol import PixelFormat, YuvFormat, frame_shape
+from dlad_wire.protocol import PixelFormat, YuvFormat, frame_shape
 
 __all__ = [
     "IMAGE_SUFFIXES",

@@ -1,6 +1,6 @@
-// The per-frame rules every path shares, written once: a frame's pixel formats and their bytes,
-// the YUV -> RGB coefficients, the letterbox geometry a frame is drawn on and the decode's logit
-// cut. The GPU chain uses them here; Python reads them through
+// The per-frame rules every path shares, written once: a frame's pixel formats and their bytes
+// (frames.hpp, the wire's, which the SDK shares), the YUV -> RGB coefficients, the letterbox
+// geometry a frame is drawn on and the decode's logit cut. The GPU chain uses them here; Python reads them through
 // dlad._native (dlad.imaging.pre.letterbox_geometry, dlad.imaging.post.logit_cut), so the CPU
 // reference, the Python engines and the C++ plane compute the same numbers.
 #pragma once
@@ -12,36 +12,9 @@
 #include <limits>
 #include <string_view>
 
+#include "frames.hpp"  // the wire's pixel formats (clients/dlad_wire/native)
+
 namespace dlad::rules {
-
-// A frame's pixel formats (protocol.PIXEL_FORMATS, in this order): packed RGB, BGR and GRAY;
-// NV12 (a W x H luma plane, then W/2 x H/2 interleaved U,V pairs: W and H even) and YUYV
-// (4:2:2, Y0 U Y1 V per two pixels: W even), rows tightly packed.
-enum PixelFormat : int { kRgb = 0, kBgr = 1, kGray = 2, kNv12 = 3, kYuyv = 4 };
-constexpr std::array<std::string_view, 5> kPixelFormats = {"RGB", "BGR", "GRAY", "NV12", "YUYV"};
-
-inline bool is_yuv(int format) { return format == kNv12 || format == kYuyv; }
-
-// The bytes of a width x height frame in `format`.
-inline uint64_t frame_bytes(int format, int64_t height, int64_t width) {
-    const auto px = static_cast<uint64_t>(height) * static_cast<uint64_t>(width);
-    switch (format) {
-        case kGray: return px;
-        case kNv12: return px + px / 2;
-        case kYuyv: return 2 * px;
-        default: return 3 * px;
-    }
-}
-
-// The bytes between two rows of a frame (a NV12 frame's luma rows; its chroma rows are as long).
-inline int64_t row_bytes(int format, int64_t width) {
-    switch (format) {
-        case kGray:
-        case kNv12: return width;
-        case kYuyv: return 2 * width;
-        default: return 3 * width;
-    }
-}
 
 // A YUV frame's colour: its matrix (BT.601 or BT.709) and range (limited: Y 16..235 and
 // chroma 16..240; full: 0..255), as protocol.Colour codes it: bit 0 BT.709, bit 1 full range.

@@ -348,20 +348,6 @@ PYBIND11_MODULE(_native, m) {
     m.def("decode_request", &decode_request, py::arg("header"), py::arg("payloads"),
           py::arg("limits"), py::arg("shm"),
           "The daemon's request decoder (dlad/native/wire.hpp), for protocol.decode_request.");
-    m.def(
-        "is_name",
-        [](const py::str& name) {
-            Py_ssize_t n = 0;
-            const char* utf8 = PyUnicode_AsUTF8AndSize(name.ptr(), &n);
-            if (utf8 == nullptr) {  // a lone surrogate: not UTF-8, not a name
-                PyErr_Clear();
-                return false;
-            }
-            return dlad::wire::is_name(std::string_view(utf8, static_cast<size_t>(n)));
-        },
-        py::arg("name"), "Whether a str is a name: 1 to 128 printable characters (wire.hpp).");
-    m.def("printable", [](uint32_t c) { return dlad::wire::printable(static_cast<char32_t>(c)); },
-          py::arg("code_point"), "Whether a name may hold this character.");
     m.def("write_infer_reply", &write_infer_reply, py::arg("id"), py::arg("status"),
           py::arg("message"), py::arg("device"), py::arg("timing"), py::arg("count"));
     m.def("shm_guard_install", &dlad::shm_guard::install,

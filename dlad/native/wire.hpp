@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "frame_rules.hpp"
+#include "names.hpp"  // the wire's rule of a name (clients/dlad_wire/native)
 
 namespace dlad::wire {
 
@@ -36,7 +37,7 @@ constexpr int64_t kInferReply = 0x81;     // protocol.Kind.INFER_REPLY
 constexpr int64_t kPriorityMax = 7;       // protocol.PRIORITY_MAX
 constexpr int64_t kMaxDeadlineMs = 3'600'000;
 constexpr int64_t kMaxDet = 1000;
-constexpr size_t kMaxNameChars = 128;
+constexpr size_t kMaxNameChars = names::kMaxNameChars;  // protocol.MAX_NAME_CHARS
 constexpr size_t kMaxBatchImages = 16;     // protocol.MAX_BATCH_IMAGES
 constexpr int kMaxRequestDepth = 4;        // protocol.MAX_REQUEST_DEPTH
 constexpr uint64_t kMaxShmBytes = uint64_t{1} << 40;  // protocol.MAX_SHM_BYTES
@@ -132,13 +133,10 @@ std::string write_refusal_reply(const Refusal& refusal, int64_t status, std::str
 // Python's repr() of a str (valid UTF-8), for words that name a value as the control plane does.
 std::string py_repr(std::string_view utf8);
 
-// Whether ``utf8`` (valid UTF-8) is a name (model, stream, device): 1 to 128 characters, each
-// printable. The SDK checks its names with this too (protocol._name).
-bool is_name(std::string_view utf8);
-
-// Whether a name's character is printable (protocol: model, stream and device names): not a
-// control, format, separator other than the space, surrogate or private-use character.
-bool printable(char32_t c);
+// Whether ``utf8`` (valid UTF-8) is a name (model, stream, device), and whether a name's
+// character is printable: the wire's rule (names.hpp), which the SDK checks its names with too.
+using names::is_name;
+using names::printable;
 
 // The field names the decoder takes, for the test that holds them to dlad/protocol.py's one
 // declaration: each request kind's required and optional fields; the image map's (an

@@ -35,6 +35,7 @@ from dlad.protocol import (
     ShmRef,
     Timing,
 )
+from dlad_wire import protocol as wire
 from tests.dlad.test_protocol import (
     _SMALL,
     _resolve,
@@ -49,7 +50,7 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-_FIELDS = (*protocol._INFER_SCALARS, "format", "shm", "colour")
+_FIELDS = (*wire._INFER_SCALARS, "format", "shm", "colour")
 
 
 def decode(frames: list[Any], limits: Limits = protocol.DEFAULT_LIMITS) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def test_the_decoders_constants_are_the_protocols() -> None:
     field names it takes must be the protocol's."""
     from dlad import _native
 
-    shm_name_chars = int(protocol._SHM_NAME.pattern.rsplit(",", 1)[1].rstrip("}")) + 1
+    shm_name_chars = int(wire._SHM_NAME.pattern.rsplit(",", 1)[1].rstrip("}")) + 1
     requests = (protocol.Kind.INFER, protocol.Kind.CANCEL, protocol.Kind.STATUS,
                 protocol.Kind.INFER_BATCH)  # fmt: skip
     assert _native.wire_constants() == {
@@ -102,7 +103,7 @@ def test_the_decoders_constants_are_the_protocols() -> None:
         "max_batch_images": protocol.MAX_BATCH_IMAGES,
         "max_request_depth": protocol.MAX_REQUEST_DEPTH,
         "limits": protocol._native_limits(protocol.DEFAULT_LIMITS),
-        "header": {int(k): tuple(map(list, protocol._HEADER_FIELDS[k])) for k in requests},
+        "header": {int(k): tuple(map(list, wire._HEADER_FIELDS[k])) for k in requests},
         "image": list(protocol.IMAGE_FIELDS),
         "image_optional": list(protocol.IMAGE_OPTIONAL_FIELDS),
         "shm": list(protocol.SHM_FIELDS),
@@ -112,11 +113,11 @@ def test_the_decoders_constants_are_the_protocols() -> None:
 def test_a_name_is_printable_as_python_says_of_every_assigned_character() -> None:
     """Names (model, stream) hold printable characters: the decoder's table is Python's
     str.isprintable on every character this Python's Unicode database assigns."""
-    from dlad import _native
+    from dlad_wire import _rules
 
     wrong = [
         hex(c) for c in range(sys.maxunicode + 1)
-        if unicodedata.category(chr(c)) != "Cn" and _native.printable(c) != chr(c).isprintable()
+        if unicodedata.category(chr(c)) != "Cn" and _rules.printable(c) != chr(c).isprintable()
     ]  # fmt: skip
     assert wrong == []
 
@@ -125,7 +126,7 @@ def test_a_name_is_printable_as_python_says_of_every_assigned_character() -> Non
 def test_the_sdk_and_the_decoder_share_the_one_rule_of_a_name(name: str) -> None:
     """A name the decoder takes, the SDK builds, and the other way round (an unassigned
     character such as U+0B4E included: Python's isprintable refuses it, the rule takes it)."""
-    from dlad import _native
+    from dlad_wire import _rules
 
     try:
         request = InferRequest(id=1, model=name, image=np.zeros((3, 4, 3), np.uint8))
@@ -134,7 +135,7 @@ def test_the_sdk_and_the_decoder_share_the_one_rule_of_a_name(name: str) -> None
     else:
         built = True
         assert decode(protocol.encode(request))["model"] == name
-    assert built == _native.is_name(name)
+    assert built == _rules.is_name(name)
     if "\ud800" not in name:  # a lone surrogate cannot be sent at all
         head = msgpack.unpackb(
             protocol.encode(InferRequest(1, "m", np.zeros((3, 4, 3), np.uint8)))[0]
@@ -147,7 +148,7 @@ def _keeps_the_promises(request: protocol.Request) -> None:
     images = request.images if isinstance(request, InferBatchRequest) else (request,)
     for item in images:
         assert isinstance(item, InferRequest)
-        InferRequest(**{f: getattr(item, f) for f in protocol._REQUEST_FIELDS})  # checks all
+        InferRequest(**{f: getattr(item, f) for f in wire._REQUEST_FIELDS})  # checks all
     again = protocol.decode_request(protocol.encode(request), _SMALL, _resolve)
     assert type(again) is type(request)
     assert again.id == request.id
@@ -433,7 +434,7 @@ def test_random_bytes_are_refused_naming_a_field(head: bytes, frames: int, paylo
     True, -(2**63), -1, "\U0001f600",
 ])  # fmt: skip
 def test_a_refusal_shows_the_value_as_python_would(value: Any) -> None:
-    """The value in a refusal's words is Python's repr of it, cut as protocol._show cuts (the
+    """The value in a refusal's words is Python's repr of it, cut as wire._show cuts (the
     SDK's own words for the same value)."""
     request = InferRequest(id=1, model="m", image=np.zeros((3, 4, 3), np.uint8))
     header = msgpack.unpackb(protocol.encode(request)[0])
@@ -441,7 +442,7 @@ def test_a_refusal_shows_the_value_as_python_would(value: Any) -> None:
     with pytest.raises(ProtocolError) as info:
         decode([msgpack.packb(header, use_bin_type=True), bytes(36)])
     bound = f"[0, {2**64 - 1}]"
-    assert info.value.message == f"id: must be an int in {bound}, got {protocol._show(value)}"
+    assert info.value.message == f"id: must be an int in {bound}, got {wire._show(value)}"
 
 
 @pytest.mark.parametrize(("value", "shown"), [
@@ -477,7 +478,7 @@ def test_an_ok_reply_is_the_one_the_sdk_reads(
     """The plane's INFER_REPLY writer (the daemon's only one), read by the SDK."""
     from dlad import _native
 
-    fields = {name: getattr(timing, name) for name in protocol._TIMING_FIELDS}
+    fields = {name: getattr(timing, name) for name in wire._TIMING_FIELDS}
     got = _native.write_infer_reply(rid, 0, "", device, tuple(fields.values()), count)
     reply = protocol.decode_reply([got, np.zeros((count, 6), np.float32).tobytes()])
     assert isinstance(reply, InferReply)
@@ -493,7 +494,7 @@ def test_an_infer_reply_with_its_words_is_the_one_the_sdk_reads(
 ) -> None:
     from dlad import _native
 
-    fields = tuple(getattr(timing, name) for name in protocol._TIMING_FIELDS)
+    fields = tuple(getattr(timing, name) for name in wire._TIMING_FIELDS)
     got = _native.write_infer_reply(rid, int(status), message, device, fields, 0)
     reply = protocol.decode_reply([got, b""])
     assert isinstance(reply, InferReply)

@@ -33,6 +33,7 @@ def test_the_sdist_holds_the_build_and_the_docs(tmp_path: Path) -> None:
     for needed in [
         "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
         "dlad/native/plane.hpp", "dlad/native/plane.cpp", "dlad/native/frame_rules.hpp",
+        "clients/dlad_wire/native/names.hpp", "clients/dlad_wire/native/frames.hpp",
         "dlad/etc/dlad.toml", "etc/dlad.toml", "dlad/kserve/open_inference.proto",
         "deploy/systemd/dlad.service", "deploy/docker/Dockerfile.jetson",
         "examples/detect.py", "docs/protocol.md", "docs/jetson.md",

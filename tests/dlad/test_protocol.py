@@ -43,6 +43,7 @@ from dlad.protocol import (
     encode,
     encode_error_reply,
 )
+from dlad_wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -832,7 +833,7 @@ def test_moving_a_checked_request_into_shared_memory_keeps_everything_else() -> 
     (1, 0), ([], 1), ({"a": 1, "b": [2, {"c": []}]}, 4), ([[1], 2, [[3]]], 3),
 ])  # fmt: skip
 def test_nesting_counts_containers_only(value: object, depth: int) -> None:
-    assert protocol._nesting(value, 10) == depth
+    assert wire._nesting(value, 10) == depth
 
 
 # -------------------------------------------------- generated INFER messages, good and broken
