@@ -23,7 +23,14 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     pulp==3.3.2 pydantic pydantic-core annotated-types typing-inspection py-spy==0.4.3 \
     pybind11==3.1.0 msgspec==0.23.0 ultralytics==8.4.190 ultralytics-thop==2.2.3 av==18.1.0 psutil==7.2.2
 python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d .whl mlcommons-loadgen==6.0.17
+# LoadGen's few (bench/h200_mlperf.sh carries .whl-mlperf/ alone)
+mkdir -p .whl-mlperf
+for name in pyzmq structlog uvloop msgspec pybind11 psutil faster_coco_eval mlcommons_loadgen; do
+    cp .whl/"$name"-*.whl .whl-mlperf/
+done
 # The camera benchmark's few (bench/h200_cameras.sh carries .whl-cam/ alone)
 mkdir -p .whl-cam
 for name in pyzmq structlog uvloop msgspec pybind11 av psutil; do cp .whl/"$name"-*.whl .whl-cam/; done
-ls -la .whl .whl-cam
+ls -la .whl .whl-cam .whl-mlperf
