@@ -484,3 +484,47 @@ def test_each_status_has_its_code_on_both_ports(
             await http.close()
 
     anyio.run(main)
+
+
+# ---------------------------------------------------------------------------- TLS
+def test_tls_on_both_ports(tmp_path: Path) -> None:
+    """HTTPS and gRPC over TLS with [kserve] tls_cert_file and tls_key_file: a client that
+    trusts the certificate infers, a plaintext one gets nowhere."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem"),
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    cfg = tmp_path / "dlad.toml"
+    cfg.write_text(NUMERIC_DEMO + '\n[kserve]\nenabled = true\ntls_cert_file = "cert.pem"\n'
+                   'tls_key_file = "key.pem"\n')  # fmt: skip
+    daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"],
+                    kserve_ports={"http": 0, "grpc": 0})  # fmt: skip
+    cert = tmp_path / "cert.pem"
+    image = rgb(IMAGES[1])
+    with serve_in_thread(daemon):
+        assert daemon.kserve is not None
+        assert daemon.kserve.http is not None
+        assert daemon.kserve.grpc is not None
+        http_port, grpc_port = daemon.kserve.http.port, daemon.kserve.grpc.port
+        trusted = ssl.create_default_context(cafile=str(cert))
+        reply = httpx.get(f"https://127.0.0.1:{http_port}/v2/health/ready", verify=trusted)
+        assert reply.status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10)
+        with pytest.raises(httpx.HTTPError):  # a certificate it does not trust
+            httpx.get(f"https://127.0.0.1:{http_port}/v2/health/ready", timeout=10)
+        client = grpcclient.InferenceServerClient(f"localhost:{grpc_port}", ssl=True,
+                                                  root_certificates=str(cert))  # fmt: skip
+        found = client.infer("demo", [grpc_input(image)]).as_numpy("DETECTIONS")
+        np.testing.assert_array_equal(found, zmq_detections(daemon.bound[0], image))
+        plain = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live()
