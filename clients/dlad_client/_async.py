@@ -111,7 +111,7 @@ class AsyncHandle:
 
         Raises:
             DladError: the daemon answered with a non-OK status (its class in
-                :mod:`dlad.errors`).
+                :mod:`dlad_wire.errors`).
             ClientTimeout: the request's deadline passed (it is abandoned and a CANCEL sent).
             ClientClosed: the client was closed before the reply came.
         """
@@ -275,7 +275,7 @@ class AsyncClient:
                 not fit ``pixel_format``; nothing is sent.
             BadRequest: another field is out of range (before sending), or the daemon refused.
             NotFound, Overloaded, DeadlineExceeded, Cancelled, ShuttingDown, DeviceFailed,
-                InternalError: the daemon's answer (see :mod:`dlad.errors`).
+                InternalError: the daemon's answer (see :mod:`dlad_wire.errors`).
             ClientTimeout: no reply within the timeout (a CANCEL was sent).
             ClientClosed, RuntimeError: the client is closed, or not entered.
         """
@@ -355,7 +355,7 @@ class AsyncClient:
         """Ask the daemon to drop a queued INFER, and wait for its answer.
 
         Returns True if the daemon removed it (its handle then raises
-        :class:`~dlad.errors.Cancelled`), False if it was too late or the handle is already
+        :class:`~dlad_wire.errors.Cancelled`), False if it was too late or the handle is already
         done. With several endpoints the CANCEL may reach another daemon, which says "too late".
 
         Raises:

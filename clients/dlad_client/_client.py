@@ -119,7 +119,7 @@ class Handle(_Pending):
 
         Raises:
             DladError: the daemon answered with a non-OK status: its class in
-                :mod:`dlad.errors` (``Overloaded``, ``NotFound``, ...).
+                :mod:`dlad_wire.errors` (``Overloaded``, ``NotFound``, ...).
             ClientTimeout: the request's deadline passed (it is abandoned and a CANCEL sent),
                 or ``timeout`` passed first (the request stays in flight: call again).
             ClientClosed: the client was closed before the reply came.
@@ -337,7 +337,7 @@ class Client:
             BadRequest: another field is out of range (raised before sending, as the daemon's
                 own ``ProtocolError``), or the daemon refused the request.
             NotFound, Overloaded, DeadlineExceeded, Cancelled, ShuttingDown, DeviceFailed,
-                InternalError: the daemon's answer (see :mod:`dlad.errors`).
+                InternalError: the daemon's answer (see :mod:`dlad_wire.errors`).
             ClientTimeout: no reply within the timeout (a CANCEL was sent).
             ClientClosed, RuntimeError: the client is closed, or used from another thread.
         """
@@ -457,7 +457,7 @@ class Client:
         """Ask the daemon to drop a queued INFER, and wait for its answer.
 
         Returns True if the daemon removed it (its handle then raises
-        :class:`~dlad.errors.Cancelled`), False if it was too late (already running or
+        :class:`~dlad_wire.errors.Cancelled`), False if it was too late (already running or
         answered: the handle gets its normal outcome) or the handle is already done. With
         several endpoints, the CANCEL may reach another daemon than the INFER did, which
         answers "too late".

@@ -2,7 +2,7 @@
 share: their errors and :class:`Result`, settings and input checks, and the table of calls in
 flight that matches replies to requests.
 
-Both clients speak wire protocol v1 through :mod:`dlad.protocol` (they never build a header by
+Both clients speak wire protocol v1 through :mod:`dlad_wire.protocol` (they never build a header by
 hand) over one ZeroMQ ``DEALER`` socket connected to every endpoint they are given. Each request
 gets the next id of a per-client counter (unique and increasing), and replies, which may arrive
 in any order, are matched to requests by ``(reply kind, id)`` in a :class:`_Calls` table. Every
