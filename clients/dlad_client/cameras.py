@@ -6,9 +6,12 @@ into a shared-memory slot (a daemon on this host) or a buffer of its own, and se
 camera's name as its ``stream``. A camera never queues frames behind a slow daemon: a frame
 still in the mailbox when a newer one is decoded is dropped at the source, and a queued frame
 the daemon supersedes with a newer one of its stream comes back ``CANCELLED``; both are
-counted. A live source that drops (an RTSP stream, a camera unplugged) is opened again after a
-backoff (0.5 s, doubling to 10 s). With ``rig=True`` the cameras are one rig: the newest frame
-of each goes in one INFER_BATCH.
+counted. A lossless source (a file not played in real time) is the exception: its decoder waits
+for the sender, its frames go without a ``stream`` (none supersedes another), and one refused
+OVERLOADED is sent again once there is room: every frame is answered. A live source that drops
+(an RTSP stream, a camera unplugged) is opened again after a backoff (0.5 s, doubling to
+10 s). With ``rig=True`` the cameras are one rig: the newest frame of each goes in one
+INFER_BATCH.
 
 Each result goes to every sink as an event (:meth:`CameraRig.event`): the camera, the frame's
 index and presentation time, camera-to-result latency, and :meth:`Result.to_dict`. A sink's
@@ -43,6 +46,10 @@ BACKOFF_S: Final = (0.5, 10.0)
 SINK_QUEUE: Final = 256
 WRITERS: Final = 8  # threads writing frames into their buffers at once
 _LATENCIES: Final = 4096  # the latest latencies kept for a camera's percentiles
+
+
+LOSSLESS_RETRY_S: Final = (0.005, 0.2)
+"""A lossless source's frame refused OVERLOADED is sent again after 5 ms, doubling to 0.2 s."""
 
 
 @dataclass(slots=True)
@@ -150,6 +157,7 @@ class CameraRig:
         self.stats = {s.name: CameraStats(s.name) for s in sources}
         self._news = anyio.Event()
         self._boxes = {s.name: _Mailbox(self.stats[s.name], self._told) for s in sources}
+        self._lossless = {s.name: s.lossless for s in sources}
         self._sinks = list(sinks)
         self.sink_dropped = {s.name: 0 for s in sinks}
         self.sink_errors: dict[str, str] = {}
@@ -269,6 +277,11 @@ class CameraRig:
             self._unsent(out)
             raise
 
+    def _stream(self, frame: CameraFrame) -> str | None:
+        """The frame's stream: its camera's, so that a newer frame supersedes it in the
+        daemon's queue; none for a lossless source's, each of which is to be answered."""
+        return None if self._lossless[frame.source] else frame.source
+
     def _unsent(self, image: np.ndarray) -> None:
         """A frame written into a slot but not sent: the slot is free again."""
         if self.client.shm is not None:
@@ -314,7 +327,7 @@ class CameraRig:
             try:
                 outcomes: Sequence[Result | DladError] = await self.client.detect_batch(
                     images, model=self.model, pixel_format=frames[0].pixel_format,
-                    streams=[f.source for f in frames], conf=self.conf,
+                    streams=[self._stream(f) for f in frames], conf=self.conf,
                     deadline_ms=self.deadline_ms,
                 )  # fmt: skip
             except (DladError, ClientTimeout) as exc:
@@ -322,25 +335,41 @@ class CameraRig:
                     self._unsent(image)
                     self._failed(self.stats[frame.source], exc)
                 return
-            for frame, outcome in zip(frames, outcomes, strict=True):
+            for frame, image, outcome in zip(frames, images, outcomes, strict=True):
                 if isinstance(outcome, Result):
                     self._answered(frame, outcome)
+                elif isinstance(outcome, Overloaded) and self._lossless[frame.source]:
+                    await self._send_image(frame, image)  # again, alone, once there is room
                 else:
                     self._failed(self.stats[frame.source], outcome)
         finally:
             free.release()
 
     async def _send_image(self, frame: CameraFrame, image: np.ndarray) -> None:
-        try:
-            result = await self.client.detect(
-                image, model=self.model, pixel_format=frame.pixel_format, stream=frame.source,
-                conf=self.conf, deadline_ms=self.deadline_ms,
-            )  # fmt: skip
-        except (DladError, ClientTimeout) as exc:
-            self._unsent(image)
-            self._failed(self.stats[frame.source], exc)
+        """Send one frame and take its answer. A lossless source's frame that finds the daemon
+        full (OVERLOADED) is sent again once it has room (backing off 5 ms, doubling to
+        0.2 s): every frame of such a source is answered."""
+        delay = LOSSLESS_RETRY_S[0]
+        while True:
+            try:
+                result = await self.client.detect(
+                    image, model=self.model, pixel_format=frame.pixel_format,
+                    stream=self._stream(frame), conf=self.conf, deadline_ms=self.deadline_ms,
+                )  # fmt: skip
+            except Overloaded as exc:
+                if self._lossless[frame.source] and not self._stopping.is_set():
+                    await anyio.sleep(delay)
+                    delay = min(2 * delay, LOSSLESS_RETRY_S[1])
+                    continue
+                self._unsent(image)
+                self._failed(self.stats[frame.source], exc)
+                return
+            except (DladError, ClientTimeout) as exc:
+                self._unsent(image)
+                self._failed(self.stats[frame.source], exc)
+                return
+            self._answered(frame, result)
             return
-        self._answered(frame, result)
 
     # ------------------------------------------------------------------ results
     def _failed(self, stats: CameraStats, exc: Exception) -> None:
