@@ -325,9 +325,10 @@ path = "{events}"
 """)
     assert main(["--config", str(cfg), "--quiet"]) == 0
     got = _events(events.read_text())
-    assert {e["camera"] for e in got} == {"front", "back"}
-    by_camera = {c: [e["frame"] for e in got if e["camera"] == c] for c in ("front", "back")}
-    assert all(frames == sorted(frames) and frames for frames in by_camera.values())
+    # lossless files: every frame of each camera answered once (in the order answered, which
+    # two frames on the core's two task slots at once may swap)
+    by_camera = {c: sorted(e["frame"] for e in got if e["camera"] == c) for c in ("front", "back")}
+    assert by_camera == {"front": list(range(12)), "back": list(range(12))}, got
 
 
 def test_an_unknown_field_in_the_config_is_named(
