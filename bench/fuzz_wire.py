@@ -53,7 +53,8 @@ def build(into: Path) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or clang++)")
     sources = [str(ROOT / "dlad/native/wire.cpp"), str(ROOT / "tests/dlad/wire_fuzz.cpp")]
-    done = subprocess.run([cxx, *FLAGS, *sources, "-o", str(exe)], capture_output=True,
+    wire = f"-I{ROOT / 'clients/dlad_wire/native'}"  # the wire's rules, dlad-client's headers
+    done = subprocess.run([cxx, *FLAGS, wire, *sources, "-o", str(exe)], capture_output=True,
                           text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the driver did not build:\n{done.stderr[-2000:]}")

@@ -6,7 +6,6 @@ import inspect
 
 import pytest
 
-from dlad import errors
 from dlad.errors import (
     STATUS_CLASSES,
     BadRequest,
@@ -20,6 +19,7 @@ from dlad.errors import (
     Status,
     error_for,
 )
+from dlad_wire import errors
 
 pytestmark = pytest.mark.timeout(30)
 
