@@ -8,5 +8,6 @@ set -uo pipefail
 WHEELS=.whl-mlperf source bench/h200_env.sh
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$out/gpu.txt"
 timeout 560 python3 bench/mlperf.py --engines gpu --samples 300 --duration-s "${SECONDS_A_RUN:-60}" \
-    --server-qps "${SERVER_QPS:-400}" --server-latency-ms 50 --offline-qps "${OFFLINE_QPS:-800}" \
+    --server-qps "${SERVER_QPS:-800}" --server-latency-ms 50 --offline-qps "${OFFLINE_QPS:-4000}" \
+    --single-stream-ms "${SS_MS:-2}" --multi-stream-ms "${MS_MS:-7}" \
     --accuracy --out "$out/mlperf" --json "$out/mlperf.json" 2>&1 | grep -v '^\$' | tail -20

@@ -169,9 +169,11 @@ def settings_for(scenario: str, args: argparse.Namespace, accuracy: bool) -> Any
     s.min_duration_ms = int(args.duration_s * 1000)
     s.min_query_count = 64
     s.performance_sample_count_override = args.samples
-    s.single_stream_expected_latency_ns = 10_000_000
+    # what LoadGen plans a run's queries by: far above the real latency, a run ends before
+    # its min_duration (INVALID)
+    s.single_stream_expected_latency_ns = int(args.single_stream_ms * 1e6)
     s.multi_stream_samples_per_query = BATCH
-    s.multi_stream_expected_latency_ns = 50_000_000
+    s.multi_stream_expected_latency_ns = int(args.multi_stream_ms * 1e6)
     s.server_target_qps = args.server_qps
     s.server_target_latency_ns = int(args.server_latency_ms * 1e6)
     s.offline_expected_qps = args.offline_qps
@@ -246,7 +248,21 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=10.0)
     p.add_argument("--server-qps", type=float, default=100.0)
     p.add_argument("--server-latency-ms", type=float, default=50.0)
-    p.add_argument("--offline-qps", type=float, default=200.0)
+    p.add_argument(
+        "--offline-qps",
+        type=float,
+        default=200.0,
+        help="the samples/s expected (LoadGen issues min_duration's worth)",
+    )
+    p.add_argument(
+        "--single-stream-ms",
+        type=float,
+        default=10.0,
+        help="SingleStream's expected latency (LoadGen plans the run by it)",
+    )
+    p.add_argument(
+        "--multi-stream-ms", type=float, default=50.0, help="MultiStream's expected latency a query"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/mlperf"))
     p.add_argument("--json", type=Path)
     args = p.parse_args()
