@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+import dlad
 from dlad.auth import BearerTokens
 from dlad.errors import StartupError
 
@@ -58,9 +59,9 @@ class KServePorts:
                 lo = placements[0].loadable
                 models[m.name] = ModelInfo(m.name, lo.family, tuple(lo.class_names))
         self.gateway = Gateway(
-            name=config.daemon.name, version=_version(), models=models, limits=frontend.limits,
-            infer=frontend.infer_local, ready=ready, model_ready=model_ready,
-            decode_threads=k.decode_threads,
+            name=config.daemon.name, version=dlad.__version__, models=models,
+            limits=frontend.limits, infer=frontend.infer_local, ready=ready,
+            model_ready=model_ready, decode_threads=k.decode_threads,
         )  # fmt: skip
         self.tokens = None if k.tokens_file is None else BearerTokens(plan.base_dir / k.tokens_file)
         cert = None if k.tls_cert_file is None else plan.base_dir / k.tls_cert_file
@@ -114,12 +115,6 @@ class KServePorts:
             self.tokens.reload()
         except StartupError as exc:
             log.warning("kserve_tokens_unreadable", reason=exc.message)
-
-
-def _version() -> str:
-    import dlad  # noqa: PLC0415  # the package's own version, not a cycle at import
-
-    return dlad.__version__
 
 
 def _load(read: Callable[[], Any], key: str) -> Any:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
+import socket
+import ssl
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +27,7 @@ import tomllib
 from dlad import protocol
 from dlad.config import ConfigError, load_config, parse_config
 from dlad.daemon import Daemon
-from dlad.errors import Status
+from dlad.errors import StartupError, Status
 from dlad.models import DEMO
 
 from .serving import NUMERIC_DEMO, serve_in_thread
@@ -402,10 +406,6 @@ def _parse(text: str) -> Any:
 
 
 def test_a_taken_port_is_one_startup_error(tmp_path: Path) -> None:
-    import socket
-
-    from dlad.errors import StartupError
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -414,8 +414,6 @@ def test_a_taken_port_is_one_startup_error(tmp_path: Path) -> None:
         cfg.write_text(NUMERIC_DEMO + f'\n[kserve]\nenabled = true\nhttp = "127.0.0.1:{port}"\n')
         daemon = Daemon(load_config(cfg).plan(), endpoints=["tcp://127.0.0.1:0"],
                         kserve_ports={"grpc": 0})  # fmt: skip
-        import anyio
-
         with pytest.raises(StartupError, match=f"cannot serve KServe http on 127.0.0.1:{port}"):
             anyio.run(daemon.serve)
 
@@ -490,10 +488,6 @@ def test_each_status_has_its_code_on_both_ports(
 def test_tls_on_both_ports(tmp_path: Path) -> None:
     """HTTPS and gRPC over TLS with [kserve] tls_cert_file and tls_key_file: a client that
     trusts the certificate infers, a plaintext one gets nowhere."""
-    import shutil
-    import ssl
-    import subprocess
-
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
     subprocess.run(
